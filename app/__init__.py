@@ -1,0 +1,3 @@
+"""kp-scoring: the KnowledgePulse trace scoring service."""
+
+__version__ = "0.1.0"

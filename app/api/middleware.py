@@ -1,0 +1,152 @@
+"""One ASGI middleware in front of every route: request id, body limits, metrics, access log.
+
+Pure ASGI (no BaseHTTPMiddleware) because it sits on the hot path of every request.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+import uuid
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+import orjson
+
+from app.core.metrics import Metrics
+from app.core.request_context import request_id_var
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+log = logging.getLogger("app.access")
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+_JSON_TYPE = re.compile(r"^application/([a-z0-9.+-]*\+)?json\s*(;.*)?$", re.IGNORECASE)
+
+
+class RequestGuard:
+    def __init__(self, app: ASGIApp, *, metrics: Metrics, max_body_bytes: int) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        given_id = headers.get("x-request-id", "")
+        request_id = given_id if _REQUEST_ID.match(given_id) else uuid.uuid4().hex
+        token = request_id_var.set(request_id)
+        status = 500
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message.setdefault("headers", [])
+                message["headers"] = [*message["headers"], (b"x-request-id", request_id.encode())]
+            await send(message)
+
+        try:
+            rejection = None
+            if scope["method"] in ("POST", "PUT", "PATCH"):
+                rejection, receive = await self._read_body(headers, receive)
+            if rejection is not None:
+                await _send_json(send_with_id, *rejection)
+            else:
+                await self.app(scope, receive, send_with_id)
+        finally:
+            elapsed = time.perf_counter() - started
+            route = scope.get("route")
+            name = getattr(route, "path", "unmatched")
+            self.metrics.requests.labels(name, scope["method"], str(status)).inc()
+            self.metrics.latency.labels(name).observe(elapsed)
+            if status >= 400:
+                self.metrics.errors.labels(name, str(status)).inc()
+            log.info(
+                "request",
+                extra={
+                    "method": scope["method"],
+                    "path": scope["path"],
+                    "status": status,
+                    "duration_ms": round(elapsed * 1000, 3),
+                },
+            )
+            request_id_var.reset(token)
+
+    async def _read_body(
+        self, headers: dict[str, str], receive: Receive
+    ) -> tuple[tuple[int, dict[str, Any]] | None, Receive]:
+        """The whole body, read up front so that limits answer before any parsing."""
+        content_type = headers.get("content-type")
+        if content_type is not None and not _JSON_TYPE.match(content_type):
+            return (
+                415,
+                _detail(
+                    ("header", "content-type"),
+                    f"must be application/json, got {content_type!r}",
+                    "unsupported_media_type",
+                ),
+            ), receive
+        declared = headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            return self._too_large(), receive
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return (
+                    400,
+                    _detail(("body",), "the client closed the connection", "disconnect"),
+                ), receive
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                return self._too_large(), receive
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        return None, replay
+
+    def _too_large(self) -> tuple[int, dict[str, Any]]:
+        return 413, _detail(
+            ("body",),
+            f"request body is larger than {self.max_body_bytes} bytes (KP_MAX_BODY_BYTES)",
+            "body_too_large",
+        )
+
+
+def _detail(loc: tuple[str, ...], msg: str, kind: str) -> dict[str, Any]:
+    return {"detail": [{"loc": list(loc), "msg": msg, "type": kind}]}
+
+
+async def _send_json(send: Send, status: int, body: dict[str, Any]) -> None:
+    payload = orjson.dumps(body)
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(payload)).encode()),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": payload})

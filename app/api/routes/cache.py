@@ -1,0 +1,42 @@
+"""GET and DELETE /cache: what operators inspect and reset."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import APIRouter
+
+from app.api.deps import AdminDep, Services, ServicesDep
+from app.schemas.responses import CacheOut, ClearedOut, EmbedderOut
+
+router = APIRouter(prefix="/cache", tags=["cache"], dependencies=[AdminDep])
+log = logging.getLogger(__name__)
+
+
+def embedder_out(services: Services) -> EmbedderOut:
+    e = services.embeddings
+    return EmbedderOut(state=e.state, model=e.model_name, reason=e.reason)
+
+
+@router.get("", summary="Cache size, limits and counters")
+async def cache_stats(services: ServicesDep) -> CacheOut:
+    stats = services.cache.stats()
+    return CacheOut(
+        size=stats.size,
+        capacity=stats.capacity,
+        dimensions=stats.dimensions,
+        ttl_ms=stats.ttl_ms,
+        memory_bytes=stats.memory_bytes,
+        oldest_age_ms=stats.oldest_age_ms,
+        newest_age_ms=stats.newest_age_ms,
+        adds_total=stats.adds_total,
+        evictions_total=stats.evictions_total,
+        embedder=embedder_out(services),
+    )
+
+
+@router.delete("", summary="Empty the cache")
+async def cache_clear(services: ServicesDep) -> ClearedOut:
+    cleared = services.cache.clear()
+    log.info("cache cleared", extra={"cleared": cleared})
+    return ClearedOut(cleared=cleared)

@@ -1,0 +1,60 @@
+"""POST /evaluate and POST /evaluate/batch: score traces."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+from fastapi.exceptions import RequestValidationError
+
+from app.api.deps import ServicesDep
+from app.schemas.responses import BatchIn, BatchOut, EvaluationOut
+from app.schemas.trace import ReasoningTrace
+from app.services.evaluator import Evaluation
+
+router = APIRouter(tags=["evaluate"])
+
+DryRun = Annotated[
+    bool, Query(description="Score without adding the trace's embedding to the cache.")
+]
+
+
+@router.post("/evaluate", summary="Score one reasoning trace")
+async def evaluate(
+    trace: ReasoningTrace, services: ServicesDep, dry_run: DryRun = False
+) -> EvaluationOut:
+    (evaluation,) = await services.evaluator.evaluate([trace], dry_run=dry_run)
+    _count(services, [evaluation])
+    return EvaluationOut.of(evaluation)
+
+
+@router.post("/evaluate/batch", summary="Score traces in order, as one step")
+async def evaluate_batch(
+    batch: BatchIn, services: ServicesDep, dry_run: DryRun = False
+) -> BatchOut:
+    limit = services.settings.max_batch
+    if len(batch.traces) > limit:
+        raise RequestValidationError(
+            [
+                {
+                    "loc": ("body", "traces"),
+                    "msg": f"at most {limit} traces per batch (KP_MAX_BATCH), "
+                    f"got {len(batch.traces)}",
+                    "type": "too_long",
+                }
+            ]
+        )
+    evaluations = await services.evaluator.evaluate(batch.traces, dry_run=dry_run)
+    _count(services, evaluations)
+    return BatchOut(results=[EvaluationOut.of(e) for e in evaluations])
+
+
+def _count(services: ServicesDep, evaluations: list[Evaluation]) -> None:
+    m = services.metrics
+    for e in evaluations:
+        m.evaluations.labels(e.score.weights.name).inc()
+        m.score.observe(e.score.value)
+        for rule in e.score.overrides:
+            m.overrides.labels(rule).inc()
+        if not e.novelty.measured and e.novelty.reason is not None:
+            m.novelty_unmeasured.labels(e.novelty.reason).inc()

@@ -1,0 +1,49 @@
+"""Liveness, readiness and metrics."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from app.api.deps import ServicesDep
+from app.api.routes.cache import embedder_out
+from app.schemas.responses import HealthOut, ReadyOut
+from app.services.embeddings import EmbedderState
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/healthz", summary="Liveness: the process answers")
+async def healthz() -> HealthOut:
+    return HealthOut(status="ok")
+
+
+@router.get("/readyz", summary="Readiness, with the embedder's state")
+async def readyz(services: ServicesDep) -> ReadyOut:
+    degraded = services.embeddings.degraded
+    warnings = []
+    if services.settings.admin_token is None:
+        warnings.append("KP_ADMIN_TOKEN is not set: /cache is open to every caller")
+    if degraded:
+        warnings.append(
+            "novelty is not measured (fixed at 0.5): " + (services.embeddings.reason or "")
+        )
+    return ReadyOut(
+        status="degraded" if degraded else "ready",
+        degraded=degraded,
+        embedder=embedder_out(services),
+        cache_size=services.cache.size,
+        admin_auth=services.settings.admin_token is not None,
+        warnings=warnings,
+    )
+
+
+@router.get("/metrics", summary="Prometheus metrics", response_class=Response)
+async def metrics(services: ServicesDep) -> Response:
+    m = services.metrics
+    m.cache_size.set(services.cache.size)
+    m.cache_evictions.set(services.cache.evictions_total)
+    m.queue_depth.set(services.embeddings.queue_depth)
+    for state in EmbedderState:
+        m.embedder_state.labels(state.value).set(1 if services.embeddings.state is state else 0)
+    return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,66 @@
+"""Service settings, read once from `KP_*` environment variables (SPEC section 9)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+ENV_PREFIX = "KP_"
+
+
+class ConfigError(SystemExit):
+    """Bad configuration: the process stops with a message naming the variable."""
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", frozen=True)
+
+    embedder: Literal["onnx", "none"] = "onnx"
+    model_path: Path | None = None
+    tokenizer_path: Path | None = None
+    embedder_preload: bool = False
+    embedder_threads: Annotated[int, Field(ge=0)] = 0  # 0: onnxruntime's choice (all cores)
+
+    cache_capacity: Annotated[int, Field(ge=1)] = 1000
+    cache_ttl_ms: Annotated[float, Field(gt=0)] | None = None
+    cache_snapshot_path: Path | None = None
+
+    admin_token: SecretStr | None = None
+
+    max_body_bytes: Annotated[int, Field(ge=1024)] = 1_048_576
+    max_batch: Annotated[int, Field(ge=1, le=10_000)] = 64
+    #: Texts one model run takes at most (micro-batching of concurrent requests).
+    embed_batch_size: Annotated[int, Field(ge=1, le=1024)] = 32
+    #: Texts waiting for the model beyond which requests are turned away with 503.
+    embed_queue_limit: Annotated[int, Field(ge=1)] = 256
+
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("model_path", "tokenizer_path")
+    @classmethod
+    def _must_exist(cls, path: Path | None) -> Path | None:
+        if path is not None and not path.is_file():
+            raise ValueError(f"no such file: {path}")
+        return path
+
+    @field_validator("admin_token")
+    @classmethod
+    def _token_not_blank(cls, token: SecretStr | None) -> SecretStr | None:
+        if token is not None and not token.get_secret_value().strip():
+            return None  # an empty variable means "unset"
+        return token
+
+    @classmethod
+    def from_env(cls) -> Settings:
+        """Settings from the environment, or ConfigError naming each bad variable."""
+        try:
+            return cls()
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{ENV_PREFIX}{'_'.join(str(p) for p in err['loc']).upper()}: {err['msg']}"
+                for err in exc.errors()
+            )
+            raise ConfigError(f"kp-scoring: invalid configuration: {problems}") from None

@@ -1,0 +1,60 @@
+"""Prometheus metrics, one registry per app so that several apps can live in one process."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "kp_http_requests",
+            "HTTP requests by route and status.",
+            ["route", "method", "status"],
+            registry=r,
+        )
+        self.latency = Histogram(
+            "kp_http_request_duration_seconds",
+            "HTTP request latency by route.",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.errors = Counter(
+            "kp_http_errors",
+            "Requests answered with 4xx or 5xx, by route and status.",
+            ["route", "status"],
+            registry=r,
+        )
+        self.evaluations = Counter(
+            "kp_evaluations", "Traces scored, by weight profile.", ["profile"], registry=r
+        )
+        self.overrides = Counter(
+            "kp_overrides", "Rule overrides fired, by rule.", ["rule"], registry=r
+        )
+        self.novelty_unmeasured = Counter(
+            "kp_novelty_unmeasured",
+            "Traces whose novelty was not measured, by reason.",
+            ["reason"],
+            registry=r,
+        )
+        self.score = Histogram(
+            "kp_score", "Scores given.", buckets=[i / 10 for i in range(1, 11)], registry=r
+        )
+        self.cache_size = Gauge("kp_cache_size", "Vectors in the novelty cache.", registry=r)
+        self.cache_evictions = Gauge(
+            "kp_cache_evictions",
+            "Vectors evicted from the cache since start (oldest first).",
+            registry=r,
+        )
+        self.embedder_state = Gauge(
+            "kp_embedder_state", "1 for the embedder's current state.", ["state"], registry=r
+        )
+        self.queue_depth = Gauge("kp_embed_queue_depth", "Texts waiting for the model.", registry=r)
+        self.overloaded = Counter(
+            "kp_overloaded", "Requests turned away with 503 because the queue was full.", registry=r
+        )

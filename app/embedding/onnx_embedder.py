@@ -1,0 +1,131 @@
+"""all-MiniLM-L6-v2 sentence embeddings with onnxruntime and the `tokenizers` library.
+
+Reproduces transformers.js's `feature-extraction` pipeline with `pooling: "mean", normalize:
+true`, the reference SDK's embedder:
+
+- the tokenizer adds [CLS] ... [SEP] and the pipeline then keeps the first 512 ids as they are,
+  so a long text's window ends with its 512th token, not with [SEP];
+- mean pooling sums in float64 and stores float32; the L2 norm is stored as float32 before the
+  division. Doing the same here makes the vectors equal to the reference's, not just close.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+import numpy as np
+import numpy.typing as npt
+import onnxruntime as ort
+from tokenizers import Tokenizer
+
+from app.embedding import js_bert_normalizer
+
+#: The model's window (`model_max_length` in tokenizer_config.json).
+MAX_TOKENS: Final = 512
+DIMENSIONS: Final = 384
+_INPUTS: Final = ("input_ids", "attention_mask", "token_type_ids")
+_OUTPUT: Final = "last_hidden_state"
+
+
+class ModelError(RuntimeError):
+    """The model or tokenizer file cannot be used."""
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizedText:
+    ids: npt.NDArray[np.int64]  # the window the model sees
+    token_count: int  # tokens of the whole text, special tokens included
+    truncated: bool
+
+
+class OnnxEmbedder:
+    """One onnxruntime session and one tokenizer, created once and reused."""
+
+    dimensions: Final = DIMENSIONS
+
+    def __init__(
+        self, model_path: Path, tokenizer_path: Path, *, intra_op_threads: int = 0
+    ) -> None:
+        self._tokenizer = load_tokenizer(tokenizer_path)
+        js_bert_normalizer.warm_up()
+
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options.intra_op_num_threads = intra_op_threads
+        options.log_severity_level = 3
+        try:
+            self._session = ort.InferenceSession(
+                str(model_path), options, providers=["CPUExecutionProvider"]
+            )
+        except Exception as exc:
+            raise ModelError(f"model {model_path} cannot be loaded: {exc}") from exc
+        inputs = {i.name for i in self._session.get_inputs()}
+        outputs = [o.name for o in self._session.get_outputs()]
+        if not set(_INPUTS) <= inputs or _OUTPUT not in outputs:
+            raise ModelError(
+                f"model {model_path} is not a MiniLM export: inputs {sorted(inputs)}, "
+                f"outputs {outputs}; expected inputs {list(_INPUTS)} and output {_OUTPUT}"
+            )
+
+    def tokenize(self, texts: Sequence[str]) -> list[TokenizedText]:
+        normalized = [js_bert_normalizer.normalize(text) for text in texts]
+        encodings = self._tokenizer.encode_batch(normalized, add_special_tokens=True)
+        out = []
+        for encoding in encodings:
+            ids = np.asarray(encoding.ids, dtype=np.int64)
+            out.append(TokenizedText(ids[:MAX_TOKENS], len(ids), len(ids) > MAX_TOKENS))
+        return out
+
+    def embed_tokenized(self, batch: Sequence[TokenizedText]) -> npt.NDArray[np.float32]:
+        """Unit vectors, one row per text, from one model run over the padded batch."""
+        length = max(len(t.ids) for t in batch)
+        input_ids = np.zeros((len(batch), length), dtype=np.int64)
+        attention_mask = np.zeros((len(batch), length), dtype=np.int64)
+        for row, tokens in enumerate(batch):
+            input_ids[row, : len(tokens.ids)] = tokens.ids
+            attention_mask[row, : len(tokens.ids)] = 1
+        hidden: npt.NDArray[np.float32]
+        (hidden,) = self._session.run(
+            [_OUTPUT],
+            {
+                "input_ids": input_ids,
+                "attention_mask": attention_mask,
+                "token_type_ids": np.zeros_like(input_ids),
+            },
+        )
+        return mean_pool_normalize(hidden, attention_mask)
+
+    def embed(self, texts: Sequence[str]) -> npt.NDArray[np.float32]:
+        return self.embed_tokenized(self.tokenize(texts))
+
+
+def load_tokenizer(path: Path) -> Tokenizer:
+    """The WordPiece tokenizer of tokenizer.json, set up to match transformers.js."""
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+        # Normalisation is done the JavaScript way in js_bert_normalizer, before this tokenizer.
+        config["normalizer"] = None
+        tokenizer = Tokenizer.from_str(json.dumps(config))
+    except Exception as exc:
+        raise ModelError(f"tokenizer {path} cannot be loaded: {exc}") from exc
+    # tokenizer.json carries sentence-transformers' 128-token settings; transformers.js ignores
+    # them (it cuts at model_max_length, 512, after the fact), so this does too.
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    return tokenizer
+
+
+def mean_pool_normalize(
+    hidden: npt.NDArray[np.float32], attention_mask: npt.NDArray[np.int64]
+) -> npt.NDArray[np.float32]:
+    """Mean over the unmasked tokens, then L2 normalisation, rounded as transformers.js rounds."""
+    mask = attention_mask.astype(np.float64)[:, :, None]
+    pooled = ((hidden.astype(np.float64) * mask).sum(axis=1) / mask.sum(axis=1)).astype(np.float32)
+    wide = pooled.astype(np.float64)
+    norms = np.sqrt((wide * wide).sum(axis=1, keepdims=True)).astype(np.float32)
+    unit: npt.NDArray[np.float32] = (wide / norms.astype(np.float64)).astype(np.float32)
+    return unit

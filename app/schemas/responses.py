@@ -1,0 +1,131 @@
+"""What the API answers (SPEC section 8)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, Field
+
+from app.schemas.trace import ReasoningTrace
+from app.services.embeddings import EmbedderState
+from app.services.evaluator import Evaluation, NoveltyReason
+
+
+class DimensionsOut(BaseModel):
+    complexity: float
+    novelty: float
+    tool_diversity: float
+    outcome_confidence: float
+
+
+class WeightsOut(BaseModel):
+    profile: str
+    complexity: float
+    novelty: float
+    tool_diversity: float
+    outcome_confidence: float
+
+
+class NoveltyOut(BaseModel):
+    measured: bool = Field(description="True only when novelty came from a cosine comparison.")
+    reason: NoveltyReason | None = Field(description="Why novelty was not measured.")
+    detail: str | None = Field(
+        default=None, description="More on the reason, when there is more to say."
+    )
+    max_cosine: float | None = Field(
+        description="Raw maximum cosine similarity with the cache (before 1 - x and the clamp)."
+    )
+    cache_size: int = Field(description="Cached vectors the trace was compared against.")
+    tokens: int | None = Field(description="Tokens of the text before the 512-token window.")
+    truncated: bool | None = Field(description="Whether the window cut the text.")
+
+
+class EvaluationOut(BaseModel):
+    trace_id: str
+    score: Annotated[float, Field(ge=0, le=1)]
+    dimensions: DimensionsOut
+    weights: WeightsOut
+    overrides: list[Literal["single_thought", "error_recovery_bonus", "low_tool_diversity"]]
+    novelty: NoveltyOut
+    elapsed_ms: float
+
+    @classmethod
+    def of(cls, evaluation: Evaluation) -> EvaluationOut:
+        s, n, w, d = (
+            evaluation.score,
+            evaluation.novelty,
+            evaluation.score.weights,
+            evaluation.score.dimensions,
+        )
+        return cls(
+            trace_id=evaluation.trace_id,
+            score=s.value,
+            dimensions=DimensionsOut(
+                complexity=d.complexity,
+                novelty=d.novelty,
+                tool_diversity=d.tool_diversity,
+                outcome_confidence=d.outcome_confidence,
+            ),
+            weights=WeightsOut(
+                profile=w.name,
+                complexity=w.complexity,
+                novelty=w.novelty,
+                tool_diversity=w.tool_diversity,
+                outcome_confidence=w.outcome_confidence,
+            ),
+            overrides=list(s.overrides),
+            novelty=NoveltyOut(
+                measured=n.measured,
+                reason=n.reason,
+                detail=n.detail,
+                max_cosine=n.max_cosine,
+                cache_size=n.cache_size,
+                tokens=n.tokens,
+                truncated=n.truncated,
+            ),
+            elapsed_ms=round(evaluation.elapsed_ms, 3),
+        )
+
+
+class BatchIn(BaseModel):
+    traces: list[ReasoningTrace] = Field(min_length=1)
+
+
+class BatchOut(BaseModel):
+    results: list[EvaluationOut]
+
+
+class EmbedderOut(BaseModel):
+    state: EmbedderState
+    model: str | None
+    reason: str | None
+
+
+class CacheOut(BaseModel):
+    size: int
+    capacity: int
+    dimensions: int
+    ttl_ms: float | None
+    memory_bytes: int
+    oldest_age_ms: float | None
+    newest_age_ms: float | None
+    adds_total: int
+    evictions_total: int
+    embedder: EmbedderOut
+
+
+class ClearedOut(BaseModel):
+    cleared: int
+
+
+class HealthOut(BaseModel):
+    status: Literal["ok"]
+
+
+class ReadyOut(BaseModel):
+    status: Literal["ready", "degraded"]
+    degraded: bool = Field(description="True when novelty is not measured (N fixed at 0.5).")
+    embedder: EmbedderOut
+    cache_size: int
+    admin_auth: bool = Field(description="Whether /cache needs a bearer token.")
+    warnings: list[str]

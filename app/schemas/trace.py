@@ -1,0 +1,119 @@
+"""The ReasoningTrace input schema (SPEC section 2).
+
+Mirrors the reference SDK's zod `ReasoningTraceSchema`: unknown keys are ignored, types are
+strict (no "true" for a boolean, no "1" for a number), numbers must be finite.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
+
+# Some doc pages show the second address; the spec accepts both.
+KpContext = Literal[
+    "https://openknowledgepulse.org/schema/v1",
+    "https://knowledgepulse.dev/schema/v1",
+]
+
+StepType = Literal["thought", "tool_call", "observation", "error_recovery"]
+
+# zod's `z.string().datetime()` shape, also allowing a numeric UTC offset.
+_DATETIME = re.compile(
+    r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}(:\d{2}(\.\d+)?)?(Z|[+-]\d{2}:?\d{2})$",
+)
+
+
+def _iso_datetime(value: str) -> str:
+    if not _DATETIME.match(value):
+        raise ValueError("must be an ISO 8601 date-time such as 2025-06-15T10:00:00.000Z")
+    try:
+        datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError as exc:
+        raise ValueError(f"is not a valid date-time: {exc}") from None
+    return value
+
+
+def _integral_number(value: Any) -> Any:
+    # JSON has one number type: 3.0 is the integer 3 for the reference (zod .int()).
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore", frozen=True)
+
+
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+UnitInterval = Annotated[float, Field(ge=0, le=1)]
+IsoDateTime = Annotated[str, AfterValidator(_iso_datetime)]
+JsonObject = dict[str, Any]
+
+
+class Metadata(_Strict):
+    created_at: IsoDateTime
+    agent_id: str | None = None
+    framework: str | None = None
+    task_domain: NonEmptyStr
+    success: bool
+    quality_score: UnitInterval
+    visibility: Literal["private", "org", "network"]
+    privacy_level: Literal["aggregated", "federated", "private"]
+    validated_by: list[str] | None = None
+
+
+class Task(_Strict):
+    objective: NonEmptyStr
+    input_schema: JsonObject | None = None
+
+
+class Tool(_Strict):
+    name: str
+    mcp_server: str | None = None
+
+
+class Step(_Strict):
+    step_id: Annotated[int, BeforeValidator(_integral_number), Field(ge=0)]
+    type: StepType
+    content: str | None = None
+    tool: Tool | None = None
+    input: JsonObject | None = None
+    output_summary: str | None = None
+    latency_ms: Annotated[float, Field(ge=0)] | None = None
+
+
+class Outcome(_Strict):
+    result_summary: str
+    confidence: UnitInterval
+
+
+class Entity(_Strict):
+    name: str
+    type: str
+
+
+class Relationship(_Strict):
+    fact: str
+    valid_from: str
+
+
+class KnowledgeGraphDelta(_Strict):
+    entities: list[Entity]
+    relationships: list[Relationship]
+
+
+class ReasoningTrace(_Strict):
+    """A reasoning trace as an agent submits it for scoring."""
+
+    context: KpContext = Field(alias="@context")
+    type: Literal["ReasoningTrace"] = Field(alias="@type")
+    id: Annotated[str, Field(pattern=r"^kp:trace:")]
+    source_skill: str | None = None
+    metadata: Metadata
+    task: Task
+    steps: Annotated[list[Step], Field(min_length=1)]
+    outcome: Outcome
+    knowledge_graph_delta: KnowledgeGraphDelta | None = None

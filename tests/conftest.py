@@ -1,0 +1,69 @@
+"""Shared fixtures: apps built from explicit settings, the real embedder, reference fixtures."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from app.core.config import Settings
+from app.embedding import model_files
+from app.embedding.onnx_embedder import OnnxEmbedder
+from app.main import create_app
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+ClientFactory = Callable[..., TestClient]
+
+
+def load_fixture(name: str) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((FIXTURES / "reference" / name).read_text(encoding="utf-8"))
+    return data
+
+
+@pytest.fixture(autouse=True)
+def _no_kp_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests state their settings; a KP_* variable in the caller's shell must not leak in."""
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("KP_"):
+            monkeypatch.delenv(name)
+
+
+@pytest.fixture
+def make_client() -> Iterator[ClientFactory]:
+    """Builds a started app (lifespan run) from settings given as keyword arguments."""
+    clients: list[TestClient] = []
+
+    def factory(**settings: Any) -> TestClient:
+        client = TestClient(create_app(Settings(**settings)), raise_server_exceptions=False)
+        client.__enter__()
+        clients.append(client)
+        return client
+
+    yield factory
+    for client in clients:
+        client.__exit__(None, None, None)
+
+
+@pytest.fixture
+def client(make_client: ClientFactory) -> TestClient:
+    """The service as it starts with no configuration: the real int8 MiniLM, loaded lazily."""
+    return make_client()
+
+
+@pytest.fixture
+def client_no_embedder(make_client: ClientFactory) -> TestClient:
+    return make_client(embedder="none")
+
+
+@pytest.fixture(scope="session")
+def embedder() -> OnnxEmbedder:
+    files = model_files.resolve(None, None)
+    model_files.verify(files)
+    return OnnxEmbedder(files.model, files.tokenizer)

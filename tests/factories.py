@@ -1,0 +1,51 @@
+"""Trace builders shared by the tests."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+CONTEXT = "https://openknowledgepulse.org/schema/v1"
+
+
+def step(step_id: int, type_: str = "thought", content: str | None = None, tool: str | None = None) -> dict[str, Any]:
+    s: dict[str, Any] = {"step_id": step_id, "type": type_}
+    if content is not None:
+        s["content"] = content
+    if tool is not None:
+        s["tool"] = {"name": tool}
+    return s
+
+
+def make_trace(
+    *,
+    steps: list[dict[str, Any]] | None = None,
+    objective: str = "Review PR #42 for security issues",
+    domain: str = "default",
+    success: bool = True,
+    confidence: float = 1.0,
+    trace_id: str = "kp:trace:test-0001",
+) -> dict[str, Any]:
+    """A valid trace; by default SPEC section 5's worked example (score 0.57625 without embedder)."""
+    return {
+        "@context": CONTEXT,
+        "@type": "ReasoningTrace",
+        "id": trace_id,
+        "metadata": {
+            "created_at": "2025-06-15T10:00:00.000Z",
+            "task_domain": domain,
+            "success": success,
+            "quality_score": 0,
+            "visibility": "network",
+            "privacy_level": "aggregated",
+        },
+        "task": {"objective": objective},
+        "steps": copy.deepcopy(steps)
+        if steps is not None
+        else [
+            step(0, "thought", "Analyzing diff for injection vectors"),
+            step(1, "tool_call", "Reading the PR", tool="search"),
+            step(2, "observation", "Found unsanitized SQL in handler.ts"),
+        ],
+        "outcome": {"result_summary": "Done", "confidence": confidence},
+    }
