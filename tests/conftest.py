@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,22 +18,16 @@ from app.main import create_app
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
+# Tests state their settings; a KP_* variable in the caller's shell must not leak in.
+for _name in [n for n in os.environ if n.startswith("KP_")]:
+    del os.environ[_name]
+
 ClientFactory = Callable[..., TestClient]
 
 
 def load_fixture(name: str) -> dict[str, Any]:
     data: dict[str, Any] = json.loads((FIXTURES / "reference" / name).read_text(encoding="utf-8"))
     return data
-
-
-@pytest.fixture(autouse=True)
-def _no_kp_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Tests state their settings; a KP_* variable in the caller's shell must not leak in."""
-    import os
-
-    for name in list(os.environ):
-        if name.startswith("KP_"):
-            monkeypatch.delenv(name)
 
 
 @pytest.fixture

@@ -8,7 +8,9 @@ from typing import Any
 CONTEXT = "https://openknowledgepulse.org/schema/v1"
 
 
-def step(step_id: int, type_: str = "thought", content: str | None = None, tool: str | None = None) -> dict[str, Any]:
+def step(
+    step_id: int, type_: str = "thought", content: str | None = None, tool: str | None = None
+) -> dict[str, Any]:
     s: dict[str, Any] = {"step_id": step_id, "type": type_}
     if content is not None:
         s["content"] = content
@@ -26,7 +28,7 @@ def make_trace(
     confidence: float = 1.0,
     trace_id: str = "kp:trace:test-0001",
 ) -> dict[str, Any]:
-    """A valid trace; by default SPEC section 5's worked example (score 0.57625 without embedder)."""
+    """A valid trace; by default SPEC section 5's worked example (0.57625 with no embedder)."""
     return {
         "@context": CONTEXT,
         "@type": "ReasoningTrace",

@@ -43,7 +43,11 @@ def test_worked_example_of_the_spec() -> None:
     ],
 )
 def test_each_profile_weights_the_dimensions(profile: str, weights: tuple[float, ...]) -> None:
-    steps = [step(0, "thought", "a"), step(1, "tool_call", "b", "x"), step(2, "tool_call", "c", "y")]
+    steps = [
+        step(0, "thought", "a"),
+        step(1, "tool_call", "b", "x"),
+        step(2, "tool_call", "c", "y"),
+    ]
     result = score_of(make_trace(steps=steps, domain=profile, confidence=0.8))
     w = result.weights
     assert (w.name, w.complexity, w.novelty, w.tool_diversity, w.outcome_confidence) == (
@@ -63,7 +67,8 @@ def test_each_profile_weights_the_dimensions(profile: str, weights: tuple[float,
 
 
 @pytest.mark.parametrize(
-    "domain", ["code-review", "Finance", "constructor", "__proto__", "toString", "hasOwnProperty", "ñ"]
+    "domain",
+    ["code-review", "Finance", "constructor", "__proto__", "toString", "hasOwnProperty", "ñ"],
 )
 def test_unknown_domains_use_default_silently(domain: str) -> None:
     assert score_of(make_trace(domain=domain)).weights.name == "default"
@@ -145,7 +150,10 @@ def test_step_count_term_is_not_capped_on_its_own() -> None:
     forty = [step(i, "thought") for i in range(40)]
     # 1 type: 0.125 + 40/20*0.2 = 0.525 (the step term alone contributes 0.4)
     assert score_of(make_trace(steps=forty)).dimensions.complexity == pytest.approx(0.525)
-    many = [step(i, t) for i, t in enumerate(["thought", "error_recovery", "observation", "tool_call"] * 10)]
+    many = [
+        step(i, t)
+        for i, t in enumerate(["thought", "error_recovery", "observation", "tool_call"] * 10)
+    ]
     assert score_of(make_trace(steps=many)).dimensions.complexity == 1.0
 
 
@@ -191,4 +199,6 @@ def test_any_valid_trace_scores_within_0_and_1(trace: dict[str, Any], max_cosine
     result = score_of(trace, novelty=scoring.novelty(max_cosine))
     assert 0.0 <= result.value <= 1.0
     d = result.dimensions
-    assert all(0.0 <= v <= 1.0 for v in (d.complexity, d.novelty, d.tool_diversity, d.outcome_confidence))
+    assert all(
+        0.0 <= v <= 1.0 for v in (d.complexity, d.novelty, d.tool_diversity, d.outcome_confidence)
+    )

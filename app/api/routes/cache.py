@@ -9,7 +9,14 @@ from fastapi import APIRouter
 from app.api.deps import AdminDep, Services, ServicesDep
 from app.schemas.responses import CacheOut, ClearedOut, EmbedderOut
 
-router = APIRouter(prefix="/cache", tags=["cache"], dependencies=[AdminDep])
+router = APIRouter(
+    prefix="/cache",
+    tags=["cache"],
+    dependencies=[AdminDep],
+    responses={
+        401: {"description": "KP_ADMIN_TOKEN is set and the bearer token is missing or wrong."}
+    },
+)
 log = logging.getLogger(__name__)
 
 

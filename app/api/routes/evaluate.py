@@ -12,7 +12,14 @@ from app.schemas.responses import BatchIn, BatchOut, EvaluationOut
 from app.schemas.trace import ReasoningTrace
 from app.services.evaluator import Evaluation
 
-router = APIRouter(tags=["evaluate"])
+router = APIRouter(
+    tags=["evaluate"],
+    responses={
+        413: {"description": "Body larger than KP_MAX_BODY_BYTES."},
+        415: {"description": "Content-Type is not application/json."},
+        503: {"description": "Too many texts wait for the model; retry after Retry-After."},
+    },
+)
 
 DryRun = Annotated[
     bool, Query(description="Score without adding the trace's embedding to the cache.")

@@ -1,0 +1,205 @@
+"""The HTTP API (SPEC section 8): answers, dry runs, batches, admin auth, health."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from tests.conftest import ClientFactory
+from tests.factories import make_trace, step
+
+
+def test_evaluate_answers_the_spec_example_without_embedder(client_no_embedder: TestClient) -> None:
+    r = client_no_embedder.post("/evaluate", json=make_trace())
+    assert r.status_code == 200
+    body = r.json()
+    assert body["score"] == pytest.approx(0.57625, abs=1e-12)
+    assert body["trace_id"] == "kp:trace:test-0001"
+    assert body["dimensions"] == {
+        "complexity": 0.405,
+        "novelty": 0.5,
+        "tool_diversity": 1.0,
+        "outcome_confidence": 1.0,
+    }
+    assert body["weights"] == {
+        "profile": "default",
+        "complexity": 0.25,
+        "novelty": 0.35,
+        "tool_diversity": 0.15,
+        "outcome_confidence": 0.25,
+    }
+    assert body["overrides"] == ["low_tool_diversity"]
+    assert body["novelty"] == {
+        "measured": False,
+        "reason": "embedder_unavailable",
+        "detail": "disabled by KP_EMBEDDER=none",
+        "max_cosine": None,
+        "cache_size": 0,
+        "tokens": None,
+        "truncated": None,
+    }
+    assert body["elapsed_ms"] >= 0
+    assert r.headers["x-request-id"]
+
+
+def test_novelty_is_measured_from_the_second_trace_on(client: TestClient) -> None:
+    first = client.post("/evaluate", json=make_trace()).json()
+    assert first["novelty"]["reason"] == "cache_empty"
+    assert first["novelty"]["tokens"] > 5
+    assert first["dimensions"]["novelty"] == 0.5
+    repeat = client.post("/evaluate", json=make_trace()).json()
+    assert repeat["novelty"]["measured"] is True
+    assert repeat["novelty"]["max_cosine"] == pytest.approx(1.0, abs=1e-6)
+    assert repeat["dimensions"]["novelty"] == pytest.approx(0.0, abs=1e-6)
+    bread = [step(0, "thought", "Feed the rye starter"), step(1, "observation", "It doubled")]
+    other = client.post(
+        "/evaluate", json=make_trace(objective="Bake sourdough bread", steps=bread)
+    ).json()
+    assert other["novelty"]["cache_size"] == 2
+    assert 0.3 < other["dimensions"]["novelty"] <= 1.0
+    assert client.get("/cache").json()["size"] == 3
+
+
+def test_dry_run_scores_without_touching_the_cache(client: TestClient) -> None:
+    client.post("/evaluate", json=make_trace())
+    other = make_trace(objective="Translate the release notes into Japanese")
+    dry = client.post("/evaluate", params={"dry_run": "true"}, json=other).json()
+    assert dry["novelty"]["measured"] is True
+    assert client.get("/cache").json()["size"] == 1
+    real = client.post("/evaluate", json=other).json()
+    assert real["score"] == dry["score"]
+    assert client.get("/cache").json()["size"] == 2
+
+
+def test_long_text_reports_tokens_and_truncation(client: TestClient) -> None:
+    long_trace = make_trace(steps=[step(0, "thought", "alpha beta gamma " * 400)])
+    novelty = client.post("/evaluate", json=long_trace).json()["novelty"]
+    assert novelty["tokens"] > 1000
+    assert novelty["truncated"] is True
+
+
+def test_batch_follows_its_own_order(client: TestClient) -> None:
+    a = make_trace(objective="Diagnose a memory leak in the payment worker")
+    b = make_trace(objective="Plan a week of vegetarian meals")
+    results = client.post("/evaluate/batch", json={"traces": [a, b, a]}).json()["results"]
+    assert [r["novelty"]["cache_size"] for r in results] == [0, 1, 2]
+    assert results[0]["novelty"]["reason"] == "cache_empty"
+    assert results[2]["dimensions"]["novelty"] == pytest.approx(0.0, abs=1e-6)
+    assert client.get("/cache").json()["size"] == 3
+
+
+def test_dry_run_batch_sees_its_own_earlier_traces_but_adds_nothing(client: TestClient) -> None:
+    a = make_trace(objective="Diagnose a memory leak in the payment worker")
+    body = {"traces": [a, a]}
+    dry = client.post("/evaluate/batch", params={"dry_run": "true"}, json=body).json()["results"]
+    assert client.get("/cache").json()["size"] == 0
+    real = client.post("/evaluate/batch", json=body).json()["results"]
+    assert [r["score"] for r in dry] == [r["score"] for r in real]
+    assert client.get("/cache").json()["size"] == 2
+
+
+def test_batch_larger_than_the_limit_is_refused(make_client: ClientFactory) -> None:
+    client = make_client(embedder="none", max_batch=2)
+    r = client.post("/evaluate/batch", json={"traces": [make_trace()] * 3})
+    assert r.status_code == 422
+    (error,) = r.json()["detail"]
+    assert error["loc"] == ["body", "traces"]
+    assert "KP_MAX_BATCH" in error["msg"]
+
+
+def test_one_bad_trace_rejects_the_whole_batch(client: TestClient) -> None:
+    bad = make_trace(confidence=2.0)
+    r = client.post("/evaluate/batch", json={"traces": [make_trace(), bad]})
+    assert r.status_code == 422
+    assert r.json()["detail"][0]["loc"] == ["body", "traces", 1, "outcome", "confidence"]
+    assert client.get("/cache").json()["size"] == 0
+
+
+def test_empty_batch_is_refused(client_no_embedder: TestClient) -> None:
+    r = client_no_embedder.post("/evaluate/batch", json={"traces": []})
+    assert r.status_code == 422
+    assert r.json()["detail"][0]["loc"] == ["body", "traces"]
+
+
+def test_cache_stats_and_reset(client: TestClient) -> None:
+    client.post("/evaluate", json=make_trace())
+    stats = client.get("/cache").json()
+    assert stats["size"] == 1
+    assert stats["capacity"] == 1000
+    assert stats["dimensions"] == 384
+    assert stats["ttl_ms"] is None
+    assert stats["adds_total"] == 1
+    assert stats["evictions_total"] == 0
+    assert stats["oldest_age_ms"] >= stats["newest_age_ms"] >= 0
+    assert stats["embedder"]["state"] == "ready"
+    assert "int8" in stats["embedder"]["model"]
+    assert client.delete("/cache").json() == {"cleared": 1}
+    assert client.get("/cache").json()["size"] == 0
+    assert client.post("/evaluate", json=make_trace()).json()["novelty"]["reason"] == "cache_empty"
+
+
+def test_capacity_and_ttl_come_from_settings(make_client: ClientFactory) -> None:
+    client = make_client(cache_capacity=2, cache_ttl_ms=60_000)
+    for objective in ("one topic", "another topic", "a third topic"):
+        client.post("/evaluate", json=make_trace(objective=objective))
+    stats = client.get("/cache").json()
+    assert (stats["size"], stats["capacity"], stats["ttl_ms"], stats["evictions_total"]) == (
+        2,
+        2,
+        60_000,
+        1,
+    )
+
+
+@pytest.mark.parametrize("method", ["GET", "DELETE"])
+def test_admin_token_guards_the_cache(make_client: ClientFactory, method: str) -> None:
+    client = make_client(embedder="none", admin_token="s3cret")
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret"}):
+        r = client.request(method, "/cache", headers=headers)
+        assert r.status_code == 401
+        assert r.headers["www-authenticate"].startswith("Bearer")
+        assert "s3cret" not in r.text
+    ok = client.request(method, "/cache", headers={"Authorization": "Bearer s3cret"})
+    assert ok.status_code == 200
+    assert client.get("/readyz").json()["admin_auth"] is True
+
+
+def test_open_cache_is_announced_in_readyz(client_no_embedder: TestClient) -> None:
+    ready = client_no_embedder.get("/readyz").json()
+    assert ready["admin_auth"] is False
+    assert any("KP_ADMIN_TOKEN" in w for w in ready["warnings"])
+
+
+def test_health_and_readiness(client: TestClient) -> None:
+    assert client.get("/healthz").json() == {"status": "ok"}
+    ready = client.get("/readyz").json()
+    assert ready["status"] == "ready"
+    assert ready["degraded"] is False
+    assert ready["embedder"]["state"] == "not_loaded"  # lazy: nothing scored yet
+    client.post("/evaluate", json=make_trace())
+    assert client.get("/readyz").json()["embedder"]["state"] == "ready"
+
+
+def test_preload_loads_the_model_at_start(make_client: ClientFactory) -> None:
+    client = make_client(embedder_preload=True)
+    assert client.get("/readyz").json()["embedder"]["state"] == "ready"
+
+
+def test_metrics_count_requests_profiles_and_overrides(client_no_embedder: TestClient) -> None:
+    client_no_embedder.post("/evaluate", json=make_trace(domain="finance"))
+    client_no_embedder.post("/evaluate", json={"bad": True})
+    text = client_no_embedder.get("/metrics").text
+    assert 'kp_evaluations_total{profile="finance"} 1.0' in text
+    assert 'kp_overrides_total{rule="low_tool_diversity"} 1.0' in text
+    assert 'kp_http_requests_total{method="POST",route="/evaluate",status="200"} 1.0' in text
+    assert 'kp_http_errors_total{route="/evaluate",status="422"} 1.0' in text
+    assert 'kp_embedder_state{state="disabled"} 1.0' in text
+    assert "kp_http_request_duration_seconds_bucket" in text
+    assert "kp_cache_size 0.0" in text
+
+
+def test_request_id_is_echoed_when_given(client_no_embedder: TestClient) -> None:
+    r = client_no_embedder.get("/healthz", headers={"X-Request-ID": "abc-123"})
+    assert r.headers["x-request-id"] == "abc-123"
+    r = client_no_embedder.get("/healthz", headers={"X-Request-ID": "bad id with spaces"})
+    assert r.headers["x-request-id"] != "bad id with spaces"

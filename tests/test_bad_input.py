@@ -1,0 +1,268 @@
+"""Bad input: every malformed payload is a 4xx naming the field, and changes nothing."""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from app.core.config import Settings
+from app.main import create_app
+from tests.conftest import ClientFactory
+from tests.factories import make_trace
+
+Trace = dict[str, Any]
+
+
+def _set(path: tuple[Any, ...], value: Any) -> Callable[[Trace], Trace]:
+    def mutate(trace: Trace) -> Trace:
+        target = trace
+        for key in path[:-1]:
+            target = target[key]
+        target[path[-1]] = value
+        return trace
+
+    return mutate
+
+
+def _drop(path: tuple[Any, ...]) -> Callable[[Trace], Trace]:
+    def mutate(trace: Trace) -> Trace:
+        target = trace
+        for key in path[:-1]:
+            target = target[key]
+        del target[path[-1]]
+        return trace
+
+    return mutate
+
+
+# (name, mutation, the loc the answer must name)
+FIELD_CASES: list[tuple[str, Callable[[Trace], Trace], list[Any]]] = [
+    ("context missing", _drop(("@context",)), ["body", "@context"]),
+    ("context other", _set(("@context",), "https://schema.org"), ["body", "@context"]),
+    ("type other", _set(("@type",), "ToolCallPattern"), ["body", "@type"]),
+    ("id prefix", _set(("id",), "trace:1"), ["body", "id"]),
+    ("id number", _set(("id",), 123), ["body", "id"]),
+    ("metadata missing", _drop(("metadata",)), ["body", "metadata"]),
+    (
+        "created_at words",
+        _set(("metadata", "created_at"), "yesterday"),
+        ["body", "metadata", "created_at"],
+    ),
+    (
+        "created_at month 13",
+        _set(("metadata", "created_at"), "2025-13-45T10:00:00Z"),
+        ["body", "metadata", "created_at"],
+    ),
+    (
+        "created_at date only",
+        _set(("metadata", "created_at"), "2025-06-15"),
+        ["body", "metadata", "created_at"],
+    ),
+    ("domain empty", _set(("metadata", "task_domain"), ""), ["body", "metadata", "task_domain"]),
+    ("domain missing", _drop(("metadata", "task_domain")), ["body", "metadata", "task_domain"]),
+    ("success string", _set(("metadata", "success"), "true"), ["body", "metadata", "success"]),
+    ("success number", _set(("metadata", "success"), 1), ["body", "metadata", "success"]),
+    (
+        "quality above 1",
+        _set(("metadata", "quality_score"), 1.5),
+        ["body", "metadata", "quality_score"],
+    ),
+    (
+        "quality string",
+        _set(("metadata", "quality_score"), "0.5"),
+        ["body", "metadata", "quality_score"],
+    ),
+    ("visibility", _set(("metadata", "visibility"), "public"), ["body", "metadata", "visibility"]),
+    (
+        "privacy",
+        _set(("metadata", "privacy_level"), "secret"),
+        ["body", "metadata", "privacy_level"],
+    ),
+    (
+        "validated_by string",
+        _set(("metadata", "validated_by"), "kp:validator:1"),
+        ["body", "metadata", "validated_by"],
+    ),
+    ("objective empty", _set(("task", "objective"), ""), ["body", "task", "objective"]),
+    ("task missing", _drop(("task",)), ["body", "task"]),
+    ("input_schema array", _set(("task", "input_schema"), []), ["body", "task", "input_schema"]),
+    ("steps empty", _set(("steps",), []), ["body", "steps"]),
+    ("steps string", _set(("steps",), "thought"), ["body", "steps"]),
+    ("step_id negative", _set(("steps", 0, "step_id"), -1), ["body", "steps", 0, "step_id"]),
+    ("step_id fraction", _set(("steps", 0, "step_id"), 1.5), ["body", "steps", 0, "step_id"]),
+    ("step_id string", _set(("steps", 1, "step_id"), "1"), ["body", "steps", 1, "step_id"]),
+    ("step type", _set(("steps", 2, "type"), "action"), ["body", "steps", 2, "type"]),
+    (
+        "tool without name",
+        _set(("steps", 1, "tool"), {"mcp_server": "x"}),
+        ["body", "steps", 1, "tool", "name"],
+    ),
+    ("tool string", _set(("steps", 1, "tool"), "search"), ["body", "steps", 1, "tool"]),
+    ("latency negative", _set(("steps", 0, "latency_ms"), -5), ["body", "steps", 0, "latency_ms"]),
+    ("content number", _set(("steps", 0, "content"), 42), ["body", "steps", 0, "content"]),
+    ("input string", _set(("steps", 0, "input"), "x"), ["body", "steps", 0, "input"]),
+    (
+        "confidence above 1",
+        _set(("outcome", "confidence"), 1.01),
+        ["body", "outcome", "confidence"],
+    ),
+    (
+        "confidence negative",
+        _set(("outcome", "confidence"), -0.1),
+        ["body", "outcome", "confidence"],
+    ),
+    ("confidence bool", _set(("outcome", "confidence"), True), ["body", "outcome", "confidence"]),
+    (
+        "result_summary missing",
+        _drop(("outcome", "result_summary")),
+        ["body", "outcome", "result_summary"],
+    ),
+    (
+        "graph entity",
+        _set(("knowledge_graph_delta",), {"entities": [{"name": "x"}], "relationships": []}),
+        ["body", "knowledge_graph_delta", "entities", 0, "type"],
+    ),
+]
+
+# (name, raw body, the loc the answer must name or None for a non-field error)
+RAW_CASES: list[tuple[str, bytes, list[Any] | None]] = [
+    ("json array", b"[]", ["body"]),
+    ("json string", b'"hello"', ["body"]),
+    ("json null", b"null", ["body"]),
+    ("malformed", b'{"@context": ', ["body"]),
+    ("empty body", b"", ["body"]),
+    ("trailing garbage", json.dumps(make_trace()).encode() + b"}", ["body"]),
+    (
+        "NaN",
+        json.dumps(make_trace()).replace('"confidence": 1.0', '"confidence": NaN').encode(),
+        ["body", "outcome", "confidence"],
+    ),
+    (
+        "Infinity",
+        json.dumps(make_trace()).replace('"confidence": 1.0', '"confidence": Infinity').encode(),
+        ["body", "outcome", "confidence"],
+    ),
+    (
+        "huge number",
+        json.dumps(make_trace()).replace('"confidence": 1.0', '"confidence": 1e400').encode(),
+        ["body", "outcome", "confidence"],
+    ),
+    ("invalid utf-8", b'{"id": "\xff\xfe"}', None),
+]
+
+
+@pytest.fixture(scope="module")
+def primed() -> Iterator[TestClient]:
+    """A service with the model loaded and two traces cached, so that changes would show."""
+    with TestClient(create_app(Settings())) as client:
+        client.post("/evaluate", json=make_trace(objective="first"))
+        client.post("/evaluate", json=make_trace(objective="second"))
+        yield client
+
+
+def _state(client: TestClient) -> tuple[Any, ...]:
+    stats = client.get("/cache").json()
+    metrics = client.get("/metrics").text
+    evaluations = [line for line in metrics.splitlines() if line.startswith("kp_evaluations_total")]
+    return stats["size"], stats["adds_total"], tuple(evaluations)
+
+
+def _assert_names(detail: Any, loc: list[Any]) -> None:
+    assert isinstance(detail, list), detail
+    assert detail
+    assert all({"loc", "msg", "type"} <= set(e) for e in detail)
+    assert any(e["loc"][: len(loc)] == loc for e in detail), (loc, detail)
+
+
+def test_there_are_at_least_25_malformed_payloads() -> None:
+    assert len(FIELD_CASES) + len(RAW_CASES) >= 25
+
+
+@pytest.mark.parametrize(("name", "mutate", "loc"), FIELD_CASES, ids=[c[0] for c in FIELD_CASES])
+def test_bad_field_is_named_and_changes_nothing(
+    primed: TestClient, name: str, mutate: Callable[[Trace], Trace], loc: list[Any]
+) -> None:
+    before = _state(primed)
+    r = primed.post("/evaluate", json=mutate(copy.deepcopy(make_trace())))
+    assert r.status_code == 422, r.text
+    _assert_names(r.json()["detail"], loc)
+    assert "Traceback" not in r.text
+    assert _state(primed) == before
+
+
+@pytest.mark.parametrize(("name", "body", "loc"), RAW_CASES, ids=[c[0] for c in RAW_CASES])
+def test_bad_body_is_a_4xx_and_changes_nothing(
+    primed: TestClient, name: str, body: bytes, loc: list[Any] | None
+) -> None:
+    before = _state(primed)
+    r = primed.post("/evaluate", content=body, headers={"content-type": "application/json"})
+    assert 400 <= r.status_code < 500, r.text
+    if loc is not None:
+        _assert_names(r.json()["detail"], loc)
+    assert "Traceback" not in r.text
+    assert _state(primed) == before
+
+
+def test_wrong_content_type_is_415(primed: TestClient) -> None:
+    before = _state(primed)
+    r = primed.post(
+        "/evaluate", content=json.dumps(make_trace()), headers={"content-type": "text/plain"}
+    )
+    assert r.status_code == 415
+    _assert_names(r.json()["detail"], ["header", "content-type"])
+    assert _state(primed) == before
+
+
+def test_body_over_the_limit_is_413(make_client: ClientFactory) -> None:
+    client = make_client(embedder="none", max_body_bytes=4096)
+    big = make_trace(objective="x" * 5000)
+    r = client.post("/evaluate", json=big)
+    assert r.status_code == 413
+    assert "KP_MAX_BODY_BYTES" in r.json()["detail"][0]["msg"]
+
+    def chunks() -> Any:  # no Content-Length: the limit is enforced while reading
+        yield json.dumps(big).encode()
+
+    r = client.post("/evaluate", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    assert client.get("/metrics").text.count("kp_evaluations_total{") == 0
+
+
+def test_unknown_fields_are_ignored(client_no_embedder: TestClient) -> None:
+    trace = make_trace()
+    trace["extra"] = {"anything": [1, 2]}
+    trace["steps"][0]["unknown"] = True
+    r = client_no_embedder.post("/evaluate", json=trace)
+    assert r.status_code == 200
+    assert r.json()["score"] == pytest.approx(0.57625)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        (("@context",), "https://knowledgepulse.dev/schema/v1"),
+        (("metadata", "created_at"), "2025-06-15T10:00:00Z"),
+        (("metadata", "created_at"), "2025-06-15T10:00:00.123456+02:00"),
+        (("steps", 0, "step_id"), 3.0),
+        (("steps", 0, "latency_ms"), 0),
+        (("task", "objective"), "   "),
+    ],
+)
+def test_edge_values_that_are_valid(
+    client_no_embedder: TestClient, field: tuple[Any, ...], value: Any
+) -> None:
+    r = client_no_embedder.post("/evaluate", json=_set(field, value)(make_trace()))
+    assert r.status_code == 200, r.text
+
+
+def test_errors_do_not_echo_the_input(client_no_embedder: TestClient) -> None:
+    trace = make_trace()
+    trace["outcome"]["confidence"] = "very secret text"
+    r = client_no_embedder.post("/evaluate", json=trace)
+    assert r.status_code == 422
+    assert "very secret text" not in r.text

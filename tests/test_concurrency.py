@@ -1,0 +1,131 @@
+"""Concurrent requests equal some one-at-a-time order of the same requests (SPEC section 8)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import pytest
+
+from app.core.config import Settings
+from app.main import create_app
+from tests.factories import make_trace, step
+
+TOPICS = [
+    "Reconcile the Q3 ledger against bank statements",
+    "Debug a flaky integration test in the CI pipeline",
+    "Triage a patient's chest pain symptoms",
+    "Answer a refund request for a damaged parcel",
+    "Tune the autovacuum settings of a busy database",
+    "Write a haiku about autumn leaves",
+    "Plan a three-day trip to Kyoto in spring",
+    "Estimate the carbon footprint of a data centre",
+    "Review a pull request for SQL injection",
+    "Summarise a paper on protein folding",
+    "Design a schema for an event ticketing system",
+    "Compare two mortgage offers with different fees",
+]
+
+
+@asynccontextmanager
+async def service(**settings: Any) -> AsyncIterator[httpx.AsyncClient]:
+    app = create_app(Settings(**settings))
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://kp") as client:
+            yield client
+
+
+def run(test: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(test())
+
+
+def test_32_clients_posting_the_same_new_trace_see_one_empty_cache() -> None:
+    async def scenario() -> None:
+        async with service() as client:
+            await client.post("/evaluate", json=make_trace(objective="warm the model up"))
+            await client.delete("/cache")
+            trace = make_trace(objective="A brand new trace that nobody has seen")
+            responses = await asyncio.gather(
+                *(client.post("/evaluate", json=trace) for _ in range(32))
+            )
+            assert all(r.status_code == 200 for r in responses)
+            novelty = [r.json()["novelty"] for r in responses]
+            assert sum(n["reason"] == "cache_empty" for n in novelty) == 1
+            measured = [
+                r.json()["dimensions"]["novelty"]
+                for r in responses
+                if r.json()["novelty"]["measured"]
+            ]
+            assert len(measured) == 31
+            assert max(measured) < 1e-6
+            assert sorted(n["cache_size"] for n in novelty) == list(range(32))
+            assert (await client.get("/cache")).json()["size"] == 32
+
+    run(scenario)
+
+
+@pytest.mark.parametrize("capacity", [1000, 5])
+def test_concurrent_distinct_traces_equal_a_sequential_order(capacity: int) -> None:
+    traces = [
+        make_trace(
+            trace_id=f"kp:trace:{i}",
+            objective=topic,
+            steps=[
+                step(0, "thought", topic.lower()),
+                step(1, "tool_call", "look it up", f"t{i % 3}"),
+            ],
+        )
+        for i, topic in enumerate(TOPICS)
+    ]
+
+    async def scenario() -> None:
+        async with service(cache_capacity=capacity) as client:
+            concurrent = await asyncio.gather(*(client.post("/evaluate", json=t) for t in traces))
+            assert all(r.status_code == 200 for r in concurrent)
+            stats = (await client.get("/cache")).json()
+            assert stats["size"] == min(len(traces), capacity)
+            assert stats["adds_total"] == len(traces)
+            # The order the service applied them in: the number of adds each one saw.
+            results = {r.json()["trace_id"]: r.json() for r in concurrent}
+            if capacity >= len(traces):
+                order = sorted(results, key=lambda tid: results[tid]["novelty"]["cache_size"])
+                assert [results[t]["novelty"]["cache_size"] for t in order] == list(
+                    range(len(traces))
+                )
+            else:
+                return  # sizes saturate; the large-capacity case checks the replay
+
+        async with service(cache_capacity=capacity) as fresh:
+            by_id = {t["id"]: t for t in traces}
+            for trace_id in order:
+                replay = (await fresh.post("/evaluate", json=by_id[trace_id])).json()
+                assert replay["score"] == results[trace_id]["score"]
+                assert replay["novelty"]["max_cosine"] == results[trace_id]["novelty"]["max_cosine"]
+
+    run(scenario)
+
+
+def test_health_stays_fast_while_traces_are_scored() -> None:
+    long_trace = make_trace(steps=[step(0, "thought", "word " * 600)])
+
+    async def scenario() -> None:
+        async with service(embedder_preload=True) as client:
+            scoring = [
+                asyncio.create_task(client.post("/evaluate", json=long_trace)) for _ in range(8)
+            ]
+            await asyncio.sleep(0.01)
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            health = await client.get("/healthz")
+            health_seconds = loop.time() - started
+            await asyncio.gather(*scoring)
+            total_seconds = loop.time() - started
+            assert health.status_code == 200
+            # The event loop is not blocked by the model: health answers before the backlog clears.
+            assert health_seconds < total_seconds / 2
+
+    run(scenario)

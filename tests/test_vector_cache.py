@@ -1,0 +1,184 @@
+"""The vector cache (SPEC section 6): eviction, TTL, exactness, thread safety."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from app.domain.vector_cache import CacheEntries, VectorCache
+
+
+class FakeClock:
+    def __init__(self, now: float = 1_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def unit(seed: int, dims: int = 384) -> np.ndarray:
+    v = np.random.default_rng(seed).standard_normal(dims).astype(np.float32)
+    return v / np.linalg.norm(v)
+
+
+def reference_max_cosine(vectors: list[np.ndarray], q: np.ndarray) -> float:
+    """The reference's loop: double-precision dot and norms, running max from -1."""
+    best = -1.0
+    for v in vectors:
+        a, b = v.astype(np.float64), q.astype(np.float64)
+        denom = np.sqrt(a @ a) * np.sqrt(b @ b)
+        sim = 0.0 if denom == 0 else float(a @ b / denom)
+        best = max(best, sim)
+    return best
+
+
+def test_empty_cache_answers_zero() -> None:
+    cache = VectorCache()
+    assert cache.size == 0
+    assert cache.max_cosine_similarity(unit(1)) == 0.0
+
+
+def test_identical_vector_has_cosine_one() -> None:
+    cache = VectorCache()
+    cache.add(unit(1))
+    assert cache.max_cosine_similarity(unit(1)) == pytest.approx(1.0, abs=1e-12)
+
+
+@pytest.mark.parametrize("shape", [(383,), (385,), (2, 384), ()])
+def test_wrong_dimensions_are_rejected(shape: tuple[int, ...]) -> None:
+    cache = VectorCache()
+    with pytest.raises(ValueError, match="384"):
+        cache.add(np.zeros(shape, dtype=np.float32))
+    assert cache.size == 0
+
+
+def test_non_finite_vectors_are_rejected() -> None:
+    v = unit(1)
+    v[3] = np.nan
+    cache = VectorCache()
+    with pytest.raises(ValueError, match="non-finite"):
+        cache.add(v)
+
+
+def test_eviction_is_oldest_first() -> None:
+    cache = VectorCache(capacity=3)
+    for seed in range(5):
+        cache.add(unit(seed))
+    assert cache.size == 3
+    kept = cache.entries().vectors
+    np.testing.assert_array_equal(kept, np.vstack([unit(2), unit(3), unit(4)]))
+    assert cache.max_cosine_similarity(unit(0)) < 0.5  # evicted
+    assert cache.max_cosine_similarity(unit(4)) == pytest.approx(1.0)
+    stats = cache.stats()
+    assert (stats.adds_total, stats.evictions_total) == (5, 2)
+
+
+def test_ttl_drops_expired_entries_before_any_query() -> None:
+    clock = FakeClock()
+    cache = VectorCache(ttl_ms=1000, clock_ms=clock)
+    cache.add(unit(1))
+    clock.now += 600
+    cache.add(unit(2))
+    clock.now += 399
+    assert cache.size == 2
+    clock.now += 1  # the first entry is now exactly ttl old: gone (the reference keeps > cutoff)
+    assert cache.size == 1
+    assert cache.max_cosine_similarity(unit(1)) < 0.5
+    clock.now += 600
+    assert cache.max_cosine_similarity(unit(2)) == 0.0
+    assert cache.size == 0
+
+
+def test_stats_report_ages_with_the_injected_clock() -> None:
+    clock = FakeClock()
+    cache = VectorCache(capacity=10, clock_ms=clock)
+    cache.add(unit(1))
+    clock.now += 250
+    cache.add(unit(2))
+    clock.now += 50
+    stats = cache.stats()
+    assert (stats.oldest_age_ms, stats.newest_age_ms) == (300, 50)
+    assert stats.memory_bytes >= 2 * 384 * 4
+
+
+def test_clear_reports_what_it_dropped() -> None:
+    cache = VectorCache()
+    for seed in range(4):
+        cache.add(unit(seed))
+    assert cache.clear() == 4
+    assert cache.size == 0
+    assert cache.max_cosine_similarity(unit(1)) == 0.0
+
+
+def test_copy_is_independent() -> None:
+    cache = VectorCache(capacity=5)
+    for seed in range(7):
+        cache.add(unit(seed))
+    twin = cache.copy()
+    twin.add(unit(99))
+    assert cache.max_cosine_similarity(unit(99)) < 0.5
+    assert twin.max_cosine_similarity(unit(99)) == pytest.approx(1.0)
+    assert twin.size == cache.size == 5
+
+
+def test_load_keeps_the_newest_capacity_entries() -> None:
+    cache = VectorCache(capacity=2)
+    vectors = np.vstack([unit(s) for s in range(3)])
+    cache.load(CacheEntries(vectors, np.array([1.0, 2.0, 3.0])))
+    np.testing.assert_array_equal(cache.entries().vectors, vectors[1:])
+    with pytest.raises(ValueError, match="dimensions"):
+        cache.load(CacheEntries(np.zeros((2, 10), dtype=np.float32), np.zeros(2)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seeds=st.lists(st.integers(0, 10_000), min_size=1, max_size=40),
+    capacity=st.integers(1, 16),
+    query=st.integers(0, 10_000),
+)
+def test_max_cosine_equals_the_reference_loop_through_wraparound(
+    seeds: list[int], capacity: int, query: int
+) -> None:
+    cache = VectorCache(capacity=capacity, dimensions=16)
+    for s in seeds:
+        cache.add(unit(s, 16))
+    kept = [unit(s, 16) for s in seeds[-capacity:]]
+    q = unit(query, 16)
+    assert cache.max_cosine_similarity(q) == reference_max_cosine(kept, q)
+    assert cache.size == len(kept)
+
+
+def test_scan_is_exact_at_full_capacity() -> None:
+    cache = VectorCache(capacity=1000)
+    vectors = [unit(s) for s in range(1200)]
+    for v in vectors:
+        cache.add(v)
+    for q in (unit(5000), vectors[-1], vectors[100]):
+        assert cache.max_cosine_similarity(q) == reference_max_cosine(vectors[-1000:], q)
+
+
+def test_concurrent_adds_and_queries_keep_the_cache_consistent() -> None:
+    cache = VectorCache(capacity=50)
+    errors: list[BaseException] = []
+
+    def worker(offset: int) -> None:
+        try:
+            for i in range(200):
+                cache.add(unit(offset * 1000 + i))
+                cache.max_cosine_similarity(unit(i))
+                assert cache.size <= 50
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    stats = cache.stats()
+    assert (stats.size, stats.adds_total, stats.evictions_total) == (50, 1600, 1550)
