@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
 
 from fastapi import FastAPI
+from fastapi.concurrency import run_in_threadpool
 
 from app import __version__
 from app.api.deps import Services
@@ -20,8 +22,9 @@ from app.core.metrics import Metrics
 from app.domain.vector_cache import VectorCache
 from app.embedding import model_files
 from app.embedding.onnx_embedder import ModelError, OnnxEmbedder
-from app.services.embeddings import EmbedderFactory, EmbeddingService
+from app.services.embeddings import EmbeddingService
 from app.services.evaluator import Evaluator
+from app.services.snapshots import SnapshotStore
 
 log = logging.getLogger("app")
 
@@ -31,25 +34,41 @@ def _load_embedder(files: model_files.ModelFiles, threads: int) -> OnnxEmbedder:
     return OnnxEmbedder(files.model, files.tokenizer, intra_op_threads=threads)
 
 
-def build_embeddings(settings: Settings) -> EmbeddingService:
-    """The embedding service the settings ask for; its model loads later (lazily or preloaded)."""
-    factory: EmbedderFactory | None = None
-    name: str | None = None
-    if settings.embedder == "onnx":
-        try:
-            files = model_files.resolve(settings.model_path, settings.tokenizer_path)
-        except ModelError as exc:
-            service = EmbeddingService(None, model_name=None)
-            service.state, service.reason = service.state.UNAVAILABLE, str(exc)
-            log.error("embedder unavailable; novelty is not measured", extra={"reason": str(exc)})
-            return service
-        factory, name = partial(_load_embedder, files, settings.embedder_threads), files.name
-    return EmbeddingService(
-        factory,
-        model_name=name,
+def build_embeddings(settings: Settings) -> tuple[EmbeddingService, model_files.ModelFiles | None]:
+    """The embedding service the settings ask for (its model loads later), and its files."""
+    if settings.embedder == "none":
+        return EmbeddingService(None, model_name=None), None
+    try:
+        files = model_files.resolve(settings.model_path, settings.tokenizer_path)
+    except ModelError as exc:
+        service = EmbeddingService(None, model_name=None)
+        service.mark_unavailable(str(exc))
+        return service, None
+    service = EmbeddingService(
+        partial(_load_embedder, files, settings.embedder_threads),
+        model_name=files.name,
         batch_size=settings.embed_batch_size,
         queue_limit=settings.embed_queue_limit,
     )
+    return service, files
+
+
+def build_snapshots(
+    settings: Settings, cache: VectorCache, files: model_files.ModelFiles | None
+) -> SnapshotStore:
+    model_id = None
+    if settings.cache_snapshot_path is not None and files is not None:
+        try:
+            model_id = model_files.identity(files)
+        except ModelError as exc:
+            log.error("cache snapshots off: model identity unknown", extra={"reason": str(exc)})
+    return SnapshotStore(settings.cache_snapshot_path, cache, model_id)
+
+
+async def _save_periodically(snapshots: SnapshotStore, interval_s: float) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        await run_in_threadpool(snapshots.save)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -59,9 +78,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         cache = VectorCache(settings.cache_capacity, ttl_ms=settings.cache_ttl_ms)
-        embeddings = build_embeddings(settings)
+        embeddings, files = build_embeddings(settings)
+        snapshots = build_snapshots(settings, cache, files)
+        await run_in_threadpool(snapshots.restore)
         app.state.services = Services(
-            settings, cache, embeddings, Evaluator(cache, embeddings), metrics
+            settings, cache, embeddings, Evaluator(cache, embeddings), metrics, snapshots
         )
         if settings.admin_token is None:
             log.warning("KP_ADMIN_TOKEN is not set: GET and DELETE /cache are open to every caller")
@@ -71,11 +92,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             "kp-scoring started",
             extra={"embedder": embeddings.state.value, "cache_capacity": settings.cache_capacity},
         )
+        saver = asyncio.create_task(
+            _save_periodically(snapshots, settings.cache_snapshot_interval_s)
+        )
         try:
             yield
         finally:
+            saver.cancel()
             await embeddings.close()
-            log.info("kp-scoring stopped")
+            await run_in_threadpool(snapshots.save)
+            log.info("kp-scoring stopped", extra={"cache_size": cache.size})
 
     app = FastAPI(
         title="kp-scoring",

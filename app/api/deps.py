@@ -14,6 +14,7 @@ from app.core.metrics import Metrics
 from app.domain.vector_cache import VectorCache
 from app.services.embeddings import EmbeddingService
 from app.services.evaluator import Evaluator
+from app.services.snapshots import SnapshotStore
 
 
 @dataclass(slots=True)
@@ -25,6 +26,7 @@ class Services:
     embeddings: EmbeddingService
     evaluator: Evaluator
     metrics: Metrics
+    snapshots: SnapshotStore
 
 
 def get_services(request: Request) -> Services:

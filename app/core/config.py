@@ -27,6 +27,7 @@ class Settings(BaseSettings):
     cache_capacity: Annotated[int, Field(ge=1)] = 1000
     cache_ttl_ms: Annotated[float, Field(gt=0)] | None = None
     cache_snapshot_path: Path | None = None
+    cache_snapshot_interval_s: Annotated[float, Field(gt=0)] = 30.0
 
     admin_token: SecretStr | None = None
 

@@ -55,6 +55,11 @@ class Metrics:
             "kp_embedder_state", "1 for the embedder's current state.", ["state"], registry=r
         )
         self.queue_depth = Gauge("kp_embed_queue_depth", "Texts waiting for the model.", registry=r)
+        self.snapshot_save_errors = Gauge(
+            "kp_snapshot_save_errors",
+            "Failed cache snapshot saves since start.",
+            registry=r,
+        )
         self.overloaded = Counter(
             "kp_overloaded", "Requests turned away with 503 because the queue was full.", registry=r
         )

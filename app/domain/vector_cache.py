@@ -76,6 +76,7 @@ class VectorCache:
         self._size = 0
         self.adds_total = 0
         self.evictions_total = 0
+        self.clears_total = 0
 
     # ── queries ─────────────────────────────────────────────────────────────
 
@@ -185,6 +186,7 @@ class VectorCache:
             dropped = self._size
             self._head = 0
             self._size = 0
+            self.clears_total += 1
             return dropped
 
     # ── internals ───────────────────────────────────────────────────────────

@@ -58,6 +58,14 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
+def identity(files: ModelFiles) -> str:
+    """What the vectors depend on: the model's and the tokenizer's content hashes."""
+    model = files.expected_sha256 or sha256_of(files.model)
+    return (
+        f"minilm-l6-v2:model-sha256={model[:16]}:tokenizer-sha256={sha256_of(files.tokenizer)[:16]}"
+    )
+
+
 def verify(files: ModelFiles) -> str:
     """The model file's sha256, after checking it against the expected one when there is one."""
     actual = sha256_of(files.model)

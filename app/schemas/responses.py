@@ -9,6 +9,7 @@ from pydantic import BaseModel, Field
 from app.schemas.trace import ReasoningTrace
 from app.services.embeddings import EmbedderState
 from app.services.evaluator import Evaluation, NoveltyReason
+from app.services.snapshots import SnapshotState, SnapshotStatus
 
 
 class DimensionsOut(BaseModel):
@@ -122,10 +123,35 @@ class HealthOut(BaseModel):
     status: Literal["ok"]
 
 
+class SnapshotOut(BaseModel):
+    path: str | None
+    state: SnapshotState
+    detail: str | None = Field(description="Why a snapshot was set aside or could not be read.")
+    loaded_vectors: int
+    last_saved_at_ms: float | None
+    last_save_error: str | None = Field(description="The latest save failure, until a save works.")
+    saves_total: int
+    save_errors_total: int
+
+    @classmethod
+    def of(cls, status: SnapshotStatus) -> SnapshotOut:
+        return cls(
+            path=str(status.path) if status.path else None,
+            state=status.state,
+            detail=status.detail,
+            loaded_vectors=status.loaded_vectors,
+            last_saved_at_ms=status.last_saved_at_ms,
+            last_save_error=status.last_save_error,
+            saves_total=status.saves_total,
+            save_errors_total=status.save_errors_total,
+        )
+
+
 class ReadyOut(BaseModel):
     status: Literal["ready", "degraded"]
     degraded: bool = Field(description="True when novelty is not measured (N fixed at 0.5).")
     embedder: EmbedderOut
     cache_size: int
     admin_auth: bool = Field(description="Whether /cache needs a bearer token.")
+    snapshot: SnapshotOut
     warnings: list[str]

@@ -117,16 +117,16 @@ class EmbeddingService:
         try:
             self._embedder = await loop.run_in_executor(self._executor, self._factory)
         except ModelError as exc:
-            self._mark_unavailable(str(exc))
+            self.mark_unavailable(str(exc))
             return
         except Exception as exc:  # onnxruntime raises many types for a bad file
-            self._mark_unavailable(f"{type(exc).__name__}: {exc}")
+            self.mark_unavailable(f"{type(exc).__name__}: {exc}")
             return
         self.state = EmbedderState.READY
         self._worker = asyncio.create_task(self._run_batches(), name="embedding-batcher")
         log.info("embedder ready", extra={"model": self.model_name})
 
-    def _mark_unavailable(self, reason: str) -> None:
+    def mark_unavailable(self, reason: str) -> None:
         self.state = EmbedderState.UNAVAILABLE
         self.reason = reason
         log.error("embedder unavailable; novelty is not measured", extra={"reason": reason})

@@ -7,8 +7,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from app.api.deps import ServicesDep
 from app.api.routes.cache import embedder_out
-from app.schemas.responses import HealthOut, ReadyOut
+from app.schemas.responses import HealthOut, ReadyOut, SnapshotOut
 from app.services.embeddings import EmbedderState
+from app.services.snapshots import SnapshotState
 
 router = APIRouter(tags=["health"])
 
@@ -28,12 +29,18 @@ async def readyz(services: ServicesDep) -> ReadyOut:
         warnings.append(
             "novelty is not measured (fixed at 0.5): " + (services.embeddings.reason or "")
         )
+    snapshot = services.snapshots.status
+    if snapshot.state in (SnapshotState.SET_ASIDE, SnapshotState.ERROR):
+        warnings.append(f"cache snapshot {snapshot.state.value}: {snapshot.detail}")
+    if snapshot.last_save_error is not None:
+        warnings.append(f"cache snapshot not saved: {snapshot.last_save_error}")
     return ReadyOut(
         status="degraded" if degraded else "ready",
         degraded=degraded,
         embedder=embedder_out(services),
         cache_size=services.cache.size,
         admin_auth=services.settings.admin_token is not None,
+        snapshot=SnapshotOut.of(snapshot),
         warnings=warnings,
     )
 
@@ -44,6 +51,7 @@ async def metrics(services: ServicesDep) -> Response:
     m.cache_size.set(services.cache.size)
     m.cache_evictions.set(services.cache.evictions_total)
     m.queue_depth.set(services.embeddings.queue_depth)
+    m.snapshot_save_errors.set(services.snapshots.status.save_errors_total)
     for state in EmbedderState:
         m.embedder_state.labels(state.value).set(1 if services.embeddings.state is state else 0)
     return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)

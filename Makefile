@@ -1,0 +1,46 @@
+# The two commands a newcomer needs: `make run` and `make test`.
+# Both create ./.venv on first use and install the project into it (nothing else is needed).
+
+VENV ?= .venv
+BIN := $(VENV)/bin
+PYTHON ?= python3
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+.PHONY: run test lint unit openapi image-test bench clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $@
+
+## run: start the service on http://$(HOST):$(PORT) (settings from KP_* variables)
+run: $(BIN)/.installed
+	$(BIN)/uvicorn app.main:app --host $(HOST) --port $(PORT)
+
+## test: lint, type-check and run the whole test suite
+test: lint unit
+
+lint: $(BIN)/.installed
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+unit: $(BIN)/.installed
+	$(BIN)/python -m pytest
+
+## openapi: regenerate openapi/ after an API change
+openapi: $(BIN)/.installed
+	$(BIN)/python -m app.api.openapi_export
+
+## image-test: build the Docker image with podman and test it (installs podman; needs root)
+image-test:
+	bash scripts/image_test.sh
+
+## bench: measure latency and throughput against the bare-onnxruntime floor
+bench: $(BIN)/.installed
+	$(BIN)/python -m bench
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis build *.egg-info

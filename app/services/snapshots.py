@@ -1,0 +1,228 @@
+"""Cache persistence: a snapshot file that survives restarts (KP_CACHE_SNAPSHOT_PATH).
+
+The file is written whole to a temporary name, fsynced, then renamed over the old one, so a
+crash at any moment leaves either the previous snapshot or the new one, never half of one. A
+checksum over the payload catches damage; a snapshot made by another model (or dimension) is
+set aside rather than loaded, since its vectors would not be comparable.
+
+Layout: 8-byte magic, 4-byte little-endian header length, JSON header, then the payload:
+`count x dimensions` float32 vectors followed by `count` float64 insertion times (ms).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import struct
+import time
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+
+import numpy as np
+
+from app.domain.vector_cache import CacheEntries, VectorCache
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"KPCACHE1"
+FORMAT_VERSION = 1
+_HEADER_LEN = struct.Struct("<I")
+_MAX_HEADER = 64 * 1024
+
+
+class SnapshotError(Exception):
+    """The snapshot cannot be used; `kind` says why (corrupt, other_model)."""
+
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(detail)
+        self.kind = kind
+
+
+class SnapshotState(StrEnum):
+    DISABLED = "disabled"
+    NONE = "none"  # no snapshot existed yet
+    LOADED = "loaded"
+    SET_ASIDE = "set_aside"  # unusable file renamed aside; the cache started empty
+    ERROR = "error"  # could not read or write; the cache works in memory
+
+
+@dataclass
+class SnapshotStatus:
+    path: Path | None
+    state: SnapshotState
+    detail: str | None = None
+    loaded_vectors: int = 0
+    last_saved_at_ms: float | None = None
+    last_save_error: str | None = None
+    saves_total: int = 0
+    save_errors_total: int = 0
+
+
+def write_snapshot(path: Path, entries: CacheEntries, model_id: str) -> None:
+    """Atomically replace `path` with a snapshot of `entries`."""
+    vectors = np.ascontiguousarray(entries.vectors, dtype="<f4")
+    times = np.ascontiguousarray(entries.added_at_ms, dtype="<f8")
+    payload = vectors.tobytes() + times.tobytes()
+    header = json.dumps(
+        {
+            "version": FORMAT_VERSION,
+            "model": model_id,
+            "dimensions": int(vectors.shape[1]),
+            "count": int(vectors.shape[0]),
+            "saved_at_ms": time.time() * 1000.0,
+            "payload_sha256": hashlib.sha256(payload).hexdigest(),
+        }
+    ).encode()
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with tmp.open("wb") as f:
+            f.write(MAGIC + _HEADER_LEN.pack(len(header)) + header)
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    _fsync_dir(path.parent)
+
+
+def read_snapshot(path: Path, model_id: str, dimensions: int) -> CacheEntries:
+    """The entries of a snapshot; SnapshotError when it is damaged or from another model."""
+    data = path.read_bytes()
+    if len(data) < len(MAGIC) + _HEADER_LEN.size or not data.startswith(MAGIC):
+        raise SnapshotError("corrupt", "not a kp-scoring cache snapshot (bad magic)")
+    (header_len,) = _HEADER_LEN.unpack_from(data, len(MAGIC))
+    start = len(MAGIC) + _HEADER_LEN.size
+    if header_len > _MAX_HEADER or start + header_len > len(data):
+        raise SnapshotError("corrupt", "truncated snapshot header")
+    try:
+        header = json.loads(data[start : start + header_len])
+        count, dims = int(header["count"]), int(header["dimensions"])
+        version, snapshot_model = header["version"], str(header["model"])
+        checksum = str(header["payload_sha256"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise SnapshotError("corrupt", f"unreadable snapshot header: {exc}") from None
+    if version != FORMAT_VERSION:
+        raise SnapshotError("corrupt", f"unknown snapshot format version {version!r}")
+    if snapshot_model != model_id or dims != dimensions:
+        raise SnapshotError(
+            "other_model",
+            f"snapshot is from model {snapshot_model} ({dims} dimensions); "
+            f"this service runs {model_id} ({dimensions} dimensions)",
+        )
+    payload = data[start + header_len :]
+    if count < 0 or len(payload) != count * dims * 4 + count * 8:
+        raise SnapshotError("corrupt", "snapshot payload is truncated or too long")
+    if hashlib.sha256(payload).hexdigest() != checksum:
+        raise SnapshotError("corrupt", "snapshot checksum does not match its payload")
+    vectors = np.frombuffer(payload, dtype="<f4", count=count * dims).reshape(count, dims)
+    times = np.frombuffer(payload, dtype="<f8", offset=count * dims * 4, count=count)
+    if not (np.isfinite(vectors).all() and np.isfinite(times).all()):
+        raise SnapshotError("corrupt", "snapshot holds non-finite values")
+    return CacheEntries(vectors.astype(np.float32), times.astype(np.float64))
+
+
+def _fsync_dir(directory: Path) -> None:
+    # Makes the rename itself durable; not every filesystem lets a directory be opened.
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+class SnapshotStore:
+    """Loads the cache from its snapshot at start and saves it when it changed."""
+
+    def __init__(self, path: Path | None, cache: VectorCache, model_id: str | None) -> None:
+        self.cache = cache
+        self.model_id = model_id
+        enabled = path is not None and model_id is not None
+        self.status = SnapshotStatus(
+            path, SnapshotState.NONE if enabled else SnapshotState.DISABLED
+        )
+        if path is not None and model_id is None:
+            self.status.detail = "no embedder: the cache holds nothing to save"
+        self._saved_version: tuple[int, int] | None = None
+
+    @property
+    def path(self) -> Path | None:
+        return self.status.path if self.status.state is not SnapshotState.DISABLED else None
+
+    def restore(self) -> None:
+        path = self.path
+        if path is None or self.model_id is None:
+            return
+        for stale in path.parent.glob(f".{path.name}.*.tmp"):
+            with contextlib.suppress(OSError):
+                stale.unlink()  # left by a crash mid-write; the real snapshot is intact
+        if not path.exists():
+            log.info("no cache snapshot yet; starting empty", extra={"path": str(path)})
+            return
+        try:
+            entries = read_snapshot(path, self.model_id, self.cache.dimensions)
+        except SnapshotError as exc:
+            self._set_aside(path, exc)
+            return
+        except OSError as exc:
+            self.status.state, self.status.detail = SnapshotState.ERROR, f"cannot read: {exc}"
+            log.error(
+                "cache snapshot unreadable; starting empty",
+                extra={"path": str(path), "error": str(exc)},
+            )
+            return
+        self.cache.load(entries)
+        self.status.state = SnapshotState.LOADED
+        self.status.loaded_vectors = self.cache.size
+        self._saved_version = self._version()
+        log.info(
+            "cache restored from snapshot",
+            extra={"path": str(path), "vectors": self.status.loaded_vectors},
+        )
+
+    def save(self, *, force: bool = False) -> bool:
+        """Write the snapshot if the cache changed since the last save; errors are reported."""
+        path = self.path
+        if path is None or self.model_id is None:
+            return False
+        version = self._version()
+        if not force and version == self._saved_version:
+            return False
+        try:
+            write_snapshot(path, self.cache.entries(), self.model_id)
+        except OSError as exc:
+            self.status.save_errors_total += 1
+            self.status.last_save_error = f"{exc.strerror or exc} ({path})"
+            log.error(
+                "cache snapshot not saved; serving continues",
+                extra={"error": self.status.last_save_error},
+            )
+            return False
+        self._saved_version = version
+        self.status.saves_total += 1
+        self.status.last_saved_at_ms = time.time() * 1000.0
+        self.status.last_save_error = None
+        return True
+
+    def _version(self) -> tuple[int, int]:
+        # Changes with every add and every clear.
+        return self.cache.adds_total, self.cache.clears_total
+
+    def _set_aside(self, path: Path, exc: SnapshotError) -> None:
+        aside = path.with_name(f"{path.name}.{exc.kind}-{int(time.time())}")
+        try:
+            os.replace(path, aside)
+            detail = f"{exc}; moved to {aside.name}"
+        except OSError as move_error:
+            detail = f"{exc}; could not move it aside: {move_error}"
+        self.status.state, self.status.detail = SnapshotState.SET_ASIDE, detail
+        log.error(
+            "cache snapshot set aside; starting empty", extra={"path": str(path), "reason": detail}
+        )
