@@ -22,6 +22,7 @@ from app.core.metrics import Metrics
 from app.domain.vector_cache import VectorCache
 from app.embedding import model_files
 from app.embedding.onnx_embedder import ModelError, OnnxEmbedder
+from app.schemas.limits import TraceLimits
 from app.services.embeddings import EmbeddingService
 from app.services.evaluator import Evaluator
 from app.services.snapshots import SnapshotStore
@@ -82,7 +83,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         snapshots = build_snapshots(settings, cache, files)
         await run_in_threadpool(snapshots.restore)
         app.state.services = Services(
-            settings, cache, embeddings, Evaluator(cache, embeddings), metrics, snapshots
+            settings,
+            cache,
+            embeddings,
+            Evaluator(cache, embeddings),
+            metrics,
+            snapshots,
+            TraceLimits(settings.max_batch, settings.max_steps, settings.max_string_chars),
         )
         if settings.admin_token is None:
             log.warning("KP_ADMIN_TOKEN is not set: GET and DELETE /cache are open to every caller")
@@ -112,7 +119,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for router in (evaluate.router, cache.router, health.router):
         app.include_router(router)
     install_error_handlers(app)
-    app.add_middleware(RequestGuard, metrics=metrics, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        RequestGuard,
+        metrics=metrics,
+        max_body_bytes=settings.max_body_bytes,
+        max_json_depth=settings.max_json_depth,
+    )
     return app
 
 

@@ -266,3 +266,55 @@ def test_errors_do_not_echo_the_input(client_no_embedder: TestClient) -> None:
     r = client_no_embedder.post("/evaluate", json=trace)
     assert r.status_code == 422
     assert "very secret text" not in r.text
+
+
+def test_ten_megabyte_body_is_413(primed: TestClient) -> None:
+    before = _state(primed)
+    body = b'{"id": "' + b"x" * (10 * 1024 * 1024) + b'"}'
+    r = primed.post("/evaluate", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    assert _state(primed) == before
+
+
+@pytest.mark.parametrize("depth", [33, 5_000, 200_000])
+def test_deep_nesting_is_refused_before_parsing(primed: TestClient, depth: int) -> None:
+    trace = json.dumps(make_trace()).encode()
+    nested = b"[" * depth + b"]" * depth
+    body = trace.replace(b'"outcome": {', b'"deep": ' + nested + b', "outcome": {')
+    before = _state(primed)
+    r = primed.post("/evaluate", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 422
+    assert "KP_MAX_JSON_DEPTH" in r.json()["detail"][0]["msg"]
+    assert _state(primed) == before
+
+
+def test_nesting_within_the_limit_is_fine(client_no_embedder: TestClient) -> None:
+    trace = make_trace()
+    inner: dict[str, Any] = {}
+    trace["steps"][0]["input"] = inner
+    for _ in range(20):
+        inner["next"] = {}
+        inner = inner["next"]
+    assert client_no_embedder.post("/evaluate", json=trace).status_code == 200
+
+
+def test_brackets_inside_strings_do_not_count_as_nesting(client_no_embedder: TestClient) -> None:
+    trace = make_trace(objective="[[[[" * 100 + '\\"{{{{' * 100)
+    assert client_no_embedder.post("/evaluate", json=trace).status_code == 200
+
+
+def test_steps_and_strings_over_the_limits_are_named(make_client: ClientFactory) -> None:
+    client = make_client(embedder="none", max_steps=3, max_string_chars=50)
+    many = make_trace(steps=[{"step_id": i, "type": "thought"} for i in range(4)])
+    r = client.post("/evaluate", json=many)
+    assert r.status_code == 422
+    assert r.json()["detail"][0]["loc"] == ["body", "steps"]
+    assert "KP_MAX_STEPS" in r.json()["detail"][0]["msg"]
+
+    long = make_trace()
+    long["steps"][1]["input"] = {"query": "y" * 51}
+    r = client.post("/evaluate/batch", json={"traces": [make_trace(), long]})
+    assert r.status_code == 422
+    (error,) = r.json()["detail"]
+    assert error["loc"] == ["body", "traces", 1, "steps", 1, "input", "query"]
+    assert "KP_MAX_STRING_CHARS" in error["msg"]

@@ -129,3 +129,28 @@ def test_health_stays_fast_while_traces_are_scored() -> None:
             assert health_seconds < total_seconds / 2
 
     run(scenario)
+
+
+def test_one_failing_input_among_concurrent_requests_fails_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def scenario() -> None:
+        async with service(embedder_preload=True) as client:
+            app = client._transport.app  # type: ignore[attr-defined]
+            embeddings = app.state.services.embeddings
+            real = embeddings._embed_now
+
+            def fragile(texts: list[str]) -> object:
+                if any("KABOOM" in t for t in texts):
+                    raise RuntimeError("simulated")
+                return real(texts)
+
+            monkeypatch.setattr(embeddings, "_embed_now", fragile)
+            traces = [make_trace(objective=t) for t in (*TOPICS[:6], "KABOOM", *TOPICS[6:])]
+            responses = await asyncio.gather(*(client.post("/evaluate", json=t) for t in traces))
+            reasons = [r.json()["novelty"]["reason"] for r in responses]
+            assert reasons.count("embedding_failed") == 1
+            assert reasons[6] == "embedding_failed"
+            assert (await client.get("/cache")).json()["size"] == len(TOPICS)
+
+    run(scenario)

@@ -169,3 +169,30 @@ def test_bad_settings_stop_the_server_with_a_clear_message() -> None:
     assert proc.returncode != 0
     assert "KP_CACHE_CAPACITY" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_embedder_failing_on_one_input_fails_only_that_request(
+    make_client: ClientFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client = make_client(embedder_preload=True)
+    service = client.app.state.services.embeddings  # type: ignore[attr-defined]
+    real = service._embed_now
+
+    def fragile(texts: list[str]) -> object:
+        if any("KABOOM" in t for t in texts):
+            raise RuntimeError("simulated onnxruntime failure")
+        return real(texts)
+
+    monkeypatch.setattr(service, "_embed_now", fragile)
+    good = make_trace(objective="a perfectly ordinary trace")
+    bad = make_trace(objective="KABOOM")
+    results = client.post("/evaluate/batch", json={"traces": [good]}).json()["results"]
+    assert results[0]["novelty"]["reason"] == "cache_empty"
+    failed = client.post("/evaluate", json=bad).json()
+    assert failed["novelty"]["measured"] is False
+    assert failed["novelty"]["reason"] == "embedding_failed"
+    assert "RuntimeError" in failed["novelty"]["detail"]
+    assert failed["dimensions"]["novelty"] == 0.5
+    assert client.get("/cache").json()["size"] == 1  # nothing added for the failed one
+    assert client.post("/evaluate", json=good).json()["novelty"]["measured"] is True
+    assert client.get("/readyz").json()["embedder"]["state"] == "ready"

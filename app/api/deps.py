@@ -12,6 +12,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from app.core.config import Settings
 from app.core.metrics import Metrics
 from app.domain.vector_cache import VectorCache
+from app.schemas.limits import TraceLimits
 from app.services.embeddings import EmbeddingService
 from app.services.evaluator import Evaluator
 from app.services.snapshots import SnapshotStore
@@ -27,6 +28,7 @@ class Services:
     evaluator: Evaluator
     metrics: Metrics
     snapshots: SnapshotStore
+    limits: TraceLimits
 
 
 def get_services(request: Request) -> Services:

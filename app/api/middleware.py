@@ -16,6 +16,7 @@ import orjson
 
 from app.core.metrics import Metrics
 from app.core.request_context import request_id_var
+from app.schemas.limits import json_depth_exceeds
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -29,10 +30,13 @@ _JSON_TYPE = re.compile(r"^application/([a-z0-9.+-]*\+)?json\s*(;.*)?$", re.IGNO
 
 
 class RequestGuard:
-    def __init__(self, app: ASGIApp, *, metrics: Metrics, max_body_bytes: int) -> None:
+    def __init__(
+        self, app: ASGIApp, *, metrics: Metrics, max_body_bytes: int, max_json_depth: int
+    ) -> None:
         self.app = app
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
+        self.max_json_depth = max_json_depth
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -114,6 +118,10 @@ class RequestGuard:
             if not message.get("more_body", False):
                 break
         body = b"".join(chunks)
+        if json_depth_exceeds(body, self.max_json_depth):
+            # Checked before parsing: a deep body would exhaust the parser's recursion.
+            msg = f"JSON nests deeper than {self.max_json_depth} levels (KP_MAX_JSON_DEPTH)"
+            return (422, _detail(("body",), msg, "limit_exceeded")), receive
         replayed = False
 
         async def replay() -> Message:

@@ -33,6 +33,9 @@ class Settings(BaseSettings):
 
     max_body_bytes: Annotated[int, Field(ge=1024)] = 1_048_576
     max_batch: Annotated[int, Field(ge=1, le=10_000)] = 64
+    max_steps: Annotated[int, Field(ge=1)] = 1000
+    max_string_chars: Annotated[int, Field(ge=1)] = 100_000
+    max_json_depth: Annotated[int, Field(ge=4, le=1000)] = 32
     #: Texts one model run takes at most (micro-batching of concurrent requests).
     embed_batch_size: Annotated[int, Field(ge=1, le=1024)] = 32
     #: Texts waiting for the model beyond which requests are turned away with 503.

@@ -152,7 +152,6 @@ class EmbeddingService:
         return await future
 
     async def _run_batches(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             jobs = [await self._queue.get()]
             size = len(jobs[0].texts)
@@ -160,25 +159,35 @@ class EmbeddingService:
                 job = self._queue.get_nowait()
                 jobs.append(job)
                 size += len(job.texts)
-            texts = [text for job in jobs for text in job.texts]
             try:
-                embeddings = await loop.run_in_executor(self._executor, self._embed_now, texts)
-            except Exception as exc:
-                log.exception("embedding failed")
+                await self._run_jobs(jobs)
+            finally:
+                self._pending_texts -= size
+
+    async def _run_jobs(self, jobs: list[_Job]) -> None:
+        """One model run for all jobs; if it fails, each job alone, so one bad input fails alone."""
+        texts = [text for job in jobs for text in job.texts]
+        loop = asyncio.get_running_loop()
+        try:
+            embeddings = await loop.run_in_executor(self._executor, self._embed_now, texts)
+        except Exception as exc:
+            if len(jobs) > 1:
                 for job in jobs:
-                    self._pending_texts -= len(job.texts)
-                    if not job.future.done():
-                        job.future.set_exception(
-                            EmbedderUnavailableError(f"embedding failed: {exc}", "embedding_failed")
-                        )
-                continue
-            self.batches_total += 1
-            start = 0
-            for job in jobs:
-                self._pending_texts -= len(job.texts)
-                if not job.future.done():  # the client may have gone away
-                    job.future.set_result(embeddings[start : start + len(job.texts)])
-                start += len(job.texts)
+                    await self._run_jobs([job])
+                return
+            log.exception("embedding failed for one request", extra={"texts": len(texts)})
+            failure = EmbedderUnavailableError(
+                f"embedding failed: {type(exc).__name__}", "embedding_failed"
+            )
+            if not jobs[0].future.done():
+                jobs[0].future.set_exception(failure)
+            return
+        self.batches_total += 1
+        start = 0
+        for job in jobs:
+            if not job.future.done():  # the client may have gone away
+                job.future.set_result(embeddings[start : start + len(job.texts)])
+            start += len(job.texts)
 
     def _embed_now(self, texts: list[str]) -> list[Embedding]:
         """Runs on the worker thread: tokenize, group by length, run the model per group."""

@@ -7,7 +7,8 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 from fastapi.exceptions import RequestValidationError
 
-from app.api.deps import ServicesDep
+from app.api.deps import Services, ServicesDep
+from app.schemas.limits import limit_errors
 from app.schemas.responses import BatchIn, BatchOut, EvaluationOut
 from app.schemas.trace import ReasoningTrace
 from app.services.evaluator import Evaluation
@@ -30,6 +31,7 @@ DryRun = Annotated[
 async def evaluate(
     trace: ReasoningTrace, services: ServicesDep, dry_run: DryRun = False
 ) -> EvaluationOut:
+    _check_limits(services, [trace], batch=False)
     (evaluation,) = await services.evaluator.evaluate([trace], dry_run=dry_run)
     _count(services, [evaluation])
     return EvaluationOut.of(evaluation)
@@ -39,24 +41,19 @@ async def evaluate(
 async def evaluate_batch(
     batch: BatchIn, services: ServicesDep, dry_run: DryRun = False
 ) -> BatchOut:
-    limit = services.settings.max_batch
-    if len(batch.traces) > limit:
-        raise RequestValidationError(
-            [
-                {
-                    "loc": ("body", "traces"),
-                    "msg": f"at most {limit} traces per batch (KP_MAX_BATCH), "
-                    f"got {len(batch.traces)}",
-                    "type": "too_long",
-                }
-            ]
-        )
+    _check_limits(services, batch.traces, batch=True)
     evaluations = await services.evaluator.evaluate(batch.traces, dry_run=dry_run)
     _count(services, evaluations)
     return BatchOut(results=[EvaluationOut.of(e) for e in evaluations])
 
 
-def _count(services: ServicesDep, evaluations: list[Evaluation]) -> None:
+def _check_limits(services: Services, traces: list[ReasoningTrace], *, batch: bool) -> None:
+    errors = limit_errors(traces, services.limits, batch=batch)
+    if errors:
+        raise RequestValidationError(errors)
+
+
+def _count(services: Services, evaluations: list[Evaluation]) -> None:
     m = services.metrics
     for e in evaluations:
         m.evaluations.labels(e.score.weights.name).inc()
