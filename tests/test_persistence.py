@@ -1,4 +1,4 @@
-"""Cache snapshots: restart, crash, damage, other models, unwritable disks (KP_CACHE_SNAPSHOT_PATH)."""
+"""Cache snapshots: restart, crash, damage, other models, unwritable disks."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from app.services import snapshots
 from app.services.snapshots import SnapshotError, read_snapshot, write_snapshot
 from tests.conftest import ClientFactory
 from tests.factories import make_trace
-from tests.live_server import LiveServer
+from tests.server import LiveServer
 
 MODEL = "test-model"
 

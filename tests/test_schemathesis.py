@@ -17,7 +17,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
-from tests.live_server import LiveServer
+from tests.server import LiveServer
 
 # Per operation with parameters; 7 operations. CI runs well over 1,000 cases in all.
 EXAMPLES = int(os.environ.get("KP_TEST_SCHEMATHESIS_EXAMPLES", "300"))

@@ -148,7 +148,7 @@ def test_max_cosine_equals_the_reference_loop_through_wraparound(
         cache.add(unit(s, 16))
     kept = [unit(s, 16) for s in seeds[-capacity:]]
     q = unit(query, 16)
-    assert cache.max_cosine_similarity(q) == reference_max_cosine(kept, q)
+    assert cache.max_cosine_similarity(q) == pytest.approx(reference_max_cosine(kept, q), abs=1e-12)
     assert cache.size == len(kept)
 
 
@@ -158,7 +158,9 @@ def test_scan_is_exact_at_full_capacity() -> None:
     for v in vectors:
         cache.add(v)
     for q in (unit(5000), vectors[-1], vectors[100]):
-        assert cache.max_cosine_similarity(q) == reference_max_cosine(vectors[-1000:], q)
+        assert cache.max_cosine_similarity(q) == pytest.approx(
+            reference_max_cosine(vectors[-1000:], q), abs=1e-12
+        )
 
 
 def test_concurrent_adds_and_queries_keep_the_cache_consistent() -> None:

@@ -1,0 +1,360 @@
+"""The `kp-scoring` command: run the service, score traces from files, look after the cache.
+
+Exit codes of `evaluate`: 0 every score is at or above the threshold, 1 some score is below it,
+2 usage or input error (bad JSON, a trace the service rejects), 3 the service is unreachable
+or unavailable.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from enum import IntEnum
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from app.client import DEFAULT_URL, KpScoringClient, KpScoringError, Unauthorized, Unreachable
+from app.schemas.responses import EvaluationOut
+
+# The reference SDK captures a trace when its score reaches this value.
+DEFAULT_THRESHOLD = 0.75
+
+OVERRIDE_EFFECTS = {
+    "single_thought": "a single thought step: score set to 0.1",
+    "error_recovery_bonus": "more than 2 error recoveries and success: +0.1",
+    "low_tool_diversity": "tools used, but at most one distinct tool: -0.1",
+}
+
+
+class Code(IntEnum):
+    """Exit codes."""
+
+    OK = 0
+    BELOW_THRESHOLD = 1
+    INPUT_ERROR = 2
+    UNREACHABLE = 3
+
+
+out = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
+
+cli = typer.Typer(
+    name="kp-scoring",
+    help="KnowledgePulse trace scoring: run the service, score traces, manage the cache.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+cache_cli = typer.Typer(help="Inspect or empty the novelty cache.", no_args_is_help=True)
+cli.add_typer(cache_cli, name="cache")
+
+Url = Annotated[
+    str, typer.Option("--url", envvar="KP_URL", help="The service's base URL.", show_envvar=True)
+]
+Token = Annotated[
+    str | None,
+    typer.Option(
+        "--token", envvar="KP_ADMIN_TOKEN", help="Admin token for /cache.", show_envvar=True
+    ),
+]
+AsJson = Annotated[bool, typer.Option("--json", help="Print the raw JSON answer.")]
+
+
+class InputError(Exception):
+    """A trace file that cannot be read or parsed."""
+
+
+def fail(message: str, code: Code) -> typer.Exit:
+    err.print(f"kp-scoring: {message}", markup=False, style="red", soft_wrap=True)
+    return typer.Exit(code)
+
+
+@contextmanager
+def service_errors(token: str | None = None) -> Iterator[None]:
+    """Turns client errors into a plain message and the matching exit code."""
+    try:
+        yield
+    except Unreachable as exc:
+        raise fail(
+            f"{exc}\nIs the service running? Start it with `kp-scoring serve`, "
+            "or point --url (or KP_URL) at it.",
+            Code.UNREACHABLE,
+        ) from None
+    except Unauthorized:
+        problem = "refused the admin token" if token else "wants an admin token"
+        raise fail(
+            f"the service {problem}: pass --token or set KP_ADMIN_TOKEN", Code.INPUT_ERROR
+        ) from None
+    except KpScoringError as exc:
+        raise fail(describe(exc), exit_code(exc)) from None
+
+
+def connect(url: str, token: str | None = None) -> KpScoringClient:
+    if not url.startswith(("http://", "https://")):
+        raise fail(
+            f"--url (or KP_URL) must start with http:// or https://, got {url!r}", Code.INPUT_ERROR
+        )
+    return KpScoringClient(url, admin_token=token)
+
+
+def exit_code(exc: KpScoringError) -> Code:
+    if exc.status_code is not None and 400 <= exc.status_code < 500:
+        return Code.INPUT_ERROR
+    return Code.UNREACHABLE
+
+
+def describe(exc: KpScoringError) -> str:
+    """A client error as lines a person reads: one per field path when the service gave them."""
+    if not exc.errors:
+        return str(exc)
+    lines = [f"the service rejected the input ({exc.status_code}):"]
+    for e in exc.errors:
+        loc = e.loc[1:] if len(e.loc) > 1 and e.loc[0] == "body" else e.loc
+        lines.append(f"  {'.'.join(str(p) for p in loc)}: {e.msg}")
+    return "\n".join(lines)
+
+
+def load_traces(text: str, source: str) -> tuple[list[Any], bool]:
+    """The traces of a JSON document (one trace, an array, or {"traces": [...]}); many or one."""
+    try:
+        document = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{source}: invalid JSON: {exc}") from None
+    if isinstance(document, dict) and isinstance(document.get("traces"), list):
+        document = document["traces"]
+    traces = document if isinstance(document, list) else [document]
+    if not traces or not all(isinstance(t, dict) for t in traces):
+        raise InputError(
+            f"{source}: expected a JSON object (one trace) or a non-empty array of objects"
+        )
+    return traces, isinstance(document, list)
+
+
+def read_source(path: str) -> str:
+    if path == "-":
+        return sys.stdin.read()
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from None
+
+
+def score(kp: KpScoringClient, traces: list[Any], dry_run: bool) -> list[EvaluationOut]:
+    if len(traces) == 1:
+        return [kp.evaluate(traces[0], dry_run=dry_run)]
+    return kp.evaluate_batch(traces, dry_run=dry_run)
+
+
+def verdict(value: float, threshold: float) -> str:
+    return "[green]pass[/]" if value >= threshold else "[red]below[/]"
+
+
+def print_breakdown(r: EvaluationOut, threshold: float) -> None:
+    out.print(
+        f"[bold]{escape(r.trace_id)}[/]  score [bold]{r.score:.4f}[/]  "
+        f"{verdict(r.score, threshold)} (threshold {threshold})  weights: {r.weights.profile}"
+    )
+    table = Table("dimension", "value", "weight", "weighted", box=None, pad_edge=False)
+    total = 0.0
+    for name in ("complexity", "novelty", "tool_diversity", "outcome_confidence"):
+        value, weight = getattr(r.dimensions, name), getattr(r.weights, name)
+        total += value * weight
+        table.add_row(name, f"{value:.3f}", f"{weight:.2f}", f"{value * weight:.3f}")
+    table.add_row("weighted sum", "", "", f"{total:.3f}")
+    out.print(table)
+    rules = [f"{rule} ({OVERRIDE_EFFECTS.get(rule, '?')})" for rule in r.overrides]
+    out.print("overrides: " + ("; ".join(rules) or "none"), markup=False)
+    out.print(novelty_line(r), markup=False)
+
+
+def novelty_line(r: EvaluationOut) -> str:
+    n = r.novelty
+    if n.measured:
+        line = f"novelty: measured, max cosine {n.max_cosine:.3f} against a cache of {n.cache_size}"
+    else:
+        line = f"novelty: not measured ({n.reason}{': ' + n.detail if n.detail else ''})"
+    if n.tokens is not None:
+        line += f"; {n.tokens} tokens" + (", truncated to 512" if n.truncated else "")
+    return line
+
+
+def print_json(data: Any) -> None:
+    typer.echo(json.dumps(data, indent=2))
+
+
+@cli.command()
+def evaluate(
+    path: Annotated[
+        str,
+        typer.Argument(
+            help="A JSON file (one trace, or an array of traces), '-' for stdin, "
+            "or a directory of *.json traces.",
+            metavar="PATH",
+            show_default=False,
+        ),
+    ],
+    url: Url = DEFAULT_URL,
+    threshold: Annotated[
+        float,
+        typer.Option(min=0.0, max=1.0, help="Exit 1 when a score is below this value."),
+    ] = DEFAULT_THRESHOLD,
+    as_json: AsJson = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Score without adding the traces to the cache.")
+    ] = False,
+) -> None:
+    """Score traces and print their breakdown.
+
+    Exit code: 0 all scores >= threshold, 1 some below, 2 bad input, 3 service unreachable.
+    """
+    with connect(url) as kp, service_errors():
+        if path != "-" and Path(path).is_dir():
+            results, failures = evaluate_directory(kp, Path(path), dry_run, threshold, as_json)
+        else:
+            try:
+                source = "stdin" if path == "-" else path
+                traces, many = load_traces(read_source(path), source)
+            except InputError as exc:
+                raise fail(str(exc), Code.INPUT_ERROR) from None
+            results, failures = score(kp, traces, dry_run), 0
+            if as_json:
+                dumped = [r.model_dump(mode="json") for r in results]
+                print_json(dumped if many else dumped[0])
+            else:
+                for i, r in enumerate(results):
+                    if i:
+                        out.print()
+                    print_breakdown(r, threshold)
+    below = sum(r.score < threshold for r in results)
+    if not as_json and len(results) + failures > 1:
+        out.print(
+            f"{len(results)} scored: {len(results) - below} pass, {below} below {threshold}"
+            + (f", {failures} failed" if failures else ""),
+            markup=False,
+        )
+    if failures:
+        raise typer.Exit(Code.INPUT_ERROR)
+    if below:
+        raise typer.Exit(Code.BELOW_THRESHOLD)
+
+
+@dataclass
+class FileResult:
+    file: str
+    results: list[EvaluationOut]
+    error: str | None = None
+
+
+def evaluate_directory(
+    kp: KpScoringClient, directory: Path, dry_run: bool, threshold: float, as_json: bool
+) -> tuple[list[EvaluationOut], int]:
+    """Scores each *.json file in turn; a bad file is reported and the others still scored."""
+    files = sorted(p for p in directory.glob("*.json") if p.is_file())
+    if not files:
+        raise fail(f"no *.json files in {directory}", Code.INPUT_ERROR)
+    done: list[FileResult] = []
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
+    with Progress(*columns, TimeElapsedColumn(), console=err) as progress:
+        task = progress.add_task("scoring", total=len(files))
+        for file in files:
+            progress.update(task, description=f"scoring {file.name}")
+            try:
+                traces, _ = load_traces(read_source(str(file)), file.name)
+                done.append(FileResult(file.name, score(kp, traces, dry_run)))
+            except InputError as exc:
+                done.append(FileResult(file.name, [], str(exc)))
+            except KpScoringError as exc:
+                if exit_code(exc) is not Code.INPUT_ERROR:
+                    raise
+                done.append(FileResult(file.name, [], f"{file.name}: {describe(exc)}"))
+            progress.advance(task)
+        progress.update(task, description=f"scored {len(files)} files")
+    results = [r for f in done for r in f.results]
+    if as_json:
+        print_json([r.model_dump(mode="json") for r in results])
+    else:
+        print_summary(done, threshold)
+    for f in done:
+        if f.error:
+            err.print(f"kp-scoring: {f.error}", markup=False, style="red", soft_wrap=True)
+    return results, sum(f.error is not None for f in done)
+
+
+def print_summary(done: list[FileResult], threshold: float) -> None:
+    table = Table()
+    for name in ("file", "trace", "score", "weights", "overrides", "novelty", "result"):
+        table.add_column(name, overflow="fold")
+    for f in done:
+        if f.error:
+            table.add_row(escape(f.file), "", "", "", "", "", "[red]error[/]")
+        for r in f.results:
+            novelty = "measured" if r.novelty.measured else str(r.novelty.reason)
+            table.add_row(
+                escape(f.file),
+                escape(r.trace_id),
+                f"{r.score:.4f}",
+                r.weights.profile,
+                ", ".join(r.overrides) or "-",
+                novelty,
+                verdict(r.score, threshold),
+            )
+    out.print(table)
+
+
+@cli.command()
+def serve(
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=1, max=65535, help="Port to listen on.")] = 8000,
+    reload: Annotated[bool, typer.Option(help="Restart on code changes (development).")] = False,
+) -> None:
+    """Run the service (one uvicorn process); settings come from KP_* variables."""
+    import uvicorn
+
+    uvicorn.run("app.main:app", host=host, port=port, reload=reload)
+
+
+@cache_cli.command("stats")
+def cache_stats(url: Url = DEFAULT_URL, token: Token = None, as_json: AsJson = False) -> None:
+    """Show the cache's size, limits and counters, and the embedder's state."""
+    with connect(url, token) as kp, service_errors(token):
+        stats = kp.cache_stats()
+    if as_json:
+        print_json(stats.model_dump(mode="json"))
+        return
+    table = Table("cache", "value", box=None, pad_edge=False)
+    for key, value in stats.model_dump(exclude={"embedder"}).items():
+        table.add_row(
+            key,
+            "-" if value is None else f"{value:.1f}" if isinstance(value, float) else str(value),
+        )
+    e = stats.embedder
+    table.add_row("embedder", f"{e.state}" + (f" ({e.model})" if e.model else ""))
+    if e.reason:
+        table.add_row("embedder reason", e.reason)
+    out.print(table)
+
+
+@cache_cli.command("reset")
+def cache_reset(url: Url = DEFAULT_URL, token: Token = None) -> None:
+    """Empty the cache (novelty is measured against an empty cache afterwards)."""
+    with connect(url, token) as kp, service_errors(token):
+        cleared = kp.cache_reset()
+    out.print(f"cleared {cleared} cached vectors")
+
+
+def main() -> None:
+    """The `kp-scoring` console script."""
+    cli()
+
+
+if __name__ == "__main__":
+    main()

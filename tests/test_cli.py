@@ -1,0 +1,328 @@
+"""The kp-scoring CLI against a real uvicorn server: typer's runner, and the installed script."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from typer.testing import CliRunner, Result
+
+from app import cli as cli_module
+from app.cli import cli
+from app.client import KpScoringClient
+from tests.factories import make_trace, step
+from tests.server import TOKEN, Server, entry_point, free_port, running_server
+
+# Plain output whatever the caller's terminal settings; KP_* come from each test.
+PLAIN = {"FORCE_COLOR": None, "TTY_COMPATIBLE": None, "NO_COLOR": "1", "COLUMNS": "80"}
+PLAIN |= {"KP_URL": None, "KP_ADMIN_TOKEN": None}
+
+BREAKDOWN = """\
+kp:trace:test-0001  score 0.5763  below (threshold 0.75)  weights: default
+dimension           value  weight  weighted
+complexity          0.405  0.25    0.101
+novelty             0.500  0.35    0.175
+tool_diversity      1.000  0.15    0.150
+outcome_confidence  1.000  0.25    0.250
+weighted sum                       0.676
+overrides: low_tool_diversity (tools used, but at most one distinct tool: -0.1)
+novelty: not measured (embedder_unavailable: disabled by KP_EMBEDDER=none)
+"""
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    with running_server() as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def onnx_server() -> Iterator[Server]:
+    with running_server(embedder="onnx") as s:
+        yield s
+
+
+def run(args: list[str], url: str, *, stdin: str | None = None, **env: str) -> Result:
+    return CliRunner().invoke(cli, args, input=stdin, env={**PLAIN, "KP_URL": url, **env})
+
+
+def write(path: Path, data: Any) -> Path:
+    path.write_text(json.dumps(data), encoding="utf-8")
+    return path
+
+
+def passing_trace(trace_id: str = "kp:trace:pass") -> dict[str, Any]:
+    """Scores 0.87107 with no embedder: two tools and the error-recovery bonus."""
+    steps = [
+        step(0, "thought", "plan"),
+        step(1, "tool_call", "look", tool="search"),
+        step(2, "tool_call", "read", tool="read_file"),
+        *(step(i, "error_recovery", "retry") for i in (3, 4, 5)),
+        step(6, "observation", "done"),
+    ]
+    return make_trace(steps=steps, trace_id=trace_id)
+
+
+def invalid_trace() -> dict[str, Any]:
+    trace = make_trace()
+    trace["steps"][0]["type"] = "musing"
+    del trace["outcome"]
+    return trace
+
+
+def lines(text: str) -> list[str]:
+    return [line.rstrip() for line in text.splitlines()]
+
+
+# --- evaluate ------------------------------------------------------------------------------
+
+
+def test_evaluate_a_file_prints_the_breakdown(
+    server: Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    write(tmp_path / "trace.json", make_trace())
+    result = run(["evaluate", "trace.json"], server.url)
+    assert lines(result.stdout) == lines(BREAKDOWN)
+    assert result.exit_code == 1  # 0.57625 < 0.75
+
+
+@pytest.mark.parametrize(
+    ("threshold", "code"), [("0.5", 0), ("0.57625", 0), ("0.5763", 1), ("0.75", 1)]
+)
+def test_exit_code_follows_the_threshold(
+    server: Server, tmp_path: Path, threshold: str, code: int
+) -> None:
+    path = write(tmp_path / "trace.json", make_trace())
+    result = run(["evaluate", str(path), "--threshold", threshold], server.url)
+    assert result.exit_code == code, result.output
+    assert ("pass" if code == 0 else "below") in result.stdout
+
+
+def test_evaluate_stdin_json_dry_run(server: Server) -> None:
+    result = run(
+        ["evaluate", "-", "--json", "--dry-run"], server.url, stdin=json.dumps(make_trace())
+    )
+    assert result.exit_code == 1
+    data = json.loads(result.stdout)
+    assert data["trace_id"] == "kp:trace:test-0001"
+    assert data["score"] == 0.57625
+    assert data["overrides"] == ["low_tool_diversity"]
+
+
+def test_evaluate_an_array_scores_in_order(server: Server) -> None:
+    traces = [passing_trace(), make_trace()]
+    result = run(["evaluate", "-", "--json"], server.url, stdin=json.dumps(traces))
+    assert result.exit_code == 1  # one of the two is below 0.75
+    data = json.loads(result.stdout)
+    assert [d["trace_id"] for d in data] == ["kp:trace:pass", "kp:trace:test-0001"]
+    assert data[0]["score"] == pytest.approx(0.87107, abs=1e-5)
+    assert data[0]["overrides"] == ["error_recovery_bonus"]
+
+    one = run(["evaluate", "-", "--json"], server.url, stdin=json.dumps({"traces": traces[:1]}))
+    assert one.exit_code == 0  # the pass trace alone
+    assert [d["trace_id"] for d in json.loads(one.stdout)] == ["kp:trace:pass"]  # still a list
+
+    plain = run(["evaluate", "-", "--threshold", "0.5"], server.url, stdin=json.dumps(traces))
+    assert plain.exit_code == 0
+    assert plain.stdout.count("weighted sum") == 2
+    assert "2 scored: 2 pass, 0 below 0.5" in plain.stdout
+
+
+def test_evaluate_a_directory(
+    server: Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "traces").mkdir()
+    write(tmp_path / "traces" / "a.json", passing_trace("kp:trace:a"))
+    write(tmp_path / "traces" / "b.json", make_trace(trace_id="kp:trace:[b]"))
+    (tmp_path / "traces" / "notes.txt").write_text("not a trace")
+
+    result = run(["evaluate", "traces/", "--threshold", "0.5"], server.url)
+    assert result.exit_code == 0, result.output
+    assert "scored 2 files" in result.stderr  # the progress bar, in its final state
+    assert "━" in result.stderr
+    assert "2/2" in result.stderr
+    rows = [line for line in lines(result.stdout) if ".json" in line]
+    assert len(rows) == 2
+    assert rows[0].split()[1:4:2] == ["a.json", "kp:trace:a"]
+    assert rows[1].split()[1] == "b.json"
+    assert rows[1].split()[3].startswith("kp:trace:[b")  # "[b]" is not taken for markup
+    assert [row.split()[5] for row in rows] == ["0.8711", "0.5763"]
+    assert all(row.split()[-2] == "pass" for row in rows)
+    assert "2 scored: 2 pass, 0 below 0.5" in result.stdout
+
+    below = run(["evaluate", "traces/"], server.url)
+    assert below.exit_code == 1
+    assert "2 scored: 1 pass, 1 below 0.75" in below.stdout
+
+
+def test_a_directory_with_bad_files_scores_the_others(server: Server, tmp_path: Path) -> None:
+    write(tmp_path / "a.json", passing_trace())
+    (tmp_path / "b.json").write_text("{not json")
+    write(tmp_path / "c.json", invalid_trace())
+
+    result = run(["evaluate", str(tmp_path), "--json"], server.url)
+    assert result.exit_code == 2
+    assert [r["trace_id"] for r in json.loads(result.stdout)] == ["kp:trace:pass"]
+    assert "b.json: invalid JSON" in result.stderr
+    assert "c.json: the service rejected the input (422)" in result.stderr
+    assert "outcome: Field required" in result.stderr
+
+
+def test_invalid_json_is_an_input_error(server: Server, tmp_path: Path) -> None:
+    (tmp_path / "bad.json").write_text('{"@type": ')
+    result = run(["evaluate", str(tmp_path / "bad.json")], server.url)
+    assert result.exit_code == 2
+    assert "invalid JSON" in result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_a_rejected_trace_lists_the_field_paths(server: Server) -> None:
+    result = run(["evaluate", "-"], server.url, stdin=json.dumps(invalid_trace()))
+    assert result.exit_code == 2
+    assert "the service rejected the input (422):" in result.stderr
+    assert "steps.0.type: Input should be" in result.stderr
+    assert "outcome: Field required" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["evaluate", "missing.json"], "cannot read missing.json"),
+        (["evaluate", "-", "--threshold", "1.5"], "--threshold"),
+        (["evaluate"], "Missing argument"),
+        (["evaluate", "-"], "expected a JSON object"),  # stdin is "[]"
+    ],
+)
+def test_usage_errors_exit_2(server: Server, args: list[str], message: str) -> None:
+    result = run(args, server.url, stdin="[]")
+    assert result.exit_code == 2
+    assert message in result.stderr
+
+
+def test_a_url_without_scheme_is_a_usage_error() -> None:
+    result = run(["cache", "stats"], "127.0.0.1:8000")
+    assert result.exit_code == 2
+    assert "must start with http:// or https://" in result.stderr
+
+
+def test_an_unreachable_service_exits_3(tmp_path: Path) -> None:
+    path = write(tmp_path / "trace.json", make_trace())
+    result = run(["evaluate", str(path)], f"http://127.0.0.1:{free_port()}")
+    assert result.exit_code == 3
+    assert "cannot reach kp-scoring" in result.stderr
+    assert "kp-scoring serve" in result.stderr
+
+
+def test_an_overloaded_service_exits_3(monkeypatch: pytest.MonkeyPatch) -> None:
+    busy = httpx.MockTransport(
+        lambda request: httpx.Response(
+            503, json={"detail": "overloaded, try again shortly"}, headers={"Retry-After": "1"}
+        )
+    )
+    monkeypatch.setattr(
+        cli_module, "KpScoringClient", functools.partial(KpScoringClient, transport=busy)
+    )
+    result = run(["evaluate", "-"], "http://kp.invalid", stdin=json.dumps(make_trace()))
+    assert result.exit_code == 3
+    assert "503 Service Unavailable: overloaded" in result.stderr
+
+
+# --- cache ---------------------------------------------------------------------------------
+
+
+def test_cache_stats_needs_the_token(server: Server) -> None:
+    missing = run(["cache", "stats"], server.url)
+    assert missing.exit_code == 2
+    assert "wants an admin token" in missing.stderr
+    wrong = run(["cache", "stats", "--token", "nope"], server.url)
+    assert wrong.exit_code == 2
+    assert "refused the admin token" in wrong.stderr
+
+    shown = run(["cache", "stats", "--token", TOKEN], server.url)
+    assert shown.exit_code == 0, shown.output
+    assert {"size", "capacity", "embedder"} <= {line.split()[0] for line in lines(shown.stdout)}
+    assert "disabled" in shown.stdout
+
+    as_json = run(["cache", "stats", "--json"], server.url, KP_ADMIN_TOKEN=TOKEN)
+    assert as_json.exit_code == 0
+    assert json.loads(as_json.stdout)["capacity"] == 1000
+
+
+def test_cache_reset_and_dry_run(onnx_server: Server, tmp_path: Path) -> None:
+    """With the real embedder: --dry-run adds nothing, a plain run adds, reset empties."""
+    path = str(write(tmp_path / "trace.json", make_trace()))
+
+    def size() -> int:
+        result = run(["cache", "stats", "--json", "--token", TOKEN], onnx_server.url)
+        return int(json.loads(result.stdout)["size"])
+
+    assert run(["cache", "reset", "--token", TOKEN], onnx_server.url).exit_code == 0
+    assert run(["evaluate", path, "--dry-run"], onnx_server.url).exit_code == 1
+    assert size() == 0
+    assert run(["evaluate", path], onnx_server.url).exit_code == 1
+    assert size() == 1
+    reset = run(["cache", "reset"], onnx_server.url, KP_ADMIN_TOKEN=TOKEN)
+    assert reset.exit_code == 0
+    assert reset.stdout.strip() == "cleared 1 cached vectors"
+    assert size() == 0
+    denied = run(["cache", "reset"], onnx_server.url)
+    assert denied.exit_code == 2
+
+
+# --- the installed script ------------------------------------------------------------------
+
+
+def script(
+    *args: str, url: str, stdin: str | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KP_", "FORCE_COLOR"))}
+    env |= {"KP_URL": url, "NO_COLOR": "1", "COLUMNS": "80"}
+    return subprocess.run(
+        [entry_point(), *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd,
+        timeout=30,
+        check=False,
+    )
+
+
+def test_the_installed_script(server: Server, tmp_path: Path) -> None:
+    write(tmp_path / "trace.json", make_trace())
+    scored = script("evaluate", "trace.json", url=server.url, cwd=tmp_path)
+    assert scored.returncode == 1
+    assert lines(scored.stdout) == lines(BREAKDOWN)
+
+    piped = script(
+        "evaluate",
+        "-",
+        "--json",
+        "--threshold",
+        "0.5",
+        url=server.url,
+        stdin=json.dumps(make_trace()),
+    )
+    assert piped.returncode == 0
+    assert json.loads(piped.stdout)["score"] == 0.57625
+
+    down = script("evaluate", "trace.json", url=f"http://127.0.0.1:{free_port()}", cwd=tmp_path)
+    assert down.returncode == 3
+    assert "cannot reach kp-scoring" in down.stderr
+    assert "Traceback" not in down.stderr
+
+
+def test_serve_runs_the_service() -> None:
+    with running_server(command=[entry_point(), "serve"]) as s, KpScoringClient(s.url) as kp:
+        assert kp.health()
+        assert kp.evaluate(make_trace()).score == pytest.approx(0.57625, abs=1e-12)

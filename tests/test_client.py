@@ -1,0 +1,236 @@
+"""app.client against a real uvicorn server: every method, sync and async, and the error types."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from app.client import (
+    AsyncKpScoringClient,
+    KpScoringClient,
+    KpScoringError,
+    Overloaded,
+    Unauthorized,
+    Unreachable,
+    ValidationFailed,
+)
+from app.schemas.responses import CacheOut, EvaluationOut, ReadyOut
+from app.schemas.trace import ReasoningTrace
+from tests.factories import make_trace, step
+from tests.server import TOKEN, Server, free_port, running_server
+
+WORKED_EXAMPLE = 0.57625  # SPEC section 5, novelty fixed at 0.5
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    """No embedder (deterministic scores), admin token set."""
+    with running_server() as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def onnx_server() -> Iterator[Server]:
+    """The real embedder, so that the cache fills and novelty is measured."""
+    with running_server(embedder="onnx") as s:
+        yield s
+
+
+@pytest.fixture
+def kp(server: Server) -> Iterator[KpScoringClient]:
+    with KpScoringClient(server.url, admin_token=TOKEN) as client:
+        yield client
+
+
+def invalid_trace() -> dict[str, object]:
+    trace = make_trace()
+    trace["steps"][0]["type"] = "musing"
+    del trace["outcome"]
+    return trace
+
+
+def test_evaluate_a_dict_scores_the_worked_example(kp: KpScoringClient) -> None:
+    result = kp.evaluate(make_trace())
+    assert isinstance(result, EvaluationOut)
+    assert result.trace_id == "kp:trace:test-0001"
+    assert result.score == pytest.approx(WORKED_EXAMPLE, abs=1e-12)
+    assert result.dimensions.novelty == 0.5
+    assert result.weights.profile == "default"
+    assert result.overrides == ["low_tool_diversity"]
+    assert not result.novelty.measured
+    assert result.novelty.reason == "embedder_unavailable"
+
+
+def test_evaluate_accepts_a_reasoning_trace_model(kp: KpScoringClient) -> None:
+    trace = ReasoningTrace.model_validate(make_trace(trace_id="kp:trace:model"))
+    result = kp.evaluate(trace, dry_run=True)
+    assert result.trace_id == "kp:trace:model"
+    assert result.score == pytest.approx(WORKED_EXAMPLE, abs=1e-12)
+
+
+def test_evaluate_batch_keeps_the_order(kp: KpScoringClient) -> None:
+    single = make_trace(trace_id="kp:trace:single", steps=[step(0, "thought", "hmm")])
+    results = kp.evaluate_batch([make_trace(), ReasoningTrace.model_validate(single)], dry_run=True)
+    assert [r.trace_id for r in results] == ["kp:trace:test-0001", "kp:trace:single"]
+    assert results[1].score == pytest.approx(0.1)
+    assert results[1].overrides == ["single_thought"]
+
+
+def test_health_and_ready(kp: KpScoringClient) -> None:
+    assert kp.health() is True
+    ready = kp.ready()
+    assert isinstance(ready, ReadyOut)
+    assert (ready.status, ready.degraded, ready.admin_auth) == ("degraded", True, True)
+    assert ready.embedder.state == "disabled"
+
+
+def test_cache_stats_and_reset_with_the_token(kp: KpScoringClient) -> None:
+    stats = kp.cache_stats()
+    assert isinstance(stats, CacheOut)
+    assert (stats.size, stats.capacity, stats.dimensions) == (0, 1000, 384)
+    assert kp.cache_reset() == 0
+
+
+@pytest.mark.parametrize("token", [None, "wrong-token"])
+def test_cache_needs_the_right_token(server: Server, token: str | None) -> None:
+    with KpScoringClient(server.url, admin_token=token) as kp:
+        with pytest.raises(Unauthorized) as stats_error:
+            kp.cache_stats()
+        with pytest.raises(Unauthorized):
+            kp.cache_reset()
+    assert stats_error.value.status_code == 401
+    assert "Bearer" in str(stats_error.value.detail)
+
+
+def test_validation_failed_lists_the_field_paths(kp: KpScoringClient) -> None:
+    with pytest.raises(ValidationFailed) as raised:
+        kp.evaluate(invalid_trace())
+    exc = raised.value
+    assert exc.status_code == 422
+    assert {e.path for e in exc.errors} == {"body.steps.0.type", "body.outcome"}
+    assert "body.outcome: Field required" in str(exc)
+
+    with pytest.raises(ValidationFailed) as raised:
+        kp.evaluate_batch([make_trace(), invalid_trace()])
+    assert "body.traces.1.outcome" in {e.path for e in raised.value.errors}
+
+
+def test_an_unreachable_server() -> None:
+    with KpScoringClient(f"http://127.0.0.1:{free_port()}", timeout=2) as kp:
+        assert kp.health() is False
+        with pytest.raises(Unreachable) as raised:
+            kp.evaluate(make_trace())
+    assert isinstance(raised.value, KpScoringError)
+    assert raised.value.status_code is None
+    assert "cannot reach kp-scoring" in str(raised.value)
+
+
+def test_dry_run_leaves_the_cache_alone(onnx_server: Server) -> None:
+    with KpScoringClient(onnx_server.url, admin_token=TOKEN) as kp:
+        kp.cache_reset()
+        first = kp.evaluate(make_trace(), dry_run=True)
+        assert first.novelty.reason == "cache_empty"
+        assert kp.cache_stats().size == 0
+        kp.evaluate(make_trace())
+        assert kp.cache_stats().size == 1
+        again = kp.evaluate(make_trace(), dry_run=True)
+        assert again.novelty.measured
+        assert again.novelty.max_cosine == pytest.approx(1.0, abs=1e-3)
+        assert again.score < first.score
+        assert kp.cache_reset() == 1
+        assert kp.cache_stats().size == 0
+
+
+def test_errors_without_a_json_body_keep_the_status() -> None:
+    transport = httpx.MockTransport(lambda request: httpx.Response(502, text="bad gateway"))
+    with KpScoringClient(transport=transport) as kp, pytest.raises(KpScoringError) as raised:
+        kp.ready()
+    assert type(raised.value) is KpScoringError
+    assert (raised.value.status_code, raised.value.detail) == (502, "bad gateway")
+
+
+# --- async ---------------------------------------------------------------------------------
+
+
+def test_async_client_every_method(server: Server) -> None:
+    async def scenario() -> None:
+        async with AsyncKpScoringClient(server.url, admin_token=TOKEN) as kp:
+            one = await kp.evaluate(ReasoningTrace.model_validate(make_trace()))
+            batch = await kp.evaluate_batch([make_trace(), make_trace(trace_id="kp:trace:b")])
+            assert one.score == pytest.approx(WORKED_EXAMPLE, abs=1e-12)
+            assert [r.trace_id for r in batch] == ["kp:trace:test-0001", "kp:trace:b"]
+            assert await kp.health() is True
+            assert (await kp.ready()).admin_auth is True
+            assert (await kp.cache_stats()).capacity == 1000
+            assert await kp.cache_reset() == 0
+
+    asyncio.run(scenario())
+
+
+def test_async_client_errors(server: Server) -> None:
+    async def scenario() -> None:
+        async with AsyncKpScoringClient(server.url) as kp:
+            with pytest.raises(ValidationFailed) as raised:
+                await kp.evaluate(invalid_trace(), dry_run=True)
+            assert "body.steps.0.type" in {e.path for e in raised.value.errors}
+            with pytest.raises(Unauthorized):
+                await kp.cache_stats()
+        async with AsyncKpScoringClient(f"http://127.0.0.1:{free_port()}") as kp:
+            assert await kp.health() is False
+            with pytest.raises(Unreachable):
+                await kp.ready()
+
+    asyncio.run(scenario())
+
+
+def test_async_overloaded_carries_retry_after() -> None:
+    """With room for one text in the queue, concurrent requests are turned away with 503."""
+    long_trace = make_trace(objective=" ".join(["overload"] * 600))
+
+    async def scenario(url: str) -> Overloaded:
+        async with AsyncKpScoringClient(url, timeout=30) as kp:
+            for _ in range(20):  # bounded: the first round almost always overloads
+                calls = [kp.evaluate(long_trace, dry_run=True) for _ in range(12)]
+                for outcome in await asyncio.gather(*calls, return_exceptions=True):
+                    if isinstance(outcome, Overloaded):
+                        return outcome
+                    assert isinstance(outcome, EvaluationOut), outcome
+        raise AssertionError("no request was turned away")
+
+    with running_server(embedder="onnx", embed_queue_limit="1", embed_batch_size="1") as s:
+        overloaded = asyncio.run(scenario(s.url))
+    assert overloaded.status_code == 503
+    assert overloaded.retry_after == 1.0
+    assert "overloaded" in str(overloaded.detail)
+
+
+def test_readme_example(server: Server, capsys: pytest.CaptureFixture[str]) -> None:
+    """The README's "Python client" examples, with this server's address and token."""
+    url, trace, traces = server.url, make_trace(), [make_trace(), make_trace()]
+
+    with KpScoringClient(url, admin_token=TOKEN) as kp:
+        result = kp.evaluate(trace)  # a dict or an app.schemas.trace.ReasoningTrace
+        print(result.score, result.weights.profile, result.overrides)
+        preview = kp.evaluate_batch([trace, trace], dry_run=True)  # not added to the cache
+        print(len(preview), kp.ready().status, kp.cache_stats().size)
+        try:
+            kp.evaluate({"@type": "ReasoningTrace"})
+        except ValidationFailed as exc:
+            print([e.path for e in exc.errors][:3])
+
+    async def main() -> None:
+        async with AsyncKpScoringClient(url) as kp:
+            results = await asyncio.gather(*(kp.evaluate(t, dry_run=True) for t in traces))
+            print([r.score for r in results])
+
+    asyncio.run(main())
+
+    assert capsys.readouterr().out.splitlines() == [
+        "0.57625 default ['low_tool_diversity']",
+        "2 degraded 0",
+        "['body.@context', 'body.id', 'body.metadata']",
+        "[0.57625, 0.57625]",
+    ]
