@@ -205,32 +205,3 @@ def test_async_overloaded_carries_retry_after() -> None:
     assert overloaded.status_code == 503
     assert overloaded.retry_after == 1.0
     assert "overloaded" in str(overloaded.detail)
-
-
-def test_readme_example(server: Server, capsys: pytest.CaptureFixture[str]) -> None:
-    """The README's "Python client" examples, with this server's address and token."""
-    url, trace, traces = server.url, make_trace(), [make_trace(), make_trace()]
-
-    with KpScoringClient(url, admin_token=TOKEN) as kp:
-        result = kp.evaluate(trace)  # a dict or an app.schemas.trace.ReasoningTrace
-        print(result.score, result.weights.profile, result.overrides)
-        preview = kp.evaluate_batch([trace, trace], dry_run=True)  # not added to the cache
-        print(len(preview), kp.ready().status, kp.cache_stats().size)
-        try:
-            kp.evaluate({"@type": "ReasoningTrace"})
-        except ValidationFailed as exc:
-            print([e.path for e in exc.errors][:3])
-
-    async def main() -> None:
-        async with AsyncKpScoringClient(url) as kp:
-            results = await asyncio.gather(*(kp.evaluate(t, dry_run=True) for t in traces))
-            print([r.score for r in results])
-
-    asyncio.run(main())
-
-    assert capsys.readouterr().out.splitlines() == [
-        "0.57625 default ['low_tool_diversity']",
-        "2 degraded 0",
-        "['body.@context', 'body.id', 'body.metadata']",
-        "[0.57625, 0.57625]",
-    ]
