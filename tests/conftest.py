@@ -15,6 +15,8 @@ from app.core.config import Settings
 from app.embedding import model_files
 from app.embedding.onnx_embedder import OnnxEmbedder
 from app.main import create_app
+from app.services.embeddings import Embedding, EmbeddingService
+from tests.server import Server, running_server
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -55,6 +57,34 @@ def client(make_client: ClientFactory) -> TestClient:
 @pytest.fixture
 def client_no_embedder(make_client: ClientFactory) -> TestClient:
     return make_client(embedder="none")
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    """A live server with no embedder (deterministic scores) and an admin token."""
+    with running_server() as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def onnx_server() -> Iterator[Server]:
+    """A live server with the real embedder, so that the cache fills and novelty is measured."""
+    with running_server(embedder="onnx") as s:
+        yield s
+
+
+def fail_embedding_on(
+    monkeypatch: pytest.MonkeyPatch, embeddings: EmbeddingService, marker: str
+) -> None:
+    """Fault injection: the model run raises whenever one of its texts contains `marker`."""
+    real = embeddings._embed_now
+
+    def fragile(texts: list[str]) -> list[Embedding]:
+        if any(marker in t for t in texts):
+            raise RuntimeError("simulated onnxruntime failure")
+        return real(texts)
+
+    monkeypatch.setattr(embeddings, "_embed_now", fragile)
 
 
 @pytest.fixture(scope="session")

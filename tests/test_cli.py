@@ -6,7 +6,6 @@ import functools
 import json
 import os
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,18 +34,6 @@ weighted sum                       0.676
 overrides: low_tool_diversity (tools used, but at most one distinct tool: -0.1)
 novelty: not measured (embedder_unavailable: disabled by KP_EMBEDDER=none)
 """
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[Server]:
-    with running_server() as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def onnx_server() -> Iterator[Server]:
-    with running_server(embedder="onnx") as s:
-        yield s
 
 
 def run(args: list[str], url: str, *, stdin: str | None = None, **env: str) -> Result:

@@ -25,20 +25,6 @@ from tests.server import TOKEN, Server, free_port, running_server
 WORKED_EXAMPLE = 0.57625  # SPEC section 5, novelty fixed at 0.5
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[Server]:
-    """No embedder (deterministic scores), admin token set."""
-    with running_server() as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def onnx_server() -> Iterator[Server]:
-    """The real embedder, so that the cache fills and novelty is measured."""
-    with running_server(embedder="onnx") as s:
-        yield s
-
-
 @pytest.fixture
 def kp(server: Server) -> Iterator[KpScoringClient]:
     with KpScoringClient(server.url, admin_token=TOKEN) as client:

@@ -12,6 +12,7 @@ import pytest
 
 from app.core.config import Settings
 from app.main import create_app
+from tests.conftest import fail_embedding_on
 from tests.factories import make_trace, step
 
 TOPICS = [
@@ -137,15 +138,7 @@ def test_one_failing_input_among_concurrent_requests_fails_alone(
     async def scenario() -> None:
         async with service(embedder_preload=True) as client:
             app = client._transport.app  # type: ignore[attr-defined]
-            embeddings = app.state.services.embeddings
-            real = embeddings._embed_now
-
-            def fragile(texts: list[str]) -> object:
-                if any("KABOOM" in t for t in texts):
-                    raise RuntimeError("simulated")
-                return real(texts)
-
-            monkeypatch.setattr(embeddings, "_embed_now", fragile)
+            fail_embedding_on(monkeypatch, app.state.services.embeddings, "KABOOM")
             traces = [make_trace(objective=t) for t in (*TOPICS[:6], "KABOOM", *TOPICS[6:])]
             responses = await asyncio.gather(*(client.post("/evaluate", json=t) for t in traces))
             reasons = [r.json()["novelty"]["reason"] for r in responses]

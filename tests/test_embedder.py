@@ -14,7 +14,7 @@ from app.core.config import ConfigError, Settings
 from app.embedding import model_files
 from app.embedding.onnx_embedder import MAX_TOKENS, ModelError, OnnxEmbedder
 from app.services.embeddings import length_groups
-from tests.conftest import ClientFactory
+from tests.conftest import ClientFactory, fail_embedding_on
 from tests.factories import make_trace
 
 CLS, SEP = 101, 102
@@ -176,14 +176,7 @@ def test_embedder_failing_on_one_input_fails_only_that_request(
 ) -> None:
     client = make_client(embedder_preload=True)
     service = client.app.state.services.embeddings  # type: ignore[attr-defined]
-    real = service._embed_now
-
-    def fragile(texts: list[str]) -> object:
-        if any("KABOOM" in t for t in texts):
-            raise RuntimeError("simulated onnxruntime failure")
-        return real(texts)
-
-    monkeypatch.setattr(service, "_embed_now", fragile)
+    fail_embedding_on(monkeypatch, service, "KABOOM")
     good = make_trace(objective="a perfectly ordinary trace")
     bad = make_trace(objective="KABOOM")
     results = client.post("/evaluate/batch", json={"traces": [good]}).json()["results"]

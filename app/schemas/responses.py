@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
@@ -61,12 +62,7 @@ class EvaluationOut(BaseModel):
         return cls(
             trace_id=evaluation.trace_id,
             score=s.value,
-            dimensions=DimensionsOut(
-                complexity=d.complexity,
-                novelty=d.novelty,
-                tool_diversity=d.tool_diversity,
-                outcome_confidence=d.outcome_confidence,
-            ),
+            dimensions=DimensionsOut.model_validate(d, from_attributes=True),
             weights=WeightsOut(
                 profile=w.name,
                 complexity=w.complexity,
@@ -75,15 +71,7 @@ class EvaluationOut(BaseModel):
                 outcome_confidence=w.outcome_confidence,
             ),
             overrides=list(s.overrides),
-            novelty=NoveltyOut(
-                measured=n.measured,
-                reason=n.reason,
-                detail=n.detail,
-                max_cosine=n.max_cosine,
-                cache_size=n.cache_size,
-                tokens=n.tokens,
-                truncated=n.truncated,
-            ),
+            novelty=NoveltyOut.model_validate(n, from_attributes=True),
             elapsed_ms=round(evaluation.elapsed_ms, 3),
         )
 
@@ -135,16 +123,9 @@ class SnapshotOut(BaseModel):
 
     @classmethod
     def of(cls, status: SnapshotStatus) -> SnapshotOut:
-        return cls(
-            path=str(status.path) if status.path else None,
-            state=status.state,
-            detail=status.detail,
-            loaded_vectors=status.loaded_vectors,
-            last_saved_at_ms=status.last_saved_at_ms,
-            last_save_error=status.last_save_error,
-            saves_total=status.saves_total,
-            save_errors_total=status.save_errors_total,
-        )
+        fields = asdict(status)
+        fields["path"] = str(status.path) if status.path else None
+        return cls(**fields)
 
 
 class ReadyOut(BaseModel):

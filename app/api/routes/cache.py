@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import asdict
 
 from fastapi import APIRouter
 
@@ -27,19 +28,7 @@ def embedder_out(services: Services) -> EmbedderOut:
 
 @router.get("", summary="Cache size, limits and counters")
 async def cache_stats(services: ServicesDep) -> CacheOut:
-    stats = services.cache.stats()
-    return CacheOut(
-        size=stats.size,
-        capacity=stats.capacity,
-        dimensions=stats.dimensions,
-        ttl_ms=stats.ttl_ms,
-        memory_bytes=stats.memory_bytes,
-        oldest_age_ms=stats.oldest_age_ms,
-        newest_age_ms=stats.newest_age_ms,
-        adds_total=stats.adds_total,
-        evictions_total=stats.evictions_total,
-        embedder=embedder_out(services),
-    )
+    return CacheOut(**asdict(services.cache.stats()), embedder=embedder_out(services))
 
 
 @router.delete("", summary="Empty the cache")
