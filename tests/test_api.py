@@ -203,3 +203,18 @@ def test_request_id_is_echoed_when_given(client_no_embedder: TestClient) -> None
     assert r.headers["x-request-id"] == "abc-123"
     r = client_no_embedder.get("/healthz", headers={"X-Request-ID": "bad id with spaces"})
     assert r.headers["x-request-id"] != "bad id with spaces"
+
+
+def test_log_lines_are_json_without_terminal_colours() -> None:
+    import json
+    import logging
+
+    from app.core.logging import JsonFormatter
+
+    record = logging.LogRecord("uvicorn.error", logging.INFO, "", 0, "Started %d", (7,), None)
+    record.color_message = "\x1b[36m%d\x1b[0m"
+    record.cache_size = 3
+    line = json.loads(JsonFormatter().format(record))
+    assert line["msg"] == "Started 7"
+    assert line["cache_size"] == 3
+    assert "color_message" not in line

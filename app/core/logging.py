@@ -15,7 +15,12 @@ import orjson
 from app.core.request_context import request_id_var
 
 # Attributes every LogRecord has; anything else on a record came from `extra=`.
-_STANDARD = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime"}
+# uvicorn adds color_message, a copy of the message with terminal colour codes.
+_STANDARD = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {
+    "message",
+    "asctime",
+    "color_message",
+}
 
 
 class JsonFormatter(logging.Formatter):
