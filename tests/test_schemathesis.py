@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
+from hypothesis.stateful import run_state_machine_as_test
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from tests.server import LiveServer
@@ -83,3 +84,38 @@ def test_enough_cases_ran() -> None:
     assert len(cases_run) == len(OPERATIONS)
     if EXAMPLES >= 300:
         assert sum(cases_run.values()) >= 1000, cases_run
+
+
+def test_stateful_sequences_follow_the_openapi_links(
+    api_schema: schemathesis.BaseSchema, server: LiveServer
+) -> None:
+    """Evaluate, read and reset the cache in generated orders (the links in openapi.json)."""
+    steps = [0]
+
+    class Sequences(api_schema.as_state_machine()):  # type: ignore[misc]
+        def get_call_kwargs(self, case: schemathesis.Case) -> dict[str, object]:
+            return {"base_url": server.url, "headers": {"Authorization": f"Bearer {TOKEN}"}}
+
+        def validate_response(
+            self, response: object, case: schemathesis.Case, **kwargs: object
+        ) -> None:
+            steps[0] += 1
+            case.validate_response(
+                response,
+                excluded_checks=[positive_data_acceptance],
+                transport_kwargs=kwargs or None,
+            )
+
+    run_state_machine_as_test(
+        Sequences,
+        settings=settings(
+            max_examples=max(10, EXAMPLES // 6),
+            stateful_step_count=6,
+            deadline=None,
+            suppress_health_check=list(HealthCheck),
+            derandomize=True,
+            database=None,
+        ),
+    )
+    assert steps[0] >= 20
+    print(f"stateful: {steps[0]} calls")

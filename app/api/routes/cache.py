@@ -31,7 +31,16 @@ async def cache_stats(services: ServicesDep) -> CacheOut:
     return CacheOut(**asdict(services.cache.stats()), embedder=embedder_out(services))
 
 
-@router.delete("", summary="Empty the cache")
+@router.delete(
+    "",
+    summary="Empty the cache",
+    responses={
+        200: {
+            "description": "How many vectors were dropped.",
+            "links": {"CacheStats": {"operationId": "cache_stats_cache_get"}},
+        }
+    },
+)
 async def cache_clear(services: ServicesDep) -> ClearedOut:
     cleared = services.cache.clear()
     log.info("cache cleared", extra={"cleared": cleared})

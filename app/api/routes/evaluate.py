@@ -16,18 +16,30 @@ from app.services.evaluator import Evaluation
 router = APIRouter(
     tags=["evaluate"],
     responses={
+        400: {"description": "A body that cannot be read as JSON text (not UTF-8)."},
         413: {"description": "Body larger than KP_MAX_BODY_BYTES."},
         415: {"description": "Content-Type is not application/json."},
         503: {"description": "Too many texts wait for the model; retry after Retry-After."},
     },
 )
 
+# OpenAPI links: what an operator or agent may call next (schemathesis walks them statefully).
+_NEXT = {
+    200: {
+        "description": "The score and its breakdown.",
+        "links": {
+            "CacheStats": {"operationId": "cache_stats_cache_get"},
+            "CacheReset": {"operationId": "cache_clear_cache_delete"},
+        },
+    }
+}
+
 DryRun = Annotated[
     bool, Query(description="Score without adding the trace's embedding to the cache.")
 ]
 
 
-@router.post("/evaluate", summary="Score one reasoning trace")
+@router.post("/evaluate", summary="Score one reasoning trace", responses=_NEXT)
 async def evaluate(
     trace: ReasoningTrace, services: ServicesDep, dry_run: DryRun = False
 ) -> EvaluationOut:
@@ -37,7 +49,7 @@ async def evaluate(
     return EvaluationOut.of(evaluation)
 
 
-@router.post("/evaluate/batch", summary="Score traces in order, as one step")
+@router.post("/evaluate/batch", summary="Score traces in order, as one step", responses=_NEXT)
 async def evaluate_batch(
     batch: BatchIn, services: ServicesDep, dry_run: DryRun = False
 ) -> BatchOut:
