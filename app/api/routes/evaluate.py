@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
 from fastapi.exceptions import RequestValidationError
@@ -24,7 +24,7 @@ router = APIRouter(
 )
 
 # OpenAPI links: what an operator or agent may call next (schemathesis walks them statefully).
-_NEXT = {
+_NEXT: dict[int | str, dict[str, Any]] = {
     200: {
         "description": "The score and its breakdown.",
         "links": {
