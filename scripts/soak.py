@@ -24,40 +24,9 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.__main__ import WORDS, rss_mb
 from tests.factories import make_trace, step
 from tests.server import LiveServer
-
-WORDS = [
-    "ledger",
-    "invoice",
-    "refund",
-    "latency",
-    "cache",
-    "kernel",
-    "patient",
-    "dosage",
-    "contract",
-    "clause",
-    "schema",
-    "index",
-    "query",
-    "deploy",
-    "rollback",
-    "timeout",
-    "retry",
-    "vector",
-    "embedding",
-    "token",
-    "policy",
-    "audit",
-]
-
-
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def random_trace(rng: random.Random, n: int) -> dict[str, object]:
