@@ -1,0 +1,150 @@
+"""The targets, PASS/FAIL, and the printed table."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    name: str
+    value: str
+    passed: bool
+
+    def as_json(self) -> dict[str, Any]:
+        return {"target": self.name, "value": self.value, "pass": self.passed}
+
+
+def preload_tolerance_ms(tenth_ms: float) -> float:
+    """Noise allowed when comparing two single requests: 25 % of the tenth, at least 2 ms."""
+    return max(2.0, 0.25 * tenth_ms)
+
+
+def targets(r: dict[str, Any]) -> list[Target]:
+    floor, one, c16 = r["floor"], r["single_client"], r["concurrency"]["16"]
+    p50_ratio = one["typical"]["p50_ms"] / floor["typical"]["p50_ms"]
+    rps_ratio = c16["throughput_rps"] / floor["typical"]["throughput_rps"]
+    pre = r["preload"]
+    slack = preload_tolerance_ms(pre["tenth_ms"])
+    scan = r["cache_scan"]
+    return [
+        Target(
+            "one client, typical: HTTP p50 <= 1.10x floor p50",
+            f"{p50_ratio:.2f}x ({one['typical']['p50_ms']:.2f} vs {floor['typical']['p50_ms']:.2f} ms)",
+            p50_ratio <= 1.10,
+        ),
+        Target(
+            "one client, long: p99 < 100 ms",
+            f"{one['long']['p99_ms']:.1f} ms",
+            one["long"]["p99_ms"] < 100,
+        ),
+        Target(
+            "16 clients: throughput >= 1.3x floor one-at-a-time",
+            f"{rps_ratio:.2f}x ({c16['throughput_rps']:.0f} vs {floor['typical']['throughput_rps']:.0f}/s)",
+            rps_ratio >= 1.3,
+        ),
+        Target("16 clients: p99 < 100 ms", f"{c16['p99_ms']:.1f} ms", c16["p99_ms"] < 100),
+        Target(
+            "no embedder, 16 clients: >= 2000 evaluations/s",
+            f"{r['no_embedder']['throughput_rps']:.0f}/s",
+            r["no_embedder"]["throughput_rps"] >= 2000,
+        ),
+        Target(
+            "cold first request (lazy model load) < 1 s",
+            f"{r['cold']['first_request_ms']:.0f} ms",
+            r["cold"]["first_request_ms"] < 1000,
+        ),
+        Target(
+            f"preload: first request <= tenth (+{slack:.1f} ms noise allowance)",
+            f"first {pre['first_ms']:.2f} ms, tenth {pre['tenth_ms']:.2f} ms",
+            pre["first_ms"] <= pre["tenth_ms"] + slack,
+        ),
+        Target(
+            "cache scan, 1000 x 384: p50 < 0.1 ms",
+            f"{scan['p50_us']:.1f} us (p99 {scan['p99_us']:.1f} us)",
+            scan["p50_us"] < 100,
+        ),
+    ]
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if b else "-"
+
+
+def _turned_away(c: dict[str, Any]) -> str:
+    if not c.get("turned_away"):
+        return ""
+    return (
+        f"; 503: {100 * c['turned_away_share']:.0f}% of answers, "
+        f"p99 {c['turned_away_p99_ms']:.1f} ms, each client then waits Retry-After"
+    )
+
+
+def table(r: dict[str, Any]) -> list[str]:
+    floor, one = r["floor"], r["single_client"]
+    ft = floor["typical"]
+    rows = [
+        "| measure | service | floor | service / floor |",
+        "|---|---|---|---|",
+    ]
+    for kind in ("typical", "long"):
+        s, f = one[kind], floor[kind]
+        for q in ("p50", "p90", "p99"):
+            key = f"{q}_ms"
+            rows.append(
+                f"| one client, {kind}: {q} | {s[key]:.2f} ms | {f[key]:.2f} ms | {_ratio(s[key], f[key])} |"
+            )
+        rows.append(
+            f"| one client, {kind}: in-service p50 (evaluate only) / CPU per request | {s['service_elapsed_p50_ms']:.2f} ms / {s['server_cpu_ms_per_request']:.2f} ms "
+            f"| - / {f['cpu_ms_per_text']:.2f} ms | - / {_ratio(s['server_cpu_ms_per_request'], f['cpu_ms_per_text'])} |"
+        )
+    rows.append(
+        f"| one at a time, typical: throughput | {r['concurrency']['1']['throughput_rps']:.0f}/s | {ft['throughput_rps']:.0f}/s "
+        f"| {_ratio(r['concurrency']['1']['throughput_rps'], ft['throughput_rps'])} |"
+    )
+    for n, c in r["concurrency"].items():
+        rows.append(
+            f"| {n} client{'s' if n != '1' else ''}, typical: throughput (p50 / p99){_turned_away(c)} | {c['throughput_rps']:.0f}/s ({c['p50_ms']:.1f} / {c['p99_ms']:.1f} ms) "
+            f"| {ft['throughput_rps']:.0f}/s | {_ratio(c['throughput_rps'], ft['throughput_rps'])} |"
+        )
+    for n, c in r["concurrency"].items():
+        rows.append(
+            f"| {n} client{'s' if n != '1' else ''}: CPU per request, server / load generator | {c['server_cpu_ms_per_request']:.2f} / {c['client_cpu_ms_per_request']:.2f} ms "
+            f"| {ft['cpu_ms_per_text']:.2f} ms | {_ratio(c['server_cpu_ms_per_request'], ft['cpu_ms_per_text'])} |"
+        )
+    nb, cold, pre, scan = r["no_embedder"], r["cold"], r["preload"], r["cache_scan"]
+    rows += [
+        f"| no embedder, 16 clients: throughput (p50 / p99) | {nb['throughput_rps']:.0f}/s ({nb['p50_ms']:.2f} / {nb['p99_ms']:.2f} ms) | | |",
+        f"| no embedder: CPU per request, server / load generator | {nb['server_cpu_ms_per_request']:.3f} / {nb['client_cpu_ms_per_request']:.3f} ms | | |",
+        f"| cold start: process to /healthz, then first POST /evaluate | {cold['server_start_s']:.2f} s, then {cold['first_request_ms']:.0f} ms | | |",
+        f"| preload: process to /healthz; request 1 / 10 / median 2-10 | {pre['server_start_s']:.2f} s; {pre['first_ms']:.2f} / {pre['tenth_ms']:.2f} / {pre['median_2_10_ms']:.2f} ms | | |",
+        f"| server RSS after the load (peak) | {r['rss_mb_after_load']:.0f} MiB ({r['rss_peak_mb']:.0f} MiB) | | |",
+        f"| cache scan 1000 x 384, in process: p50 / p99 | {scan['p50_us']:.1f} / {scan['p99_us']:.1f} us | | |",
+    ]
+    return rows
+
+
+def render(doc: dict[str, Any]) -> str:
+    m, r = doc["machine"], doc["results"]
+    lines = [
+        f"kp-scoring bench: {m['cpu']}, {m['nproc']} cores, python {m['python']}, onnxruntime {m['onnxruntime']}, {m['date']}",
+        f"load average at start {m['loadavg_start']}, at end {doc['loadavg_end']}; {doc['settings']['repeat']} run(s), "
+        + ("median of each figure" if doc["settings"]["repeat"] > 1 else "one run")
+        + ("; QUICK (smoke) sizes" if doc["settings"]["quick"] else ""),
+        f"corpus: typical {doc['corpus']['typical']['tokens_min']}-{doc['corpus']['typical']['tokens_max']} tokens "
+        f"(median {doc['corpus']['typical']['tokens_median']}), long {doc['corpus']['long']['tokens_min']}-{doc['corpus']['long']['tokens_max']} tokens (window 512)",
+        "",
+        *table(r),
+        "",
+        "| target | measured | verdict |",
+        "|---|---|---|",
+        *[
+            f"| {t['target']} | {t['value']} | {'PASS' if t['pass'] else 'FAIL'} |"
+            for t in doc["targets"]
+        ],
+        "",
+        "notes:",
+        *[f"- {n}" for n in doc["notes"]],
+    ]
+    return "\n".join(lines)
