@@ -30,9 +30,11 @@ from app.services.snapshots import SnapshotStore
 log = logging.getLogger("app")
 
 
-def _load_embedder(files: model_files.ModelFiles, threads: int) -> OnnxEmbedder:
+def _load_embedder(files: model_files.ModelFiles, threads: int, workers: int) -> OnnxEmbedder:
     model_files.verify(files)
-    return OnnxEmbedder(files.model, files.tokenizer, intra_op_threads=threads)
+    return OnnxEmbedder(
+        files.model, files.tokenizer, intra_op_threads=threads, concurrent_runs=workers
+    )
 
 
 def build_embeddings(settings: Settings) -> tuple[EmbeddingService, model_files.ModelFiles | None]:
@@ -45,11 +47,14 @@ def build_embeddings(settings: Settings) -> tuple[EmbeddingService, model_files.
         service = EmbeddingService(None, model_name=None)
         service.mark_unavailable(str(exc))
         return service, None
+    workers = settings.embedder_worker_count
     service = EmbeddingService(
-        partial(_load_embedder, files, settings.embedder_threads),
+        partial(_load_embedder, files, settings.embedder_threads, workers),
         model_name=files.name,
+        workers=workers,
         batch_size=settings.embed_batch_size,
         queue_limit=settings.embed_queue_limit,
+        max_wait_ms=settings.embed_max_wait_ms,
     )
     return service, files
 

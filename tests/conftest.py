@@ -79,10 +79,10 @@ def fail_embedding_on(
     """Fault injection: the model run raises whenever one of its texts contains `marker`."""
     real = embeddings._embed_now
 
-    def fragile(texts: list[str]) -> list[Embedding]:
+    def fragile(texts: list[str], one_core: bool = False) -> list[Embedding]:
         if any(marker in t for t in texts):
             raise RuntimeError("simulated onnxruntime failure")
-        return real(texts)
+        return real(texts, one_core)
 
     monkeypatch.setattr(embeddings, "_embed_now", fragile)
 

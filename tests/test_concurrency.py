@@ -33,7 +33,9 @@ TOPICS = [
 
 @asynccontextmanager
 async def service(**settings: Any) -> AsyncIterator[httpx.AsyncClient]:
-    app = create_app(Settings(**settings))
+    # These tests send bursts on purpose: the overload guard gets a wide margin unless a test
+    # sets its own (the burst tests at the end use the default).
+    app = create_app(Settings(**{"embed_max_wait_ms": 60_000, **settings}))
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://kp") as client:
@@ -145,5 +147,59 @@ def test_one_failing_input_among_concurrent_requests_fails_alone(
             assert reasons.count("embedding_failed") == 1
             assert reasons[6] == "embedding_failed"
             assert (await client.get("/cache")).json()["size"] == len(TOPICS)
+
+    run(scenario)
+
+
+def test_a_burst_beyond_the_wait_limit_is_turned_away_at_once() -> None:
+    """Default limits: requests that would wait past KP_EMBED_MAX_WAIT_MS get 503 and change
+    nothing; the rest are scored as usual."""
+    traces = [make_trace(objective=f"{TOPICS[i % len(TOPICS)]} (variant {i})") for i in range(64)]
+
+    async def scenario() -> None:
+        async with service(embedder_preload=True, embed_max_wait_ms=80) as client:
+            for warm in traces[:4]:  # the service learns the model's cost per text
+                await client.post("/evaluate", json=warm, params={"dry_run": "true"})
+            responses = await asyncio.gather(*(client.post("/evaluate", json=t) for t in traces))
+            accepted = [r for r in responses if r.status_code == 200]
+            turned_away = [r for r in responses if r.status_code != 200]
+            assert accepted, "the first requests of a burst are served"
+            assert turned_away, "64 at once cannot all start within 80 ms on this model"
+            for r in turned_away:
+                assert r.status_code == 503
+                assert r.headers["retry-after"] == "1"
+                assert "KP_EMBED_MAX_WAIT_MS" in r.json()["detail"]
+            assert (await client.get("/cache")).json()["size"] == len(accepted)
+            metrics = (await client.get("/metrics")).text
+            assert f"kp_overloaded_total {float(len(turned_away))}" in metrics
+            # Turned-away traces are scored normally once the burst has passed.
+            retry = await client.post("/evaluate", json=traces[-1])
+            assert retry.status_code == 200
+
+    run(scenario)
+
+
+def test_runs_side_by_side_give_the_vectors_of_runs_alone() -> None:
+    """With two workers a burst runs on one-core sessions; novelty equals one-at-a-time runs."""
+    known = [make_trace(objective=topic) for topic in TOPICS]
+    probes = [make_trace(objective=f"How would you {topic.lower()}?") for topic in TOPICS]
+
+    async def scenario() -> None:
+        async with service(embedder_preload=True, embedder_workers=2) as client:
+            for trace in known:
+                assert (await client.post("/evaluate", json=trace)).status_code == 200
+            dry = {"dry_run": "true"}
+            burst = await asyncio.gather(
+                *(client.post("/evaluate", json=t, params=dry) for t in probes)
+            )
+            alone = [await client.post("/evaluate", json=t, params=dry) for t in probes]
+            app = client._transport.app  # type: ignore[attr-defined]
+            embeddings = app.state.services.embeddings
+            assert embeddings.workers == 2
+            assert embeddings.runs_total["one_core"] > 0  # the burst did run side by side
+            for a, b in zip(burst, alone, strict=True):
+                assert a.json()["novelty"]["measured"]
+                assert a.json()["novelty"]["max_cosine"] == b.json()["novelty"]["max_cosine"]
+                assert a.json()["score"] == b.json()["score"]
 
     run(scenario)

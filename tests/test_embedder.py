@@ -189,3 +189,13 @@ def test_embedder_failing_on_one_input_fails_only_that_request(
     assert client.get("/cache").json()["size"] == 1  # nothing added for the failed one
     assert client.post("/evaluate", json=good).json()["novelty"]["measured"] is True
     assert client.get("/readyz").json()["embedder"]["state"] == "ready"
+
+
+def test_the_one_core_session_gives_the_same_vectors() -> None:
+    files = model_files.resolve(None, None)
+    embedder = OnnxEmbedder(files.model, files.tokenizer, concurrent_runs=2)
+    texts = ["short", "a somewhat longer sentence about ledgers", "word " * 300, "東京 café"]
+    tokenized = embedder.tokenize(texts)
+    np.testing.assert_array_equal(
+        embedder.embed_tokenized(tokenized, one_core=True), embedder.embed_tokenized(tokenized)
+    )

@@ -61,5 +61,18 @@ class Metrics:
             registry=r,
         )
         self.overloaded = Counter(
-            "kp_overloaded", "Requests turned away with 503 because the queue was full.", registry=r
+            "kp_overloaded",
+            "Requests turned away with 503: the queue was full or too far behind.",
+            registry=r,
+        )
+        self.embed_runs = Gauge(
+            "kp_embed_runs",
+            "Model calls since start: a request alone on all cores, or side by side on one.",
+            ["cores"],
+            registry=r,
+        )
+        self.embed_cost = Gauge(
+            "kp_embed_cost_per_text_ms",
+            "Recent model cost of one text on one core (the overload guard's estimate).",
+            registry=r,
         )

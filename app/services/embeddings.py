@@ -1,16 +1,27 @@
-"""The embedder as the service runs it: loaded once, lazily, and fed by one batching task.
+"""The embedder as the service runs it: loaded once, lazily, fed by one dispatching task.
 
-Requests put their texts on a queue; one task takes everything waiting (up to a batch size),
-tokenizes and embeds it on a worker thread, and answers each request. While the model runs,
-new requests gather, so concurrent requests share model runs without any added wait. Texts of
-similar length share a run, which keeps padding small (and padding does not change a vector:
-the attention mask hides it and the pooling ignores it).
+Requests put their texts on a queue; one task hands them to the model's worker threads:
+
+- a request alone (nothing else waiting, every worker idle) gets one run over all cores, the
+  lowest latency one text can have;
+- under load each idle worker takes a share of the queue and runs it on one core: runs side by
+  side do more per second than runs one after another over all cores. A share holds requests
+  of similar length, and texts of similar token length share one model run, which keeps
+  padding small (padding does not change a vector: the attention mask hides it and the pooling
+  ignores it). No request ever waits for others to arrive.
+
+Overload is decided at the door: a request that would wait longer than `max_wait_ms` for a
+worker (the work queued ahead of it at the recent cost per text), or that would put more than
+`queue_limit` texts in the queue, gets OverloadedError at once instead of joining a pile-up.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -23,6 +34,9 @@ import numpy.typing as npt
 from app.embedding.onnx_embedder import ModelError, OnnxEmbedder, TokenizedText
 
 log = logging.getLogger(__name__)
+
+#: Weight of the newest run in the running estimate of the model's cost per text.
+_COST_SMOOTHING = 0.2
 
 
 class EmbedderState(StrEnum):
@@ -61,6 +75,11 @@ class _Job:
     texts: Sequence[str]
     future: asyncio.Future[list[Embedding]] = field(repr=False)
 
+    @property
+    def chars(self) -> int:
+        """Length of the longest text: a cheap stand-in for its token count."""
+        return max((len(t) for t in self.texts), default=0)
+
 
 EmbedderFactory = Callable[[], OnnxEmbedder]
 
@@ -73,31 +92,52 @@ class EmbeddingService:
         factory: EmbedderFactory | None,
         *,
         model_name: str | None,
+        workers: int = 1,
         batch_size: int = 32,
         queue_limit: int = 256,
+        max_wait_ms: float = 80.0,
     ) -> None:
         self._factory = factory
         self.model_name = model_name
         self.state = EmbedderState.DISABLED if factory is None else EmbedderState.NOT_LOADED
         self.reason: str | None = "disabled by KP_EMBEDDER=none" if factory is None else None
+        self.workers = workers
         self._batch_size = batch_size
         self._queue_limit = queue_limit
+        self._max_wait_ms = max_wait_ms
         self._embedder: OnnxEmbedder | None = None
         self._load_task: asyncio.Task[None] | None = None
-        # One thread runs the model: onnxruntime parallelises each run over the cores itself.
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedder")
-        self._queue: asyncio.Queue[_Job] = asyncio.Queue()
-        self._pending_texts = 0
-        self._worker: asyncio.Task[None] | None = None
-        self.batches_total = 0
+        self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="embedder")
+        self._waiting: deque[_Job] = deque()
+        self._waiting_texts = 0
+        self._running_texts = 0
+        self._idle_workers = workers
+        self._wake_dispatcher = asyncio.Event()
+        self._dispatcher: asyncio.Task[None] | None = None
+        self._runs: set[asyncio.Task[None]] = set()
+        #: Worker-milliseconds one text costs, from recent runs (None before the first run).
+        self.cost_per_text_ms: float | None = None
+        #: Model calls made, on every core (a request alone) and on one core (side by side).
+        self.runs_total = {"all_cores": 0, "one_core": 0}
 
     @property
     def queue_depth(self) -> int:
-        return self._pending_texts
+        """Texts waiting for the model or in it."""
+        return self._waiting_texts + self._running_texts
 
     @property
     def degraded(self) -> bool:
         return self.state in (EmbedderState.DISABLED, EmbedderState.UNAVAILABLE)
+
+    def expected_wait_ms(self) -> float:
+        """How long a request arriving now would wait for a worker, from the recent cost."""
+        if not self._waiting_texts and self._idle_workers:
+            return 0.0
+        if self.cost_per_text_ms is None:
+            return 0.0
+        # Runs in progress are, on average, half done.
+        ahead = self._waiting_texts + self._running_texts / 2
+        return ahead * self.cost_per_text_ms / self.workers
 
     # ── life cycle ──────────────────────────────────────────────────────────
 
@@ -123,8 +163,8 @@ class EmbeddingService:
             self.mark_unavailable(f"{type(exc).__name__}: {exc}")
             return
         self.state = EmbedderState.READY
-        self._worker = asyncio.create_task(self._run_batches(), name="embedding-batcher")
-        log.info("embedder ready", extra={"model": self.model_name})
+        self._dispatcher = asyncio.create_task(self._dispatch(), name="embedding-dispatcher")
+        log.info("embedder ready", extra={"model": self.model_name, "workers": self.workers})
 
     def mark_unavailable(self, reason: str) -> None:
         self.state = EmbedderState.UNAVAILABLE
@@ -132,9 +172,10 @@ class EmbeddingService:
         log.error("embedder unavailable; novelty is not measured", extra={"reason": reason})
 
     async def close(self) -> None:
-        if self._worker is not None:
-            self._worker.cancel()
-            await asyncio.gather(self._worker, return_exceptions=True)
+        tasks = [*self._runs, *([self._dispatcher] if self._dispatcher else [])]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._executor.shutdown(wait=True, cancel_futures=True)
 
     # ── embedding ───────────────────────────────────────────────────────────
@@ -144,36 +185,88 @@ class EmbeddingService:
         await self.load()
         if self.state is not EmbedderState.READY:
             raise EmbedderUnavailableError(self.reason or self.state.value)
-        if self._pending_texts + len(texts) > self._queue_limit and self._pending_texts:
-            raise OverloadedError(f"{self._pending_texts} texts are waiting for the model")
+        self._admit(len(texts))
         future: asyncio.Future[list[Embedding]] = asyncio.get_running_loop().create_future()
-        self._pending_texts += len(texts)
-        self._queue.put_nowait(_Job(texts, future))
+        self._waiting.append(_Job(texts, future))
+        self._waiting_texts += len(texts)
+        self._wake_dispatcher.set()
         return await future
 
-    async def _run_batches(self) -> None:
-        while True:
-            jobs = [await self._queue.get()]
-            size = len(jobs[0].texts)
-            while size < self._batch_size and not self._queue.empty():
-                job = self._queue.get_nowait()
-                jobs.append(job)
-                size += len(job.texts)
-            try:
-                await self._run_jobs(jobs)
-            finally:
-                self._pending_texts -= size
+    def _admit(self, count: int) -> None:
+        """OverloadedError unless `count` more texts can be embedded within the limits."""
+        if self.queue_depth and self.queue_depth + count > self._queue_limit:
+            raise OverloadedError(
+                f"{self.queue_depth} texts are waiting for the model "
+                f"(limit {self._queue_limit}, KP_EMBED_QUEUE_LIMIT)"
+            )
+        wait = self.expected_wait_ms()
+        if wait > self._max_wait_ms:
+            raise OverloadedError(
+                f"the model is about {wait:.0f} ms behind "
+                f"(limit {self._max_wait_ms:g} ms, KP_EMBED_MAX_WAIT_MS)"
+            )
 
-    async def _run_jobs(self, jobs: list[_Job]) -> None:
+    async def _dispatch(self) -> None:
+        """Hands waiting jobs to idle workers, for as long as the service runs."""
+        while True:
+            while not (self._waiting and self._idle_workers):
+                self._wake_dispatcher.clear()
+                await self._wake_dispatcher.wait()
+            if self._idle_workers == self.workers and len(self._waiting) == 1:
+                jobs, width = [self._waiting.popleft()], self.workers  # alone: every core
+            elif self.workers == 1:
+                jobs, width = self._take(self._batch_size), 1
+            else:
+                share = math.ceil(self._waiting_texts / self._idle_workers)
+                jobs, width = self._take(min(share, self._batch_size), similar=True), 1
+            count = sum(len(job.texts) for job in jobs)
+            self._waiting_texts -= count
+            self._running_texts += count
+            self._idle_workers -= width
+            run = asyncio.create_task(self._run(jobs, width, count))
+            self._runs.add(run)
+
+    def _take(self, max_texts: int, *, similar: bool = False) -> list[_Job]:
+        """The oldest job and, up to `max_texts` texts, more (of similar length if asked)."""
+        first = self._waiting.popleft()
+        jobs, size = [first], len(first.texts)
+        low, high = first.chars / 1.25 - 16, first.chars * 1.25 + 16
+        for job in list(self._waiting):
+            if size + len(job.texts) > max_texts:
+                if similar:
+                    continue
+                break
+            if similar and not low <= job.chars <= high:
+                continue
+            self._waiting.remove(job)
+            jobs.append(job)
+            size += len(job.texts)
+        return jobs
+
+    async def _run(self, jobs: list[_Job], width: int, count: int) -> None:
+        try:
+            await self._run_jobs(jobs, one_core=width < self.workers)
+        finally:
+            self._running_texts -= count
+            self._idle_workers += width
+            self._wake_dispatcher.set()
+            task = asyncio.current_task()
+            if task is not None:
+                self._runs.discard(task)
+
+    async def _run_jobs(self, jobs: list[_Job], *, one_core: bool) -> None:
         """One model run for all jobs; if it fails, each job alone, so one bad input fails alone."""
         texts = [text for job in jobs for text in job.texts]
         loop = asyncio.get_running_loop()
+        started = time.perf_counter()
         try:
-            embeddings = await loop.run_in_executor(self._executor, self._embed_now, texts)
+            embeddings = await loop.run_in_executor(
+                self._executor, self._embed_now, texts, one_core
+            )
         except Exception as exc:
             if len(jobs) > 1:
                 for job in jobs:
-                    await self._run_jobs([job])
+                    await self._run_jobs([job], one_core=one_core)
                 return
             log.exception("embedding failed for one request", extra={"texts": len(texts)})
             failure = EmbedderUnavailableError(
@@ -182,20 +275,30 @@ class EmbeddingService:
             if not jobs[0].future.done():
                 jobs[0].future.set_exception(failure)
             return
-        self.batches_total += 1
+        cores = 1 if one_core else self.workers
+        self._record_cost((time.perf_counter() - started) * 1000 * cores / len(texts))
+        self.runs_total["one_core" if one_core else "all_cores"] += 1
         start = 0
         for job in jobs:
             if not job.future.done():  # the client may have gone away
                 job.future.set_result(embeddings[start : start + len(job.texts)])
             start += len(job.texts)
 
-    def _embed_now(self, texts: list[str]) -> list[Embedding]:
-        """Runs on the worker thread: tokenize, group by length, run the model per group."""
+    def _record_cost(self, ms_per_text: float) -> None:
+        previous = self.cost_per_text_ms
+        self.cost_per_text_ms = (
+            ms_per_text
+            if previous is None
+            else previous + _COST_SMOOTHING * (ms_per_text - previous)
+        )
+
+    def _embed_now(self, texts: list[str], one_core: bool = False) -> list[Embedding]:
+        """Runs on a worker thread: tokenize, group by length, run the model per group."""
         assert self._embedder is not None
         tokenized = self._embedder.tokenize(texts)
         vectors: list[npt.NDArray[np.float32] | None] = [None] * len(texts)
         for group in length_groups(tokenized, self._batch_size):
-            rows = self._embedder.embed_tokenized([tokenized[i] for i in group])
+            rows = self._embedder.embed_tokenized([tokenized[i] for i in group], one_core=one_core)
             for i, row in zip(group, rows, strict=True):
                 vectors[i] = row
         return [
