@@ -11,7 +11,10 @@ import httpx
 import pytest
 
 from app.core.config import Settings
+from app.embedding import model_files
+from app.embedding.onnx_embedder import OnnxEmbedder
 from app.main import create_app
+from app.services.embeddings import EmbeddingService, OverloadedError
 from tests.conftest import fail_embedding_on
 from tests.factories import make_trace, step
 
@@ -201,5 +204,34 @@ def test_runs_side_by_side_give_the_vectors_of_runs_alone() -> None:
                 assert a.json()["novelty"]["measured"]
                 assert a.json()["novelty"]["max_cosine"] == b.json()["novelty"]["max_cosine"]
                 assert a.json()["score"] == b.json()["score"]
+
+    run(scenario)
+
+
+def test_a_request_that_waited_past_the_limit_is_turned_away_when_its_turn_comes() -> None:
+    """The door's forecast knows nothing before the first run; the dispatcher still keeps
+    anything from starting more than KP_EMBED_MAX_WAIT_MS after it was queued."""
+    files = model_files.resolve(None, None)
+
+    async def scenario() -> None:
+        service = EmbeddingService(
+            lambda: OnnxEmbedder(files.model, files.tokenizer),
+            model_name="test",
+            batch_size=1,  # one text per run, so the others wait
+            max_wait_ms=5,
+        )
+        await service.load()
+        texts = [f"request {i}: " + "ledger " * 100 for i in range(8)]
+        outcomes = await asyncio.gather(
+            *(service.embed([t]) for t in texts), return_exceptions=True
+        )
+        await service.close()
+        served = [o for o in outcomes if isinstance(o, list)]
+        turned_away = [o for o in outcomes if isinstance(o, OverloadedError)]
+        assert len(served) + len(turned_away) == len(texts)
+        assert served, "the first request starts at once"
+        assert turned_away, "eight 100-token runs in a row cannot all start within 5 ms"
+        assert all("KP_EMBED_MAX_WAIT_MS" in str(e) for e in turned_away)
+        assert service.queue_depth == 0
 
     run(scenario)

@@ -31,7 +31,9 @@ class Services:
     limits: TraceLimits
 
 
-def get_services(request: Request) -> Services:
+# Dependencies are `async def`: FastAPI runs a plain `def` dependency on its thread pool, a
+# thread hop per request for what is an attribute lookup.
+async def get_services(request: Request) -> Services:
     services: Services = request.app.state.services
     return services
 
@@ -41,7 +43,7 @@ ServicesDep = Annotated[Services, Depends(get_services)]
 _bearer = HTTPBearer(auto_error=False, description="KP_ADMIN_TOKEN, when the operator set one.")
 
 
-def require_admin(
+async def require_admin(
     services: ServicesDep,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
 ) -> None:

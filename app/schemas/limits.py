@@ -63,6 +63,9 @@ def limit_errors(
                     f"got {len(trace.steps)}",
                 )
             )
+        # No string is longer than its trace's JSON: walk the fields only when that is long.
+        if len(trace.model_dump_json()) <= limits.max_string_chars:
+            continue
         for path, text in _strings(trace, loc):
             if len(text) > limits.max_string_chars:
                 errors.append(

@@ -13,13 +13,14 @@ Requests put their texts on a queue; one task hands them to the model's worker t
 Overload is decided at the door: a request that would wait longer than `max_wait_ms` for a
 worker (the work queued ahead of it at the recent cost per text), or that would put more than
 `queue_limit` texts in the queue, gets OverloadedError at once instead of joining a pile-up.
+Should the forecast be wrong, a request that has waited `max_wait_ms` is turned away when its
+turn comes, so no request ever starts later than that.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -37,6 +38,8 @@ log = logging.getLogger(__name__)
 
 #: Weight of the newest run in the running estimate of the model's cost per text.
 _COST_SMOOTHING = 0.2
+#: Texts of similar length one one-core run takes at most, while other workers run too.
+_ONE_CORE_RUN_TEXTS = 2
 
 
 class EmbedderState(StrEnum):
@@ -74,6 +77,7 @@ class Embedding:
 class _Job:
     texts: Sequence[str]
     future: asyncio.Future[list[Embedding]] = field(repr=False)
+    queued_at: float = field(default_factory=time.monotonic)
 
     @property
     def chars(self) -> int:
@@ -212,13 +216,16 @@ class EmbeddingService:
             while not (self._waiting and self._idle_workers):
                 self._wake_dispatcher.clear()
                 await self._wake_dispatcher.wait()
+            if self._shed_stale():
+                continue
             if self._idle_workers == self.workers and len(self._waiting) == 1:
                 jobs, width = [self._waiting.popleft()], self.workers  # alone: every core
             elif self.workers == 1:
                 jobs, width = self._take(self._batch_size), 1
             else:
-                share = math.ceil(self._waiting_texts / self._idle_workers)
-                jobs, width = self._take(min(share, self._batch_size), similar=True), 1
+                # A share small enough to be one model run: a worker's jobs all wait for it.
+                share = -(-self._waiting_texts // self._idle_workers)  # rounded up
+                jobs, width = self._take(min(share, _ONE_CORE_RUN_TEXTS), similar=True), 1
             count = sum(len(job.texts) for job in jobs)
             self._waiting_texts -= count
             self._running_texts += count
@@ -226,11 +233,29 @@ class EmbeddingService:
             run = asyncio.create_task(self._run(jobs, width, count))
             self._runs.add(run)
 
+    def _shed_stale(self) -> bool:
+        """Turns the oldest job away if it has waited past the limit after all: the estimate at
+        the door is a forecast, and this is the guarantee that the queue never piles up."""
+        job = self._waiting[0]
+        waited_ms = (time.monotonic() - job.queued_at) * 1000
+        if waited_ms <= self._max_wait_ms and not job.future.done():
+            return False
+        self._waiting.popleft()
+        self._waiting_texts -= len(job.texts)
+        if not job.future.done():
+            job.future.set_exception(
+                OverloadedError(
+                    f"waited {waited_ms:.0f} ms for the model "
+                    f"(limit {self._max_wait_ms:g} ms, KP_EMBED_MAX_WAIT_MS)"
+                )
+            )
+        return True
+
     def _take(self, max_texts: int, *, similar: bool = False) -> list[_Job]:
         """The oldest job and, up to `max_texts` texts, more (of similar length if asked)."""
         first = self._waiting.popleft()
         jobs, size = [first], len(first.texts)
-        low, high = first.chars / 1.25 - 16, first.chars * 1.25 + 16
+        low, high = first.chars / 1.15 - 8, first.chars * 1.15 + 8
         for job in list(self._waiting):
             if size + len(job.texts) > max_texts:
                 if similar:
