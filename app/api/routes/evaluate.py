@@ -19,7 +19,10 @@ router = APIRouter(
         400: {"description": "A body that cannot be read as JSON text (not UTF-8)."},
         413: {"description": "Body larger than KP_MAX_BODY_BYTES."},
         415: {"description": "Content-Type is not application/json."},
-        503: {"description": "Too many texts wait for the model; retry after Retry-After."},
+        503: {
+            "description": "Overloaded: the model is too far behind (KP_EMBED_MAX_WAIT_MS) or too "
+            "many texts wait (KP_EMBED_QUEUE_LIMIT); nothing changed, retry after Retry-After."
+        },
     },
 )
 
