@@ -37,7 +37,7 @@ TOPICS = [
 @asynccontextmanager
 async def service(**settings: Any) -> AsyncIterator[httpx.AsyncClient]:
     # These tests send bursts on purpose: the overload guard gets a wide margin unless a test
-    # sets its own (the burst tests at the end use the default).
+    # sets its own (the overload tests at the end set the default, 80 ms, or less).
     app = create_app(Settings(**{"embed_max_wait_ms": 60_000, **settings}))
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
@@ -155,8 +155,8 @@ def test_one_failing_input_among_concurrent_requests_fails_alone(
 
 
 def test_a_burst_beyond_the_wait_limit_is_turned_away_at_once() -> None:
-    """Default limits: requests that would wait past KP_EMBED_MAX_WAIT_MS get 503 and change
-    nothing; the rest are scored as usual."""
+    """At the default limit: requests that would wait past KP_EMBED_MAX_WAIT_MS get 503 and
+    change nothing; the rest are scored as usual."""
     traces = [make_trace(objective=f"{TOPICS[i % len(TOPICS)]} (variant {i})") for i in range(64)]
 
     async def scenario() -> None:

@@ -232,6 +232,7 @@ class EmbeddingService:
             self._idle_workers -= width
             run = asyncio.create_task(self._run(jobs, width, count))
             self._runs.add(run)
+            run.add_done_callback(self._runs.discard)
 
     def _shed_stale(self) -> bool:
         """Turns the oldest job away if it has waited past the limit after all: the estimate at
@@ -275,9 +276,6 @@ class EmbeddingService:
             self._running_texts -= count
             self._idle_workers += width
             self._wake_dispatcher.set()
-            task = asyncio.current_task()
-            if task is not None:
-                self._runs.discard(task)
 
     async def _run_jobs(self, jobs: list[_Job], *, one_core: bool) -> None:
         """One model run for all jobs; if it fails, each job alone, so one bad input fails alone."""
