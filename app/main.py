@@ -30,10 +30,14 @@ from app.services.snapshots import SnapshotStore
 log = logging.getLogger("app")
 
 
-def _load_embedder(files: model_files.ModelFiles, threads: int, workers: int) -> OnnxEmbedder:
+def _load_embedder(files: model_files.ModelFiles, settings: Settings) -> OnnxEmbedder:
     model_files.verify(files)
     return OnnxEmbedder(
-        files.model, files.tokenizer, intra_op_threads=threads, concurrent_runs=workers
+        files.model,
+        files.tokenizer,
+        intra_op_threads=settings.embedder_threads,
+        concurrent_runs=settings.embedder_worker_count,
+        precision=settings.embedder_precision,
     )
 
 
@@ -47,11 +51,11 @@ def build_embeddings(settings: Settings) -> tuple[EmbeddingService, model_files.
         service = EmbeddingService(None, model_name=None)
         service.mark_unavailable(str(exc))
         return service, None
-    workers = settings.embedder_worker_count
     service = EmbeddingService(
-        partial(_load_embedder, files, settings.embedder_threads, workers),
+        partial(_load_embedder, files, settings),
         model_name=files.name,
-        workers=workers,
+        precision=settings.embedder_precision,
+        workers=settings.embedder_worker_count,
         batch_size=settings.embed_batch_size,
         queue_limit=settings.embed_queue_limit,
         max_wait_ms=settings.embed_max_wait_ms,
@@ -65,7 +69,7 @@ def build_snapshots(
     model_id = None
     if settings.cache_snapshot_path is not None and files is not None:
         try:
-            model_id = model_files.identity(files)
+            model_id = model_files.identity(files, settings.embedder_precision)
         except ModelError as exc:
             log.error("cache snapshots off: model identity unknown", extra={"reason": str(exc)})
     return SnapshotStore(settings.cache_snapshot_path, cache, model_id)

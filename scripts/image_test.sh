@@ -377,10 +377,10 @@ in_image() { "${IN_IMAGE[@]}" "$@"; }
 in_image /bin/sh -c 'id; python3 --version; ! touch / 2>/dev/null' ||
     fail "cannot run as $USERSPEC in the image (or its root is writable)"
 
-start_server() {
+start_server() {  # start_server NAME [KP_X=value ...]: the image's command, with extra settings
     SERVER_LOG=$WORK/service-$1.log
-    say "start: ${RUN_CMD[*]} (as $USERSPEC in $IMG_WORKDIR; log: $SERVER_LOG)"
-    "${IN_IMAGE[@]}" "${RUN_CMD[@]}" >"$SERVER_LOG" 2>&1 </dev/null &
+    say "start: ${*:2} ${RUN_CMD[*]} (as $USERSPEC in $IMG_WORKDIR; log: $SERVER_LOG)"
+    "${IN_IMAGE[@]}" env "${@:2}" "${RUN_CMD[@]}" >"$SERVER_LOG" 2>&1 </dev/null &
     SERVER_PID=$!
     local t0=$SECONDS
     until python3 - "$PORT" <<'PY' 2>/dev/null; do
@@ -502,6 +502,32 @@ PY
     ((SERVER_RC == 0 || SERVER_RC == 143)) || fail "the restarted service exited $SERVER_RC on SIGTERM"
 else
     say "NOTE: no /data/cache.snapshot after the stop: this build of the app does not save the cache"
+fi
+
+# The opt-in int8 mode needs the onnx package at start: it must be in the image.
+start_server int8 KP_EMBEDDER_PRECISION=int8 KP_CACHE_SNAPSHOT_PATH=/data/int8.snapshot
+python3 - "$PORT" "$ROOT/tests" <<'PY' || fail "int8 mode does not work in the image"
+import json, sys, urllib.request
+sys.path.insert(0, sys.argv[2])
+from factories import make_trace
+base = f"http://127.0.0.1:{sys.argv[1]}"
+ready = json.load(urllib.request.urlopen(base + "/readyz", timeout=30))
+embedder = ready.get("embedder", {})
+ok = embedder.get("state") == "ready" and embedder.get("precision") == "int8"
+print(("ok    " if ok else "FAIL  ") + f"KP_EMBEDDER_PRECISION=int8: /readyz embedder={embedder!r}")
+body = json.dumps(make_trace()).encode()
+for _ in range(2):
+    req = urllib.request.Request(base + "/evaluate", data=body, method="POST",
+                                 headers={"Content-Type": "application/json"})
+    novelty = json.load(urllib.request.urlopen(req, timeout=30))["novelty"]
+measured = novelty.get("measured") is True and novelty.get("max_cosine", 0) > 0.999
+print(("ok    " if measured else "FAIL  ") + f"int8: the same trace twice -> novelty={novelty!r}")
+sys.exit(0 if ok and measured else 1)
+PY
+stop_server TERM
+((SERVER_RC == 0 || SERVER_RC == 143)) || fail "the int8 service exited $SERVER_RC on SIGTERM"
+if grep -n -E '"level": ?"(error|critical)"|Traceback' "$SERVER_LOG"; then
+    fail "the int8 service logged errors (above)"
 fi
 SERVER_LOG=""
 unmount_all

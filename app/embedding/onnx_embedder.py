@@ -15,7 +15,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import Final, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -29,6 +29,10 @@ MAX_TOKENS: Final = 512
 DIMENSIONS: Final = 384
 _INPUTS: Final = ("input_ids", "attention_mask", "token_type_ids")
 _OUTPUT: Final = "last_hidden_state"
+
+#: float32: the reference's arithmetic. int8: faster, vectors within 0.01 of the reference's
+#: scores (app/embedding/int8_activations.py).
+Precision = Literal["float32", "int8"]
 
 
 class ModelError(RuntimeError):
@@ -54,18 +58,26 @@ class OnnxEmbedder:
         *,
         intra_op_threads: int = 0,
         concurrent_runs: int = 1,
+        precision: Precision = "float32",
     ) -> None:
         self._tokenizer = load_tokenizer(tokenizer_path)
         js_bert_normalizer.warm_up()
         # The PyPI wheel ships with telemetry on; a scoring service does not phone home.
         ort.disable_telemetry_events()
-        self._session = _open_session(model_path, intra_op_threads)
+        self.precision: Final = precision
+        model = _read_model(model_path, precision)
+        self._session = _open_session(model, model_path, intra_op_threads, precision)
         # Under load, runs side by side on one core each do more per second than one run
         # spread over all cores (no synchronisation inside a run). One single-threaded session
         # serves them all: concurrent run() calls on a session are safe.
         self._one_core_session = (
-            _open_session(model_path, 1) if concurrent_runs > 1 else self._session
+            _open_session(model, model_path, 1, precision) if concurrent_runs > 1 else self._session
         )
+        # A session's first run sets up its buffers (in int8 mode it cost a preloaded service's
+        # first request 4 ms more than its tenth): done here, it stays out of every request.
+        (warm_up,) = self.tokenize(["warm up"])
+        self.embed_tokenized([warm_up])
+        self.embed_tokenized([warm_up], one_core=True)
 
     def tokenize(self, texts: Sequence[str]) -> list[TokenizedText]:
         normalized = [js_bert_normalizer.normalize(text) for text in texts]
@@ -82,8 +94,11 @@ class OnnxEmbedder:
         """Unit vectors, one row per text, from one model run over the padded batch.
 
         `one_core` runs it on the single-threaded session (for runs side by side); the vectors
-        are the same either way.
+        are the same either way. In int8 mode each text has a run of its own: the activations'
+        scale covers the whole run, so texts sharing one would move each other's vectors.
         """
+        if self.precision == "int8" and len(batch) > 1:
+            return np.concatenate([self.embed_tokenized([t], one_core=one_core) for t in batch])
         length = max(len(t.ids) for t in batch)
         input_ids = np.zeros((len(batch), length), dtype=np.int64)
         attention_mask = np.zeros((len(batch), length), dtype=np.int64)
@@ -106,7 +121,25 @@ class OnnxEmbedder:
         return self.embed_tokenized(self.tokenize(texts))
 
 
-def _open_session(model_path: Path, intra_op_threads: int) -> ort.InferenceSession:
+def _read_model(model_path: Path, precision: Precision) -> bytes:
+    """The model's bytes, rewritten for int8 activations in int8 mode."""
+    try:
+        model = model_path.read_bytes()
+    except OSError as exc:
+        raise ModelError(f"cannot read {model_path}: {exc.strerror or exc}") from exc
+    if precision == "float32":
+        return model
+    from app.embedding.int8_activations import int8_activation_model
+
+    try:
+        return int8_activation_model(model)
+    except Exception as exc:  # a ValueError naming the setting, or a graph onnx cannot parse
+        raise ModelError(f"model {model_path}: int8 mode unavailable: {exc}") from exc
+
+
+def _open_session(
+    model: bytes, model_path: Path, intra_op_threads: int, precision: Precision
+) -> ort.InferenceSession:
     options = ort.SessionOptions()
     # BASIC (constant folding, redundant nodes removed), not ALL: the layout and fusion passes of
     # ALL made this model slower here (paired runs on the bench corpus: BASIC 0.92x, ALL 0.98x
@@ -114,8 +147,13 @@ def _open_session(model_path: Path, intra_op_threads: int) -> ort.InferenceSessi
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     options.intra_op_num_threads = intra_op_threads
     options.log_severity_level = 3
+    if precision == "int8":
+        # On x64 CPUs without VNNI the u8s8 kernel can overflow its 16-bit sums
+        # (onnxruntime_session_options_config_keys.h); this picks the slower, exact u8u8 one
+        # there and changes nothing where VNNI runs.
+        options.add_session_config_entry("session.x64quantprecision", "1")
     try:
-        session = ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
+        session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
     except Exception as exc:
         raise ModelError(f"model {model_path} cannot be loaded: {exc}") from exc
     inputs = {i.name for i in session.get_inputs()}

@@ -87,6 +87,8 @@ class BatchOut(BaseModel):
 class EmbedderOut(BaseModel):
     state: EmbedderState
     model: str | None
+    #: float32 (the reference's arithmetic) or int8 (KP_EMBEDDER_PRECISION); null without a model.
+    precision: Literal["float32", "int8"] | None
     reason: str | None
 
 

@@ -32,7 +32,7 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
-from app.embedding.onnx_embedder import ModelError, OnnxEmbedder, TokenizedText
+from app.embedding.onnx_embedder import ModelError, OnnxEmbedder, Precision, TokenizedText
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +62,15 @@ class EmbedderUnavailableError(Exception):
         self.code = code
 
 
+OverloadReason = Literal["queue_limit", "expected_wait", "waited_too_long"]
+
+
 class OverloadedError(Exception):
-    """Too many texts are waiting for the model."""
+    """Too many texts are waiting for the model; `reason` says which guard turned it away."""
+
+    def __init__(self, detail: str, reason: OverloadReason) -> None:
+        super().__init__(detail)
+        self.reason = reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +103,7 @@ class EmbeddingService:
         factory: EmbedderFactory | None,
         *,
         model_name: str | None,
+        precision: Precision | None = None,
         workers: int = 1,
         batch_size: int = 32,
         queue_limit: int = 256,
@@ -103,6 +111,7 @@ class EmbeddingService:
     ) -> None:
         self._factory = factory
         self.model_name = model_name
+        self.precision = precision
         self.state = EmbedderState.DISABLED if factory is None else EmbedderState.NOT_LOADED
         self.reason: str | None = "disabled by KP_EMBEDDER=none" if factory is None else None
         self.workers = workers
@@ -168,7 +177,10 @@ class EmbeddingService:
             return
         self.state = EmbedderState.READY
         self._dispatcher = asyncio.create_task(self._dispatch(), name="embedding-dispatcher")
-        log.info("embedder ready", extra={"model": self.model_name, "workers": self.workers})
+        log.info(
+            "embedder ready",
+            extra={"model": self.model_name, "precision": self.precision, "workers": self.workers},
+        )
 
     def mark_unavailable(self, reason: str) -> None:
         self.state = EmbedderState.UNAVAILABLE
@@ -201,13 +213,15 @@ class EmbeddingService:
         if self.queue_depth and self.queue_depth + count > self._queue_limit:
             raise OverloadedError(
                 f"{self.queue_depth} texts are waiting for the model "
-                f"(limit {self._queue_limit}, KP_EMBED_QUEUE_LIMIT)"
+                f"(limit {self._queue_limit}, KP_EMBED_QUEUE_LIMIT)",
+                "queue_limit",
             )
         wait = self.expected_wait_ms()
         if wait > self._max_wait_ms:
             raise OverloadedError(
                 f"the model is about {wait:.0f} ms behind "
-                f"(limit {self._max_wait_ms:g} ms, KP_EMBED_MAX_WAIT_MS)"
+                f"(limit {self._max_wait_ms:g} ms, KP_EMBED_MAX_WAIT_MS)",
+                "expected_wait",
             )
 
     async def _dispatch(self) -> None:
@@ -247,7 +261,8 @@ class EmbeddingService:
             job.future.set_exception(
                 OverloadedError(
                     f"waited {waited_ms:.0f} ms for the model "
-                    f"(limit {self._max_wait_ms:g} ms, KP_EMBED_MAX_WAIT_MS)"
+                    f"(limit {self._max_wait_ms:g} ms, KP_EMBED_MAX_WAIT_MS)",
+                    "waited_too_long",
                 )
             )
         return True

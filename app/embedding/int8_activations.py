@@ -1,0 +1,258 @@
+"""The opt-in int8 embedding mode: the packaged model's MatMuls run on int8 activations.
+
+The packaged model stores each weight matrix W (K x N) as an INT8 initializer `q` with a float
+per-column scale `s` of shape (1, N), rebuilt as `Mul(Cast(q, to=FLOAT), s)` before a float
+MatMul: onnxruntime folds that into a float32 matrix at load, so inference is float32.
+`quantize_activations` hands `q` and `s` as they are (no weight is re-quantised) to
+com.microsoft `DynamicQuantizeMatMul`, which quantises the activations to uint8 on every run
+(one scale per tensor) and multiplies in integers, with VNNI where the CPU has it. The MatMul's
+bias Add is folded into the same node.
+
+One scale per tensor is coarse for BERT models: a few input channels (channel 99 after most
+LayerNorms, one GELU channel per layer) reach 5 to 10 times the range of the rest, and
+quantising them with the others moved scores by up to 0.016. Those channels, listed per MatMul
+in `assets/int8_float_channels.json` for the packaged model only (made by
+`scripts/calibrate_int8.py`), are zeroed before the int8 product and multiplied in float32
+against the same dequantised rows of W instead; the score change then stays under 0.01 (README,
+"int8 mode").
+
+The activation scale depends on every row of the run, so texts sharing a run would change each
+other's vectors: OnnxEmbedder runs one text per run in this mode.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from importlib import resources
+from typing import TYPE_CHECKING, Any, Final
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import onnx
+
+MS_DOMAIN: Final = "com.microsoft"
+FLOAT_CHANNELS_ASSET: Final = "int8_float_channels.json"
+
+
+def int8_activation_model(model: bytes) -> bytes:
+    """The model rewritten for int8 activations, or ValueError when it is not the one whose
+    outlier channels are known (the packaged model)."""
+    sha256 = hashlib.sha256(model).hexdigest()
+    table = float_channel_table()
+    if table["model_sha256"] != sha256:
+        raise ValueError(
+            f"KP_EMBEDDER_PRECISION=int8 is calibrated for the packaged model only "
+            f"(sha256 {table['model_sha256'][:16]}...); this model has sha256 {sha256[:16]}... "
+            "Use KP_EMBEDDER_PRECISION=float32 with other models."
+        )
+    return quantize_activations(model, table["float_channels"])
+
+
+def float_channel_table() -> dict[str, Any]:
+    """The asset: the model's sha256 and, per MatMul node name, the channels kept in float32."""
+    text = (resources.files("app.embedding") / "assets" / FLOAT_CHANNELS_ASSET).read_text()
+    table: dict[str, Any] = json.loads(text)
+    return table
+
+
+@dataclass(frozen=True, slots=True)
+class _Weight:
+    """A MatMul's B = Mul(Cast(q), scale), with the scale as DynamicQuantizeMatMul wants it."""
+
+    q: onnx.TensorProto  # INT8, K x N
+    scale: onnx.TensorProto  # float, () or (N,)
+
+
+def quantize_activations(
+    model: bytes, float_channels: Mapping[str, Sequence[int]] | None = None
+) -> bytes:
+    """The model with each int8-weight MatMul computed by DynamicQuantizeMatMul;
+    `float_channels` maps a MatMul node name to input channels kept in float32.
+
+    MatMuls between two activations (attention) and anything that does not match the pattern
+    exactly are left as they are."""
+    import onnx  # only this mode needs it (150 ms to import)
+    from onnx import helper
+
+    proto = onnx.load_from_string(model)
+    graph = proto.graph
+    initializers = {t.name: t for t in graph.initializer}
+    producers = {out: node for node in graph.node for out in node.output}
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+
+    nodes: list[onnx.NodeProto] = []
+    new: dict[str, onnx.TensorProto] = {}  # initializers to add, by name (shared ones once)
+    done: set[str] = set()  # outputs already produced (a mask shared by Q, K and V)
+    fused: set[int] = set()  # ids of bias Adds folded into the node before them
+    for node in graph.node:
+        if id(node) in fused:
+            continue
+        weight = _int8_weight(node, producers, initializers) if node.op_type == "MatMul" else None
+        if weight is None:
+            nodes.append(node)
+            continue
+        bias_add = _bias_add(node, consumers, initializers, n=weight.q.dims[1])
+        if bias_add is not None:
+            fused.add(id(bias_add))
+        channels = list((float_channels or {}).get(node.name, ()))
+        replacement, tensors = _replacement(node, weight, bias_add, channels)
+        nodes += [n for n in replacement if not done.issuperset(n.output)]
+        done.update(o for n in replacement for o in n.output)
+        new.update((t.name, t) for t in tensors)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    graph.initializer.extend(new.values())
+    _remove_unused(graph)
+    if not any(o.domain == MS_DOMAIN for o in proto.opset_import):
+        proto.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
+    out: bytes = proto.SerializeToString()
+    return out
+
+
+def _replacement(
+    matmul: onnx.NodeProto, weight: _Weight, bias_add: onnx.NodeProto | None, channels: list[int]
+) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+    """The nodes and new initializers computing MatMul (+ bias) with int8 activations."""
+    from onnx import helper, numpy_helper
+
+    a = matmul.input[0]
+    out = (bias_add or matmul).output[0]
+    zero_point = numpy_helper.from_array(
+        np.zeros(tuple(weight.scale.dims), dtype=np.int8), f"{weight.scale.name}_zero_point"
+    )
+    tensors = [weight.scale, zero_point]
+    bias = [] if bias_add is None else [i for i in bias_add.input if i != matmul.output[0]]
+    if not channels:
+        return [_dqmm(matmul.name, a, weight, zero_point, bias, out)], tensors
+
+    # Y = DQMM(A * mask) + Gather(A, channels) @ (q[channels] * scale)
+    q = numpy_helper.to_array(weight.q)
+    scale = numpy_helper.to_array(weight.scale)
+    mask = np.ones(q.shape[0], dtype=np.float32)
+    mask[channels] = 0
+    key = f"{a}_c{'_'.join(map(str, channels))}"  # the same for Q, K and V: built once
+    p = matmul.name
+    tensors += [
+        numpy_helper.from_array(mask, f"{key}_mask"),
+        numpy_helper.from_array(np.asarray(channels, dtype=np.int64), f"{key}_index"),
+        numpy_helper.from_array(q[channels].astype(np.float32) * scale, f"{p}_rows"),
+    ]
+    nodes = [
+        helper.make_node("Mul", [a, f"{key}_mask"], [f"{key}_rest"], name=f"{key}_rest"),
+        helper.make_node(
+            "Gather", [a, f"{key}_index"], [f"{key}_outliers"], axis=-1, name=f"{key}_outliers"
+        ),
+        _dqmm(p, f"{key}_rest", weight, zero_point, bias, f"{p}_int8"),
+        helper.make_node(
+            "MatMul", [f"{key}_outliers", f"{p}_rows"], [f"{p}_float"], name=f"{p}_float"
+        ),
+        helper.make_node("Add", [f"{p}_int8", f"{p}_float"], [out], name=f"{p}_sum"),
+    ]
+    return nodes, tensors
+
+
+def _dqmm(
+    name: str, a: str, weight: _Weight, zero_point: onnx.TensorProto, bias: list[str], out: str
+) -> onnx.NodeProto:
+    from onnx import helper
+
+    inputs = [a, weight.q.name, weight.scale.name, zero_point.name, *bias]
+    return helper.make_node(
+        "DynamicQuantizeMatMul", inputs, [out], name=f"{name}_int8", domain=MS_DOMAIN
+    )
+
+
+def _int8_weight(
+    matmul: onnx.NodeProto,
+    producers: dict[str, onnx.NodeProto],
+    initializers: dict[str, onnx.TensorProto],
+) -> _Weight | None:
+    """B's int8 matrix and scale when B = Mul(Cast(int8 K x N), per-tensor/per-column scale)."""
+    import onnx
+    from onnx import numpy_helper
+
+    mul = producers.get(matmul.input[1])
+    if mul is None or mul.op_type != "Mul":
+        return None
+    for cast_out, scale_name in (mul.input, mul.input[::-1]):
+        cast = producers.get(cast_out)
+        scale = initializers.get(scale_name)
+        if cast is None or cast.op_type != "Cast" or scale is None:
+            continue
+        q = initializers.get(cast.input[0])
+        to = next((a.i for a in cast.attribute if a.name == "to"), None)
+        if (
+            q is None
+            or q.data_type != onnx.TensorProto.INT8
+            or len(q.dims) != 2
+            or to != onnx.TensorProto.FLOAT
+            or scale.data_type != onnx.TensorProto.FLOAT
+        ):
+            continue
+        columns = _column_scale(numpy_helper.to_array(scale), n=q.dims[1])
+        if columns is None:
+            return None  # per-row (K, 1) or another layout: keep the float32 path
+        return _Weight(q, numpy_helper.from_array(columns, f"{scale_name}_per_column"))
+    return None
+
+
+def _column_scale(scale: np.ndarray, n: int) -> np.ndarray | None:
+    """The scale as a scalar or an (N,) vector, or None when it does not vary by column only."""
+    if scale.size == 1:
+        return scale.reshape(()).astype(np.float32)
+    if scale.shape in ((n,), (1, n)):  # (1, N) broadcasts along the columns of K x N
+        return scale.reshape(n).astype(np.float32)
+    return None
+
+
+def _bias_add(
+    matmul: onnx.NodeProto,
+    consumers: dict[str, list[onnx.NodeProto]],
+    initializers: dict[str, onnx.TensorProto],
+    n: int,
+) -> onnx.NodeProto | None:
+    """The Add of a float (N,) initializer that alone reads the MatMul's output, if any."""
+    import onnx
+
+    readers = consumers.get(matmul.output[0], [])
+    if len(readers) != 1 or readers[0].op_type != "Add":
+        return None
+    add = readers[0]
+    others = [initializers.get(i) for i in add.input if i != matmul.output[0]]
+    if len(others) != 1 or others[0] is None:
+        return None
+    bias = others[0]
+    return add if bias.data_type == onnx.TensorProto.FLOAT and list(bias.dims) == [n] else None
+
+
+def _remove_unused(graph: onnx.GraphProto) -> None:
+    """Drop nodes whose outputs nobody reads, then initializers and value_info nobody reads."""
+    while True:
+        used = set(_read_names(graph))
+        keep = [n for n in graph.node if any(o in used for o in n.output)]
+        if len(keep) == len(graph.node):
+            break
+        del graph.node[:]
+        graph.node.extend(keep)
+    produced = {o for n in graph.node for o in n.output} | {i.name for i in graph.input}
+    for field, names in ((graph.initializer, used), (graph.value_info, produced)):
+        kept = [t for t in field if t.name in names]
+        del field[:]
+        field.extend(kept)
+
+
+def _read_names(graph: onnx.GraphProto) -> Iterator[str]:
+    """Every tensor name a node (or a subgraph's node) reads, and the graph's outputs."""
+    yield from (o.name for o in graph.output)
+    for node in graph.node:
+        yield from node.input
+        for attr in node.attribute:
+            for sub in [attr.g, *attr.graphs] if attr.g.node or attr.graphs else []:
+                yield from _read_names(sub)
