@@ -261,6 +261,12 @@ def notes(doc: dict[str, Any]) -> list[str]:
         + (", ".join(f"{k}={v}" for k, v in doc["settings"]["env"].items()) or "no KP_* overrides")
         + "; KP_EMBEDDER_PRELOAD=true for the latency and concurrency server.",
     ]
+    if doc["settings"]["env"].get("KP_EMBEDDER_PRECISION") == "int8":
+        out.append(
+            "The service runs in int8 mode; the floor is still the float32 model of the default "
+            "mode, so the ratios say what int8 mode gains over it (python -m bench.precision "
+            "compares the two modes' model runs directly)."
+        )
     load1 = float(m["loadavg_start"].split()[0])
     if load1 > 0.3 * m["nproc"]:
         out.append(

@@ -144,11 +144,14 @@ async def closed_loop(
     failures: list[str] = []
     deadline = time.perf_counter() + max_seconds
 
+    last_answer = time.perf_counter()
+
     async def client(conn: Connection) -> None:
+        nonlocal last_answer
         for request in queue:
             started = time.perf_counter()
             status, body = await conn.exchange(request)
-            finished = time.perf_counter()
+            finished = last_answer = time.perf_counter()
             if status == 503:
                 phase.turned_away_ms.append((finished - started) * 1000)
                 await asyncio.sleep(retry_after_s)
@@ -165,7 +168,9 @@ async def closed_loop(
     client_cpu = time.process_time()
     started = time.perf_counter()
     await asyncio.gather(*(client(c) for c in connections))
-    phase.elapsed_s = time.perf_counter() - started
+    # Up to the last answer: a client turned away near the end sleeps Retry-After and then
+    # finds no request left; that idle second is not the service's.
+    phase.elapsed_s = last_answer - started
     phase.client_cpu_s = time.process_time() - client_cpu
     if server_pid:
         phase.server_cpu_s = cpu_seconds(server_pid) - cpu_before
