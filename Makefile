@@ -7,7 +7,7 @@ PYTHON ?= python3
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: run test lint unit openapi image-test bench clean
+.PHONY: run test lint unit openapi image-test bench bench-precision clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,10 @@ image-test:
 ## bench: measure latency and throughput against the bare-onnxruntime floor
 bench: $(BIN)/.installed
 	$(BIN)/python -m bench
+
+## bench-precision: int8 mode against float32 (model speed and score deviation, in process)
+bench-precision: $(BIN)/.installed
+	$(BIN)/python -m bench.precision
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis build *.egg-info
