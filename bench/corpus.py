@@ -20,8 +20,7 @@ from tokenizers import Tokenizer
 
 from app.domain.scoring import novelty_text
 from app.embedding import model_files
-
-CONTEXT: Final = "https://openknowledgepulse.org/schema/v1"
+from tests.factories import make_trace, step
 
 
 def _words(text: str) -> list[str]:
@@ -94,26 +93,16 @@ def _trace(
         kind = "thought" if i == 0 else STEP_TYPES[1 + (i - 1) % 2]
         if kind == "observation" and rng.random() < 0.1:
             kind = "error_recovery"
-        step: dict[str, Any] = {"step_id": i, "type": kind, "content": content}
-        if kind == "tool_call":
-            step["tool"] = {"name": rng.choice(TOOLS)}
-        steps.append(step)
-    return {
-        "@context": CONTEXT,
-        "@type": "ReasoningTrace",
-        "id": trace_id,
-        "metadata": {
-            "created_at": "2025-06-15T10:00:00.000Z",
-            "task_domain": rng.choice(DOMAINS),
-            "success": rng.random() < 0.8,
-            "quality_score": 0,
-            "visibility": "network",
-            "privacy_level": "aggregated",
-        },
-        "task": {"objective": objective},
-        "steps": steps,
-        "outcome": {"result_summary": "Done", "confidence": round(rng.uniform(0.3, 1.0), 2)},
-    }
+        tool = rng.choice(TOOLS) if kind == "tool_call" else None
+        steps.append(step(i, kind, content, tool=tool))
+    return make_trace(
+        steps=steps,
+        objective=objective,
+        domain=rng.choice(DOMAINS),
+        success=rng.random() < 0.8,
+        confidence=round(rng.uniform(0.3, 1.0), 2),
+        trace_id=trace_id,
+    )
 
 
 def _item(trace_id: str, target: int, steps: int, rng: random.Random, seen: set[str]) -> Item:
