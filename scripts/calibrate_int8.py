@@ -32,32 +32,11 @@ ASSET = Path(int8_activations.__file__).parent / "assets" / int8_activations.FLO
 CHANNELS_PER_MATMUL = 2
 
 
-def weight_matmuls(model: onnx.ModelProto) -> list[onnx.NodeProto]:
-    """The MatMuls whose B is Mul(Cast(int8 initializer), scale), in graph order."""
-    producers = {out: node for node in model.graph.node for out in node.output}
-    initializers = {t.name: t for t in model.graph.initializer}
-    found = []
-    for node in model.graph.node:
-        mul = producers.get(node.input[1]) if node.op_type == "MatMul" else None
-        if mul is None or mul.op_type != "Mul":
-            continue
-        casts = [producers.get(i) for i in mul.input]
-        if any(
-            c is not None
-            and c.op_type == "Cast"
-            and c.input[0] in initializers
-            and initializers[c.input[0]].data_type == onnx.TensorProto.INT8
-            for c in casts
-        ):
-            found.append(node)
-    return found
-
-
 def calibrate() -> dict[str, Any]:
     files = model_files.resolve(None, None)
     raw = files.model.read_bytes()
     model = onnx.load_from_string(raw)
-    matmuls = weight_matmuls(model)
+    matmuls = int8_activations.weight_matmuls(model)
     # Six per layer in graph order: Q, K, V, attention output, FFN in, FFN out.
     if len(matmuls) != 36:
         raise SystemExit(f"expected 36 weight MatMuls (6 layers x 6), found {len(matmuls)}")

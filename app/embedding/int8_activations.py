@@ -59,6 +59,17 @@ def float_channel_table() -> dict[str, Any]:
     return table
 
 
+def weight_matmuls(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    """The MatMuls `quantize_activations` replaces (B an int8 weight), in graph order."""
+    producers = {out: node for node in model.graph.node for out in node.output}
+    initializers = {t.name: t for t in model.graph.initializer}
+    return [
+        node
+        for node in model.graph.node
+        if node.op_type == "MatMul" and _int8_weight(node, producers, initializers) is not None
+    ]
+
+
 @dataclass(frozen=True, slots=True)
 class _Weight:
     """A MatMul's B = Mul(Cast(q), scale), with the scale as DynamicQuantizeMatMul wants it."""
