@@ -104,6 +104,7 @@ def _phase_figures(phase: load.Phase, expect_measured: bool) -> dict[str, Any]:
         "turned_away_p99_ms": percentile(away, 99) if away else 0.0,
         "service_elapsed_p50_ms": percentile([x["elapsed_ms"] for x in responses], 50),
         "server_cpu_ms_per_request": phase.server_cpu_s * 1000 / phase.count,
+        "event_loop_cpu_ms_per_request": phase.event_loop_cpu_s * 1000 / phase.count,
         "client_cpu_ms_per_request": phase.client_cpu_s * 1000 / phase.count,
         "truncated": sum(1 for x in responses if x["novelty"].get("truncated")),
     }

@@ -112,6 +112,7 @@ class Phase:
     turned_away_ms: list[float] = field(default_factory=list)
     elapsed_s: float = 0.0
     server_cpu_s: float = float("nan")
+    event_loop_cpu_s: float = float("nan")  # the server's main thread, part of server_cpu_s
     client_cpu_s: float = 0.0
 
     @property
@@ -165,6 +166,7 @@ async def closed_loop(
                 return
 
     cpu_before = cpu_seconds(server_pid) if server_pid else 0.0
+    loop_before = cpu_seconds(server_pid, main_thread_only=True) if server_pid else 0.0
     client_cpu = time.process_time()
     started = time.perf_counter()
     await asyncio.gather(*(client(c) for c in connections))
@@ -174,6 +176,7 @@ async def closed_loop(
     phase.client_cpu_s = time.process_time() - client_cpu
     if server_pid:
         phase.server_cpu_s = cpu_seconds(server_pid) - cpu_before
+        phase.event_loop_cpu_s = cpu_seconds(server_pid, main_thread_only=True) - loop_before
     for c in connections:
         await c.close()
     if failures:

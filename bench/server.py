@@ -36,9 +36,12 @@ def rss_mb(pid: int, field: str = "VmRSS") -> float:
     return float("nan")
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process, all its threads, from /proc/PID/stat."""
-    stat = Path(f"/proc/{pid}/stat").read_text()
+def cpu_seconds(pid: int, *, main_thread_only: bool = False) -> float:
+    """User + system CPU time of a process, all its threads, from /proc/PID/stat; with
+    `main_thread_only`, of its main thread alone (uvicorn's event loop: HTTP, validation,
+    scoring; the model runs on other threads)."""
+    path = f"/proc/{pid}/task/{pid}/stat" if main_thread_only else f"/proc/{pid}/stat"
+    stat = Path(path).read_text()
     fields = stat[stat.rindex(")") + 2 :].split()
     return (int(fields[11]) + int(fields[12])) / _TICKS
 
