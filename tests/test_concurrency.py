@@ -19,6 +19,8 @@ from app.services.embeddings import EmbeddingService, OverloadedError
 from tests.conftest import fail_embedding_on
 from tests.factories import make_trace, step
 
+DEFAULT_MAX_WAIT_MS = Settings.model_fields["embed_max_wait_ms"].default
+
 TOPICS = [
     "Reconcile the Q3 ledger against bank statements",
     "Debug a flaky integration test in the CI pipeline",
@@ -38,7 +40,7 @@ TOPICS = [
 @asynccontextmanager
 async def service(**settings: Any) -> AsyncIterator[httpx.AsyncClient]:
     # These tests send bursts on purpose: the overload guard gets a wide margin unless a test
-    # sets its own (the overload tests at the end set the default, 80 ms, or less).
+    # sets its own (the overload tests at the end set the default, 60 ms, or less).
     app = create_app(Settings(**{"embed_max_wait_ms": 60_000, **settings}))
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
@@ -161,14 +163,14 @@ def test_a_burst_beyond_the_wait_limit_is_turned_away_at_once() -> None:
     traces = [make_trace(objective=f"{TOPICS[i % len(TOPICS)]} (variant {i})") for i in range(64)]
 
     async def scenario() -> None:
-        async with service(embedder_preload=True, embed_max_wait_ms=80) as client:
+        async with service(embedder_preload=True, embed_max_wait_ms=DEFAULT_MAX_WAIT_MS) as client:
             for warm in traces[:4]:  # the service learns the model's cost per text
                 await client.post("/evaluate", json=warm, params={"dry_run": "true"})
             responses = await asyncio.gather(*(client.post("/evaluate", json=t) for t in traces))
             accepted = [r for r in responses if r.status_code == 200]
             turned_away = [r for r in responses if r.status_code != 200]
             assert accepted, "the first requests of a burst are served"
-            assert turned_away, "64 at once cannot all start within 80 ms on this model"
+            assert turned_away, "64 at once cannot all start within 60 ms on this model"
             for r in turned_away:
                 assert r.status_code == 503
                 assert r.headers["retry-after"] == "1"

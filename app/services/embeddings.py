@@ -107,7 +107,7 @@ class EmbeddingService:
         workers: int = 1,
         batch_size: int = 32,
         queue_limit: int = 256,
-        max_wait_ms: float = 80.0,
+        max_wait_ms: float = 60.0,
     ) -> None:
         self._factory = factory
         self.model_name = model_name
