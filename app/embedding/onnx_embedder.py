@@ -77,7 +77,8 @@ class OnnxEmbedder:
         # first request 4 ms more than its tenth): done here, it stays out of every request.
         (warm_up,) = self.tokenize(["warm up"])
         self.embed_tokenized([warm_up])
-        self.embed_tokenized([warm_up], one_core=True)
+        if self._one_core_session is not self._session:
+            self.embed_tokenized([warm_up], one_core=True)
 
     def tokenize(self, texts: Sequence[str]) -> list[TokenizedText]:
         normalized = [js_bert_normalizer.normalize(text) for text in texts]

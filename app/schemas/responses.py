@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
 
+from app.embedding.onnx_embedder import Precision
 from app.schemas.trace import ReasoningTrace
 from app.services.embeddings import EmbedderState
 from app.services.evaluator import Evaluation, NoveltyReason
@@ -88,7 +89,7 @@ class EmbedderOut(BaseModel):
     state: EmbedderState
     model: str | None
     #: float32 (the reference's arithmetic) or int8 (KP_EMBEDDER_PRECISION); null without a model.
-    precision: Literal["float32", "int8"] | None
+    precision: Precision | None
     reason: str | None
 
 
