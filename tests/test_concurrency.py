@@ -15,7 +15,14 @@ from app.core.config import Settings
 from app.embedding import model_files
 from app.embedding.onnx_embedder import OnnxEmbedder
 from app.main import create_app
-from app.services.embeddings import EmbeddingService, OverloadedError
+from app.services.embeddings import (
+    EmbedderState,
+    EmbedderUnavailableError,
+    EmbeddingService,
+    Outcome,
+    OverloadedError,
+    _Job,
+)
 from tests.conftest import fail_embedding_on
 from tests.factories import make_trace, step
 
@@ -214,7 +221,7 @@ def test_runs_side_by_side_give_the_vectors_of_runs_alone() -> None:
 
 
 def test_a_request_that_waited_past_the_limit_is_turned_away_when_its_turn_comes() -> None:
-    """The door's forecast knows nothing before the first run; the dispatcher still keeps
+    """The door's forecast knows nothing before the first run; a worker still keeps
     anything from starting more than KP_EMBED_MAX_WAIT_MS after it was queued."""
     files = model_files.resolve(None, None)
 
@@ -238,5 +245,105 @@ def test_a_request_that_waited_past_the_limit_is_turned_away_when_its_turn_comes
         assert turned_away, "eight 100-token runs in a row cannot all start within 5 ms"
         assert all("KP_EMBED_MAX_WAIT_MS" in str(e) for e in turned_away)
         assert service.queue_depth == 0
+
+    run(scenario)
+
+
+def test_a_worker_is_free_again_before_its_answer_reaches_the_client(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The worker threads hand answers to the event loop; a client that sends its next request
+    as soon as it has one must find the worker free (no stale count at the door, no 503)."""
+    files = model_files.resolve(None, None)
+    seen: list[tuple[int, int]] = []
+
+    async def scenario() -> None:
+        service = EmbeddingService(
+            lambda: OnnxEmbedder(files.model, files.tokenizer, concurrent_runs=2),
+            model_name="test",
+            workers=2,
+        )
+        settle = _Job.settle
+
+        def checked_settle(job: _Job, outcome: Outcome) -> None:
+            seen.append((service.queue_depth, service.idle_workers))
+            settle(job, outcome)
+
+        await service.load()
+        monkeypatch.setattr(_Job, "settle", checked_settle)
+        for topic in TOPICS:
+            await service.embed([topic])
+        await service.close()
+
+    run(scenario)
+    assert seen == [(0, 2)] * len(TOPICS)
+
+
+def test_closing_fails_the_requests_still_waiting() -> None:
+    files = model_files.resolve(None, None)
+
+    async def scenario() -> None:
+        service = EmbeddingService(
+            lambda: OnnxEmbedder(files.model, files.tokenizer), model_name="test", batch_size=1
+        )
+        await service.load()
+        requests = [
+            asyncio.create_task(service.embed([f"request {i}: " + "ledger " * 200]))
+            for i in range(4)
+        ]
+        for _ in range(5000):  # all four queued; wait for the first one's run to start
+            if not service.idle_workers:
+                break
+            await asyncio.sleep(0.001)
+        assert not service.idle_workers
+        await service.close()
+        outcomes = await asyncio.gather(*requests, return_exceptions=True)
+        assert isinstance(outcomes[0], list), "the run in progress finishes"
+        assert all(isinstance(o, EmbedderUnavailableError) for o in outcomes[1:])
+        assert service.queue_depth == 0
+        with pytest.raises(EmbedderUnavailableError, match="shutting down"):
+            await service.embed(["too late"])
+
+    run(scenario)
+
+
+def test_the_request_path_is_warmed_before_the_service_is_ready() -> None:
+    """Loading ends with runs through the queue and the workers, so the first request is not
+    the first to take that path, and the door has a cost estimate from the start."""
+    files = model_files.resolve(None, None)
+
+    async def scenario() -> None:
+        service = EmbeddingService(
+            lambda: OnnxEmbedder(files.model, files.tokenizer, concurrent_runs=2),
+            model_name="test",
+            workers=2,
+        )
+        await service.load()
+        assert service.state is EmbedderState.READY
+        assert service.runs_total == {"all_cores": 3, "one_core": 0}
+        assert service.cost_per_text_ms is not None
+        assert service.cost_per_text_ms > 0
+        assert service.queue_depth == 0
+        assert service.idle_workers == 2
+        await service.close()
+
+    run(scenario)
+
+
+def test_a_model_that_cannot_embed_at_warm_up_leaves_the_embedder_unavailable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    files = model_files.resolve(None, None)
+
+    async def scenario() -> None:
+        service = EmbeddingService(
+            lambda: OnnxEmbedder(files.model, files.tokenizer), model_name="test"
+        )
+        fail_embedding_on(monkeypatch, service, "warm up")
+        with pytest.raises(EmbedderUnavailableError, match="warm-up run failed"):
+            await service.embed(["a request that arrives while the model loads"])
+        assert service.state is EmbedderState.UNAVAILABLE
+        assert service.degraded
+        await service.close()
 
     run(scenario)

@@ -45,8 +45,9 @@ class Settings(BaseSettings):
     embed_batch_size: Annotated[int, Field(ge=1, le=1024)] = 32
     #: Texts waiting for the model beyond which requests are turned away with 503.
     embed_queue_limit: Annotated[int, Field(ge=1)] = 256
-    #: Expected wait for the model beyond which requests are turned away with 503 (SPEC 7: a
-    #: typical evaluation ends within 100 ms). 60 leaves the rest of the budget for the run a
+    #: Longest wait for the model before a request's run starts; past it (or a forecast past 3/4
+    #: of it, at the door) the request is turned away with 503 (SPEC 7: a typical evaluation
+    #: ends within 100 ms). 60 leaves the rest of the budget for the run a
     #: request shares under load (two texts on one core, about 25 ms in float32 on the bench
     #: machine) and for HTTP, validation and scoring; at 80 the 16-client p99 was 105-110 ms.
     embed_max_wait_ms: Annotated[float, Field(gt=0)] = 60.0

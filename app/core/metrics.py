@@ -63,13 +63,15 @@ class Metrics:
         self.overloaded = Counter(
             "kp_overloaded",
             "Requests turned away with 503, by guard: queue_limit (KP_EMBED_QUEUE_LIMIT), "
-            "expected_wait (forecast past KP_EMBED_MAX_WAIT_MS) or waited_too_long (it came true).",
+            "expected_wait (forecast past 3/4 of KP_EMBED_MAX_WAIT_MS) or waited_too_long "
+            "(waited past it).",
             ["reason"],
             registry=r,
         )
         self.embed_runs = Gauge(
             "kp_embed_runs",
-            "Model calls since start: a request alone on all cores, or side by side on one.",
+            "Model calls since start (three warm-ups at load): a request alone on all cores, "
+            "or side by side on one.",
             ["cores"],
             registry=r,
         )

@@ -1,18 +1,21 @@
-"""The embedder as the service runs it: loaded once, lazily, fed by one dispatching task.
+"""The embedder as the service runs it: loaded once, lazily, run by its own worker threads.
 
-Requests put their texts on a queue; one task hands them to the model's worker threads:
+Requests put their texts on a queue; each worker thread takes its next run from it as soon as
+it is free, without a round trip through the event loop (which is busy with HTTP under load,
+and would leave the cores idle between runs), and hands the vectors back to the loop:
 
 - a request alone (nothing else waiting, every worker idle) gets one run over all cores, the
   lowest latency one text can have;
-- under load each idle worker takes a share of the queue and runs it on one core: runs side by
-  side do more per second than runs one after another over all cores. A share holds requests
-  of similar length, and texts of similar token length share one model run, which keeps
-  padding small (padding does not change a vector: the attention mask hides it and the pooling
-  ignores it). No request ever waits for others to arrive.
+- under load each free worker takes a share of the queue and runs it on one core: runs side
+  by side do more per second than runs one after another over all cores. A share holds
+  requests of similar length, and texts of similar token length share one model run, which
+  keeps padding small (padding does not change a vector: the attention mask hides it and the
+  pooling ignores it). No request ever waits for others to arrive.
 
-Overload is decided at the door: a request that would wait longer than `max_wait_ms` for a
-worker (the work queued ahead of it at the recent cost per text), or that would put more than
-`queue_limit` texts in the queue, gets OverloadedError at once instead of joining a pile-up.
+Overload is decided at the door: a request that would wait longer than 3/4 of `max_wait_ms`
+for a worker (the work queued ahead of it at the recent cost per text), or that would put more
+than `queue_limit` texts in the queue, gets OverloadedError at once instead of joining a
+pile-up.
 Should the forecast be wrong, a request that has waited `max_wait_ms` is turned away when its
 turn comes, so no request ever starts later than that.
 """
@@ -20,11 +23,12 @@ turn comes, so no request ever starts later than that.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Literal
@@ -32,12 +36,24 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
-from app.embedding.onnx_embedder import ModelError, OnnxEmbedder, Precision, TokenizedText
+from app.embedding.onnx_embedder import (
+    WARM_UP_TEXT,
+    ModelError,
+    OnnxEmbedder,
+    Precision,
+    TokenizedText,
+)
 
 log = logging.getLogger(__name__)
 
 #: Weight of the newest run in the running estimate of the model's cost per text.
 _COST_SMOOTHING = 0.2
+#: The door turns a request away once its forecast wait passes this share of the limit. A
+#: forecast is an average: at the full limit, more than half of a 16-client run's 503s came
+#: late, after waiting the whole limit for nothing; at 3/4 almost all come at once.
+_DOOR_SHARE = 0.75
+#: Runs through the queue at load time, before the service reports itself ready.
+_WARM_UP_REQUESTS = 3
 #: Texts of similar length one one-core run takes at most, while other workers run too.
 _ONE_CORE_RUN_TEXTS = 2
 
@@ -80,8 +96,14 @@ class Embedding:
     truncated: bool
 
 
+#: What a request gets back from the model: its vectors, or why there are none.
+Outcome = list[Embedding] | BaseException
+
+
 @dataclass(slots=True)
 class _Job:
+    """One request's texts and the future its coroutine awaits (settled on the loop)."""
+
     texts: Sequence[str]
     future: asyncio.Future[list[Embedding]] = field(repr=False)
     queued_at: float = field(default_factory=time.monotonic)
@@ -91,12 +113,39 @@ class _Job:
         """Length of the longest text: a cheap stand-in for its token count."""
         return max((len(t) for t in self.texts), default=0)
 
+    def settle(self, outcome: Outcome) -> None:
+        """Thread-safe: hands the outcome to the job's event loop (if anyone still waits)."""
+        # A closed loop raises RuntimeError: nobody is waiting any more.
+        with contextlib.suppress(RuntimeError):
+            self.future.get_loop().call_soon_threadsafe(_set_outcome, self.future, outcome)
+
+
+def _set_outcome(future: asyncio.Future[list[Embedding]], outcome: Outcome) -> None:
+    if future.done():  # the client went away
+        return
+    if isinstance(outcome, BaseException):
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)
+
+
+@dataclass(slots=True)
+class _Run:
+    jobs: list[_Job]
+    one_core: bool
+    width: int  # workers it occupies: all of them for a run over every core
+    count: int  # texts
+
 
 EmbedderFactory = Callable[[], OnnxEmbedder]
 
 
 class EmbeddingService:
-    """Owns the embedder's life cycle (state, reason) and the queue in front of it."""
+    """Owns the embedder's life cycle (state, reason), the queue and the worker threads.
+
+    The queue and its counters are shared by the event loop (which adds jobs and reads the
+    counters at the door) and the workers (which take jobs): `_lock` guards them.
+    """
 
     def __init__(
         self,
@@ -120,14 +169,13 @@ class EmbeddingService:
         self._max_wait_ms = max_wait_ms
         self._embedder: OnnxEmbedder | None = None
         self._load_task: asyncio.Task[None] | None = None
-        self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="embedder")
+        self._lock = threading.Condition()
         self._waiting: deque[_Job] = deque()
         self._waiting_texts = 0
         self._running_texts = 0
         self._idle_workers = workers
-        self._wake_dispatcher = asyncio.Event()
-        self._dispatcher: asyncio.Task[None] | None = None
-        self._runs: set[asyncio.Task[None]] = set()
+        self._closing = False
+        self._threads: list[threading.Thread] = []
         #: Worker-milliseconds one text costs, from recent runs (None before the first run).
         self.cost_per_text_ms: float | None = None
         #: Model calls made, on every core (a request alone) and on one core (side by side).
@@ -137,6 +185,11 @@ class EmbeddingService:
     def queue_depth(self) -> int:
         """Texts waiting for the model or in it."""
         return self._waiting_texts + self._running_texts
+
+    @property
+    def idle_workers(self) -> int:
+        """Workers not running the model now (a run over every core takes them all)."""
+        return self._idle_workers
 
     @property
     def degraded(self) -> bool:
@@ -166,17 +219,41 @@ class EmbeddingService:
         assert self._factory is not None
         self.state = EmbedderState.LOADING
         log.info("embedder loading", extra={"model": self.model_name})
-        loop = asyncio.get_running_loop()
         try:
-            self._embedder = await loop.run_in_executor(self._executor, self._factory)
+            self._embedder = await asyncio.to_thread(self._factory)
         except ModelError as exc:
             self.mark_unavailable(str(exc))
             return
         except Exception as exc:  # onnxruntime raises many types for a bad file
             self.mark_unavailable(f"{type(exc).__name__}: {exc}")
             return
+        with self._lock:
+            if self._closing:
+                return
+            warmed = threading.Barrier(self.workers + 1)
+            self._threads = [
+                threading.Thread(
+                    target=self._work, args=(warmed,), name=f"embedder-{i}", daemon=True
+                )
+                for i in range(self.workers)
+            ]
+        for thread in self._threads:
+            thread.start()
+        await asyncio.to_thread(warmed.wait)
+        # Then the request path itself a few times, queue to worker to event loop: with only
+        # the workers' own warm-up runs, a preloaded service's first request still ran a
+        # median 4-7 ms slower than its tenth (the model run itself, on a worker just woken);
+        # after these, 1-1.5 ms, as with the thread pool these workers replaced.
+        try:
+            for _ in range(_WARM_UP_REQUESTS):
+                await self._queued([WARM_UP_TEXT])
+        except OverloadedError:
+            pass  # turned away under a tiny KP_EMBED_MAX_WAIT_MS: not worth failing the load for
+        except EmbedderUnavailableError as exc:
+            if not self._closing:
+                self.mark_unavailable(f"warm-up run failed: {exc}")
+            return
         self.state = EmbedderState.READY
-        self._dispatcher = asyncio.create_task(self._dispatch(), name="embedding-dispatcher")
         log.info(
             "embedder ready",
             extra={"model": self.model_name, "precision": self.precision, "workers": self.workers},
@@ -188,11 +265,19 @@ class EmbeddingService:
         log.error("embedder unavailable; novelty is not measured", extra={"reason": reason})
 
     async def close(self) -> None:
-        tasks = [*self._runs, *([self._dispatcher] if self._dispatcher else [])]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        """Stops the workers after their current run; requests still waiting fail."""
+        with self._lock:
+            self._closing = True
+            waiting = list(self._waiting)
+            self._waiting.clear()
+            self._waiting_texts = 0
+            self._lock.notify_all()
+        for job in waiting:
+            _set_outcome(job.future, EmbedderUnavailableError("the service is shutting down"))
+        if self._load_task is not None:
+            await asyncio.gather(self._load_task, return_exceptions=True)
+        for thread in self._threads:
+            await asyncio.to_thread(thread.join)
 
     # ── embedding ───────────────────────────────────────────────────────────
 
@@ -201,11 +286,18 @@ class EmbeddingService:
         await self.load()
         if self.state is not EmbedderState.READY:
             raise EmbedderUnavailableError(self.reason or self.state.value)
-        self._admit(len(texts))
+        return await self._queued(texts)
+
+    async def _queued(self, texts: Sequence[str]) -> list[Embedding]:
+        """Through the queue and a worker, as every request goes."""
         future: asyncio.Future[list[Embedding]] = asyncio.get_running_loop().create_future()
-        self._waiting.append(_Job(texts, future))
-        self._waiting_texts += len(texts)
-        self._wake_dispatcher.set()
+        with self._lock:
+            if self._closing:
+                raise EmbedderUnavailableError("the service is shutting down")
+            self._admit(len(texts))
+            self._waiting.append(_Job(texts, future))
+            self._waiting_texts += len(texts)
+            self._lock.notify()
         return await future
 
     def _admit(self, count: int) -> None:
@@ -217,55 +309,83 @@ class EmbeddingService:
                 "queue_limit",
             )
         wait = self.expected_wait_ms()
-        if wait > self._max_wait_ms:
+        door = self._max_wait_ms * _DOOR_SHARE
+        if wait > door:
             raise OverloadedError(
-                f"the model is about {wait:.0f} ms behind "
-                f"(limit {self._max_wait_ms:g} ms, KP_EMBED_MAX_WAIT_MS)",
+                f"the model is about {wait:.0f} ms behind (turned away past {door:.0f} ms, "
+                f"3/4 of KP_EMBED_MAX_WAIT_MS={self._max_wait_ms:g})",
                 "expected_wait",
             )
 
-    async def _dispatch(self) -> None:
-        """Hands waiting jobs to idle workers, for as long as the service runs."""
-        while True:
-            while not (self._waiting and self._idle_workers):
-                self._wake_dispatcher.clear()
-                await self._wake_dispatcher.wait()
-            if self._shed_stale():
-                continue
-            if self._idle_workers == self.workers and len(self._waiting) == 1:
-                jobs, width = [self._waiting.popleft()], self.workers  # alone: every core
-            elif self.workers == 1:
-                jobs, width = self._take(self._batch_size), 1
-            else:
-                # A share small enough to be one model run: a worker's jobs all wait for it.
-                share = -(-self._waiting_texts // self._idle_workers)  # rounded up
-                jobs, width = self._take(min(share, _ONE_CORE_RUN_TEXTS), similar=True), 1
-            count = sum(len(job.texts) for job in jobs)
-            self._waiting_texts -= count
-            self._running_texts += count
-            self._idle_workers -= width
-            run = asyncio.create_task(self._run(jobs, width, count))
-            self._runs.add(run)
-            run.add_done_callback(self._runs.discard)
+    # ── worker threads ──────────────────────────────────────────────────────
 
-    def _shed_stale(self) -> bool:
-        """Turns the oldest job away if it has waited past the limit after all: the estimate at
-        the door is a forecast, and this is the guarantee that the queue never piles up."""
-        job = self._waiting[0]
-        waited_ms = (time.monotonic() - job.queued_at) * 1000
-        if waited_ms <= self._max_wait_ms and not job.future.done():
-            return False
-        self._waiting.popleft()
-        self._waiting_texts -= len(job.texts)
-        if not job.future.done():
-            job.future.set_exception(
+    def _work(self, warmed: threading.Barrier) -> None:
+        """A worker thread: takes the next run, runs it, for as long as the service runs."""
+        assert self._embedder is not None
+        try:
+            self._embedder.warm_up()  # its own first run, out of the first request's way
+        except Exception:
+            log.exception("embedder warm-up failed on a worker thread")
+        finally:
+            warmed.wait()
+        while True:
+            with self._lock:
+                run = self._next_run()
+            if run is None:
+                return
+            outcomes = self._run_jobs(run.jobs, one_core=run.one_core)
+            with self._lock:
+                self._running_texts -= run.count
+                self._idle_workers += run.width
+                self._lock.notify_all()
+            # Only now: a client answered at once sends its next request at once, and the door
+            # must not count this run as still going (a needless 503 at one client).
+            for job, outcome in outcomes:
+                job.settle(outcome)
+
+    def _next_run(self) -> _Run | None:
+        """Under the lock: waits for work a free worker may take; None once closing."""
+        while True:
+            if self._closing:
+                return None
+            self._shed_stale()
+            if self._waiting and self._idle_workers:
+                break
+            self._lock.wait()
+        if self._idle_workers == self.workers and len(self._waiting) == 1:
+            run = _Run([self._waiting.popleft()], one_core=False, width=self.workers, count=0)
+        elif self.workers == 1:
+            run = _Run(self._take(self._batch_size), one_core=False, width=1, count=0)
+        else:
+            # A share small enough to be one model run: a worker's jobs all wait for it.
+            share = -(-self._waiting_texts // self._idle_workers)  # rounded up
+            jobs = self._take(min(share, _ONE_CORE_RUN_TEXTS), similar=True)
+            run = _Run(jobs, one_core=True, width=1, count=0)
+        run.count = sum(len(job.texts) for job in run.jobs)
+        self._waiting_texts -= run.count
+        self._running_texts += run.count
+        self._idle_workers -= run.width
+        return run
+
+    def _shed_stale(self) -> None:
+        """Under the lock: drops the jobs at the head that nobody awaits any more, and turns
+        away those that waited past the limit after all (the estimate at the door is a
+        forecast; this is the guarantee that the queue never piles up)."""
+        now = time.monotonic()
+        while self._waiting:
+            job = self._waiting[0]
+            waited_ms = (now - job.queued_at) * 1000
+            if waited_ms <= self._max_wait_ms and not job.future.done():
+                return
+            self._waiting.popleft()
+            self._waiting_texts -= len(job.texts)
+            job.settle(
                 OverloadedError(
                     f"waited {waited_ms:.0f} ms for the model "
                     f"(limit {self._max_wait_ms:g} ms, KP_EMBED_MAX_WAIT_MS)",
                     "waited_too_long",
                 )
             )
-        return True
 
     def _take(self, max_texts: int, *, similar: bool = False) -> list[_Job]:
         """The oldest job and, up to `max_texts` texts, more (of similar length if asked)."""
@@ -284,45 +404,33 @@ class EmbeddingService:
             size += len(job.texts)
         return jobs
 
-    async def _run(self, jobs: list[_Job], width: int, count: int) -> None:
-        try:
-            await self._run_jobs(jobs, one_core=width < self.workers)
-        finally:
-            self._running_texts -= count
-            self._idle_workers += width
-            self._wake_dispatcher.set()
-
-    async def _run_jobs(self, jobs: list[_Job], *, one_core: bool) -> None:
+    def _run_jobs(self, jobs: list[_Job], *, one_core: bool) -> list[tuple[_Job, Outcome]]:
         """One model run for all jobs; if it fails, each job alone, so one bad input fails alone."""
         texts = [text for job in jobs for text in job.texts]
-        loop = asyncio.get_running_loop()
         started = time.perf_counter()
         try:
-            embeddings = await loop.run_in_executor(
-                self._executor, self._embed_now, texts, one_core
-            )
+            embeddings = self._embed_now(texts, one_core)
         except Exception as exc:
             if len(jobs) > 1:
-                for job in jobs:
-                    await self._run_jobs([job], one_core=one_core)
-                return
+                return [out for job in jobs for out in self._run_jobs([job], one_core=one_core)]
             log.exception("embedding failed for one request", extra={"texts": len(texts)})
             failure = EmbedderUnavailableError(
                 f"embedding failed: {type(exc).__name__}", "embedding_failed"
             )
-            if not jobs[0].future.done():
-                jobs[0].future.set_exception(failure)
-            return
+            return [(jobs[0], failure)]
         cores = 1 if one_core else self.workers
-        self._record_cost((time.perf_counter() - started) * 1000 * cores / len(texts))
-        self.runs_total["one_core" if one_core else "all_cores"] += 1
+        with self._lock:
+            self._record_cost((time.perf_counter() - started) * 1000 * cores / len(texts))
+            self.runs_total["one_core" if one_core else "all_cores"] += 1
+        outcomes: list[tuple[_Job, Outcome]] = []
         start = 0
         for job in jobs:
-            if not job.future.done():  # the client may have gone away
-                job.future.set_result(embeddings[start : start + len(job.texts)])
+            outcomes.append((job, embeddings[start : start + len(job.texts)]))
             start += len(job.texts)
+        return outcomes
 
     def _record_cost(self, ms_per_text: float) -> None:
+        """Under the lock: folds one run's cost into the running estimate."""
         previous = self.cost_per_text_ms
         self.cost_per_text_ms = (
             ms_per_text
@@ -331,7 +439,7 @@ class EmbeddingService:
         )
 
     def _embed_now(self, texts: list[str], one_core: bool = False) -> list[Embedding]:
-        """Runs on a worker thread: tokenize, group by length, run the model per group."""
+        """Tokenize, group by length, run the model per group (on a worker thread)."""
         assert self._embedder is not None
         tokenized = self._embedder.tokenize(texts)
         vectors: list[npt.NDArray[np.float32] | None] = [None] * len(texts)
