@@ -59,6 +59,17 @@ def run(test: Callable[[], Awaitable[None]]) -> None:
     asyncio.run(test())
 
 
+def real_embeddings(*, workers: int = 1, **limits: Any) -> EmbeddingService:
+    """The embedding service on the packaged model, without the HTTP app around it."""
+    files = model_files.resolve(None, None)
+    return EmbeddingService(
+        lambda: OnnxEmbedder(files.model, files.tokenizer, concurrent_runs=workers),
+        model_name="test",
+        workers=workers,
+        **limits,
+    )
+
+
 def test_32_clients_posting_the_same_new_trace_see_one_empty_cache() -> None:
     async def scenario() -> None:
         async with service() as client:
@@ -223,15 +234,9 @@ def test_runs_side_by_side_give_the_vectors_of_runs_alone() -> None:
 def test_a_request_that_waited_past_the_limit_is_turned_away_when_its_turn_comes() -> None:
     """The door's forecast knows nothing before the first run; a worker still keeps
     anything from starting more than KP_EMBED_MAX_WAIT_MS after it was queued."""
-    files = model_files.resolve(None, None)
 
     async def scenario() -> None:
-        service = EmbeddingService(
-            lambda: OnnxEmbedder(files.model, files.tokenizer),
-            model_name="test",
-            batch_size=1,  # one text per run, so the others wait
-            max_wait_ms=5,
-        )
+        service = real_embeddings(batch_size=1, max_wait_ms=5)  # one text a run: the rest wait
         await service.load()
         texts = [f"request {i}: " + "ledger " * 100 for i in range(8)]
         outcomes = await asyncio.gather(
@@ -254,15 +259,10 @@ def test_a_worker_is_free_again_before_its_answer_reaches_the_client(
 ) -> None:
     """The worker threads hand answers to the event loop; a client that sends its next request
     as soon as it has one must find the worker free (no stale count at the door, no 503)."""
-    files = model_files.resolve(None, None)
     seen: list[tuple[int, int]] = []
 
     async def scenario() -> None:
-        service = EmbeddingService(
-            lambda: OnnxEmbedder(files.model, files.tokenizer, concurrent_runs=2),
-            model_name="test",
-            workers=2,
-        )
+        service = real_embeddings(workers=2)
         settle = _Job.settle
 
         def checked_settle(job: _Job, outcome: Outcome) -> None:
@@ -280,12 +280,8 @@ def test_a_worker_is_free_again_before_its_answer_reaches_the_client(
 
 
 def test_closing_fails_the_requests_still_waiting() -> None:
-    files = model_files.resolve(None, None)
-
     async def scenario() -> None:
-        service = EmbeddingService(
-            lambda: OnnxEmbedder(files.model, files.tokenizer), model_name="test", batch_size=1
-        )
+        service = real_embeddings(batch_size=1)
         await service.load()
         requests = [
             asyncio.create_task(service.embed([f"request {i}: " + "ledger " * 200]))
@@ -310,14 +306,9 @@ def test_closing_fails_the_requests_still_waiting() -> None:
 def test_the_request_path_is_warmed_before_the_service_is_ready() -> None:
     """Loading ends with runs through the queue and the workers, so the first request is not
     the first to take that path, and the door has a cost estimate from the start."""
-    files = model_files.resolve(None, None)
 
     async def scenario() -> None:
-        service = EmbeddingService(
-            lambda: OnnxEmbedder(files.model, files.tokenizer, concurrent_runs=2),
-            model_name="test",
-            workers=2,
-        )
+        service = real_embeddings(workers=2)
         await service.load()
         assert service.state is EmbedderState.READY
         assert service.runs_total == {"all_cores": 3, "one_core": 0}
@@ -333,12 +324,8 @@ def test_the_request_path_is_warmed_before_the_service_is_ready() -> None:
 def test_a_model_that_cannot_embed_at_warm_up_leaves_the_embedder_unavailable(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    files = model_files.resolve(None, None)
-
     async def scenario() -> None:
-        service = EmbeddingService(
-            lambda: OnnxEmbedder(files.model, files.tokenizer), model_name="test"
-        )
+        service = real_embeddings()
         fail_embedding_on(monkeypatch, service, "warm up")
         with pytest.raises(EmbedderUnavailableError, match="warm-up run failed"):
             await service.embed(["a request that arrives while the model loads"])

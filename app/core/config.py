@@ -26,7 +26,7 @@ class Settings(BaseSettings):
     embedder_threads: Annotated[int, Field(ge=0)] = 0  # 0: onnxruntime's choice (all cores)
     #: Model runs side by side under load, one core each; 0: one per core this process may use.
     embedder_workers: Annotated[int, Field(ge=0, le=64)] = 0
-    #: int8: about 1.5x faster per text, scores within 0.01 of float32 (README, "int8 mode").
+    #: int8: 1.4-1.9x faster per text, scores within 0.01 of float32 (README, "int8 mode").
     embedder_precision: Literal["float32", "int8"] = "float32"
 
     cache_capacity: Annotated[int, Field(ge=1)] = 1000
@@ -47,9 +47,9 @@ class Settings(BaseSettings):
     embed_queue_limit: Annotated[int, Field(ge=1)] = 256
     #: Longest wait for the model before a request's run starts; past it (or a forecast past 3/4
     #: of it, at the door) the request is turned away with 503 (SPEC 7: a typical evaluation
-    #: ends within 100 ms). 60 leaves the rest of the budget for the run a
-    #: request shares under load (two texts on one core, about 25 ms in float32 on the bench
-    #: machine) and for HTTP, validation and scoring; at 80 the 16-client p99 was 105-110 ms.
+    #: ends within 100 ms). 60 leaves the rest of the budget for the run a request shares
+    #: under load (two texts on one core, about 25 ms in float32 on the bench machine) and for
+    #: HTTP, validation and scoring; at 80 the 16-client p99 was 105-110 ms.
     embed_max_wait_ms: Annotated[float, Field(gt=0)] = 60.0
 
     log_level: Literal["debug", "info", "warning", "error"] = "info"

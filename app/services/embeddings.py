@@ -129,12 +129,16 @@ def _set_outcome(future: asyncio.Future[list[Embedding]], outcome: Outcome) -> N
         future.set_result(outcome)
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class _Run:
     jobs: list[_Job]
     one_core: bool
     width: int  # workers it occupies: all of them for a run over every core
-    count: int  # texts
+
+    @property
+    def count(self) -> int:
+        """Texts in the run."""
+        return sum(len(job.texts) for job in self.jobs)
 
 
 EmbedderFactory = Callable[[], OnnxEmbedder]
@@ -353,15 +357,14 @@ class EmbeddingService:
                 break
             self._lock.wait()
         if self._idle_workers == self.workers and len(self._waiting) == 1:
-            run = _Run([self._waiting.popleft()], one_core=False, width=self.workers, count=0)
+            run = _Run([self._waiting.popleft()], one_core=False, width=self.workers)
         elif self.workers == 1:
-            run = _Run(self._take(self._batch_size), one_core=False, width=1, count=0)
+            run = _Run(self._take(self._batch_size), one_core=False, width=1)
         else:
             # A share small enough to be one model run: a worker's jobs all wait for it.
             share = -(-self._waiting_texts // self._idle_workers)  # rounded up
             jobs = self._take(min(share, _ONE_CORE_RUN_TEXTS), similar=True)
-            run = _Run(jobs, one_core=True, width=1, count=0)
-        run.count = sum(len(job.texts) for job in run.jobs)
+            run = _Run(jobs, one_core=True, width=1)
         self._waiting_texts -= run.count
         self._running_texts += run.count
         self._idle_workers -= run.width
