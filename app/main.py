@@ -32,12 +32,15 @@ log = logging.getLogger("app")
 
 def _load_embedder(files: model_files.ModelFiles, settings: Settings) -> OnnxEmbedder:
     model_files.verify(files)
+    # The least a first answer needs: the embedding service finishes loading after it (or
+    # before the service reports ready, with KP_EMBEDDER_PRELOAD).
     return OnnxEmbedder(
         files.model,
         files.tokenizer,
         intra_op_threads=settings.embedder_threads,
         concurrent_runs=settings.embedder_worker_count,
         precision=settings.embedder_precision,
+        defer=True,
     )
 
 
@@ -103,7 +106,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if settings.admin_token is None:
             log.warning("KP_ADMIN_TOKEN is not set: GET and DELETE /cache are open to every caller")
         if settings.embedder_preload:
-            await embeddings.load()
+            await embeddings.preload()
         log.info(
             "kp-scoring started",
             extra={"embedder": embeddings.state.value, "cache_capacity": settings.cache_capacity},

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -92,3 +93,18 @@ def embedder() -> OnnxEmbedder:
     files = model_files.resolve(None, None)
     model_files.verify(files)
     return OnnxEmbedder(files.model, files.tokenizer)
+
+
+def hold_runs(monkeypatch: pytest.MonkeyPatch, embeddings: EmbeddingService) -> threading.Event:
+    """Model runs wait for the returned event before they run (the real model): a test can
+    hold a run in progress, queue requests behind it, and let it go when it chooses, with no
+    assumption about how fast this machine is."""
+    gate = threading.Event()
+    real = embeddings._embed_now
+
+    def held(texts: list[str], one_core: bool = False) -> list[Embedding]:
+        gate.wait()
+        return real(texts, one_core)
+
+    monkeypatch.setattr(embeddings, "_embed_now", held)
+    return gate

@@ -43,14 +43,12 @@ class Settings(BaseSettings):
     max_json_depth: Annotated[int, Field(ge=4, le=1000)] = 32
     #: Texts one model run takes at most (micro-batching of concurrent requests).
     embed_batch_size: Annotated[int, Field(ge=1, le=1024)] = 32
-    #: Texts waiting for the model beyond which requests are turned away with 503.
+    #: Texts waiting for the model beyond which requests are turned away with 503 at once.
     embed_queue_limit: Annotated[int, Field(ge=1)] = 256
-    #: Longest wait for the model before a request's run starts; past it (or a forecast past 3/4
-    #: of it, at the door) the request is turned away with 503 (SPEC 7: a typical evaluation
-    #: ends within 100 ms). 60 leaves the rest of the budget for the run a request shares
-    #: under load (two texts on one core, about 25 ms in float32 on the bench machine) and for
-    #: HTTP, validation and scoring; at 80 the 16-client p99 was 105-110 ms.
-    embed_max_wait_ms: Annotated[float, Field(gt=0)] = 60.0
+    #: Longest wait for the model before a request's run starts; past it, 503. A limit for real
+    #: overload, not for latency: 10 s is about 70 full-window texts on a CPU where one takes
+    #: 140 ms, so bursts and closed-loop clients on slow CPUs are served, later, not refused.
+    embed_max_wait_ms: Annotated[float, Field(gt=0)] = 10_000.0
 
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 

@@ -62,9 +62,8 @@ class Metrics:
         )
         self.overloaded = Counter(
             "kp_overloaded",
-            "Requests turned away with 503, by guard: queue_limit (KP_EMBED_QUEUE_LIMIT), "
-            "expected_wait (forecast past 3/4 of KP_EMBED_MAX_WAIT_MS) or waited_too_long "
-            "(waited past it).",
+            "Requests turned away with 503, by limit: queue_limit (KP_EMBED_QUEUE_LIMIT) or "
+            "waited_too_long (waited past KP_EMBED_MAX_WAIT_MS for the model).",
             ["reason"],
             registry=r,
         )
@@ -73,10 +72,5 @@ class Metrics:
             "Model calls since start (three warm-ups at load): a request alone on all cores, "
             "or side by side on one.",
             ["cores"],
-            registry=r,
-        )
-        self.embed_cost = Gauge(
-            "kp_embed_cost_per_text_ms",
-            "Recent model cost of one text on one core (the overload guard's estimate).",
             registry=r,
         )

@@ -61,20 +61,32 @@ class OnnxEmbedder:
         intra_op_threads: int = 0,
         concurrent_runs: int = 1,
         precision: Precision = "float32",
+        defer: bool = False,
     ) -> None:
+        """`defer`: open only what a first answer needs (the main session, not yet run once);
+        `finish_loading` then opens the one-core session and warms both up."""
         self._tokenizer = load_tokenizer(tokenizer_path)
         js_bert_normalizer.warm_up()
         # The PyPI wheel ships with telemetry on; a scoring service does not phone home.
         ort.disable_telemetry_events()
         self.precision: Final = precision
+        self._model_path = model_path
         model = _read_model(model_path, precision)
         self._session = _open_session(model, model_path, intra_op_threads, precision)
-        # Under load, runs side by side on one core each do more per second than one run
-        # spread over all cores (no synchronisation inside a run). One single-threaded session
-        # serves them all: concurrent run() calls on a session are safe.
-        self._one_core_session = (
-            _open_session(model, model_path, 1, precision) if concurrent_runs > 1 else self._session
-        )
+        # Until the one-core session is open, runs side by side share the main one.
+        self._one_core_session = self._session
+        #: Kept until the one-core session is opened from it.
+        self._model: bytes | None = model if concurrent_runs > 1 else None
+        if not defer:
+            self.finish_loading()
+
+    def finish_loading(self) -> None:
+        """Under load, runs side by side on one core each do more per second than one run
+        spread over all cores (no synchronisation inside a run). One single-threaded session
+        serves them all: concurrent run() calls on a session are safe."""
+        if self._model is not None:
+            self._one_core_session = _open_session(self._model, self._model_path, 1, self.precision)
+            self._model = None
         self.warm_up()
 
     def warm_up(self) -> None:

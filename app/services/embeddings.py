@@ -12,12 +12,11 @@ and would leave the cores idle between runs), and hands the vectors back to the 
   keeps padding small (padding does not change a vector: the attention mask hides it and the
   pooling ignores it). No request ever waits for others to arrive.
 
-Overload is decided at the door: a request that would wait longer than 3/4 of `max_wait_ms`
-for a worker (the work queued ahead of it at the recent cost per text), or that would put more
-than `queue_limit` texts in the queue, gets OverloadedError at once instead of joining a
-pile-up.
-Should the forecast be wrong, a request that has waited `max_wait_ms` is turned away when its
-turn comes, so no request ever starts later than that.
+Admission is two plain limits, both for real overload only: a request that would put more
+than `queue_limit` texts in the queue gets OverloadedError at once, and one that has waited
+`max_wait_ms` (seconds, by default) without its run starting gets it when its turn comes.
+Everything else waits its turn: load the machine can carry is served later, not refused, on a
+fast CPU and on one twice as slow alike.
 """
 
 from __future__ import annotations
@@ -46,12 +45,6 @@ from app.embedding.onnx_embedder import (
 
 log = logging.getLogger(__name__)
 
-#: Weight of the newest run in the running estimate of the model's cost per text.
-_COST_SMOOTHING = 0.2
-#: The door turns a request away once its forecast wait passes this share of the limit. A
-#: forecast is an average: at the full limit, more than half of a 16-client run's 503s came
-#: late, after waiting the whole limit for nothing; at 3/4 almost all come at once.
-_DOOR_SHARE = 0.75
 #: Runs through the queue at load time, before the service reports itself ready.
 _WARM_UP_REQUESTS = 3
 #: Texts of similar length one one-core run takes at most, while other workers run too.
@@ -78,7 +71,7 @@ class EmbedderUnavailableError(Exception):
         self.code = code
 
 
-OverloadReason = Literal["queue_limit", "expected_wait", "waited_too_long"]
+OverloadReason = Literal["queue_limit", "waited_too_long"]
 
 
 class OverloadedError(Exception):
@@ -160,7 +153,7 @@ class EmbeddingService:
         workers: int = 1,
         batch_size: int = 32,
         queue_limit: int = 256,
-        max_wait_ms: float = 60.0,
+        max_wait_ms: float = 10_000.0,
     ) -> None:
         self._factory = factory
         self.model_name = model_name
@@ -173,6 +166,7 @@ class EmbeddingService:
         self._max_wait_ms = max_wait_ms
         self._embedder: OnnxEmbedder | None = None
         self._load_task: asyncio.Task[None] | None = None
+        self._warm_up_task: asyncio.Task[None] | None = None
         self._lock = threading.Condition()
         self._waiting: deque[_Job] = deque()
         self._waiting_texts = 0
@@ -180,8 +174,6 @@ class EmbeddingService:
         self._idle_workers = workers
         self._closing = False
         self._threads: list[threading.Thread] = []
-        #: Worker-milliseconds one text costs, from recent runs (None before the first run).
-        self.cost_per_text_ms: float | None = None
         #: Model calls made, on every core (a request alone) and on one core (side by side).
         self.runs_total = {"all_cores": 0, "one_core": 0}
 
@@ -196,28 +188,30 @@ class EmbeddingService:
         return self._idle_workers
 
     @property
+    def loaded_fully(self) -> bool:
+        """The model is loaded and nothing of its start-up is left to do (see `_warm_up`)."""
+        task = self._warm_up_task
+        return task is not None and task.done() and self.state is EmbedderState.READY
+
+    @property
     def degraded(self) -> bool:
         return self.state in (EmbedderState.DISABLED, EmbedderState.UNAVAILABLE)
-
-    def expected_wait_ms(self) -> float:
-        """How long a request arriving now would wait for a worker, from the recent cost."""
-        if not self._waiting_texts and self._idle_workers:
-            return 0.0
-        if self.cost_per_text_ms is None:
-            return 0.0
-        # Runs in progress are, on average, half done.
-        ahead = self._waiting_texts + self._running_texts / 2
-        return ahead * self.cost_per_text_ms / self.workers
 
     # ── life cycle ──────────────────────────────────────────────────────────
 
     async def load(self) -> None:
-        """Load the model once; concurrent callers wait for the same load."""
+        """Load the model once (the least the first request needs); concurrent callers wait for
+        the same load. The rest of the start-up is `warm_up`, after the first answer."""
         if self._factory is None or self.state in (EmbedderState.READY, EmbedderState.UNAVAILABLE):
             return
         if self._load_task is None:
             self._load_task = asyncio.create_task(self._load())
         await asyncio.shield(self._load_task)
+
+    async def preload(self) -> None:
+        """Load and warm up before the first request (KP_EMBEDDER_PRELOAD): nobody waits yet."""
+        await self.load()
+        await self._warm_up_once()
 
     async def _load(self) -> None:
         assert self._factory is not None
@@ -234,34 +228,45 @@ class EmbeddingService:
         with self._lock:
             if self._closing:
                 return
-            warmed = threading.Barrier(self.workers + 1)
             self._threads = [
-                threading.Thread(
-                    target=self._work, args=(warmed,), name=f"embedder-{i}", daemon=True
-                )
+                threading.Thread(target=self._work, name=f"embedder-{i}", daemon=True)
                 for i in range(self.workers)
             ]
         for thread in self._threads:
             thread.start()
-        await asyncio.to_thread(warmed.wait)
-        # Then the request path itself a few times, queue to worker to event loop: with only
-        # the workers' own warm-up runs, a preloaded service's first request still ran a
-        # median 4-7 ms slower than its tenth (the model run itself, on a worker just woken);
-        # after these, 1-1.5 ms, as with the thread pool these workers replaced.
-        try:
-            for _ in range(_WARM_UP_REQUESTS):
-                await self._queued([WARM_UP_TEXT])
-        except OverloadedError:
-            pass  # turned away under a tiny KP_EMBED_MAX_WAIT_MS: not worth failing the load for
-        except EmbedderUnavailableError as exc:
-            if not self._closing:
-                self.mark_unavailable(f"warm-up run failed: {exc}")
-            return
         self.state = EmbedderState.READY
         log.info(
             "embedder ready",
             extra={"model": self.model_name, "precision": self.precision, "workers": self.workers},
         )
+
+    async def _warm_up_once(self) -> None:
+        if self._warm_up_task is None:
+            self._warm_up_task = asyncio.create_task(self._warm_up())
+        await asyncio.shield(self._warm_up_task)
+
+    async def _warm_up(self) -> None:
+        """What later runs need, kept out of the first request's way (a lazy load runs it after
+        the first answer): the single-threaded session for runs side by side, each session's
+        first run, and a few runs through the queue. Without the last, a preloaded service's
+        first request ran a median 4-7 ms slower than its tenth (the model run itself, on a
+        worker just woken); with them, 1-1.5 ms."""
+        embedder = self._embedder
+        if embedder is None or self.state is not EmbedderState.READY:
+            return
+        try:
+            await asyncio.to_thread(embedder.finish_loading)
+            for _ in range(_WARM_UP_REQUESTS):
+                await self._queued([WARM_UP_TEXT])
+        except OverloadedError:
+            pass  # turned away under a tiny queue limit: the service is busy, hence warm
+        except EmbedderUnavailableError as exc:
+            if not self._closing:
+                self.mark_unavailable(f"warm-up run failed: {exc}")
+        except Exception as exc:  # the model ran for a request, yet cannot run here
+            self.mark_unavailable(f"warm-up run failed: {type(exc).__name__}: {exc}")
+        else:
+            log.info("embedder warmed up", extra={"runs": dict(self.runs_total)})
 
     def mark_unavailable(self, reason: str) -> None:
         self.state = EmbedderState.UNAVAILABLE
@@ -278,8 +283,9 @@ class EmbeddingService:
             self._lock.notify_all()
         for job in waiting:
             _set_outcome(job.future, EmbedderUnavailableError("the service is shutting down"))
-        if self._load_task is not None:
-            await asyncio.gather(self._load_task, return_exceptions=True)
+        for task in (self._load_task, self._warm_up_task):
+            if task is not None:
+                await asyncio.gather(task, return_exceptions=True)
         for thread in self._threads:
             await asyncio.to_thread(thread.join)
 
@@ -290,7 +296,11 @@ class EmbeddingService:
         await self.load()
         if self.state is not EmbedderState.READY:
             raise EmbedderUnavailableError(self.reason or self.state.value)
-        return await self._queued(texts)
+        try:
+            return await self._queued(texts)
+        finally:
+            if self._warm_up_task is None and not self._closing:  # the first answer is on its way
+                self._warm_up_task = asyncio.create_task(self._warm_up())
 
     async def _queued(self, texts: Sequence[str]) -> list[Embedding]:
         """Through the queue and a worker, as every request goes."""
@@ -305,33 +315,19 @@ class EmbeddingService:
         return await future
 
     def _admit(self, count: int) -> None:
-        """OverloadedError unless `count` more texts can be embedded within the limits."""
+        """OverloadedError if `count` more texts would pass the queue limit (a request larger
+        than the limit is still taken when nothing else waits: it is not overload)."""
         if self.queue_depth and self.queue_depth + count > self._queue_limit:
             raise OverloadedError(
                 f"{self.queue_depth} texts are waiting for the model "
                 f"(limit {self._queue_limit}, KP_EMBED_QUEUE_LIMIT)",
                 "queue_limit",
             )
-        wait = self.expected_wait_ms()
-        door = self._max_wait_ms * _DOOR_SHARE
-        if wait > door:
-            raise OverloadedError(
-                f"the model is about {wait:.0f} ms behind (turned away past {door:.0f} ms, "
-                f"3/4 of KP_EMBED_MAX_WAIT_MS={self._max_wait_ms:g})",
-                "expected_wait",
-            )
 
     # ── worker threads ──────────────────────────────────────────────────────
 
-    def _work(self, warmed: threading.Barrier) -> None:
+    def _work(self) -> None:
         """A worker thread: takes the next run, runs it, for as long as the service runs."""
-        assert self._embedder is not None
-        try:
-            self._embedder.warm_up()  # its own first run, out of the first request's way
-        except Exception:
-            log.exception("embedder warm-up failed on a worker thread")
-        finally:
-            warmed.wait()
         while True:
             with self._lock:
                 run = self._next_run()
@@ -410,7 +406,6 @@ class EmbeddingService:
     def _run_jobs(self, jobs: list[_Job], *, one_core: bool) -> list[tuple[_Job, Outcome]]:
         """One model run for all jobs; if it fails, each job alone, so one bad input fails alone."""
         texts = [text for job in jobs for text in job.texts]
-        started = time.perf_counter()
         try:
             embeddings = self._embed_now(texts, one_core)
         except Exception as exc:
@@ -421,9 +416,7 @@ class EmbeddingService:
                 f"embedding failed: {type(exc).__name__}", "embedding_failed"
             )
             return [(jobs[0], failure)]
-        cores = 1 if one_core else self.workers
         with self._lock:
-            self._record_cost((time.perf_counter() - started) * 1000 * cores / len(texts))
             self.runs_total["one_core" if one_core else "all_cores"] += 1
         outcomes: list[tuple[_Job, Outcome]] = []
         start = 0
@@ -431,15 +424,6 @@ class EmbeddingService:
             outcomes.append((job, embeddings[start : start + len(job.texts)]))
             start += len(job.texts)
         return outcomes
-
-    def _record_cost(self, ms_per_text: float) -> None:
-        """Under the lock: folds one run's cost into the running estimate."""
-        previous = self.cost_per_text_ms
-        self.cost_per_text_ms = (
-            ms_per_text
-            if previous is None
-            else previous + _COST_SMOOTHING * (ms_per_text - previous)
-        )
 
     def _embed_now(self, texts: list[str], one_core: bool = False) -> list[Embedding]:
         """Tokenize, group by length, run the model per group (on a worker thread)."""

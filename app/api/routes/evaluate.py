@@ -20,8 +20,9 @@ router = APIRouter(
         413: {"description": "Body larger than KP_MAX_BODY_BYTES."},
         415: {"description": "Content-Type is not application/json."},
         503: {
-            "description": "Overloaded: the model is too far behind (KP_EMBED_MAX_WAIT_MS) or too "
-            "many texts wait (KP_EMBED_QUEUE_LIMIT); nothing changed, retry after Retry-After."
+            "description": "Overloaded: too many texts wait for the model (KP_EMBED_QUEUE_LIMIT) "
+            "or this one waited too long (KP_EMBED_MAX_WAIT_MS); nothing changed, retry after "
+            "Retry-After."
         },
     },
 )

@@ -53,7 +53,6 @@ async def metrics(services: ServicesDep) -> Response:
     m.queue_depth.set(services.embeddings.queue_depth)
     for cores, runs in services.embeddings.runs_total.items():
         m.embed_runs.labels(cores).set(runs)
-    m.embed_cost.set(services.embeddings.cost_per_text_ms or 0.0)
     m.snapshot_save_errors.set(services.snapshots.status.save_errors_total)
     for state in EmbedderState:
         m.embedder_state.labels(state.value).set(1 if services.embeddings.state is state else 0)
