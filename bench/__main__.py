@@ -38,6 +38,10 @@ __all__ = ["WORDS", "main", "rss_mb"]  # scripts/soak.py imports WORDS and rss_m
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "latest.json"
 CONCURRENCY = (1, 4, 16, 64)
+#: Requests sent at once (the admission target: every one answered 200).
+BURST = 64
+#: Open-loop arrival rates, in % of the capacity the 16-client level measured.
+OPEN_LOOP_SHARES = (50, 80)
 PRELOAD_SERVERS = 3
 
 
@@ -144,6 +148,24 @@ def embedder_server(
                 )
                 levels[str(n)] = _phase_figures(phase, expect_measured=True)
             out["concurrency"] = levels
+            await load.reset_cache(port)
+            burst = corpus.build("typical", BURST, seed=200)
+            phase = await load.closed_loop(port, requests(burst), BURST, server_pid=pid)
+            out["burst"] = _phase_figures(phase, expect_measured=True)
+            capacity = levels["16"]["throughput_rps"]
+            arrivals = {}
+            for share in OPEN_LOOP_SHARES:
+                rate = capacity * share / 100
+                items = corpus.build("typical", int(rate * sizes.level_seconds), seed=300 + share)
+                await load.reset_cache(port)
+                open_phase = await load.open_loop(port, requests(items), rate, seed=share)
+                arrivals[str(share)] = {
+                    "offered_rps": rate,
+                    "achieved_rps": open_phase.achieved_rps,
+                    "turned_away": open_phase.turned_away,
+                    **latency_summary(open_phase.latencies_ms),
+                }
+            out["open_loop"] = arrivals
 
         load.run(sequence)
         out["rss_mb_after_load"] = rss_mb(pid)

@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import numpy as np
 import orjson
 
 from bench.server import ADMIN_TOKEN, HOST, cpu_seconds
@@ -178,6 +179,60 @@ async def closed_loop(
         phase.server_cpu_s = cpu_seconds(server_pid) - cpu_before
         phase.event_loop_cpu_s = cpu_seconds(server_pid, main_thread_only=True) - loop_before
     for c in connections:
+        await c.close()
+    if failures:
+        raise RuntimeError(f"{len(failures)} requests failed, first: {failures[0]}")
+    return phase
+
+
+@dataclass
+class OpenLoop:
+    """What an open-loop phase measured: requests sent on a schedule, whatever the answers."""
+
+    offered_rps: float
+    latencies_ms: list[float] = field(default_factory=list)
+    turned_away: int = 0
+    elapsed_s: float = 0.0
+
+    @property
+    def achieved_rps(self) -> float:
+        return len(self.latencies_ms) / self.elapsed_s
+
+
+async def open_loop(
+    port: int, requests: list[bytes], rate_rps: float, *, seed: int = 0
+) -> OpenLoop:
+    """Sends `requests` at Poisson arrivals of `rate_rps` (seeded), each on a free keep-alive
+    connection (a new one when all are busy), as independent clients arrive: a slow answer
+    does not delay the next arrival. A 503 is counted; any other non-200 fails."""
+    phase = OpenLoop(rate_rps)
+    gaps = np.random.default_rng(seed).exponential(1 / rate_rps, len(requests))
+    idle: list[Connection] = []
+    failures: list[str] = []
+
+    async def one(request: bytes) -> None:
+        conn = idle.pop() if idle else await Connection.open(port)
+        started = time.perf_counter()
+        status, body = await conn.exchange(request)
+        elapsed_ms = (time.perf_counter() - started) * 1000
+        idle.append(conn)
+        if status == 503:
+            phase.turned_away += 1
+        elif status != 200:
+            failures.append(f"{status}: {body[:300]!r}")
+        else:
+            phase.latencies_ms.append(elapsed_ms)
+
+    started = time.perf_counter()
+    due = started
+    tasks = []
+    for request, gap in zip(requests, gaps, strict=True):
+        due += float(gap)
+        await asyncio.sleep(max(0.0, due - time.perf_counter()))
+        tasks.append(asyncio.create_task(one(request)))
+    await asyncio.gather(*tasks)
+    phase.elapsed_s = time.perf_counter() - started
+    for c in idle:
         await c.close()
     if failures:
         raise RuntimeError(f"{len(failures)} requests failed, first: {failures[0]}")

@@ -21,13 +21,35 @@ def preload_tolerance_ms(tenth_ms: float) -> float:
     return max(2.0, 0.25 * tenth_ms)
 
 
+@dataclass(frozen=True, slots=True)
+class ReferenceTiming:
+    """A figure of the reference SDK's, timed by hand (node and transformers.js are not part of
+    this repository, so the bench cannot start them): quoted with where it was measured."""
+
+    ms: float
+    measured_on: str
+    how: str
+
+
+#: The reference SDK's first `evaluateValue` call in a fresh node process (transformers.js
+#: imported and the model loaded by that call), median of 5 processes.
+REFERENCE_FIRST_CALL = ReferenceTiming(
+    ms=0.0,
+    measured_on="TODO",
+    how="TODO",
+)
+
+
 def targets(r: dict[str, Any]) -> list[Target]:
     floor, one, c16 = r["floor"], r["single_client"], r["concurrency"]["16"]
     p50_ratio = one["typical"]["p50_ms"] / floor["typical"]["p50_ms"]
+    long_ratio = one["long"]["p99_ms"] / floor["long"]["p50_ms"]
     rps_ratio = c16["throughput_rps"] / floor["typical"]["throughput_rps"]
+    burst = r["burst"]
     pre = r["preload"]
     slack = preload_tolerance_ms(pre["tenth_ms"])
     scan = r["cache_scan"]
+    reference = REFERENCE_FIRST_CALL
     return [
         Target(
             "one client, typical: HTTP p50 <= 1.10x floor p50",
@@ -35,25 +57,40 @@ def targets(r: dict[str, Any]) -> list[Target]:
             p50_ratio <= 1.10,
         ),
         Target(
-            "one client, long: p99 < 100 ms",
-            f"{one['long']['p99_ms']:.1f} ms",
-            one["long"]["p99_ms"] < 100,
+            "one client, long: HTTP p99 <= 1.15x floor p50",
+            f"{long_ratio:.2f}x ({one['long']['p99_ms']:.1f} vs {floor['long']['p50_ms']:.1f} ms)",
+            long_ratio <= 1.15,
         ),
         Target(
-            "16 clients: throughput >= 1.3x floor one-at-a-time",
-            f"{rps_ratio:.2f}x ({c16['throughput_rps']:.0f} vs {floor['typical']['throughput_rps']:.0f}/s)",
-            rps_ratio >= 1.3,
+            "16 clients: throughput >= 1.15x floor one-at-a-time, every answer 200",
+            f"{rps_ratio:.2f}x ({c16['throughput_rps']:.0f} vs {floor['typical']['throughput_rps']:.0f}/s), "
+            f"{c16['turned_away']} turned away",
+            rps_ratio >= 1.15 and c16["turned_away"] == 0,
         ),
-        Target("16 clients: p99 < 100 ms", f"{c16['p99_ms']:.1f} ms", c16["p99_ms"] < 100),
+        Target(
+            f"burst of {burst['n'] + burst['turned_away']} at once: every answer 200",
+            f"{burst['n']} x 200, {burst['turned_away']} x 503 (p50 {burst['p50_ms']:.0f}, p99 {burst['p99_ms']:.0f} ms)",
+            burst["turned_away"] == 0,
+        ),
+        *(
+            Target(
+                f"open loop at {share}% of the 16-client capacity: every answer 200",
+                f"{o['achieved_rps']:.0f}/s offered {o['offered_rps']:.0f}/s: p50 {o['p50_ms']:.1f}, p99 {o['p99_ms']:.1f} ms, "
+                f"{o['turned_away']} turned away",
+                o["turned_away"] == 0,
+            )
+            for share, o in r["open_loop"].items()
+        ),
         Target(
             "no embedder, 16 clients: >= 2000 evaluations/s",
             f"{r['no_embedder']['throughput_rps']:.0f}/s",
             r["no_embedder"]["throughput_rps"] >= 2000,
         ),
         Target(
-            "cold first request (lazy model load) < 1 s",
+            f"cold first request (lazy model load) <= the reference's first call ({reference.ms:.0f} ms, "
+            f"timed by hand on {reference.measured_on})",
             f"{r['cold']['first_request_ms']:.0f} ms",
-            r["cold"]["first_request_ms"] < 1000,
+            r["cold"]["first_request_ms"] <= reference.ms,
         ),
         Target(
             f"preload: first request <= tenth (+{slack:.1f} ms noise allowance)",
@@ -118,6 +155,15 @@ def table(r: dict[str, Any]) -> list[str]:
         rows.append(
             f"| {n} client{'s' if n != '1' else ''}: CPU per request, server (its event loop) / load generator | {c['server_cpu_ms_per_request']:.2f} ({_event_loop(c)}) / {c['client_cpu_ms_per_request']:.2f} ms "
             f"| {ft['cpu_ms_per_text']:.2f} ms | {_ratio(c['server_cpu_ms_per_request'], ft['cpu_ms_per_text'])} |"
+        )
+    b = r["burst"]
+    rows.append(
+        f"| burst of {b['n'] + b['turned_away']} at once, typical: p50 / p99 (503s) | {b['p50_ms']:.1f} / {b['p99_ms']:.1f} ms ({b['turned_away']}) | | |"
+    )
+    for share, o in r["open_loop"].items():
+        rows.append(
+            f"| open loop, {share}% of the 16-client capacity ({o['offered_rps']:.0f}/s offered): p50 / p99 (503s) "
+            f"| {o['p50_ms']:.1f} / {o['p99_ms']:.1f} ms ({o['turned_away']}) | | |"
         )
     nb, cold, pre, scan = r["no_embedder"], r["cold"], r["preload"], r["cache_scan"]
     rows += [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -145,24 +146,30 @@ def test_concurrent_distinct_traces_equal_a_sequential_order(capacity: int) -> N
     run(scenario)
 
 
-def test_health_stays_fast_while_traces_are_scored() -> None:
+def test_health_answers_while_traces_wait_for_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model runs off the event loop: with every run held in progress, /healthz answers
+    before any of the traces does."""
     long_trace = make_trace(steps=[step(0, "thought", "word " * 600)])
 
     async def scenario() -> None:
         async with service(embedder_preload=True) as client:
+            embeddings = client._transport.app.state.services.embeddings  # type: ignore[attr-defined]
+            gate = hold_runs(monkeypatch, embeddings)
+            # Should the loop ever block on a run, this lets the test end (and fail).
+            safety = threading.Timer(60, gate.set)
+            safety.start()
             scoring = [
                 asyncio.create_task(client.post("/evaluate", json=long_trace)) for _ in range(8)
             ]
-            await asyncio.sleep(0.01)
-            loop = asyncio.get_running_loop()
-            started = loop.time()
+            await until(lambda: not embeddings.idle_workers)
             health = await client.get("/healthz")
-            health_seconds = loop.time() - started
-            await asyncio.gather(*scoring)
-            total_seconds = loop.time() - started
+            pending = sum(not task.done() for task in scoring)
+            gate.set()
+            safety.cancel()
+            answers = await asyncio.gather(*scoring)
             assert health.status_code == 200
-            # The event loop is not blocked by the model: health answers before the backlog clears.
-            assert health_seconds < total_seconds / 2
+            assert pending == len(scoring)
+            assert [a.status_code for a in answers] == [200] * len(scoring)
 
     run(scenario)
 
