@@ -10,6 +10,7 @@ from functools import partial
 
 from fastapi import FastAPI
 from fastapi.concurrency import run_in_threadpool
+from fastapi_offline import FastAPIOffline
 
 from app import __version__
 from app.api.deps import Services
@@ -122,7 +123,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await run_in_threadpool(snapshots.save)
             log.info("kp-scoring stopped", extra={"cache_size": cache.size})
 
-    app = FastAPI(
+    # FastAPI, with /docs and /redoc loading their JS and CSS from the service, not a CDN:
+    # they work in a closed network.
+    app = FastAPIOffline(
         title="kp-scoring",
         version=__version__,
         summary="KnowledgePulse trace scoring: is this reasoning trace worth sharing?",

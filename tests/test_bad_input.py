@@ -127,7 +127,60 @@ FIELD_CASES: list[tuple[str, Callable[[Trace], Trace], list[Any]]] = [
         _set(("knowledge_graph_delta",), {"entities": [{"name": "x"}], "relationships": []}),
         ["body", "knowledge_graph_delta", "entities", 0, "type"],
     ),
+    (
+        "graph entities null",
+        _set(("knowledge_graph_delta",), {"entities": None, "relationships": []}),
+        ["body", "knowledge_graph_delta", "entities"],
+    ),
+    (
+        "graph relationship null",
+        _set(("knowledge_graph_delta",), {"entities": [], "relationships": [None]}),
+        ["body", "knowledge_graph_delta", "relationships", 0],
+    ),
 ]
+
+# Every field the reference's zod schema marks `.optional()`: it may be left out, never null.
+OPTIONAL_FIELDS: list[tuple[Any, ...]] = [
+    ("source_skill",),
+    ("metadata", "agent_id"),
+    ("metadata", "framework"),
+    ("metadata", "validated_by"),
+    ("task", "input_schema"),
+    ("steps", 1, "content"),
+    ("steps", 1, "tool"),
+    ("steps", 1, "tool", "mcp_server"),
+    ("steps", 1, "input"),
+    ("steps", 1, "output_summary"),
+    ("steps", 1, "latency_ms"),
+    ("knowledge_graph_delta",),
+]
+
+
+def _dotted(path: tuple[Any, ...]) -> str:
+    return ".".join(str(key) for key in path)
+
+
+def _with_every_optional_field() -> Trace:
+    trace = make_trace()
+    trace["source_skill"] = "kp:skill:code-review"
+    trace["metadata"] |= {
+        "agent_id": "agent-7",
+        "framework": "langgraph",
+        "validated_by": ["kp:validator:1"],
+    }
+    trace["task"]["input_schema"] = {"type": "object"}
+    trace["steps"][1] |= {
+        "tool": {"name": "search", "mcp_server": "mcp://search"},
+        "input": {"query": "sql injection"},
+        "output_summary": "3 hits",
+        "latency_ms": 12.5,
+    }
+    trace["knowledge_graph_delta"] = {
+        "entities": [{"name": "handler.ts", "type": "file"}],
+        "relationships": [{"fact": "handler.ts builds SQL by hand", "valid_from": "2025-06-15"}],
+    }
+    return trace
+
 
 # (name, raw body, the loc the answer must name or None for a non-field error)
 RAW_CASES: list[tuple[str, bytes, list[Any] | None]] = [
@@ -231,6 +284,51 @@ def test_body_over_the_limit_is_413(make_client: ClientFactory) -> None:
     r = client.post("/evaluate", content=chunks(), headers={"content-type": "application/json"})
     assert r.status_code == 413
     assert client.get("/metrics").text.count("kp_evaluations_total{") == 0
+
+
+def test_trace_with_every_optional_field_is_valid(client_no_embedder: TestClient) -> None:
+    trace = _with_every_optional_field()
+    for path in OPTIONAL_FIELDS:
+        parent: Any = trace
+        for key in path[:-1]:
+            parent = parent[key]
+        assert path[-1] in parent, f"the trace does not set {_dotted(path)}"
+    r = client_no_embedder.post("/evaluate", json=trace)
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("path", OPTIONAL_FIELDS, ids=_dotted)
+def test_null_for_an_optional_field_is_named_and_changes_nothing(
+    primed: TestClient, path: tuple[Any, ...]
+) -> None:
+    before = _state(primed)
+    r = primed.post("/evaluate", json=_set(path, None)(_with_every_optional_field()))
+    assert r.status_code == 422, r.text
+    assert r.json()["detail"] == [
+        {
+            "loc": ["body", *path],
+            "msg": "Field may be omitted, but not null",
+            "type": "null_not_allowed",
+        }
+    ]
+    assert _state(primed) == before
+
+
+@pytest.mark.parametrize("path", OPTIONAL_FIELDS, ids=_dotted)
+def test_optional_field_left_out_is_fine(
+    client_no_embedder: TestClient, path: tuple[Any, ...]
+) -> None:
+    r = client_no_embedder.post("/evaluate", json=_drop(path)(_with_every_optional_field()))
+    assert r.status_code == 200, r.text
+
+
+def test_null_in_a_batch_names_the_trace(primed: TestClient) -> None:
+    bad = _set(("steps", 1, "content"), None)(make_trace())
+    before = _state(primed)
+    r = primed.post("/evaluate/batch", json={"traces": [make_trace(), bad]})
+    assert r.status_code == 422
+    assert [e["loc"] for e in r.json()["detail"]] == [["body", "traces", 1, "steps", 1, "content"]]
+    assert _state(primed) == before
 
 
 def test_unknown_fields_are_ignored(client_no_embedder: TestClient) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
@@ -31,3 +32,40 @@ def test_trace_schema_states_the_rules() -> None:
         schema["required"]
     )
     assert schema["properties"]["steps"]["minItems"] == 1
+
+
+def _nullable_places(node: Any, where: str = "") -> list[str]:
+    """Where a JSON Schema lets null in: a null type or a null default."""
+    found: list[str] = []
+    if isinstance(node, dict):
+        if node.get("type") == "null" or "null" in (node.get("type") or []):
+            found.append(where)
+        if "default" in node and node["default"] is None:
+            found.append(f"{where}.default")
+        for key, value in node.items():
+            found += _nullable_places(value, f"{where}.{key}")
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            found += _nullable_places(value, f"{where}[{i}]")
+    return found
+
+
+def test_trace_schema_has_optional_fields_but_no_null() -> None:
+    """As the reference's zod `.optional()`: a field may be left out, but null is invalid."""
+    schema = json.loads((OPENAPI_DIR / "reasoning-trace.schema.json").read_text(encoding="utf-8"))
+    assert _nullable_places(schema) == []
+    step = schema["$defs"]["Step"]
+    assert step["required"] == ["step_id", "type"]
+    assert step["properties"]["content"]["type"] == "string"
+    assert step["properties"]["latency_ms"] == {
+        "minimum": 0,
+        "title": "Latency Ms",
+        "type": "number",
+    }
+    assert "source_skill" not in schema["required"]
+    assert schema["properties"]["knowledge_graph_delta"] == {"$ref": "#/$defs/KnowledgeGraphDelta"}
+
+    components = json.loads((OPENAPI_DIR / "openapi.json").read_text(encoding="utf-8"))
+    trace_parts = ("ReasoningTrace", "Metadata", "Task", "Step", "Tool", "KnowledgeGraphDelta")
+    for name in trace_parts:
+        assert _nullable_places(components["components"]["schemas"][name], name) == []

@@ -5,11 +5,13 @@ Pure ASGI (no BaseHTTPMiddleware) because it sits on the hot path of every reque
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -28,15 +30,41 @@ log = logging.getLogger("app.access")
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 _JSON_TYPE = re.compile(r"^application/([a-z0-9.+-]*\+)?json\s*(;.*)?$", re.IGNORECASE)
 
+# The rest of a refused body is read and dropped, up to these bounds, before the connection
+# closes (nginx's lingering close): a client that sends its whole body before it reads (urllib,
+# many simple clients) then gets the 4xx instead of a reset. 64 MiB covers the usual mistakes
+# (a batch of many traces, a trace with a file pasted in) and is dropped on loopback in well
+# under a second; 10 s lets it come over a link of ~50 Mbit/s. Dropping costs what reading a
+# body costs and keeps no memory; a body past either bound is cut off (the client sees a reset).
+DISCARD_BYTES = 64 * 1024 * 1024
+DISCARD_SECONDS = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Refusal:
+    status: int
+    body: dict[str, Any]
+    #: The request body is not (all) read: drop the rest after the answer, then close.
+    body_left: bool = False
+
 
 class RequestGuard:
     def __init__(
-        self, app: ASGIApp, *, metrics: Metrics, max_body_bytes: int, max_json_depth: int
+        self,
+        app: ASGIApp,
+        *,
+        metrics: Metrics,
+        max_body_bytes: int,
+        max_json_depth: int,
+        discard_bytes: int = DISCARD_BYTES,
+        discard_seconds: float = DISCARD_SECONDS,
     ) -> None:
         self.app = app
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
         self.max_json_depth = max_json_depth
+        self.discard_bytes = discard_bytes
+        self.discard_seconds = discard_seconds
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -58,13 +86,15 @@ class RequestGuard:
             await send(message)
 
         try:
-            rejection = None
+            refusal = None
             if scope["method"] in ("POST", "PUT", "PATCH"):
-                rejection, receive = await self._read_body(headers, receive)
-            if rejection is not None:
-                await _send_json(send_with_id, *rejection)
-            else:
+                refusal, receive = await self._read_body(headers, receive)
+            if refusal is None:
                 await self.app(scope, receive, send_with_id)
+            elif not refusal.body_left:
+                await _send_json(send_with_id, refusal.status, refusal.body)
+            else:
+                await self._refuse_unread(headers, refusal, receive, send_with_id)
         finally:
             elapsed = time.perf_counter() - started
             route = scope.get("route")
@@ -86,17 +116,18 @@ class RequestGuard:
 
     async def _read_body(
         self, headers: dict[str, str], receive: Receive
-    ) -> tuple[tuple[int, dict[str, Any]] | None, Receive]:
+    ) -> tuple[_Refusal | None, Receive]:
         """The whole body, read up front so that limits answer before any parsing."""
         content_type = headers.get("content-type")
         if content_type is not None and not _JSON_TYPE.match(content_type):
-            return (
+            return _Refusal(
                 415,
                 _detail(
                     ("header", "content-type"),
                     f"must be application/json, got {content_type!r}",
                     "unsupported_media_type",
                 ),
+                body_left=True,
             ), receive
         declared = headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
@@ -106,9 +137,8 @@ class RequestGuard:
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                return (
-                    400,
-                    _detail(("body",), "the client closed the connection", "disconnect"),
+                return _Refusal(
+                    400, _detail(("body",), "the client closed the connection", "disconnect")
                 ), receive
             chunk = message.get("body", b"")
             size += len(chunk)
@@ -121,7 +151,7 @@ class RequestGuard:
         if json_depth_exceeds(body, self.max_json_depth):
             # Checked before parsing: a deep body would exhaust the parser's recursion.
             msg = f"JSON nests deeper than {self.max_json_depth} levels (KP_MAX_JSON_DEPTH)"
-            return (422, _detail(("body",), msg, "limit_exceeded")), receive
+            return _Refusal(422, _detail(("body",), msg, "limit_exceeded")), receive
         replayed = False
 
         async def replay() -> Message:
@@ -133,28 +163,63 @@ class RequestGuard:
 
         return None, replay
 
-    def _too_large(self) -> tuple[int, dict[str, Any]]:
-        return 413, _detail(
-            ("body",),
-            f"request body is larger than {self.max_body_bytes} bytes (KP_MAX_BODY_BYTES)",
-            "body_too_large",
+    def _too_large(self) -> _Refusal:
+        return _Refusal(
+            413,
+            _detail(
+                ("body",),
+                f"request body is larger than {self.max_body_bytes} bytes (KP_MAX_BODY_BYTES)",
+                "body_too_large",
+            ),
+            body_left=True,
         )
+
+    async def _refuse_unread(
+        self, headers: dict[str, str], refusal: _Refusal, receive: Receive, send: Send
+    ) -> None:
+        """Answer first, then drop the rest of the body within the bounds, then close.
+
+        The answer goes out before the body is dropped, so a client that reads while it sends
+        sees it at once; the response ends (and the connection closes) only after the drop.
+        """
+        await _send_json(send, refusal.status, refusal.body, closing=True)
+        declared = headers.get("content-length", "")
+        if headers.get("expect", "").lower() == "100-continue":
+            pass  # the client waits for "100 Continue" before it sends: there is nothing to drop
+        elif declared.isdigit() and int(declared) > self.discard_bytes:
+            log.info("refused body not read: larger than the discard bound")
+        elif not await self._discard_rest(receive):
+            log.info("refused body still coming at the discard bound: connection closed")
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _discard_rest(self, receive: Receive) -> bool:
+        """Reads and drops the rest of the body; False when it goes past the bounds."""
+        dropped = 0
+        try:
+            async with asyncio.timeout(self.discard_seconds):
+                while dropped <= self.discard_bytes:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return True
+                    dropped += len(message.get("body", b""))
+                    if not message.get("more_body", False):
+                        return True
+        except TimeoutError:
+            pass
+        return False
 
 
 def _detail(loc: tuple[str, ...], msg: str, kind: str) -> dict[str, Any]:
     return {"detail": [{"loc": list(loc), "msg": msg, "type": kind}]}
 
 
-async def _send_json(send: Send, status: int, body: dict[str, Any]) -> None:
+async def _send_json(
+    send: Send, status: int, body: dict[str, Any], *, closing: bool = False
+) -> None:
+    """A JSON answer. `closing`: with Connection: close, and left open for the caller to end."""
     payload = orjson.dumps(body)
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(payload)).encode()),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": payload})
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(payload))]
+    if closing:
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": payload, "more_body": closing})

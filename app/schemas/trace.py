@@ -1,16 +1,18 @@
 """The ReasoningTrace input schema (SPEC section 2).
 
 Mirrors the reference SDK's zod `ReasoningTraceSchema`: unknown keys are ignored, types are
-strict (no "true" for a boolean, no "1" for a number), numbers must be finite.
+strict (no "true" for a boolean, no "1" for a number), numbers must be finite, and an optional
+field may be left out but is never null (zod's `.optional()` rejects null).
 """
 
 from __future__ import annotations
 
 import re
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic_core import PydanticCustomError
 
 # Some doc pages show the second address; the spec accepts both.
 KpContext = Literal[
@@ -43,6 +45,27 @@ def _integral_number(value: Any) -> Any:
     return value
 
 
+def _not_null(value: Any) -> Any:
+    # Runs on input only: a field left out gets its default (None) without validation.
+    if value is None:
+        raise PydanticCustomError("null_not_allowed", "Field may be omitted, but not null")
+    return value
+
+
+def _without_null(schema: dict[str, Any]) -> None:
+    # pydantic documents `X | None = None` as `anyOf [X, null]` with `default: null`; the
+    # field accepts X or nothing, so the published schema says only X (and not required).
+    schema.pop("default", None)
+    (present,) = [branch for branch in schema.pop("anyOf") if branch != {"type": "null"}]
+    schema.update(present)
+
+
+_T = TypeVar("_T")
+
+# zod's `.optional()`: absent reads as None, an explicit null is a 422 naming the field.
+Omittable = Annotated[_T | None, BeforeValidator(_not_null), Field(json_schema_extra=_without_null)]
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore", frozen=True)
 
@@ -55,34 +78,34 @@ JsonObject = dict[str, Any]
 
 class Metadata(_Strict):
     created_at: IsoDateTime
-    agent_id: str | None = None
-    framework: str | None = None
+    agent_id: Omittable[str] = None
+    framework: Omittable[str] = None
     task_domain: NonEmptyStr
     success: bool
     quality_score: UnitInterval
     visibility: Literal["private", "org", "network"]
     privacy_level: Literal["aggregated", "federated", "private"]
-    validated_by: list[str] | None = None
+    validated_by: Omittable[list[str]] = None
 
 
 class Task(_Strict):
     objective: NonEmptyStr
-    input_schema: JsonObject | None = None
+    input_schema: Omittable[JsonObject] = None
 
 
 class Tool(_Strict):
     name: str
-    mcp_server: str | None = None
+    mcp_server: Omittable[str] = None
 
 
 class Step(_Strict):
-    step_id: Annotated[int, BeforeValidator(_integral_number), Field(ge=0)]
+    step_id: Annotated[int, Field(ge=0), BeforeValidator(_integral_number)]
     type: StepType
-    content: str | None = None
-    tool: Tool | None = None
-    input: JsonObject | None = None
-    output_summary: str | None = None
-    latency_ms: Annotated[float, Field(ge=0)] | None = None
+    content: Omittable[str] = None
+    tool: Omittable[Tool] = None
+    input: Omittable[JsonObject] = None
+    output_summary: Omittable[str] = None
+    latency_ms: Omittable[Annotated[float, Field(ge=0)]] = None
 
 
 class Outcome(_Strict):
@@ -111,9 +134,9 @@ class ReasoningTrace(_Strict):
     context: KpContext = Field(alias="@context")
     type: Literal["ReasoningTrace"] = Field(alias="@type")
     id: Annotated[str, Field(pattern=r"^kp:trace:")]
-    source_skill: str | None = None
+    source_skill: Omittable[str] = None
     metadata: Metadata
     task: Task
     steps: Annotated[list[Step], Field(min_length=1)]
     outcome: Outcome
-    knowledge_graph_delta: KnowledgeGraphDelta | None = None
+    knowledge_graph_delta: Omittable[KnowledgeGraphDelta] = None
