@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from app.embedding import model_files
 from app.embedding.onnx_embedder import OnnxEmbedder
 from app.main import create_app
 from app.services.embeddings import Embedding, EmbeddingService
-from tests.server import Server, running_server
+from tests.server import RedisServer, Server, running_server
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -92,3 +93,16 @@ def embedder() -> OnnxEmbedder:
     files = model_files.resolve(None, None)
     model_files.verify(files)
     return OnnxEmbedder(files.model, files.tokenizer)
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """One redis-server for the session (AOF on, a password); tests keep apart by prefix."""
+    server = RedisServer(tmp_path_factory.mktemp("redis"), password="s3cret-redis-pw")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_prefix() -> str:
+    return f"kp-test-{uuid.uuid4().hex[:8]}:"
