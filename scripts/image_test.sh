@@ -576,7 +576,7 @@ if grep -n -E '"level": ?"(error|critical)"|Traceback' "$SERVER_LOG"; then
 fi
 
 # ── 8. shared mode: two processes from the image on one real redis-server ────────────────
-phase "shared mode (two replicas, one Redis)"
+phase "shared mode (2 replicas, 1 Redis)"
 REDIS_PORT=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 PORT2=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 REDIS_PASSWORD="image-test-redis-$$"

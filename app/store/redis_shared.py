@@ -98,6 +98,9 @@ class _Reset:
 
 
 class RedisSharedMemory:
+    """The novelty memory of every replica on one Redis and prefix (the module's docstring
+    says how it keeps one order). `mirror` is this replica's copy of the shared entries."""
+
     def __init__(
         self,
         url: str,
