@@ -65,12 +65,10 @@ class Evaluator:
 
         results = []
         for trace, report in zip(traces, reports, strict=True):
-            stats = scoring.StepStats.of(trace.steps)
+            measured = report.max_cosine
             result = scoring.score(
-                stats,
-                novelty=scoring.NEUTRAL_NOVELTY
-                if report.max_cosine is None
-                else scoring.novelty(report.max_cosine),
+                scoring.StepStats.of(trace.steps),
+                novelty=scoring.NEUTRAL_NOVELTY if measured is None else scoring.novelty(measured),
                 confidence=trace.outcome.confidence,
                 success=trace.metadata.success,
                 task_domain=trace.metadata.task_domain,
