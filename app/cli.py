@@ -331,7 +331,7 @@ def cache_stats(url: Url = DEFAULT_URL, token: Token = None, as_json: AsJson = F
         print_json(stats.model_dump(mode="json"))
         return
     table = Table("cache", "value", box=None, pad_edge=False)
-    for key, value in stats.model_dump(exclude={"embedder"}).items():
+    for key, value in stats.model_dump(exclude={"embedder", "backend"}).items():
         table.add_row(
             key,
             "-" if value is None else f"{value:.1f}" if isinstance(value, float) else str(value),
@@ -340,6 +340,11 @@ def cache_stats(url: Url = DEFAULT_URL, token: Token = None, as_json: AsJson = F
     table.add_row("embedder", f"{e.state}" + (f" ({e.model})" if e.model else ""))
     if e.reason:
         table.add_row("embedder reason", e.reason)
+    b = stats.backend
+    where = f"shared: {b.location} (prefix {b.prefix})" if b.shared else "this process"
+    table.add_row("cache", where + ("" if b.available else " UNAVAILABLE"))
+    if b.reason:
+        table.add_row("cache reason", b.reason)
     out.print(table)
 
 

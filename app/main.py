@@ -17,7 +17,7 @@ from app.api.deps import Services
 from app.api.errors import install_error_handlers
 from app.api.middleware import RequestGuard
 from app.api.routes import cache, evaluate, health
-from app.core.config import Settings
+from app.core.config import Settings, redis_location
 from app.core.logging import configure_logging
 from app.core.metrics import Metrics
 from app.domain.vector_cache import VectorCache
@@ -27,6 +27,8 @@ from app.schemas.limits import TraceLimits
 from app.services.embeddings import EmbeddingService
 from app.services.evaluator import Evaluator
 from app.services.snapshots import SnapshotStore
+from app.store.in_process import InProcessMemory
+from app.store.redis_shared import RedisSharedMemory
 
 log = logging.getLogger("app")
 
@@ -67,6 +69,31 @@ def build_embeddings(settings: Settings) -> tuple[EmbeddingService, model_files.
     return service, files
 
 
+def build_memory(
+    settings: Settings, files: model_files.ModelFiles | None
+) -> InProcessMemory | RedisSharedMemory:
+    """The novelty memory the settings ask for: this process's, or the one shared through
+    KP_REDIS_URL (connected by its start())."""
+    if settings.redis_url is None:
+        return InProcessMemory(VectorCache(settings.cache_capacity, ttl_ms=settings.cache_ttl_ms))
+    model_id = None
+    if files is not None:
+        try:
+            model_id = model_files.identity(files, settings.embedder_precision)
+        except ModelError as exc:
+            log.error("shared cache: model identity unknown", extra={"reason": str(exc)})
+    url = settings.redis_url.get_secret_value()
+    return RedisSharedMemory(
+        url,
+        redis_location(url),
+        prefix=settings.redis_prefix,
+        capacity=settings.cache_capacity,
+        ttl_ms=settings.cache_ttl_ms,
+        timeout_ms=settings.redis_timeout_ms,
+        model=model_id,
+    )
+
+
 def build_snapshots(
     settings: Settings, cache: VectorCache, files: model_files.ModelFiles | None
 ) -> SnapshotStore:
@@ -91,15 +118,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        cache = VectorCache(settings.cache_capacity, ttl_ms=settings.cache_ttl_ms)
         embeddings, files = build_embeddings(settings)
-        snapshots = build_snapshots(settings, cache, files)
+        memory = build_memory(settings, files)
+        # Snapshots are the in-process memory's persistence; with Redis, Redis's (AOF), and
+        # the settings refuse KP_CACHE_SNAPSHOT_PATH.
+        local = memory.cache if isinstance(memory, InProcessMemory) else memory.mirror
+        snapshots = build_snapshots(settings, local, files)
         await run_in_threadpool(snapshots.restore)
+        await memory.start()
         app.state.services = Services(
             settings,
-            cache,
+            memory,
             embeddings,
-            Evaluator(cache, embeddings),
+            Evaluator(memory, embeddings),
             metrics,
             snapshots,
             TraceLimits(settings.max_batch, settings.max_steps, settings.max_string_chars),
@@ -108,9 +139,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             log.warning("KP_ADMIN_TOKEN is not set: GET and DELETE /cache are open to every caller")
         if settings.embedder_preload:
             await embeddings.preload()
+        backend = memory.backend
         log.info(
             "kp-scoring started",
-            extra={"embedder": embeddings.state.value, "cache_capacity": settings.cache_capacity},
+            extra={
+                "embedder": embeddings.state.value,
+                "cache_capacity": settings.cache_capacity,
+                "cache": backend.location or backend.kind,
+            },
         )
         saver = asyncio.create_task(
             _save_periodically(snapshots, settings.cache_snapshot_interval_s)
@@ -121,7 +157,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             saver.cancel()
             await embeddings.close()
             await run_in_threadpool(snapshots.save)
-            log.info("kp-scoring stopped", extra={"cache_size": cache.size})
+            await memory.close()
+            log.info("kp-scoring stopped", extra={"cache_size": memory.size})
 
     # FastAPI, with /docs and /redoc loading their JS and CSS from the service, not a CDN:
     # they work in a closed network.

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from app.domain.vector_cache import VectorCache
-from bench import corpus, load
+from bench import corpus, load, shared
 from bench.corpus import WORDS, Item
 from bench.floor import Floor
 from bench.report import render, targets
@@ -56,6 +56,7 @@ class Sizes:
         self.level_seconds = 3.0 if quick else 10.0
         self.no_embedder_seconds = 1.5 if quick else 4.0
         self.scans = 500 if quick else 5000
+        self.quick = quick
 
 
 # ── phases ────────────────────────────────────────────────────────────────
@@ -216,6 +217,7 @@ def measure(sizes: Sizes, env: dict[str, str], items: dict[str, list[Item]]) -> 
     r["cache_scan"] = cache_scan(sizes.scans)
     r |= embedder_server(sizes, env, tmp, typical, long, warm)
     r["no_embedder"] = no_embedder(sizes, tmp, typical)
+    r["shared"] = shared.measure(sizes.quick, env)
     cold = first_requests(env, tmp, items["cold"], "cold")
     r["cold"] = {"server_start_s": cold["server_start_s"], "first_request_ms": cold["times_ms"][0]}
     r["preload"] = preload(env, tmp, items["cold"][0])

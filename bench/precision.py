@@ -34,6 +34,7 @@ from app.embedding.onnx_embedder import OnnxEmbedder, Precision, TokenizedText
 from app.schemas.trace import ReasoningTrace
 from app.services.embeddings import EmbeddingService
 from app.services.evaluator import Evaluator
+from app.store.in_process import InProcessMemory
 from bench import corpus
 from bench.__main__ import machine
 from bench.stats import percentile
@@ -82,7 +83,7 @@ def scored(embedder: OnnxEmbedder, traces: list[ReasoningTrace]) -> dict[str, li
     async def run() -> dict[str, list[Any]]:
         service = EmbeddingService(lambda: embedder, model_name="bench", workers=1)
         await service.load()
-        evaluator = Evaluator(VectorCache(1000), service)
+        evaluator = Evaluator(InProcessMemory(VectorCache(1000)), service)
         out: dict[str, list[Any]] = {"score": [], "max_cosine": []}
         for trace in traces:
             (evaluation,) = await evaluator.evaluate([trace])

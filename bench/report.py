@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from bench import shared
+
 
 @dataclass(frozen=True, slots=True)
 class Target:
@@ -102,6 +104,8 @@ def targets(r: dict[str, Any]) -> list[Target]:
             f"{scan['p50_us']:.1f} us (p99 {scan['p99_us']:.1f} us)",
             scan["p50_us"] < 100,
         ),
+        # Results written before the shared mode existed have no "shared".
+        *(Target(*t) for t in (shared.targets(r["shared"]) if "shared" in r else [])),
     ]
 
 
@@ -174,6 +178,8 @@ def table(r: dict[str, Any]) -> list[str]:
         f"| server RSS after the load (peak) | {r['rss_mb_after_load']:.0f} MiB ({r['rss_peak_mb']:.0f} MiB) | | |",
         f"| cache scan 1000 x 384, in process: p50 / p99 | {scan['p50_us']:.1f} / {scan['p99_us']:.1f} us | | |",
     ]
+    if "shared" in r:  # its ratio column is against the service in process, not the floor
+        rows += shared.rows(r["shared"])
     return rows
 
 

@@ -17,7 +17,12 @@
 #    GET /cache (size 2, embedder ready, admin token enforced), /metrics; runs the image's
 #    HEALTHCHECK inside the chroot (exit 0 while up, non-zero once stopped); stops the
 #    service with SIGTERM and, when it wrote a cache snapshot, restarts it and checks the
-#    cache came back.
+#    cache came back;
+# 6. shared mode: a real redis-server (Debian's, on a free loopback port, AOF on, a password)
+#    and two service processes from the image on it (KP_REDIS_URL): a trace scored by the
+#    first is a repeat for the second, GET /cache on either shows the shared cache (without
+#    the password), DELETE /cache on one empties it for both. docker-compose.scale.yml and
+#    deploy/nginx.conf are checked for what they must declare (no container engine here).
 #
 # Environment (all optional):
 #   KP_IMAGE_TEST_TAG    image tag to build          (kp-scoring:test)
@@ -105,10 +110,21 @@ kill_chrooted() {  # anything still running inside our chroot root (safety net)
         fi
     done
 }
+REPLICA2_PID="" REDIS_PID=""
+stop_extra() {  # the second replica and redis-server of the shared-mode check
+    local pid
+    for pid in "$REPLICA2_PID" "$REDIS_PID"; do
+        [[ -n $pid ]] || continue
+        kill -TERM "$pid" 2>/dev/null || true
+        wait "$pid" 2>/dev/null || true
+    done
+    REPLICA2_PID="" REDIS_PID=""
+}
 cleanup() {
     local rc=$?
     set +e
     stop_server KILL
+    stop_extra
     kill_chrooted
     unmount_all
     if ((rc != 0)) && [[ -s ${SERVER_LOG:-} ]]; then
@@ -132,7 +148,8 @@ phase "preconditions"
 ((EUID == 0)) || fail "run as root (it installs packages, mounts and chroots)"
 [[ -f /etc/debian_version ]] || fail "needs a Debian host (apt-get, debootstrap)"
 cd "$ROOT"
-for f in Dockerfile .dockerignore docker-compose.yml pyproject.toml app/main.py tests/factories.py; do
+for f in Dockerfile .dockerignore docker-compose.yml docker-compose.scale.yml deploy/nginx.conf \
+    pyproject.toml app/main.py tests/factories.py; do
     [[ -f $f ]] || fail "$ROOT/$f is missing"
 done
 [[ -f README.md ]] || fail "README.md is missing: pyproject.toml's readme field needs it, so 'pip install .' (and the image build) cannot work"
@@ -148,6 +165,7 @@ command -v debootstrap >/dev/null || APT_NEED+=(debootstrap)
 command -v python3 >/dev/null || APT_NEED+=(python3 python3-venv)
 command -v chroot >/dev/null || APT_NEED+=(coreutils)
 command -v mountpoint >/dev/null || APT_NEED+=(util-linux)
+command -v redis-server >/dev/null || APT_NEED+=(redis-server)
 if ((${#APT_NEED[@]})); then
     say "apt-get install ${APT_NEED[*]}"
     apt-get update -qq || fail "apt-get update failed"
@@ -281,6 +299,33 @@ if cenv.get("KP_CACHE_SNAPSHOT_PATH") != "/data/cache.snapshot":
     problems.append("docker-compose.yml does not set KP_CACHE_SNAPSHOT_PATH=/data/cache.snapshot")
 if not any(str(v).split(":")[-1] == "/data" for v in svc.get("volumes") or []):
     problems.append("docker-compose.yml mounts no volume on /data")
+
+# docker-compose.scale.yml: Redis 7 with AOF on a volume, replicas without host ports that
+# share it, nginx in front (deploy/nginx.conf).
+scale = yaml.safe_load(open(compose_path.replace("docker-compose.yml", "docker-compose.scale.yml")))
+ssvc = scale.get("services") or {}
+redis, replica, nginx = (ssvc.get(n) or {} for n in ("redis", "kp-scoring", "nginx"))
+rcmd = " ".join(str(c) for c in redis.get("command") or [])
+if not str(redis.get("image", "")).startswith("redis:7"):
+    problems.append("docker-compose.scale.yml: redis is not the official redis:7 image")
+if "--appendonly yes" not in rcmd or "--appendfsync always" not in rcmd:
+    problems.append("docker-compose.scale.yml: redis without --appendonly yes --appendfsync always")
+if not any(str(v).endswith(":/data") for v in redis.get("volumes") or []):
+    problems.append("docker-compose.scale.yml: redis keeps /data on no volume")
+if replica.get("ports"):
+    problems.append("docker-compose.scale.yml: kp-scoring publishes host ports (--scale needs none)")
+renv = replica.get("environment") or {}
+if not str(renv.get("KP_REDIS_URL", "")).startswith("redis://") or "KP_CACHE_SNAPSHOT_PATH" in renv:
+    problems.append("docker-compose.scale.yml: kp-scoring needs KP_REDIS_URL and no snapshot path")
+if replica.get("healthcheck", {}).get("test") != health:
+    problems.append("docker-compose.scale.yml: kp-scoring's healthcheck differs from the image's")
+if not str(nginx.get("image", "")).startswith("nginx:") or not nginx.get("ports"):
+    problems.append("docker-compose.scale.yml: no nginx (official image) with a host port in front")
+if not any("deploy/nginx.conf" in str(v) for v in nginx.get("volumes") or []):
+    problems.append("docker-compose.scale.yml: nginx does not mount deploy/nginx.conf")
+nginx_conf = open(compose_path.replace("docker-compose.yml", "deploy/nginx.conf")).read()
+if "server kp-scoring:8000" not in nginx_conf or "proxy_pass http://kp_scoring" not in nginx_conf:
+    problems.append("deploy/nginx.conf does not balance over kp-scoring:8000")
 
 if problems:
     print("image/compose problems: " + "; ".join(problems), file=sys.stderr)
@@ -529,6 +574,109 @@ stop_server TERM
 if grep -n -E '"level": ?"(error|critical)"|Traceback' "$SERVER_LOG"; then
     fail "the int8 service logged errors (above)"
 fi
+
+# ── 8. shared mode: two processes from the image on one real redis-server ────────────────
+phase "shared mode (2 replicas, 1 Redis)"
+REDIS_PORT=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+PORT2=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+REDIS_PASSWORD="image-test-redis-$$"
+REDIS_DIR=$WORK/redis
+rm -rf "$REDIS_DIR" && mkdir -p "$REDIS_DIR"
+redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --dir "$REDIS_DIR" --appendonly yes \
+    --appendfsync always --save "" --requirepass "$REDIS_PASSWORD" >"$REDIS_DIR/redis.log" 2>&1 &
+REDIS_PID=$!
+for _ in $(seq 100); do
+    REDISCLI_AUTH=$REDIS_PASSWORD redis-cli -p "$REDIS_PORT" ping 2>/dev/null | grep -q PONG && break
+    sleep 0.1
+done
+REDISCLI_AUTH=$REDIS_PASSWORD redis-cli -p "$REDIS_PORT" ping | grep -q PONG ||
+    fail "redis-server did not start (log: $REDIS_DIR/redis.log)"
+say "$(redis-server --version | cut -d' ' -f1-3) on 127.0.0.1:$REDIS_PORT (AOF on, a password)"
+REDIS_URL="redis://:$REDIS_PASSWORD@127.0.0.1:$REDIS_PORT/0"
+# Snapshots are refused with Redis: the image test's KP_CACHE_SNAPSHOT_PATH is taken away.
+SHARED_ENV=(-u KP_CACHE_SNAPSHOT_PATH "KP_REDIS_URL=$REDIS_URL" "KP_REDIS_PREFIX=image-test:")
+declare -a RUN_CMD2=()
+for arg in "${RUN_CMD[@]}"; do  # the same command on the second port
+    case $arg in
+        "$PORT") RUN_CMD2+=("$PORT2") ;;
+        "--port=$PORT") RUN_CMD2+=("--port=$PORT2") ;;
+        *) RUN_CMD2+=("$arg") ;;
+    esac
+done
+REPLICA2_LOG=$WORK/service-shared-b.log
+"${IN_IMAGE[@]}" env "${SHARED_ENV[@]}" "${RUN_CMD2[@]}" >"$REPLICA2_LOG" 2>&1 </dev/null &
+REPLICA2_PID=$!
+start_server shared-a "${SHARED_ENV[@]}"
+say "second replica on port $PORT2 (log: $REPLICA2_LOG)"
+python3 - "$PORT" "$PORT2" "$ADMIN_TOKEN" "$REDIS_PASSWORD" "$ROOT/tests" <<'PY' || fail "shared mode does not work in the image"
+import json, sys, time, urllib.error, urllib.request
+
+port_a, port_b, token, password, tests_dir = sys.argv[1:6]
+sys.path.insert(0, tests_dir)
+from factories import make_trace
+
+def call(port, method, path, body=None):
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, method=method,
+                                 headers={"Authorization": f"Bearer {token}",
+                                          "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+    except OSError:
+        return 0, b""
+
+def check(cond, msg):
+    print(("ok    " if cond else "FAIL  ") + msg)
+    if not cond:
+        sys.exit(1)
+
+deadline = time.monotonic() + 180
+while call(port_b, "GET", "/healthz")[0] != 200:
+    check(time.monotonic() < deadline, "second replica answers /healthz")
+    time.sleep(0.5)
+for port in (port_a, port_b):
+    status, body = call(port, "GET", "/readyz")
+    ready = json.loads(body)
+    check(ready.get("status") == "ready" and ready["cache_backend"]["available"] is True,
+          f"replica :{port} /readyz ready, shared cache available: {ready.get('cache_backend')!r}")
+status, body = call(port_a, "DELETE", "/cache")
+check(status == 200, f"DELETE /cache on the first replica -> {status}")
+trace = make_trace(objective="A trace the two replicas must share")
+status, body = call(port_a, "POST", "/evaluate", trace)
+first = json.loads(body)["novelty"]
+check(status == 200 and first["reason"] == "cache_empty", f"first replica: {first!r}")
+status, body = call(port_b, "POST", "/evaluate", trace)
+second = json.loads(body)["novelty"]
+check(status == 200 and second["measured"] is True and second["max_cosine"] > 0.999,
+      f"the same trace on the second replica is a repeat: {second!r}")
+status, body = call(port_b, "GET", "/cache")
+cache = json.loads(body)
+backend = cache.get("backend", {})
+check(cache.get("size") == 2 and backend.get("shared") is True and backend.get("kind") == "redis",
+      f"GET /cache on the second replica: size={cache.get('size')!r} backend={backend!r}")
+check(password not in body.decode() and backend.get("location", "").endswith("/0"),
+      "GET /cache names the Redis without its password")
+status, body = call(port_b, "DELETE", "/cache")
+check(status == 200 and json.loads(body) == {"cleared": 2}, f"DELETE /cache on the second -> {body!r}")
+status, body = call(port_a, "GET", "/cache")
+check(json.loads(body).get("size") == 0, "the first replica's GET /cache: size 0 after the second's reset")
+PY
+stop_server TERM
+((SERVER_RC == 0 || SERVER_RC == 143)) || fail "the shared replica exited $SERVER_RC on SIGTERM"
+stop_extra
+for log in "$SERVER_LOG" "$REPLICA2_LOG"; do
+    if grep -n -E '"level": ?"(error|critical)"|Traceback' "$log"; then
+        fail "a shared replica logged errors (above, $log)"
+    fi
+    if grep -q -F "$REDIS_PASSWORD" "$log"; then
+        fail "the Redis password is in a service log ($log)"
+    fi
+done
+say "two replicas shared one cache through Redis; no password in their logs"
+
 SERVER_LOG=""
 unmount_all
 phase_end

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from app.embedding import model_files
 from app.embedding.onnx_embedder import OnnxEmbedder
 from app.main import create_app
 from app.services.embeddings import Embedding, EmbeddingService
-from tests.server import Server, running_server
+from tests.server import RedisServer, Server, running_server
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -108,3 +109,16 @@ def hold_runs(monkeypatch: pytest.MonkeyPatch, embeddings: EmbeddingService) -> 
 
     monkeypatch.setattr(embeddings, "_embed_now", held)
     return gate
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """One redis-server for the session (AOF on, a password); tests keep apart by prefix."""
+    server = RedisServer(tmp_path_factory.mktemp("redis"), password="s3cret-redis-pw")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_prefix() -> str:
+    return f"kp-test-{uuid.uuid4().hex[:8]}:"

@@ -1,5 +1,5 @@
 """A real kp-scoring server in a subprocess on a free loopback port (client, CLI, restart,
-crash and schemathesis tests)."""
+crash and schemathesis tests), and a real redis-server for the shared-cache tests."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import redis
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "test-admin-token"
@@ -118,3 +119,71 @@ def running_server(
             yield Server(live.url, token)
         finally:
             live.stop()
+
+
+class RedisServer:
+    """Debian's redis-server on a free loopback port, in its own directory, persisting as
+    docker-compose.scale.yml configures it: AOF, fsync before each reply (`appendfsync`)."""
+
+    def __init__(
+        self, directory: Path, password: str | None = None, appendfsync: str = "always"
+    ) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server is not installed: make test installs it (apt-get)")
+        self.binary = binary
+        self.directory = directory
+        self.password = password
+        self.appendfsync = appendfsync
+        self.port = free_port()
+        auth = f":{password}@" if password else ""
+        self.url = f"redis://{auth}127.0.0.1:{self.port}/0"
+        self.process: subprocess.Popen[bytes] | None = None
+        self.start()
+
+    def start(self) -> None:
+        log = (self.directory / "redis.log").open("ab")
+        options = {
+            "port": str(self.port),
+            "bind": "127.0.0.1",
+            "dir": str(self.directory),
+            "appendonly": "yes",
+            "appendfsync": self.appendfsync,
+            "save": "",
+        }
+        if self.password:
+            options["requirepass"] = self.password
+        self.process = subprocess.Popen(
+            [self.binary, *(part for k, v in options.items() for part in (f"--{k}", v))],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        log.close()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"redis-server exited: {self.log()}")
+            if self.ping():
+                return
+            time.sleep(0.02)
+        raise TimeoutError(f"redis-server did not answer: {self.log()}")
+
+    def client(self) -> redis.Redis:
+        return redis.Redis.from_url(self.url, socket_timeout=10)
+
+    def ping(self) -> bool:
+        """True once it answers PING (not while it loads its AOF)."""
+        try:
+            with self.client() as client:
+                return bool(client.ping())
+        except redis.RedisError:
+            return False
+
+    def log(self) -> str:
+        return (self.directory / "redis.log").read_text(errors="replace")[-2000:]
+
+    def stop(self, sig: signal.Signals = signal.SIGTERM) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(sig)
+            self.process.wait(timeout=30)
+        self.process = None

@@ -11,11 +11,11 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from app.core.config import Settings
 from app.core.metrics import Metrics
-from app.domain.vector_cache import VectorCache
 from app.schemas.limits import TraceLimits
 from app.services.embeddings import EmbeddingService
 from app.services.evaluator import Evaluator
 from app.services.snapshots import SnapshotStore
+from app.store.base import NoveltyMemory
 
 
 @dataclass(slots=True)
@@ -23,7 +23,7 @@ class Services:
     """Everything a request may need, built once per app in the lifespan."""
 
     settings: Settings
-    cache: VectorCache
+    memory: NoveltyMemory
     embeddings: EmbeddingService
     evaluator: Evaluator
     metrics: Metrics

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
-from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+from redis.connection import parse_url
 
 ENV_PREFIX = "KP_"
 
@@ -35,6 +38,17 @@ class Settings(BaseSettings):
     cache_snapshot_interval_s: Annotated[float, Field(gt=0)] = 30.0
 
     admin_token: SecretStr | None = None
+
+    #: Set: the novelty cache is shared, through this Redis, by every replica that uses it and
+    #: the same prefix (SPEC 6). A secret: it may carry a password.
+    redis_url: SecretStr | None = None
+    redis_prefix: Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[^\s]+$")] = "kp:"
+    #: Longest a request waits for Redis; past it, novelty is not measured (cache_unavailable).
+    #: A healthy exchange takes well under 1 ms locally and a few ms across a network; 250 ms
+    #: is past an fsync stall of a slow disk (appendfsync always) and past the event loop's
+    #: delays on a busy two-core machine, so it does not fire under load, yet keeps a request
+    #: within a few times SPEC 7's 100 ms when Redis is gone.
+    redis_timeout_ms: Annotated[float, Field(gt=0, le=60_000)] = 250.0
 
     max_body_bytes: Annotated[int, Field(ge=1024)] = 1_048_576
     max_batch: Annotated[int, Field(ge=1, le=10_000)] = 64
@@ -71,14 +85,65 @@ class Settings(BaseSettings):
             return None  # an empty variable means "unset"
         return token
 
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, url: SecretStr | None) -> SecretStr | None:
+        if url is None or not url.get_secret_value().strip():
+            return None  # an empty variable means "unset"
+        check_redis_url(url.get_secret_value())
+        return url
+
+    @model_validator(mode="after")
+    def _one_persistence(self) -> Settings:
+        if self.redis_url is not None and self.cache_snapshot_path is not None:
+            raise ValueError(
+                "KP_CACHE_SNAPSHOT_PATH and KP_REDIS_URL are both set: with Redis the shared "
+                "cache is kept by Redis's own persistence (AOF), not by snapshot files; "
+                "unset KP_CACHE_SNAPSHOT_PATH"
+            )
+        return self
+
     @classmethod
     def from_env(cls) -> Settings:
         """Settings from the environment, or ConfigError naming each bad variable."""
         try:
             return cls()
         except ValidationError as exc:
+            # A check across variables (loc empty) names them in its message.
             problems = "; ".join(
                 f"{ENV_PREFIX}{'_'.join(str(p) for p in err['loc']).upper()}: {err['msg']}"
+                if err["loc"]
+                else err["msg"].removeprefix("Value error, ")
                 for err in exc.errors()
             )
             raise ConfigError(f"kp-scoring: invalid configuration: {problems}") from None
+
+
+def check_redis_url(url: str) -> None:
+    """ValueError unless `url` is a usable redis:// or rediss:// URL; the message never
+    repeats the URL, which may hold a password."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("redis", "rediss"):
+        got = f"scheme {parts.scheme!r}" if parts.scheme else "no scheme"
+        raise ValueError(
+            "must be a redis:// or rediss:// URL (redis://[[user]:password@]host[:port][/db]); "
+            f"it has {got}"
+        )
+    if not parts.hostname:
+        raise ValueError("names no host (redis://host:6379/0)")
+    if parts.path not in ("", "/") and not parts.path.lstrip("/").isdigit():
+        raise ValueError("the path must be a database number (redis://host:6379/0)")
+    parse: Callable[[str], object] = parse_url  # untyped in redis-py
+    try:
+        parse(url)
+    except ValueError as exc:
+        raise ValueError(f"not a usable Redis URL: {exc}") from None
+
+
+def redis_location(url: str) -> str:
+    """The URL as operators may see it: scheme, user, host, port and database, no password."""
+    parts = urlsplit(url)
+    user = f"{parts.username}@" if parts.username else ""
+    host = f"[{parts.hostname}]" if parts.hostname and ":" in parts.hostname else parts.hostname
+    port = f":{parts.port}" if parts.port else ""
+    return f"{parts.scheme}://{user}{host}{port}{parts.path or ''}"

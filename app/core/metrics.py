@@ -51,6 +51,17 @@ class Metrics:
             "Vectors evicted from the cache since start (oldest first).",
             registry=r,
         )
+        self.cache_available = Gauge(
+            "kp_cache_available",
+            "1 while the cache can be used; 0 while the shared cache's Redis is unreachable "
+            "(novelty not measured, reason cache_unavailable).",
+            registry=r,
+        )
+        self.cache_outages = Gauge(
+            "kp_cache_outages",
+            "Times the shared cache's Redis became unreachable since start.",
+            registry=r,
+        )
         self.embedder_state = Gauge(
             "kp_embedder_state", "1 for the embedder's current state.", ["state"], registry=r
         )

@@ -12,6 +12,7 @@ from app.schemas.trace import ReasoningTrace
 from app.services.embeddings import EmbedderState
 from app.services.evaluator import Evaluation, NoveltyReason
 from app.services.snapshots import SnapshotState, SnapshotStatus
+from app.store.base import BackendInfo
 
 
 class DimensionsOut(BaseModel):
@@ -93,6 +94,24 @@ class EmbedderOut(BaseModel):
     reason: str | None
 
 
+class CacheBackendOut(BaseModel):
+    kind: Literal["in_process", "redis"]
+    shared: bool = Field(
+        description="True when every replica on the same Redis and prefix sees this cache."
+    )
+    location: str | None = Field(description="The Redis URL (KP_REDIS_URL) without its password.")
+    prefix: str | None = Field(description="KP_REDIS_PREFIX.")
+    available: bool = Field(
+        description="False while Redis cannot be reached: novelty is not measured meanwhile."
+    )
+    reason: str | None = Field(description="Why the shared cache is unavailable.")
+    outages_total: int = Field(description="Times Redis became unreachable since start.")
+
+    @classmethod
+    def of(cls, info: BackendInfo) -> CacheBackendOut:
+        return cls(**asdict(info))
+
+
 class CacheOut(BaseModel):
     size: int
     capacity: int
@@ -104,6 +123,10 @@ class CacheOut(BaseModel):
     adds_total: int
     evictions_total: int
     embedder: EmbedderOut
+    backend: CacheBackendOut = Field(
+        description="Where the cache lives. Shared: the figures are the shared cache's, "
+        "memory_bytes this replica's copy; while unavailable, this replica's last view."
+    )
 
 
 class ClearedOut(BaseModel):
@@ -133,9 +156,13 @@ class SnapshotOut(BaseModel):
 
 class ReadyOut(BaseModel):
     status: Literal["ready", "degraded"]
-    degraded: bool = Field(description="True when novelty is not measured (N fixed at 0.5).")
+    degraded: bool = Field(
+        description="True when novelty is not measured (N fixed at 0.5): no embedder, or the "
+        "shared cache unreachable."
+    )
     embedder: EmbedderOut
     cache_size: int
+    cache_backend: CacheBackendOut
     admin_auth: bool = Field(description="Whether /cache needs a bearer token.")
     snapshot: SnapshotOut
     warnings: list[str]

@@ -1,9 +1,9 @@
-"""Evaluating traces: embed, measure novelty against the cache, score.
+"""Evaluating traces: embed, measure novelty against the memory, score.
 
-Embedding happens off the event loop and may interleave between requests. The step that reads
-and updates the cache runs on the event loop without awaiting, so each request (and each batch,
-in its own order) meets the cache as one atomic step: concurrent results equal some
-one-at-a-time order of the same requests.
+Embedding happens off the event loop and may interleave between requests. Then the traces of
+a request (a batch, in its own order) meet the novelty memory in one step of its single order
+(app/store: in this process, or shared by replicas through Redis), so concurrent results equal
+some one-at-a-time order of the same requests.
 """
 
 from __future__ import annotations
@@ -14,11 +14,13 @@ from dataclasses import dataclass
 from typing import Literal
 
 from app.domain import scoring
-from app.domain.vector_cache import VectorCache
 from app.schemas.trace import ReasoningTrace
 from app.services.embeddings import EmbedderUnavailableError, Embedding, EmbeddingService
+from app.store.base import Comparison, MemoryUnavailableError, NoveltyMemory
 
-NoveltyReason = Literal["embedder_unavailable", "embedding_failed", "cache_empty"]
+NoveltyReason = Literal[
+    "embedder_unavailable", "embedding_failed", "cache_empty", "cache_unavailable"
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,38 +43,32 @@ class Evaluation:
 
 
 class Evaluator:
-    def __init__(self, cache: VectorCache, embeddings: EmbeddingService) -> None:
-        self.cache = cache
+    def __init__(self, memory: NoveltyMemory, embeddings: EmbeddingService) -> None:
+        self.memory = memory
         self.embeddings = embeddings
 
     async def evaluate(
         self, traces: Sequence[ReasoningTrace], *, dry_run: bool = False
     ) -> list[Evaluation]:
-        """Score traces in order; each sees the cache as the ones before it left it."""
+        """Score traces in order; each sees the memory as the ones before it left it."""
         started = time.perf_counter()
         texts = [
             scoring.novelty_text(t.task.objective, [s.content for s in t.steps]) for t in traces
         ]
-        embeddings: Sequence[Embedding | None]
-        failure: tuple[NoveltyReason, str] | None = None
         try:
             embeddings = await self.embeddings.embed(texts)
         except EmbedderUnavailableError as exc:
-            embeddings = [None] * len(traces)
-            failure = (exc.code, str(exc))
+            report = NoveltyReport(False, exc.code, str(exc), None, self.memory.size, None, None)
+            reports = [report] * len(traces)
+        else:
+            reports = await self._measure(traces, embeddings, dry_run=dry_run)
 
-        # From here on nothing awaits: this batch meets the cache as one step.
-        # A dry run of several traces works on a copy, so that later traces still see earlier ones.
-        cache = self.cache.copy() if dry_run and len(traces) > 1 else self.cache
         results = []
-        for trace, embedding in zip(traces, embeddings, strict=True):
-            novelty, report = self._novelty(
-                cache, embedding, failure, add=not dry_run or cache is not self.cache
-            )
-            stats = scoring.StepStats.of(trace.steps)
+        for trace, report in zip(traces, reports, strict=True):
+            measured = report.max_cosine
             result = scoring.score(
-                stats,
-                novelty=novelty,
+                scoring.StepStats.of(trace.steps),
+                novelty=scoring.NEUTRAL_NOVELTY if measured is None else scoring.novelty(measured),
                 confidence=trace.outcome.confidence,
                 success=trace.metadata.success,
                 task_domain=trace.metadata.task_domain,
@@ -81,31 +77,34 @@ class Evaluator:
             results.append(Evaluation(trace.id, result, report, elapsed))
         return results
 
-    @staticmethod
-    def _novelty(
-        cache: VectorCache,
-        embedding: Embedding | None,
-        failure: tuple[NoveltyReason, str] | None,
-        *,
-        add: bool,
-    ) -> tuple[float, NoveltyReport]:
-        if embedding is None:
-            reason, detail = failure or ("embedder_unavailable", None)
-            return scoring.NEUTRAL_NOVELTY, NoveltyReport(
-                False, reason, detail, None, cache.size, None, None
+    async def _measure(
+        self, traces: Sequence[ReasoningTrace], embeddings: Sequence[Embedding], *, dry_run: bool
+    ) -> list[NoveltyReport]:
+        try:
+            comparisons = await self.memory.compare(
+                [e.vector for e in embeddings], [t.id for t in traces], add=not dry_run
             )
-        size = cache.size
-        if size == 0:
-            novelty = scoring.NEUTRAL_NOVELTY
-            report = NoveltyReport(
-                False, "cache_empty", None, None, 0, embedding.token_count, embedding.truncated
-            )
-        else:
-            max_cosine = cache.max_cosine_similarity(embedding.vector)
-            novelty = scoring.novelty(max_cosine)
-            report = NoveltyReport(
-                True, None, None, max_cosine, size, embedding.token_count, embedding.truncated
-            )
-        if add:
-            cache.add(embedding.vector)
-        return novelty, report
+        except MemoryUnavailableError as exc:
+            return [
+                NoveltyReport(
+                    False, "cache_unavailable", str(exc), None, 0, e.token_count, e.truncated
+                )
+                for e in embeddings
+            ]
+        return [_report(c, e) for c, e in zip(comparisons, embeddings, strict=True)]
+
+
+def _report(comparison: Comparison, embedding: Embedding) -> NoveltyReport:
+    if comparison.max_cosine is None:
+        return NoveltyReport(
+            False, "cache_empty", None, None, 0, embedding.token_count, embedding.truncated
+        )
+    return NoveltyReport(
+        True,
+        None,
+        None,
+        comparison.max_cosine,
+        comparison.size,
+        embedding.token_count,
+        embedding.truncated,
+    )

@@ -5,10 +5,11 @@ from __future__ import annotations
 import logging
 from dataclasses import asdict
 
-from fastapi import APIRouter
+from fastapi import APIRouter, HTTPException, status
 
 from app.api.deps import AdminDep, Services, ServicesDep
-from app.schemas.responses import CacheOut, ClearedOut, EmbedderOut
+from app.schemas.responses import CacheBackendOut, CacheOut, ClearedOut, EmbedderOut
+from app.store.base import MemoryUnavailableError
 
 router = APIRouter(
     prefix="/cache",
@@ -28,20 +29,36 @@ def embedder_out(services: Services) -> EmbedderOut:
 
 @router.get("", summary="Cache size, limits and counters")
 async def cache_stats(services: ServicesDep) -> CacheOut:
-    return CacheOut(**asdict(services.cache.stats()), embedder=embedder_out(services))
+    stats = await services.memory.stats()
+    return CacheOut(
+        **asdict(stats),
+        embedder=embedder_out(services),
+        backend=CacheBackendOut.of(services.memory.backend),
+    )
 
 
 @router.delete(
     "",
-    summary="Empty the cache",
+    summary="Empty the cache (shared: for every replica)",
     responses={
         200: {
             "description": "How many vectors were dropped.",
             "links": {"CacheStats": {"operationId": "cache_stats_cache_get"}},
-        }
+        },
+        503: {
+            "description": "The shared cache's Redis did not answer within "
+            "KP_REDIS_TIMEOUT_MS: retry after Retry-After."
+        },
     },
 )
 async def cache_clear(services: ServicesDep) -> ClearedOut:
-    cleared = services.cache.clear()
+    try:
+        cleared = await services.memory.clear()
+    except MemoryUnavailableError as exc:
+        raise HTTPException(
+            status_code=status.HTTP_503_SERVICE_UNAVAILABLE,
+            detail=str(exc),
+            headers={"Retry-After": "1"},
+        ) from None
     log.info("cache cleared", extra={"cleared": cleared})
     return ClearedOut(cleared=cleared)

@@ -7,7 +7,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from app.api.deps import ServicesDep
 from app.api.routes.cache import embedder_out
-from app.schemas.responses import HealthOut, ReadyOut, SnapshotOut
+from app.schemas.responses import CacheBackendOut, HealthOut, ReadyOut, SnapshotOut
 from app.services.embeddings import EmbedderState
 from app.services.snapshots import SnapshotState
 
@@ -19,15 +19,21 @@ async def healthz() -> HealthOut:
     return HealthOut(status="ok")
 
 
-@router.get("/readyz", summary="Readiness, with the embedder's state")
+@router.get("/readyz", summary="Readiness, with the embedder's and the cache's state")
 async def readyz(services: ServicesDep) -> ReadyOut:
-    degraded = services.embeddings.degraded
+    backend = services.memory.backend
+    degraded = services.embeddings.degraded or not backend.available
     warnings = []
     if services.settings.admin_token is None:
         warnings.append("KP_ADMIN_TOKEN is not set: /cache is open to every caller")
-    if degraded:
+    if services.embeddings.degraded:
         warnings.append(
             "novelty is not measured (fixed at 0.5): " + (services.embeddings.reason or "")
+        )
+    if not backend.available:
+        warnings.append(
+            f"novelty is not measured (fixed at 0.5): the shared cache at {backend.location} "
+            f"is unavailable: {backend.reason}"
         )
     snapshot = services.snapshots.status
     if snapshot.state in (SnapshotState.SET_ASIDE, SnapshotState.ERROR):
@@ -38,7 +44,8 @@ async def readyz(services: ServicesDep) -> ReadyOut:
         status="degraded" if degraded else "ready",
         degraded=degraded,
         embedder=embedder_out(services),
-        cache_size=services.cache.size,
+        cache_size=services.memory.size,
+        cache_backend=CacheBackendOut.of(backend),
         admin_auth=services.settings.admin_token is not None,
         snapshot=SnapshotOut.of(snapshot),
         warnings=warnings,
@@ -48,8 +55,11 @@ async def readyz(services: ServicesDep) -> ReadyOut:
 @router.get("/metrics", summary="Prometheus metrics", response_class=Response)
 async def metrics(services: ServicesDep) -> Response:
     m = services.metrics
-    m.cache_size.set(services.cache.size)
-    m.cache_evictions.set(services.cache.evictions_total)
+    backend = services.memory.backend
+    m.cache_size.set(services.memory.size)
+    m.cache_evictions.set(services.memory.evictions_total)
+    m.cache_available.set(1 if backend.available else 0)
+    m.cache_outages.set(backend.outages_total)
     m.queue_depth.set(services.embeddings.queue_depth)
     for cores, runs in services.embeddings.runs_total.items():
         m.embed_runs.labels(cores).set(runs)

@@ -1,0 +1,74 @@
+"""The novelty memory's interface: what the evaluator and the /cache routes may ask of it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from app.domain.vector_cache import CacheStats
+
+Vector = npt.NDArray[np.float32]
+
+
+class MemoryUnavailableError(Exception):
+    """The memory cannot be read or changed now (shared mode: Redis unreachable or refusing);
+    nothing was added."""
+
+
+@dataclass(frozen=True, slots=True)
+class Comparison:
+    """One trace against the memory as it stood just before that trace's turn."""
+
+    max_cosine: float | None  # None: the memory was empty
+    size: int  # vectors compared against
+
+
+@dataclass(frozen=True, slots=True)
+class BackendInfo:
+    """Where the memory is, for operators (/cache, /readyz, the log)."""
+
+    kind: Literal["in_process", "redis"]
+    shared: bool
+    location: str | None  # the Redis URL without its password
+    prefix: str | None
+    available: bool
+    reason: str | None  # why it is unavailable
+    outages_total: int
+
+
+class NoveltyMemory(Protocol):
+    """The vectors novelty is measured against (SPEC 6), one order for every request."""
+
+    @property
+    def backend(self) -> BackendInfo: ...
+
+    @property
+    def size(self) -> int:
+        """Vectors held as last seen, without I/O (readiness, metrics)."""
+        ...
+
+    @property
+    def evictions_total(self) -> int: ...
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def compare(
+        self, vectors: Sequence[Vector], trace_ids: Sequence[str], *, add: bool
+    ) -> list[Comparison]:
+        """Each vector in order against the memory; with `add`, each is added after its
+        comparison and the later ones see it, and no other request's vector comes between
+        them. Without `add` nothing is kept (later vectors of the call still see earlier ones).
+        MemoryUnavailableError when the memory cannot be reached; then nothing was added."""
+        ...
+
+    async def stats(self) -> CacheStats: ...
+
+    async def clear(self) -> int:
+        """Empty the memory (for every replica); how many vectors were dropped."""
+        ...

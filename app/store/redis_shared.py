@@ -1,0 +1,400 @@
+"""The shared novelty memory (KP_REDIS_URL): every replica on one Redis sees one cache.
+
+Why the answers of all replicas equal one-at-a-time scoring in one order (SPEC 8):
+
+- The order is a Redis stream, `<prefix>novelty:log`. Every change is one run of a Lua script
+  (exchange.lua), and Redis runs scripts one at a time. A run appends this replica's vectors
+  (XADD: the entry's id is its place in the order and Redis's clock in ms) and returns, in the
+  same round trip, every entry added since this replica last looked: all of them come before
+  its own.
+- Each replica keeps a mirror of the log: a VectorCache with the same capacity and TTL, so the
+  exact maximum-cosine code is the in-process one. It applies the returned entries in log
+  order; each of its own traces is compared with the mirror as it stands just before that
+  trace's entry (at that entry's time, for the TTL), then added. That is the answer
+  one-at-a-time scoring in log order gives. A batch's entries are consecutive (one script run
+  appends them); a dry run appends nothing and reads the mirror brought up to date.
+- A replica has one exchange in flight at a time; requests that arrive meanwhile go together
+  in the next one. So its mirror follows the log without a gap or a reordering.
+- Capacity: XADD MAXLEN keeps the newest `capacity` entries; TTL: XTRIM MINID at Redis's TIME.
+  The mirror evicts and expires the same entries by the same rules on the same times.
+- DELETE /cache: reset.lua writes a new epoch and empties the log. A replica that meets an
+  epoch it does not know rebuilds its mirror from the log, as after FLUSHALL or a Redis that
+  lost its data (the epoch is gone with it).
+
+Only vectors (float32 bytes), their trace ids and Redis's ids travel; each replica embeds.
+
+Redis down: requests get MemoryUnavailableError at once (nothing added), one log line marks
+the outage and one its end, and a probe retries every RETRY_INTERVAL_S. No request waits for
+Redis longer than the timeout. A request whose exchange timed out after Redis ran it has its
+entries in the log although its answer said cache_unavailable; the replicas see them on their
+next exchange, as part of the order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any, TypeVar
+
+import numpy as np
+from redis.asyncio import Redis
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+from redis.retry import Retry
+
+from app.domain.vector_cache import CacheStats, VectorCache
+from app.store.base import BackendInfo, Comparison, MemoryUnavailableError, Vector
+from app.store.in_process import compare_in_order
+
+log = logging.getLogger(__name__)
+
+RETRY_INTERVAL_S = 0.5
+#: Vectors one exchange appends at most when it carries several requests (a larger batch
+#: still goes whole, alone).
+GROUP_VECTORS = 256
+_WIRE = np.dtype("<f4")
+_T = TypeVar("_T")
+
+
+def script_text(name: str) -> str:
+    """One of the package's Lua scripts (exchange.lua, reset.lua)."""
+    return (resources.files("app.store") / name).read_text(encoding="utf-8")
+
+
+def _ms_of(entry_id: bytes) -> float:
+    return float(entry_id.split(b"-", 1)[0])
+
+
+def _number(value: float | None) -> str:
+    if value is None:
+        return "0"
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+@dataclass(slots=True)
+class _Exchange:
+    """A request's turn: its vectors to compare (and append, with `add`)."""
+
+    vectors: Sequence[Vector]
+    trace_ids: Sequence[str]
+    add: bool
+    future: asyncio.Future[list[Comparison]] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+
+
+@dataclass(slots=True)
+class _Reset:
+    future: asyncio.Future[int] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+
+
+class RedisSharedMemory:
+    """The novelty memory of every replica on one Redis and prefix (the module's docstring
+    says how it keeps one order). `mirror` is this replica's copy of the shared entries."""
+
+    def __init__(
+        self,
+        url: str,
+        location: str,
+        *,
+        prefix: str,
+        capacity: int,
+        ttl_ms: float | None,
+        timeout_ms: float,
+        model: str | None,
+        dimensions: int = 384,
+    ) -> None:
+        self.location = location
+        self.prefix = prefix
+        self.capacity = capacity
+        self.ttl_ms = ttl_ms
+        self.model = model or ""
+        self._timeout_s = timeout_ms / 1000.0
+        # No retries inside redis-py: a failed exchange is reported at once and the probe
+        # reconnects, so that no request waits longer than the timeout.
+        self._client = Redis.from_url(
+            url,
+            socket_timeout=self._timeout_s,
+            socket_connect_timeout=self._timeout_s,
+            retry=Retry(NoBackoff(), 0),
+            client_name="kp-scoring",
+        )
+        self._exchange_script = self._client.register_script(script_text("exchange.lua"))
+        self._reset_script = self._client.register_script(script_text("reset.lua"))
+        self._keys = [f"{prefix}novelty:log", f"{prefix}novelty:meta"]
+        self._now_ms = 0.0  # Redis's clock as of the step being applied
+        self.mirror = VectorCache(capacity, dimensions, ttl_ms, clock_ms=lambda: self._now_ms)
+        self._epoch = b""
+        self._last_id = b"0-0"
+        self._adds_total = 0
+        self._evictions_total = 0
+        self._queue: deque[_Exchange | _Reset] = deque()
+        self._flusher: asyncio.Task[None] | None = None
+        self._probe: asyncio.Task[None] | None = None
+        self._available = True  # until an exchange says otherwise
+        self._reason: str | None = None
+        self._outages_total = 0
+        self._outage_started = 0.0
+        self._unmeasured_in_outage = 0
+
+    # ── what operators see ──────────────────────────────────────────────────
+
+    @property
+    def backend(self) -> BackendInfo:
+        return BackendInfo(
+            "redis",
+            True,
+            self.location,
+            self.prefix,
+            self._available,
+            None if self._available else self._reason,
+            self._outages_total,
+        )
+
+    @property
+    def size(self) -> int:
+        return self.mirror.size
+
+    @property
+    def evictions_total(self) -> int:
+        return self._evictions_total
+
+    # ── lifecycle ───────────────────────────────────────────────────────────
+
+    async def start(self) -> None:
+        """One exchange, to load the mirror; Redis down is reported, not fatal."""
+        with contextlib.suppress(MemoryUnavailableError):
+            await self._sync()
+
+    async def close(self) -> None:
+        for task in (self._probe, self._flusher):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._fail_queued(MemoryUnavailableError("the service is stopping"))
+        await self._client.aclose()
+
+    # ── the interface ───────────────────────────────────────────────────────
+
+    async def compare(
+        self, vectors: Sequence[Vector], trace_ids: Sequence[str], *, add: bool
+    ) -> list[Comparison]:
+        if not self._available:
+            self._unmeasured_in_outage += len(vectors)
+            raise MemoryUnavailableError(self._unavailable_detail())
+        request = _Exchange(vectors, trace_ids, add)
+        return await self._submit(request, request.future)
+
+    async def stats(self) -> CacheStats:
+        """The shared memory's figures after catching up with the log; the mirror's last
+        view when Redis cannot be reached (backend.available says so)."""
+        if self._available:
+            with contextlib.suppress(MemoryUnavailableError):
+                await self._sync()
+        return dataclasses.replace(
+            self.mirror.stats(),
+            adds_total=self._adds_total,
+            evictions_total=self._evictions_total,
+        )
+
+    async def clear(self) -> int:
+        # Tried even while unavailable: a reset is also how operators give the memory new
+        # settings when the replicas' KP_CACHE_* disagree with it.
+        reset = _Reset()
+        return await self._submit(reset, reset.future)
+
+    # ── one exchange at a time ──────────────────────────────────────────────
+
+    async def _sync(self) -> None:
+        """Bring the mirror up to date (an exchange that appends nothing)."""
+        request = _Exchange([], [], add=False)
+        await self._submit(request, request.future)
+
+    async def _submit(self, item: _Exchange | _Reset, future: asyncio.Future[_T]) -> _T:
+        self._queue.append(item)
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.create_task(self._flush())
+        try:
+            return await asyncio.wait_for(future, self._timeout_s)
+        except TimeoutError:
+            # The future is cancelled: if it was still queued, it is never sent.
+            raise MemoryUnavailableError(
+                f"no answer from Redis at {self.location} within "
+                f"{self._timeout_s * 1000:g} ms (KP_REDIS_TIMEOUT_MS)"
+            ) from None
+
+    async def _flush(self) -> None:
+        while self._queue:
+            item = self._queue.popleft()
+            if item.future.done():
+                continue  # its request gave up
+            if isinstance(item, _Reset):
+                await self._run_reset(item)
+                continue
+            group = [item]
+            appending = len(item.vectors) if item.add else 0
+            while self._queue and isinstance(nxt := self._queue[0], _Exchange):
+                more = len(nxt.vectors) if nxt.add else 0
+                if appending + more > GROUP_VECTORS:
+                    break
+                self._queue.popleft()
+                if not nxt.future.done():
+                    group.append(nxt)
+                    appending += more
+            await self._run_exchange(group)
+
+    async def _run_exchange(self, group: list[_Exchange]) -> None:
+        args: list[bytes | str] = [
+            self._epoch,
+            self._last_id,
+            str(self.capacity),
+            _number(self.ttl_ms),
+            self.model,
+        ]
+        for request in group:
+            if request.add:
+                for trace_id, vector in zip(request.trace_ids, request.vectors, strict=True):
+                    args += [trace_id, np.asarray(vector, dtype=_WIRE).tobytes()]
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                reply = await self._exchange_script(keys=self._keys, args=args)
+            results = self._apply(reply, group)
+        except (RedisError, OSError, TimeoutError, ValueError) as exc:
+            self._went_down(exc)
+            error = MemoryUnavailableError(self._unavailable_detail())
+            for request in group:
+                if not request.future.done():
+                    request.future.set_exception(error)
+            self._fail_queued(error)
+            return
+        self._went_up()
+        for request, result in zip(group, results, strict=True):
+            if not request.future.done():
+                request.future.set_result(result)
+
+    def _apply(self, reply: list[Any], group: list[_Exchange]) -> list[list[Comparison]]:
+        """The log's new entries into the mirror, then this replica's own requests in order.
+        Runs without awaiting: nothing else touches the mirror meanwhile."""
+        epoch, now_ms, full, entries, own_ids, adds_total, evictions_total = reply
+        if full:
+            self.mirror.clear()
+            self._epoch, self._last_id = epoch, b"0-0"
+        for entry_id, fields in entries:
+            vector = self._vector_of(fields)
+            self._now_ms = _ms_of(entry_id)
+            self.mirror.add(vector, added_at_ms=self._now_ms)
+            self._last_id = entry_id
+        own = iter(own_ids)
+        results = []
+        for request in group:
+            if request.add:
+                compared = []
+                for vector in request.vectors:
+                    entry_id = next(own)
+                    self._now_ms = _ms_of(entry_id)
+                    (comparison,) = compare_in_order(self.mirror, [vector], add=False)
+                    self.mirror.add(vector, added_at_ms=self._now_ms)
+                    self._last_id = entry_id
+                    compared.append(comparison)
+                results.append(compared)
+            else:
+                self._now_ms = max(self._now_ms, float(now_ms))
+                target = self.mirror.copy() if len(request.vectors) > 1 else self.mirror
+                results.append(
+                    compare_in_order(target, request.vectors, add=target is not self.mirror)
+                )
+        self._adds_total, self._evictions_total = int(adds_total), int(evictions_total)
+        return results
+
+    def _vector_of(self, fields: list[bytes]) -> Vector:
+        data = dict(zip(fields[::2], fields[1::2], strict=True)).get(b"v", b"")
+        if len(data) != self.mirror.dimensions * _WIRE.itemsize:
+            raise ValueError(
+                f"a log entry holds {len(data)} bytes, not a {self.mirror.dimensions}-float "
+                "vector: another kind of service writes under this KP_REDIS_PREFIX"
+            )
+        return np.frombuffer(data, dtype=_WIRE).astype(np.float32)
+
+    async def _run_reset(self, item: _Reset) -> None:
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                epoch, now_ms, cleared = await self._reset_script(
+                    keys=self._keys,
+                    args=[str(self.capacity), _number(self.ttl_ms), self.model],
+                )
+        except (RedisError, OSError, TimeoutError) as exc:
+            self._went_down(exc)
+            if not item.future.done():
+                item.future.set_exception(MemoryUnavailableError(self._unavailable_detail()))
+            return
+        self.mirror.clear()
+        self._epoch, self._last_id, self._now_ms = epoch, b"0-0", float(now_ms)
+        self._went_up()
+        if not item.future.done():
+            item.future.set_result(int(cleared))
+
+    def _fail_queued(self, error: MemoryUnavailableError) -> None:
+        while self._queue:
+            item = self._queue.popleft()
+            if not item.future.done():
+                item.future.set_exception(error)
+
+    # ── outages ─────────────────────────────────────────────────────────────
+
+    def _unavailable_detail(self) -> str:
+        return f"the shared cache at {self.location} is unavailable: {self._reason}"
+
+    def _went_down(self, exc: BaseException) -> None:
+        self._reason = _describe(exc)
+        if not self._available:
+            return
+        self._available = False
+        self._outages_total += 1
+        self._outage_started = time.monotonic()
+        self._unmeasured_in_outage = 0
+        log.error(
+            "shared cache unavailable: novelty is not measured (0.5, cache_unavailable) "
+            "until Redis answers again",
+            extra={"redis": self.location, "prefix": self.prefix, "reason": self._reason},
+        )
+        self._probe = asyncio.create_task(self._reconnect())
+
+    def _went_up(self) -> None:
+        if self._available:
+            return
+        self._available = True
+        log.warning(
+            "shared cache available again",
+            extra={
+                "redis": self.location,
+                "outage_s": round(time.monotonic() - self._outage_started, 3),
+                "traces_unmeasured": self._unmeasured_in_outage,
+            },
+        )
+
+    async def _reconnect(self) -> None:
+        while not self._available:
+            await asyncio.sleep(RETRY_INTERVAL_S)
+            with contextlib.suppress(MemoryUnavailableError):
+                await self._sync()
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, TimeoutError):
+        return "no answer within KP_REDIS_TIMEOUT_MS"
+    text = str(exc)
+    if text.startswith("KPCONFIG "):  # exchange.lua: this replica's settings differ
+        return text.removeprefix("KPCONFIG ") + (
+            ": give every replica the same settings, or DELETE /cache from one with the new ones"
+        )
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -1,0 +1,308 @@
+"""Shared mode (KP_REDIS_URL): what Redis adds to a request, and how many replicas one Redis
+carries.
+
+    python -m bench.shared [--quick] [--out bench/results/shared.json] [--env KP_X=Y]
+
+Both parts run against a redis-server the bench starts (Debian's, AOF with an fsync before each
+reply, as docker-compose.scale.yml runs it); `python -m bench` runs them too, as a phase.
+
+1. One client, typical traces: the service with KP_REDIS_URL against the service in process,
+   in the same run, both loaded, sent the same traces in the same order in alternating blocks
+   (so that a busy moment of the machine falls on both). p50 of each and their ratio
+   (target <= 1.10x).
+2. Redis alone: R simulated replicas (asyncio tasks with their own connections) run the
+   service's own exchange script in a loop, each turn appending one 384-float entry and
+   reading what the others appended since its last turn, the fan-out a real replica sees.
+   Reported per R: exchanges/s, entries read per exchange, Redis's CPU per exchange (its
+   /proc/PID/stat), and the replicas one Redis carries at 150 and 300 evaluations/s each,
+   with one exchange per evaluation (the worst case: a replica's concurrent requests share one
+   exchange). Redis runs scripts on one thread: a core is its limit, whatever the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from redis.asyncio import Redis
+
+from app.store.redis_shared import script_text
+from bench import corpus, load
+from bench.corpus import Item
+from bench.server import Server, cpu_seconds
+from bench.stats import median_of_runs, percentile
+from tests.server import RedisServer
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "shared.json"
+#: Simulated replicas in the Redis throughput part.
+REPLICAS = (4, 16, 64)
+#: Evaluations a second of one replica (README: 80-300 by CPU and mode) the capacity is quoted for.
+REPLICA_RATES = (150, 300)
+CAPACITY = 1000
+
+
+@contextmanager
+def redis_server(appendfsync: str = "always") -> Iterator[RedisServer]:
+    directory = Path(tempfile.mkdtemp(prefix="kp-bench-redis-"))
+    server = RedisServer(directory, appendfsync=appendfsync)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+#: The servers of the one-client part: name, Redis's appendfsync (None: in process).
+SINGLE_CLIENT = (("in_process", None), ("redis_always", "always"), ("redis_everysec", "everysec"))
+ROUNDS = 2
+
+
+def single_client(
+    env: dict[str, str], tmp: Path, typical: list[Item], warm: list[Item]
+) -> dict[str, Any]:
+    """One client, the same traces to the service in process, with Redis as shipped
+    (appendfsync always: an fsync before each answer) and with appendfsync everysec. One server
+    runs at a time (idle model processes would take CPU from the measured one); the three take
+    turns, ROUNDS times, so that a busy moment of the machine does not fall on one alone."""
+    latencies: dict[str, list[float]] = {name: [] for name, _ in SINGLE_CLIENT}
+    for round_ in range(ROUNDS):
+        for name, fsync in SINGLE_CLIENT:
+            with contextlib.ExitStack() as stack:
+                settings = {"KP_EMBEDDER_PRELOAD": "true", **env}
+                if fsync is not None:
+                    settings["KP_REDIS_URL"] = stack.enter_context(redis_server(fsync)).url
+                s = stack.enter_context(Server(settings, tmp / f"{name}-{round_}.log"))
+
+                async def sequence(port: int = s.port, name: str = name) -> list[float]:
+                    await load.closed_loop(
+                        port, load.evaluate_requests([i.trace for i in warm], port), 1
+                    )
+                    await load.reset_cache(port)
+                    phase = await load.closed_loop(
+                        port, load.evaluate_requests([i.trace for i in typical], port), 1
+                    )
+                    if not all(x["novelty"]["measured"] for x in phase.responses()[1:]):
+                        raise RuntimeError(
+                            f"{name}: novelty not measured: are the model and Redis up?"
+                        )
+                    return phase.latencies_ms
+
+                latencies[name] += load.run(sequence)
+    out: dict[str, Any] = {"requests_each": len(latencies["in_process"])}
+    for name, ms in latencies.items():
+        out[name] = {"p50_ms": percentile(ms, 50), "p99_ms": percentile(ms, 99)}
+    for name in ("redis_always", "redis_everysec"):
+        out[name]["p50_ratio"] = out[name]["p50_ms"] / out["in_process"]["p50_ms"]
+    return out
+
+
+def fsync_ms(count: int = 200) -> dict[str, float]:
+    """What appendfsync always adds to an exchange on this disk: one client's exchange time
+    (no fan-out) with always and with everysec, p50."""
+    out = {}
+    for mode in ("always", "everysec"):
+        with redis_server(mode) as server:
+
+            async def scenario() -> list[float]:
+                client = Redis.from_url(server.url)
+                exchange = client.register_script(script_text("exchange.lua"))
+                place, times = [b"", b"0-0"], []
+                vector = bytes(384 * 4)
+                for i in range(count + 20):
+                    started = time.perf_counter()
+                    reply = await exchange(
+                        keys=["kp-bench:novelty:log", "kp-bench:novelty:meta"],
+                        args=[*place, str(CAPACITY), "0", "bench-model", f"t{i}", vector],
+                    )
+                    times.append((time.perf_counter() - started) * 1000)
+                    place = [reply[0], reply[4][-1]]
+                await client.aclose()
+                return times[20:]
+
+            out[f"exchange_p50_ms_{mode}"] = percentile(load.run(scenario), 50)
+    return out
+
+
+def redis_throughput(replicas: int, seconds: float, appendfsync: str) -> dict[str, float]:
+    """`replicas` clients running the exchange script against one Redis for `seconds`."""
+    with redis_server(appendfsync) as server:
+        assert server.process is not None
+        pid = server.process.pid
+        vector = np.random.default_rng(0).standard_normal(384).astype("<f4").tobytes()
+
+        async def scenario() -> dict[str, float]:
+            client = Redis.from_url(server.url, max_connections=replicas + 4)
+            exchange = client.register_script(script_text("exchange.lua"))
+            keys = ["kp-bench:novelty:log", "kp-bench:novelty:meta"]
+            counts = {"exchanges": 0, "entries_read": 0}
+            measuring = False
+
+            # Each replica's place in the log (epoch, last id seen), kept from the warm-up on.
+            places = [[b"", b"0-0"] for _ in range(replicas)]
+
+            async def replica(n: int, deadline: float) -> None:
+                place, i = places[n], 0
+                while time.perf_counter() < deadline:
+                    reply = await exchange(
+                        keys=keys,
+                        args=[*place, str(CAPACITY), "0", "bench-model", f"r{n}-{i}", vector],
+                    )
+                    place[0], place[1] = reply[0], reply[4][-1]
+                    if measuring:
+                        counts["exchanges"] += 1
+                        counts["entries_read"] += len(reply[3])
+                    i += 1
+
+            # Warm-up: every replica past its first (full) read, the log at capacity.
+            await asyncio.gather(*(replica(n, time.perf_counter() + 1.0) for n in range(replicas)))
+            measuring = True
+            cpu_before, started = cpu_seconds(pid), time.perf_counter()
+            await asyncio.gather(*(replica(n, started + seconds) for n in range(replicas)))
+            elapsed, cpu = time.perf_counter() - started, cpu_seconds(pid) - cpu_before
+            await client.aclose()
+            exchanges = counts["exchanges"]
+            cpu_us = cpu * 1e6 / exchanges
+            return {
+                "replicas": replicas,
+                "exchanges_per_s": exchanges / elapsed,
+                "entries_read_per_exchange": counts["entries_read"] / exchanges,
+                "redis_cpu_us_per_exchange": cpu_us,
+                "redis_cpu_share": cpu / elapsed,
+                "read_mb_per_s": counts["entries_read"] * 384 * 4 / elapsed / 1e6,
+            }
+
+        return load.run(scenario)
+
+
+def carried(points: list[dict[str, float]], rate: float) -> int:
+    """Replicas one Redis core carries at `rate` evaluations/s each: the largest R with
+    R * rate * cpu(R) <= 1 s/s, cpu(R) (Redis CPU per exchange, which grows with the fan-out)
+    fitted as a + b * R through the measured points."""
+    rs = np.asarray([p["replicas"] for p in points], dtype=np.float64)
+    cpu_s = np.asarray([p["redis_cpu_us_per_exchange"] for p in points]) / 1e6
+    b, a = np.polyfit(rs, cpu_s, 1)
+    r = 1
+    while (r + 1) * rate * (a + b * (r + 1)) <= 1.0 and r < 100_000:
+        r += 1
+    return r
+
+
+def measure(quick: bool, env: dict[str, str]) -> dict[str, Any]:
+    """The shared-mode phase: about 40 s (15 s with `quick`)."""
+    tmp = Path(tempfile.mkdtemp(prefix="kp-bench-shared-"))
+    typical = corpus.build("typical", 40 if quick else 150, seed=1)
+    warm = corpus.build("typical", 10, seed=3)
+    out: dict[str, Any] = {"single_client": single_client(env, tmp, typical, warm)}
+    out["exchange"] = fsync_ms()
+    # Redis as shipped (appendfsync always): its fsyncs wait, they do not use its CPU.
+    points = [redis_throughput(r, 1.5 if quick else 4.0, "always") for r in REPLICAS]
+    out["redis"] = {str(p["replicas"]): p for p in points}
+    out["replicas_carried"] = {str(rate): carried(points, rate) for rate in REPLICA_RATES}
+    return out
+
+
+def rows(s: dict[str, Any]) -> list[str]:
+    one, ex = s["single_client"], s["exchange"]
+    local = one["in_process"]
+    out = []
+    for name, label in (
+        ("redis_always", "appendfsync always, as shipped"),
+        ("redis_everysec", "appendfsync everysec"),
+    ):
+        r = one[name]
+        out.append(
+            f"| shared cache ({label}), one client, typical: p50 / p99 ({one['requests_each']} each, servers taking turns) "
+            f"| {r['p50_ms']:.2f} / {r['p99_ms']:.2f} ms | {local['p50_ms']:.2f} / {local['p99_ms']:.2f} ms | {r['p50_ratio']:.2f}x |"
+        )
+    out.append(
+        f"| one exchange with Redis, one client, p50: appendfsync always / everysec "
+        f"| {ex['exchange_p50_ms_always']:.2f} / {ex['exchange_p50_ms_everysec']:.2f} ms | | |"
+    )
+    for r, p in s["redis"].items():
+        out.append(
+            f"| Redis alone, {r} replicas: exchanges/s (entries read each, MB/s read) / Redis CPU per exchange (its share of a core) "
+            f"| {p['exchanges_per_s']:.0f}/s ({p['entries_read_per_exchange']:.1f}, {p['read_mb_per_s']:.1f} MB/s) / "
+            f"{p['redis_cpu_us_per_exchange']:.1f} us ({100 * p['redis_cpu_share']:.0f}%) | | |"
+        )
+    carried_ = ", ".join(f"{n} at {rate}/s each" for rate, n in s["replicas_carried"].items())
+    out.append(
+        f"| replicas one Redis core carries (one exchange per evaluation) | {carried_} | | |"
+    )
+    return out
+
+
+def targets(s: dict[str, Any]) -> list[tuple[str, str, bool]]:
+    one = s["single_client"]
+    out = []
+    for name, label in (
+        ("redis_always", "as shipped, appendfsync always"),
+        ("redis_everysec", "appendfsync everysec"),
+    ):
+        r = one[name]
+        out.append(
+            (
+                f"shared cache ({label}), one client: p50 <= 1.10x in-process p50",
+                f"{r['p50_ratio']:.2f}x ({r['p50_ms']:.2f} vs {one['in_process']['p50_ms']:.2f} ms)",
+                r["p50_ratio"] <= 1.10,
+            )
+        )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench.__main__ import machine, parse_env  # bench.__main__ imports this module
+
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.shared", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--quick", action="store_true", help="fewer requests: a smoke run")
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="whole runs; each figure is their median"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=DEFAULT_OUT, help="JSON results (default %(default)s)"
+    )
+    parser.add_argument("--env", action="append", default=[], metavar="KP_NAME=VALUE")
+    args = parser.parse_args(argv)
+    env = parse_env(args.env)
+    doc: dict[str, Any] = {
+        "machine": machine(),
+        "settings": {"quick": args.quick, "repeat": args.repeat, "env": env},
+    }
+    started = time.perf_counter()
+    runs = []
+    for i in range(args.repeat):
+        print(f"run {i + 1} of {args.repeat} ...", file=sys.stderr, flush=True)
+        runs.append(measure(args.quick, env))
+    doc["results"] = median_of_runs(runs)
+    if args.repeat > 1:
+        doc["runs"] = runs
+    doc["duration_s"] = round(time.perf_counter() - started, 1)
+    verdicts = targets(doc["results"])
+    doc["targets"] = [{"target": n, "value": v, "pass": p} for n, v, p in verdicts]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=2) + "\n")
+    m = doc["machine"]
+    print(
+        f"kp-scoring bench.shared: {m['cpu']}, {m['nproc']} cores, load at start {m['loadavg_start']}, {m['date']}"
+    )
+    print("\n| measure | shared | in process | ratio |\n|---|---|---|---|")
+    print("\n".join(rows(doc["results"])))
+    print("\n| target | measured | verdict |\n|---|---|---|")
+    for n, v, p in verdicts:
+        print(f"| {n} | {v} | {'PASS' if p else 'FAIL'} |")
+    print(f"\n{doc['duration_s']} s; written: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,428 @@
+"""The shared novelty memory against a real redis-server: several RedisSharedMemory objects,
+each with its own connections, are replicas as far as Redis can tell (SPEC 6 and 8)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import AsyncIterator, Callable, Coroutine
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from app.core.config import ConfigError, Settings, redis_location
+from app.domain.vector_cache import VectorCache
+from app.store.base import Comparison, MemoryUnavailableError, Vector
+from app.store.in_process import compare_in_order
+from app.store.redis_shared import RedisSharedMemory
+from tests.conftest import ClientFactory
+from tests.factories import make_trace
+from tests.server import RedisServer, free_port
+
+MODEL = "test-model"
+#: Generous: these tests are about order and content, not about the timeout.
+TIMEOUT_MS = 10_000
+
+
+def unit_vectors(n: int, seed: int) -> list[Vector]:
+    rng = np.random.default_rng(seed)
+    v = rng.standard_normal((n, 384)).astype(np.float32)
+    return list(v / np.linalg.norm(v, axis=1, keepdims=True))
+
+
+def run(scenario: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    asyncio.run(scenario())
+
+
+@asynccontextmanager
+async def replicas(
+    redis: RedisServer, prefix: str, count: int = 2, **settings: Any
+) -> AsyncIterator[list[RedisSharedMemory]]:
+    options: dict[str, Any] = {
+        "capacity": 1000,
+        "ttl_ms": None,
+        "timeout_ms": TIMEOUT_MS,
+        "model": MODEL,
+    } | settings
+    memories = [
+        RedisSharedMemory(redis.url, redis_location(redis.url), prefix=prefix, **options)
+        for _ in range(count)
+    ]
+    for m in memories:
+        await m.start()
+    try:
+        yield memories
+    finally:
+        for m in memories:
+            await m.close()
+
+
+def log_entries(redis: RedisServer, prefix: str) -> list[tuple[str, Vector]]:
+    """The shared log, oldest first: (trace id, vector)."""
+    with redis.client() as client:
+        entries = client.xrange(f"{prefix}novelty:log")
+    return [
+        (fields[b"trace"].decode(), np.frombuffer(fields[b"v"], dtype="<f4").astype(np.float32))
+        for _, fields in entries
+    ]
+
+
+def ids(prefix: str, n: int) -> list[str]:
+    return [f"{prefix}{i}" for i in range(n)]
+
+
+def test_a_vector_added_on_one_replica_is_seen_by_the_other(
+    redis_server: RedisServer, redis_prefix: str
+) -> None:
+    v = unit_vectors(2, seed=1)
+
+    async def scenario() -> None:
+        async with replicas(redis_server, redis_prefix) as (a, b):
+            assert await a.compare([v[0]], ["t0"], add=True) == [Comparison(None, 0)]
+            (seen,) = await b.compare([v[0]], ["t1"], add=True)
+            assert seen.size == 1
+            assert seen.max_cosine == pytest.approx(1.0, abs=1e-6)
+            (third,) = await a.compare([v[1]], ["t2"], add=False)
+            assert third.size == 2  # A sees B's add as well
+            assert a.backend.shared
+            assert a.backend.available
+            assert "s3cret" not in (a.backend.location or "")
+
+    run(scenario)
+    assert [t for t, _ in log_entries(redis_server, redis_prefix)] == ["t0", "t1"]
+
+
+def test_concurrent_requests_over_replicas_equal_the_order_of_the_log(
+    redis_server: RedisServer, redis_prefix: str
+) -> None:
+    """Singles, batches and dry runs at once over three replicas; each answer must be what
+    one-at-a-time scoring in the log's order gives."""
+    pool = unit_vectors(40, seed=2)
+    rng = np.random.default_rng(3)
+    requests: list[tuple[list[Vector], list[str], bool]] = []
+    for i in range(90):
+        size = 3 if i % 5 == 0 else 1
+        # Repeats of earlier vectors make some maxima 1.0 and others small: order shows.
+        vectors = [pool[int(j)] for j in rng.integers(0, len(pool), size)]
+        requests.append((vectors, [f"r{i}.{k}" for k in range(size)], i % 9 != 4))
+
+    async def scenario() -> list[list[Comparison]]:
+        async with replicas(redis_server, redis_prefix, count=3) as memories:
+            return await asyncio.gather(
+                *(
+                    memories[i % 3].compare(vectors, trace_ids, add=add)
+                    for i, (vectors, trace_ids, add) in enumerate(requests)
+                )
+            )
+
+    answers = asyncio.run(scenario())
+    log = log_entries(redis_server, redis_prefix)
+    position = {trace_id: p for p, (trace_id, _) in enumerate(log)}
+    added = [r for r in requests if r[2]]
+    assert len(log) == sum(len(r[0]) for r in added)
+    for (vectors, trace_ids, add), answer in zip(requests, answers, strict=True):
+        if add:
+            start = position[trace_ids[0]]
+            # A batch's entries are consecutive in the order.
+            assert [position[t] for t in trace_ids] == list(range(start, start + len(vectors)))
+        else:
+            assert not set(trace_ids) & set(position)  # a dry run adds nothing
+            start = answer[0].size  # the length of the log it saw
+        replay = VectorCache(1000)
+        for _, vector in log[:start]:
+            replay.add(vector)
+        assert compare_in_order(replay, vectors, add=True) == answer
+
+
+def test_capacity_and_eviction_are_the_shared_memory_s(
+    redis_server: RedisServer, redis_prefix: str
+) -> None:
+    v = unit_vectors(4, seed=4)
+
+    async def scenario() -> None:
+        async with replicas(redis_server, redis_prefix, capacity=3) as (a, b):
+            await a.compare(v[:2], ["a0", "a1"], add=True)
+            second = await b.compare(v[2:], ["b0", "b1"], add=True)
+            assert [c.size for c in second] == [2, 3]  # the fourth evicted the first
+            stats = await a.stats()
+            assert (stats.size, stats.capacity) == (3, 3)
+            assert (stats.adds_total, stats.evictions_total) == (4, 1)
+            (oldest,) = await a.compare([v[0]], ["x"], add=False)
+            assert oldest.max_cosine is not None
+            assert oldest.max_cosine < 0.5
+            (kept,) = await a.compare([v[1]], ["y"], add=False)
+            assert kept.max_cosine == pytest.approx(1.0, abs=1e-6)
+
+    run(scenario)
+    assert [t for t, _ in log_entries(redis_server, redis_prefix)] == ["a1", "b0", "b1"]
+
+
+def test_ttl_expires_entries_for_every_replica_on_redis_s_clock(
+    redis_server: RedisServer, redis_prefix: str
+) -> None:
+    v = unit_vectors(2, seed=5)
+
+    async def scenario() -> None:
+        async with replicas(redis_server, redis_prefix, ttl_ms=300) as (a, b):
+            await a.compare([v[0]], ["old"], add=True)
+            await asyncio.sleep(0.6)  # past the TTL whatever the machine's speed
+            (fresh,) = await b.compare([v[1]], ["new"], add=True)
+            assert fresh == Comparison(None, 0)  # A's entry expired before B's turn
+            stats = await a.stats()
+            assert stats.size == 1
+            assert stats.ttl_ms == 300
+
+    run(scenario)
+    # Redis dropped it too (XTRIM MINID at Redis's TIME).
+    assert [t for t, _ in log_entries(redis_server, redis_prefix)] == ["new"]
+
+
+def test_a_reset_on_one_replica_empties_the_memory_for_all(
+    redis_server: RedisServer, redis_prefix: str
+) -> None:
+    v = unit_vectors(4, seed=6)
+
+    async def scenario() -> None:
+        async with replicas(redis_server, redis_prefix) as (a, b):
+            await a.compare(v[:3], ids("a", 3), add=True)
+            assert await b.clear() == 3
+            assert (await a.stats()).size == 0
+            assert await a.compare([v[0]], ["again"], add=True) == [Comparison(None, 0)]
+            (after,) = await b.compare([v[0]], ["b"], add=False)
+            assert after.size == 1
+            assert after.max_cosine == pytest.approx(1.0, abs=1e-6)
+            assert (await b.stats()).adds_total == 4  # counters survive a reset, as in process
+
+    run(scenario)
+
+
+def test_keys_that_vanish_start_a_new_memory(redis_server: RedisServer, redis_prefix: str) -> None:
+    """FLUSHALL, or a Redis that restarted without its data: replicas rebuild, not diverge."""
+    v = unit_vectors(2, seed=7)
+
+    async def scenario() -> None:
+        async with replicas(redis_server, redis_prefix) as (a, b):
+            await a.compare([v[0]], ["a"], add=True)
+            with redis_server.client() as client:
+                client.delete(f"{redis_prefix}novelty:log", f"{redis_prefix}novelty:meta")
+            assert await b.compare([v[1]], ["b"], add=True) == [Comparison(None, 0)]
+            (seen,) = await a.compare([v[0]], ["probe"], add=False)
+            assert seen.size == 1  # only B's entry: A's mirror was rebuilt
+            assert seen.max_cosine is not None
+            assert seen.max_cosine < 0.5
+
+    run(scenario)
+
+
+def test_replicas_with_other_settings_or_model_are_refused_until_a_reset(
+    redis_server: RedisServer, redis_prefix: str
+) -> None:
+    v = unit_vectors(1, seed=8)
+
+    async def scenario() -> None:
+        async with (
+            replicas(redis_server, redis_prefix, count=1) as (a,),
+            replicas(redis_server, redis_prefix, count=1, capacity=5) as (small,),
+            replicas(redis_server, redis_prefix, count=1, model="other-model") as (other,),
+        ):
+            await a.compare(v, ["a"], add=True)
+            for wrong, words in ((small, "KP_CACHE_CAPACITY=1000"), (other, "other-model")):
+                with pytest.raises(MemoryUnavailableError, match=words):
+                    await wrong.compare(v, ["x"], add=True)
+                assert not wrong.backend.available
+                assert words in (wrong.backend.reason or "")
+            assert (await a.stats()).size == 1  # nothing of theirs was added
+            # A reset from a replica gives the memory its settings.
+            assert await small.clear() == 1
+            assert await small.compare(v, ["s"], add=True) == [Comparison(None, 0)]
+            with pytest.raises(MemoryUnavailableError, match="KP_CACHE_CAPACITY=5"):
+                await a.compare(v, ["a2"], add=True)
+
+    run(scenario)
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_redis_down_at_start_then_back(tmp_path: Path) -> None:
+    redis = RedisServer(tmp_path)
+    redis.stop()
+    v = unit_vectors(1, seed=9)
+
+    async def scenario() -> None:
+        async with replicas(redis, "kp:", count=1) as (memory,):
+            assert not memory.backend.available
+            assert "ConnectionError" in (memory.backend.reason or "")
+            for _ in range(5):
+                with pytest.raises(MemoryUnavailableError, match=r"127\.0\.0\.1"):
+                    await memory.compare(v, ["t"], add=True)
+            redis.start()
+            for _ in range(600):  # the probe reconnects by itself
+                if memory.backend.available:
+                    break
+                await asyncio.sleep(0.05)
+            assert memory.backend.available
+            assert await memory.compare(v, ["t"], add=True) == [Comparison(None, 0)]
+            assert memory.backend.outages_total == 1
+
+    # The app's loggers do not propagate to the root (app/core/logging.py): listen directly.
+    logger, records = logging.getLogger("app.store.redis_shared"), _Records()
+    logger.addHandler(records)
+    try:
+        run(scenario)
+    finally:
+        logger.removeHandler(records)
+        redis.stop()
+    messages = records.messages
+    assert sum(m.startswith("shared cache unavailable") for m in messages) == 1
+    assert sum(m.startswith("shared cache available again") for m in messages) == 1
+
+
+def test_a_redis_that_does_not_answer_costs_a_request_the_timeout_only(tmp_path: Path) -> None:
+    """SIGSTOP: connections stay open and nothing answers, the worst case for a client."""
+    redis = RedisServer(tmp_path)
+    v = unit_vectors(1, seed=10)
+
+    async def scenario() -> None:
+        async with replicas(redis, "kp:", count=1, timeout_ms=300) as (memory,):
+            await memory.compare(v, ["t0"], add=True)
+            assert redis.process is not None
+            redis.process.send_signal(signal.SIGSTOP)
+            try:
+                with pytest.raises(MemoryUnavailableError, match="KP_REDIS_TIMEOUT_MS"):
+                    await memory.compare(v, ["t1"], add=True)
+                with pytest.raises(MemoryUnavailableError):  # at once, while it is out
+                    await memory.compare(v, ["t2"], add=True)
+            finally:
+                redis.process.send_signal(signal.SIGCONT)
+            for _ in range(600):
+                if memory.backend.available:
+                    break
+                await asyncio.sleep(0.05)
+            (seen,) = await memory.compare(v, ["t3"], add=False)
+            # t1 may have reached Redis before the timeout (its answer said unavailable);
+            # t2 never left this process.
+            assert seen.size in (1, 2)
+
+    try:
+        run(scenario)
+    finally:
+        redis.stop()
+
+
+def test_acknowledged_adds_survive_kill_9_of_redis(tmp_path: Path) -> None:
+    redis = RedisServer(tmp_path)
+    v = unit_vectors(20, seed=11)
+
+    async def scenario(before_kill: bool) -> None:
+        async with replicas(redis, "kp:", count=1) as (memory,):
+            if before_kill:
+                for i, vector in enumerate(v):
+                    await memory.compare([vector], [f"t{i}"], add=True)
+            else:
+                stats = await memory.stats()
+                assert stats.size == len(v)
+                (seen,) = await memory.compare([v[7]], ["probe"], add=False)
+                assert seen.max_cosine == pytest.approx(1.0, abs=1e-6)
+
+    try:
+        run(lambda: scenario(True))
+        redis.stop(signal.SIGKILL)
+        redis.start()  # replays its append-only file
+        run(lambda: scenario(False))
+        assert [t for t, _ in log_entries(redis, "kp:")] == [f"t{i}" for i in range(20)]
+    finally:
+        redis.stop()
+
+
+# ── settings and the app around the store ──────────────────────────────────────────────
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://:hunter2@cache:6379/0",
+        "cache:6379",
+        "redis://:hunter2@",
+        "redis://:hunter2@cache:notaport/0",
+        "redis://:hunter2@cache:6379/zero",
+        "unix:///run/redis.sock",
+    ],
+)
+def test_a_bad_redis_url_stops_the_start_naming_the_variable(
+    monkeypatch: pytest.MonkeyPatch, url: str
+) -> None:
+    monkeypatch.setenv("KP_REDIS_URL", url)
+    with pytest.raises(ConfigError, match="KP_REDIS_URL") as caught:
+        Settings.from_env()
+    assert "hunter2" not in str(caught.value)
+
+
+def test_redis_and_a_snapshot_path_are_refused_together(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("KP_REDIS_URL", "rediss://kp:hunter2@cache.internal:6380/2")
+    monkeypatch.setenv("KP_CACHE_SNAPSHOT_PATH", str(tmp_path / "cache.snapshot"))
+    with pytest.raises(ConfigError, match="KP_CACHE_SNAPSHOT_PATH and KP_REDIS_URL"):
+        Settings.from_env()
+    monkeypatch.delenv("KP_CACHE_SNAPSHOT_PATH")
+    settings = Settings.from_env()
+    assert "hunter2" not in repr(settings)
+    assert settings.redis_url is not None
+    url = settings.redis_url.get_secret_value()
+    assert redis_location(url) == "rediss://kp@cache.internal:6380/2"
+
+
+def test_the_default_is_the_in_process_cache(make_client: ClientFactory) -> None:
+    client = make_client(embedder="none")
+    assert client.get("/cache").json()["backend"] == {
+        "kind": "in_process",
+        "shared": False,
+        "location": None,
+        "prefix": None,
+        "available": True,
+        "reason": None,
+        "outages_total": 0,
+    }
+
+
+def test_redis_unreachable_at_start_scores_on_with_cache_unavailable(
+    make_client: ClientFactory,
+) -> None:
+    """The real model embeds; only the memory is missing: N = 0.5, said so, nothing added."""
+    url = f"redis://:hunter2@127.0.0.1:{free_port()}/0"
+    client = make_client(redis_url=url, embedder_preload=True)
+    r = client.post("/evaluate", json=make_trace())
+    assert r.status_code == 200
+    body = r.json()
+    assert body["dimensions"]["novelty"] == 0.5
+    novelty = body["novelty"]
+    assert (novelty["measured"], novelty["reason"]) == (False, "cache_unavailable")
+    assert novelty["tokens"] > 0  # the model did read it
+    assert "127.0.0.1" in novelty["detail"]
+    assert "hunter2" not in novelty["detail"]
+    ready = client.get("/readyz").json()
+    assert (ready["status"], ready["degraded"]) == ("degraded", True)
+    assert ready["embedder"]["state"] == "ready"
+    assert ready["cache_backend"]["available"] is False
+    assert any("shared cache" in w for w in ready["warnings"])
+    metrics = client.get("/metrics").text
+    assert "kp_cache_available 0.0" in metrics
+    assert 'kp_novelty_unmeasured_total{reason="cache_unavailable"} 1.0' in metrics
+    cleared = client.delete("/cache")
+    assert cleared.status_code == 503
+    assert cleared.headers["retry-after"] == "1"
+    stats = client.get("/cache").json()
+    assert (stats["size"], stats["backend"]["available"]) == (0, False)
+    for path in ("/cache", "/readyz", "/metrics"):
+        assert "hunter2" not in client.get(path).text
