@@ -183,7 +183,7 @@ def novelty_line(r: EvaluationOut) -> str:
     else:
         line = f"novelty: not measured ({n.reason}{': ' + n.detail if n.detail else ''})"
     if n.tokens is not None:
-        line += f"; {n.tokens} tokens" + (", truncated to 512" if n.truncated else "")
+        line += f"; {n.tokens} tokens read" + (", the rest past the window" if n.truncated else "")
     return line
 
 

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from app.domain.vector_cache import VectorCache
-from bench import corpus, load, shared
+from bench import corpus, load, megabyte, shared
 from bench.corpus import WORDS, Item
 from bench.floor import Floor
 from bench.report import render, targets
@@ -57,6 +57,8 @@ class Sizes:
         self.no_embedder_seconds = 1.5 if quick else 4.0
         self.scans = 500 if quick else 5000
         self.quick = quick
+        self.megabyte = 4 if quick else 15  # traces of each kind, sent side by side
+        self.megabyte_load_seconds = 3.0 if quick else 8.0
 
 
 # ── phases ────────────────────────────────────────────────────────────────
@@ -216,6 +218,13 @@ def measure(sizes: Sizes, env: dict[str, str], items: dict[str, list[Item]]) -> 
     r["floor"] = measure_floor(sizes, typical, long, warm)
     r["cache_scan"] = cache_scan(sizes.scans)
     r |= embedder_server(sizes, env, tmp, typical, long, warm)
+    r["megabyte"] = megabyte.measure(
+        env,
+        tmp / "megabyte.log",
+        long[: sizes.megabyte],
+        {kind: items[f"megabyte_{kind}"] for kind in corpus.MEGABYTE_KINDS},
+        sizes.megabyte_load_seconds,
+    )
     r["no_embedder"] = no_embedder(sizes, tmp, typical)
     r["shared"] = shared.measure(sizes.quick, env)
     cold = first_requests(env, tmp, items["cold"], "cold")
@@ -349,10 +358,16 @@ def main(argv: list[str] | None = None) -> int:
         "warm": corpus.build("typical", sizes.warmup, seed=3),
         "cold": corpus.build("typical", 10, seed=4),
     }
+    for kind in corpus.MEGABYTE_KINDS:
+        items[f"megabyte_{kind}"] = corpus.megabyte(kind, sizes.megabyte, seed=5)
     doc["settings"] = {"quick": args.quick, "repeat": args.repeat, "env": env}
     doc["corpus"] = {
         "typical": corpus.describe(items["typical"]),
         "long": corpus.describe(items["long"]),
+        "megabyte": {
+            kind: corpus.describe_megabyte(items[f"megabyte_{kind}"])
+            for kind in corpus.MEGABYTE_KINDS
+        },
     }
     started = time.perf_counter()
     runs = []

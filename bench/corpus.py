@@ -7,15 +7,22 @@ trace is distinct (its own words and id), so the service's cache grows as it doe
 Token counts are exact, not estimated: the words are separated by single spaces, and BERT
 pre-tokenisation splits on whitespace and punctuation before WordPiece, so a text's count is
 2 ([CLS], [SEP]) plus the sum of its words' counts, each measured once with the tokenizer.
+
+Megabyte traces (issue 15) come close to the request limits (a 1 MiB body, 100,000 characters a
+string) with text far past the window, in three kinds: random words in the objective and nine
+more steps of them, 1,000 steps of about 900 characters, and 300,000 CJK ideographs without a
+space. Their token counts are not measured (tokenizing one takes the better part of a second).
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from typing import Any, Final
 
+import orjson
 from tokenizers import Tokenizer
 
 from app.domain.scoring import novelty_text
@@ -61,6 +68,11 @@ DOMAINS: Final = ("default", "finance", "code", "medical", "customer_service", "
 TYPICAL_TOKENS: Final = (20, 120)
 LONG_TOKENS: Final = (600, 1000)
 
+MEGABYTE_KINDS: Final = ("words", "steps", "cjk")
+#: Below the service's limits: KP_MAX_BODY_BYTES (1,048,576) and KP_MAX_STRING_CHARS (100,000).
+MEGABYTE_BODY: Final = 1_000_000
+STRING_CHARS: Final = 99_000
+
 
 @dataclass(frozen=True, slots=True)
 class Item:
@@ -68,7 +80,7 @@ class Item:
 
     trace: dict[str, Any]
     text: str
-    tokens: int  # the whole text's tokens, [CLS] and [SEP] included
+    tokens: int | None  # the whole text's tokens, [CLS] and [SEP] included (None: not counted)
 
 
 @cache
@@ -150,8 +162,71 @@ def build(kind: str, n: int, seed: int) -> list[Item]:
     ]
 
 
+def megabyte(kind: str, n: int, seed: int) -> list[Item]:
+    """`n` distinct traces of `kind` (MEGABYTE_KINDS) of about MEGABYTE_BODY bytes of JSON."""
+    rng = random.Random(f"kp-bench:megabyte:{kind}:{seed}")
+    items = []
+    for i in range(n):
+        trace_id = f"kp:trace:bench-megabyte-{kind}-{seed}-{i}"
+        if kind == "words":  # 12,000+ words to a string, gibberish (several tokens a word)
+            strings = [_gibberish(rng, STRING_CHARS) for _ in range(10)]
+        elif kind == "steps":  # an agent's 1,000 steps, tool output in each
+            strings = [
+                "Reconcile the ledgers",
+                *(_filled(900, lambda: rng.choice(WORDS)) for _ in range(1000)),
+            ]
+        elif kind == "cjk":  # 3 bytes of UTF-8 a character: 300,000 in four strings
+            strings = [_ideographs(rng, STRING_CHARS) for _ in range(3)] + [
+                _ideographs(rng, 30_000)
+            ]
+        else:
+            raise ValueError(f"unknown megabyte kind {kind!r}")
+        trace = _trace(trace_id, strings[0], strings[1:], rng)
+        size = len(orjson.dumps(trace))
+        assert size <= MEGABYTE_BODY, f"{kind}: {size} bytes"
+        items.append(Item(trace, novelty_text(strings[0], strings[1:]), None))
+    return items
+
+
+_LETTERS: Final = bytes(ord("a") + byte % 26 for byte in range(256))
+
+
+def _gibberish(rng: random.Random, chars: int) -> str:
+    """Random words of 2 to 9 letters separated by spaces, up to `chars` characters."""
+    letters = rng.randbytes(chars).translate(_LETTERS).decode()
+    words, at = [], 0
+    for length in rng.choices(range(2, 10), k=chars // 2):
+        if at + length > chars:
+            break
+        words.append(letters[at : at + length])
+        at += length + 1
+    return " ".join(words)
+
+
+def _ideographs(rng: random.Random, count: int) -> str:
+    return "".join(map(chr, rng.choices(range(0x4E00, 0xA000), k=count)))
+
+
+def _filled(chars: int, word: Callable[[], str]) -> str:
+    """Words separated by spaces, up to `chars` characters."""
+    words, size = [], -1
+    while size + 1 + len(next_word := word()) <= chars:
+        words.append(next_word)
+        size += 1 + len(next_word)
+    return " ".join(words)
+
+
+def describe_megabyte(items: list[Item]) -> dict[str, float]:
+    return {
+        "count": len(items),
+        "body_bytes_max": max(len(orjson.dumps(i.trace)) for i in items),
+        "chars_median": sorted(len(i.text) for i in items)[len(items) // 2],
+        "steps": len(items[0].trace["steps"]),
+    }
+
+
 def describe(items: list[Item]) -> dict[str, float]:
-    tokens = sorted(i.tokens for i in items)
+    tokens = sorted(i.tokens for i in items if i.tokens is not None)
     return {
         "count": len(items),
         "tokens_min": tokens[0],

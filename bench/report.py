@@ -18,6 +18,12 @@ class Target:
         return {"target": self.name, "value": self.value, "pass": self.passed}
 
 
+#: Issue 15: a megabyte trace answers within this many times a full-window trace's p50.
+MEGABYTE_RATIO = 1.5
+#: /healthz p99 while four clients send megabyte traces (idle, it is about 1 ms).
+HEALTHZ_UNDER_LOAD_MS = 50.0
+
+
 def preload_tolerance_ms(tenth_ms: float) -> float:
     """Noise allowed when comparing two single requests: 25 % of the tenth, at least 2 ms."""
     return max(2.0, 0.25 * tenth_ms)
@@ -43,6 +49,38 @@ REFERENCE_FIRST_CALL = ReferenceTiming(
 
 
 def targets(r: dict[str, Any]) -> list[Target]:
+    # Results written before issue 15 have no megabyte figures.
+    return [*_main_targets(r), *(_megabyte_targets(r["megabyte"]) if "megabyte" in r else [])]
+
+
+def _megabyte_targets(m: dict[str, Any]) -> list[Target]:
+    single = m["single_client"]
+    window = single["full_window"]["p50_ms"]
+    out = []
+    for kind, s in single.items():
+        if kind == "full_window":
+            continue
+        ratio = s["p50_ms"] / window
+        out.append(
+            Target(
+                f"one client, 1 MB {kind}: p50 <= {MEGABYTE_RATIO}x full-window p50",
+                f"{ratio:.2f}x ({s['p50_ms']:.1f} vs {window:.1f} ms)",
+                ratio <= MEGABYTE_RATIO,
+            )
+        )
+    healthz = m["under_load"]["healthz"]
+    out.append(
+        Target(
+            f"/healthz p99 while {m['under_load']['clients']} clients send 1 MB traces "
+            f"< {HEALTHZ_UNDER_LOAD_MS:.0f} ms",
+            f"{healthz['p99_ms']:.1f} ms (idle {m['healthz_idle']['p99_ms']:.1f} ms)",
+            healthz["p99_ms"] < HEALTHZ_UNDER_LOAD_MS,
+        )
+    )
+    return out
+
+
+def _main_targets(r: dict[str, Any]) -> list[Target]:
     floor, one, c16 = r["floor"], r["single_client"], r["concurrency"]["16"]
     p50_ratio = one["typical"]["p50_ms"] / floor["typical"]["p50_ms"]
     long_ratio = one["long"]["p99_ms"] / floor["long"]["p50_ms"]
@@ -183,6 +221,58 @@ def table(r: dict[str, Any]) -> list[str]:
     return rows
 
 
+def _megabyte_corpus(kinds: dict[str, Any] | None) -> list[str]:
+    if not kinds:
+        return []
+    shown = {
+        "words": "random words in 10 strings",
+        "steps": "steps of ~900 characters",
+        "cjk": "CJK ideographs, no spaces",
+    }
+    return [
+        "megabyte traces: "
+        + "; ".join(
+            f"{kind}: {c['count']} x {c['chars_median']:,} characters ({shown.get(kind, kind)}, {c['steps']} steps), "
+            f"bodies up to {c['body_bytes_max']:,} bytes"
+            for kind, c in kinds.items()
+        )
+    ]
+
+
+def megabyte_table(m: dict[str, Any]) -> list[str]:
+    """Issue 15: each kind's latency beside the full window's, and /healthz meanwhile."""
+    single, load = m["single_client"], m["under_load"]
+    window = single["full_window"]
+    rows = [
+        "| one client, side by side | p50 | p90 | p99 | in-service p50 | p50 / full window |",
+        "|---|---|---|---|---|---|",
+    ]
+    for kind, s in single.items():
+        name = (
+            "full window (long)"
+            if kind == "full_window"
+            else f"1 MB {kind} ({s['body_bytes'] / 1e6:.2f} MB)"
+        )
+        rows.append(
+            f"| {name} | {s['p50_ms']:.1f} ms | {s['p90_ms']:.1f} ms | {s['p99_ms']:.1f} ms "
+            f"| {s['service_elapsed_p50_ms']:.1f} ms | {_ratio(s['p50_ms'], window['p50_ms'])} |"
+        )
+    idle, busy = m["healthz_idle"], load["healthz"]
+    rows += [
+        "",
+        "| measure | value |",
+        "|---|---|",
+        f"| {load['clients']} clients sending 1 MB traces: throughput (p50 / p99){_turned_away(load)} "
+        f"| {load['throughput_rps']:.1f}/s ({load['p50_ms']:.0f} / {load['p99_ms']:.0f} ms) |",
+        f"| ... CPU per 1 MB request, server (its event loop) | {load['server_cpu_ms_per_request']:.1f} "
+        f"({_event_loop(load, 1)}) ms |",
+        f"| ... GET /healthz every 10 ms: p50 / p99 / max ({busy['n']} probes) "
+        f"| {busy['p50_ms']:.2f} / {busy['p99_ms']:.2f} / {busy['max_ms']:.2f} ms |",
+        f"| GET /healthz on the idle server: p50 / p99 / max | {idle['p50_ms']:.2f} / {idle['p99_ms']:.2f} / {idle['max_ms']:.2f} ms |",
+    ]
+    return rows
+
+
 def render(doc: dict[str, Any]) -> str:
     m, r = doc["machine"], doc["results"]
     lines = [
@@ -192,9 +282,11 @@ def render(doc: dict[str, Any]) -> str:
         + ("; QUICK (smoke) sizes" if doc["settings"]["quick"] else ""),
         f"corpus: typical {doc['corpus']['typical']['tokens_min']}-{doc['corpus']['typical']['tokens_max']} tokens "
         f"(median {doc['corpus']['typical']['tokens_median']}), long {doc['corpus']['long']['tokens_min']}-{doc['corpus']['long']['tokens_max']} tokens (window 512)",
+        *_megabyte_corpus(doc["corpus"].get("megabyte")),
         "",
         *table(r),
         "",
+        *([*megabyte_table(r["megabyte"]), ""] if "megabyte" in r else []),
         "| target | measured | verdict |",
         "|---|---|---|",
         *[

@@ -71,11 +71,19 @@ def test_dry_run_scores_without_touching_the_cache(client: TestClient) -> None:
     assert client.get("/cache").json()["size"] == 2
 
 
-def test_long_text_reports_tokens_and_truncation(client: TestClient) -> None:
+def test_long_text_reports_the_window_read_and_truncation(client: TestClient) -> None:
+    """SPEC section 8: `tokens` is what the model read (at most 512), `truncated` whether the
+    text went past the window."""
     long_trace = make_trace(steps=[step(0, "thought", "alpha beta gamma " * 400)])
     novelty = client.post("/evaluate", json=long_trace).json()["novelty"]
-    assert novelty["tokens"] > 1000
-    assert novelty["truncated"] is True
+    assert (novelty["tokens"], novelty["truncated"]) == (512, True)
+    # [CLS] "objective", 510 x "word", [SEP]: 513 ids, one past the window.
+    just_over = make_trace(objective="objective", steps=[step(0, "thought", "word " * 510)])
+    novelty = client.post("/evaluate", json=just_over).json()["novelty"]
+    assert (novelty["tokens"], novelty["truncated"]) == (512, True)
+    fits = make_trace(objective="objective", steps=[step(0, "thought", "word " * 509)])
+    novelty = client.post("/evaluate", json=fits).json()["novelty"]
+    assert (novelty["tokens"], novelty["truncated"]) == (512, False)
 
 
 def test_batch_follows_its_own_order(client: TestClient) -> None:

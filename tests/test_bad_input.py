@@ -9,9 +9,12 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from app.core.config import Settings
 from app.main import create_app
+from app.schemas.limits import json_depth_exceeds
 from tests.conftest import ClientFactory
 from tests.factories import make_trace
 
@@ -399,6 +402,32 @@ def test_nesting_within_the_limit_is_fine(client_no_embedder: TestClient) -> Non
 def test_brackets_inside_strings_do_not_count_as_nesting(client_no_embedder: TestClient) -> None:
     trace = make_trace(objective="[[[[" * 100 + '\\"{{{{' * 100)
     assert client_no_embedder.post("/evaluate", json=trace).status_code == 200
+
+
+def _depth(value: Any) -> int:
+    if isinstance(value, dict):
+        return 1 + max(map(_depth, value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max(map(_depth, value), default=0)
+    return 0
+
+
+_tricky_text = st.text(alphabet='[]{}"\\/ab\n\u00e9', max_size=12)
+_json_values = st.recursive(
+    st.none() | st.integers() | _tricky_text,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(_tricky_text, inner, max_size=4),
+    max_leaves=40,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_json_values, st.integers(0, 12), st.booleans())
+def test_depth_check_counts_the_nesting_the_parser_sees(
+    value: Any, limit: int, ascii_only: bool
+) -> None:
+    """Strings full of brackets, quotes and backslashes (escaped as JSON escapes them)."""
+    body = json.dumps(value, ensure_ascii=ascii_only).encode()
+    assert json_depth_exceeds(body, limit) == (_depth(value) > limit)
 
 
 def test_steps_and_strings_over_the_limits_are_named(make_client: ClientFactory) -> None:

@@ -16,6 +16,7 @@ from typer.testing import CliRunner, Result
 from app import cli as cli_module
 from app.cli import cli
 from app.client import KpScoringClient
+from app.schemas.responses import EvaluationOut, NoveltyOut
 from tests.factories import make_trace, step
 from tests.server import TOKEN, Server, entry_point, free_port, running_server
 
@@ -91,6 +92,17 @@ def test_exit_code_follows_the_threshold(
     result = run(["evaluate", str(path), "--threshold", threshold], server.url)
     assert result.exit_code == code, result.output
     assert ("pass" if code == 0 else "below") in result.stdout
+
+
+def test_the_novelty_line_says_what_the_model_read() -> None:
+    novelty = NoveltyOut(
+        measured=True, reason=None, max_cosine=0.5, cache_size=3, tokens=512, truncated=True
+    )
+    line = cli_module.novelty_line(EvaluationOut.model_construct(novelty=novelty))
+    assert line == (
+        "novelty: measured, max cosine 0.500 against a cache of 3; "
+        "512 tokens read, the rest past the window"
+    )
 
 
 def test_evaluate_stdin_json_dry_run(server: Server) -> None:

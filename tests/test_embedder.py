@@ -5,14 +5,13 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-import unicodedata
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from app.core.config import ConfigError, Settings
-from app.embedding import js_bert_normalizer, model_files
+from app.embedding import model_files
 from app.embedding.onnx_embedder import MAX_TOKENS, ModelError, OnnxEmbedder
 from app.services.embeddings import length_groups
 from tests.conftest import ClientFactory, fail_embedding_on
@@ -34,7 +33,7 @@ def test_window_is_cut_at_512_without_a_final_sep(embedder: OnnxEmbedder) -> Non
     assert fits.ids[0] == CLS
     assert fits.ids[-1] == SEP
     (cut,) = embedder.tokenize(["word " * 2000])
-    assert (cut.token_count, len(cut.ids), cut.truncated) == (2002, MAX_TOKENS, True)
+    assert (cut.token_count, len(cut.ids), cut.truncated) == (MAX_TOKENS, MAX_TOKENS, True)
     assert cut.ids[-1] != SEP  # transformers.js slices; it does not put [SEP] back
 
 
@@ -201,14 +200,3 @@ def test_the_one_core_session_gives_the_same_vectors() -> None:
     np.testing.assert_array_equal(
         embedder.embed_tokenized(tokenized, one_core=True), embedder.embed_tokenized(tokenized)
     )
-
-
-def test_shipped_character_classes_are_this_pythons() -> None:
-    """The normaliser's classes ship precomputed (a first request does not build them); they
-    must be what this Python's Unicode database gives, or every id could drift."""
-    stored = js_bert_normalizer._stored_char_classes()
-    assert stored is not None, (
-        f"js_bert_char_classes.json was made for another Unicode version than "
-        f"{unicodedata.unidata_version}: python scripts/make_char_classes.py"
-    )
-    assert stored == js_bert_normalizer.compute_char_classes()

@@ -4,7 +4,8 @@ Reproduces transformers.js's `feature-extraction` pipeline with `pooling: "mean"
 true`, the reference SDK's embedder:
 
 - the tokenizer adds [CLS] ... [SEP] and the pipeline then keeps the first 512 ids as they are,
-  so a long text's window ends with its 512th token, not with [SEP];
+  so a long text's window ends with its 512th token, not with [SEP] (token_window gets those
+  ids from as little of the text as it takes);
 - mean pooling sums in float64 and stores float32; the L2 norm is stored as float32 before the
   division. Doing the same here makes the vectors equal to the reference's, not just close.
 """
@@ -22,7 +23,7 @@ import numpy.typing as npt
 import onnxruntime as ort
 from tokenizers import Tokenizer
 
-from app.embedding import js_bert_normalizer
+from app.embedding.token_window import TokenWindow
 
 #: The model's window (`model_max_length` in tokenizer_config.json).
 MAX_TOKENS: Final = 512
@@ -43,9 +44,13 @@ class ModelError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class TokenizedText:
-    ids: npt.NDArray[np.int64]  # the window the model sees
-    token_count: int  # tokens of the whole text, special tokens included
-    truncated: bool
+    ids: npt.NDArray[np.int64]  # the window the model reads, special tokens included
+    truncated: bool  # the text goes on past the window
+
+    @property
+    def token_count(self) -> int:
+        """Tokens the model reads (at most MAX_TOKENS)."""
+        return len(self.ids)
 
 
 class OnnxEmbedder:
@@ -65,8 +70,7 @@ class OnnxEmbedder:
     ) -> None:
         """`defer`: open only what a first answer needs (the main session, not yet run once);
         `finish_loading` then opens the one-core session and warms both up."""
-        self._tokenizer = load_tokenizer(tokenizer_path)
-        js_bert_normalizer.warm_up()
+        self._window = TokenWindow(load_tokenizer(tokenizer_path), MAX_TOKENS)
         # The PyPI wheel ships with telemetry on; a scoring service does not phone home.
         ort.disable_telemetry_events()
         self.precision: Final = precision
@@ -100,13 +104,8 @@ class OnnxEmbedder:
             self.embed_tokenized([text], one_core=True)
 
     def tokenize(self, texts: Sequence[str]) -> list[TokenizedText]:
-        normalized = [js_bert_normalizer.normalize(text) for text in texts]
-        encodings = self._tokenizer.encode_batch(normalized, add_special_tokens=True)
-        out = []
-        for encoding in encodings:
-            ids = np.asarray(encoding.ids, dtype=np.int64)
-            out.append(TokenizedText(ids[:MAX_TOKENS], len(ids), len(ids) > MAX_TOKENS))
-        return out
+        windows = [self._window.window(text) for text in texts]
+        return [TokenizedText(np.asarray(w.ids, dtype=np.int64), w.truncated) for w in windows]
 
     def embed_tokenized(
         self, batch: Sequence[TokenizedText], *, one_core: bool = False

@@ -40,8 +40,12 @@ class NoveltyOut(BaseModel):
         description="Raw maximum cosine similarity with the cache (before 1 - x and the clamp)."
     )
     cache_size: int = Field(description="Cached vectors the trace was compared against.")
-    tokens: int | None = Field(description="Tokens of the text before the 512-token window.")
-    truncated: bool | None = Field(description="Whether the window cut the text.")
+    tokens: int | None = Field(
+        description="Tokens the model read: at most 512 (the window), special tokens included."
+    )
+    truncated: bool | None = Field(
+        description="Whether the text went past the 512-token window (its tail did not count)."
+    )
 
 
 class EvaluationOut(BaseModel):

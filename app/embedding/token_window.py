@@ -1,0 +1,208 @@
+"""The model's window of a text's token ids, from as little of the text as it takes to fill it.
+
+transformers.js tokenizes a whole text and keeps its first 512 ids: the cost grows with the
+text's length (a megabyte, about a second) while what the model reads stays the same. Here a
+prefix of the text is normalised and tokenized, cut where the whole text's normalisation and
+pre-tokenisation split too, and grown until the words before the cut fill the window; the ids
+are then exactly the whole text's first ones.
+
+A cut before the character at index k is clean when:
+
+- that character is a *cut character*: its normalisation starts with a space (whitespace, CJK
+  ideographs) or with punctuation the pre-tokenizer isolates, of canonical combining class 0
+  (NFD reorders combining marks only between two such starters, so nothing crosses k), and
+  every other step of the normaliser maps one character without looking at its neighbours;
+- no special token of the raw text spans k (they are matched before normalisation);
+- lower-casing maps a capital sigma to "ς" at the end of a word, and the character that decides
+  it may lie past k (case-ignorable characters, such as "." and "'", are skipped over): the
+  prefix then gets the whole text's form of that one sigma.
+
+Then the normalised prefix is the start of the normalised text and ends at a word boundary, so
+its words are the text's first words, and WordPiece, which tokenizes a word at a time, gives
+them the same ids. When they number more than the window, the window is the text's.
+
+A word longer than WordPiece's limit (100 characters) is one [UNK] however long it is: a run of
+more characters than that which the pre-tokenizer cannot split goes to the Rust tokenizer as
+101 "x"s (it spends about 0.5 us a character on a single long word, half a second on 1 MB), and
+a run of spaces as one.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+import unicodedata
+from dataclasses import dataclass
+from functools import cache
+from typing import Final
+
+from tokenizers import Tokenizer
+from tokenizers.models import WordPiece
+from tokenizers.pre_tokenizers import BertPreTokenizer
+
+from app.embedding import js_bert_normalizer as normalizer
+
+_CAPITAL_SIGMA: Final = "\u03a3"
+_SMALL_SIGMA: Final = "\u03c3"
+#: Characters the pre-tokenizer might split a word at, besides those of Unicode's P* categories:
+#: ASCII punctuation and whitespace, and two that the Rust tokenizer's older Unicode tables still
+#: call punctuation (tests/test_token_window.py checks every code point).
+_OTHER_SPLITS: Final = frozenset(string.punctuation + string.whitespace + "\u166d\U000111c9")
+#: The pre-tokenizer drops whitespace: a run of spaces splits words as one space does (the Rust
+#: tokenizer takes 60 ms over a megabyte of them).
+_SPACES: Final = re.compile("  +")
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    ids: list[int]  # the first `size` ids of the whole text's, special tokens included
+    truncated: bool  # the whole text has more
+
+
+class TokenWindow:
+    """Token windows of texts for a `tokenizer` whose normaliser is js_bert_normalizer.
+
+    Prefixes are used with a BERT pre-tokenizer and a WordPiece model (the ones the proofs
+    above are about); with any other tokenizer every text is tokenized whole.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, size: int, *, first_prefix_chars: int = 0) -> None:
+        self._tokenizer = tokenizer
+        self.size = size
+        #: The first prefix tried: a CJK text fills the window with it (one token a character).
+        self._first_prefix_chars = first_prefix_chars or size + size // 4
+        model, pre_tokenizer = tokenizer.model, tokenizer.pre_tokenizer
+        bert = (
+            isinstance(model, WordPiece)
+            and isinstance(pre_tokenizer, BertPreTokenizer)
+            and tokenizer.normalizer is None
+        )
+        self._cut_chars = _cut_characters() if bert else None
+        self._long_word = model.max_input_chars_per_word if bert else 0
+        processor = tokenizer.post_processor
+        self._special_tokens = processor.num_special_tokens_to_add(False) if processor else 0
+
+    def window(self, text: str) -> Window:
+        limit = self._first_prefix_chars
+        while self._cut_chars is not None and len(text) > limit:
+            cut = self._cut(text, limit)
+            if cut is None:
+                break
+            ids = self.encode(_prefix(text, cut))
+            words = len(ids) - self._special_tokens  # tokens of the words before the cut
+            if words > self.size:
+                return Window(ids[: self.size], truncated=True)
+            # Aim at the window from the tokens per character so far; at least double.
+            wanted = cut * (self.size + self.size // 4) // max(words, 1)
+            limit = min(8 * cut, max(2 * cut, wanted))
+        ids = self.encode(text)
+        return Window(ids[: self.size], truncated=len(ids) > self.size)
+
+    def encode(self, text: str) -> list[int]:
+        """All ids of `text` (special tokens included), as its whole tokenization gives them."""
+        normalized = normalizer.normalize(text)
+        if self._long_word:
+            normalized = _shorten_long_words(_SPACES.sub(" ", normalized), self._long_word)
+        ids: list[int] = self._tokenizer.encode(normalized).ids
+        return ids
+
+    def _cut(self, text: str, start: int) -> int | None:
+        """The first clean cut at or after `start`, if any."""
+        assert self._cut_chars is not None
+        while (found := self._cut_chars.search(text, start)) is not None:
+            cut = found.start()
+            if not _inside_special_token(text, cut):
+                return cut
+            start = cut + 1
+        return None
+
+
+@cache
+def _cut_characters() -> re.Pattern[str]:
+    """The cut characters of the Basic Multilingual Plane (a character class with astral
+    members is slow to search; the few astral punctuation marks are simply not cuts)."""
+    pre_tokenizer = BertPreTokenizer()
+    codes = []
+    for code in range(0x10000):
+        char = chr(code)
+        if not (
+            normalizer.is_cjk(char) or unicodedata.category(char)[0] in "PSZ" or char in "\t\n\r"
+        ):
+            continue  # a letter, a digit, a mark or a removed character
+        first = normalizer.normalize(char)[:1]  # a CJK ideograph's is a space
+        if first == " " or (
+            first
+            and unicodedata.combining(first) == 0
+            and [w for w, _ in pre_tokenizer.pre_tokenize_str(f"a{first}a")] == ["a", first, "a"]
+        ):
+            codes.append(code)
+    return re.compile(f"[{_character_class(codes)}]")
+
+
+def _character_class(codes: list[int]) -> str:
+    """The body of a regex character class, runs of code points written as ranges."""
+    parts, start = [], 0
+    for i, code in enumerate(codes):
+        if i == 0 or codes[i - 1] != code - 1:
+            start = code
+        if i + 1 == len(codes) or codes[i + 1] != code + 1:
+            low, high = re.escape(chr(start)), re.escape(chr(code))
+            parts.append(low if start == code else f"{low}-{high}")
+    return "".join(parts)
+
+
+def _inside_special_token(text: str, cut: int) -> bool:
+    """Whether a special token of the raw text starts before `cut` and ends after it."""
+    return any(
+        text.find(token, max(0, cut - len(token) + 1), cut + len(token) - 1) != -1
+        for token in normalizer.SPECIAL_TOKENS
+    )
+
+
+def _prefix(text: str, cut: int) -> str:
+    """text[:cut], its last capital sigma lower-cased as in the whole text when what decides
+    it lies past the cut."""
+    prefix = text[:cut]
+    at = prefix.rfind(_CAPITAL_SIGMA)
+    if at < 0 or _sigma_form(prefix[at:]) is not None:
+        return prefix  # no sigma, or decided within the prefix
+    end, form = cut, None
+    while form is None and end < len(text):
+        end = min(len(text), end + max(end - at, 64))
+        form = _sigma_form(text[at:end])
+    if form != _SMALL_SIGMA:
+        return prefix  # word-final (or undecided to the end) in both
+    return prefix[:at] + _SMALL_SIGMA + prefix[at + 1 :]
+
+
+def _sigma_form(span: str) -> str | None:
+    """What lower-casing makes of the capital sigma that starts `span`, after a cased letter:
+    "σ" if the next character that is not case-ignorable is cased, "ς" if it is not; None if
+    `span` ends before such a character (then what follows the span decides)."""
+    cleaned = normalizer.clean("A" + span)  # lower-casing sees the cleaned text
+    at_end = cleaned.lower()[1]
+    return at_end if (cleaned + "A").lower()[1] == at_end else None
+
+
+def _shorten_long_words(text: str, longest: int) -> str:
+    """`text` (normalised) with each run of more than `longest` characters the pre-tokenizer
+    cannot split replaced by `longest` + 1 "x"s: the word holding it is one [UNK] either way."""
+    if re.search(f"[^ ]{{{longest + 1}}}", text) is None:
+        return text  # after normalisation every whitespace character is a space
+    pieces = text.split(" ")
+    placeholder = "x" * (longest + 1)
+    for i, piece in enumerate(pieces):
+        if len(piece) <= longest:
+            continue
+        splits = sorted(c for c in set(piece) if _may_split(c))
+        if not splits:
+            pieces[i] = placeholder
+        else:
+            runs = f"[^{''.join(map(re.escape, splits))}]{{{longest + 1},}}"
+            pieces[i] = re.sub(runs, placeholder, piece)
+    return " ".join(pieces)
+
+
+def _may_split(char: str) -> bool:
+    """Whether BertPreTokenizer might split at `char` (whitespace, ASCII or Unicode punctuation)."""
+    return char in _OTHER_SPLITS or char.isspace() or unicodedata.category(char)[0] == "P"
