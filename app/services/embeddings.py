@@ -47,6 +47,8 @@ log = logging.getLogger(__name__)
 
 #: Runs through the queue at load time, before the service reports itself ready.
 _WARM_UP_REQUESTS = 3
+#: About the characters of English text that fill the 512-token window.
+_WINDOW_CHARS = 3000
 #: Texts of similar length one one-core run takes at most, while other workers run too.
 _ONE_CORE_RUN_TEXTS = 2
 
@@ -103,8 +105,9 @@ class _Job:
 
     @property
     def chars(self) -> int:
-        """Length of the longest text: a cheap stand-in for its token count."""
-        return max((len(t) for t in self.texts), default=0)
+        """Length of the longest text, up to what fills the window: a cheap stand-in for the
+        tokens the model reads (a megabyte and a full window cost the same run)."""
+        return min(_WINDOW_CHARS, max((len(t) for t in self.texts), default=0))
 
     def settle(self, outcome: Outcome) -> None:
         """Thread-safe: hands the outcome to the job's event loop (if anyone still waits)."""
