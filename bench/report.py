@@ -276,7 +276,8 @@ def megabyte_table(m: dict[str, Any]) -> list[str]:
 def render(doc: dict[str, Any]) -> str:
     m, r = doc["machine"], doc["results"]
     lines = [
-        f"kp-scoring bench: {m['cpu']}, {m['nproc']} cores, python {m['python']}, onnxruntime {m['onnxruntime']}, {m['date']}",
+        f"kp-scoring bench: {m['cpu']}, {m['nproc']} cores ({', '.join(m.get('cpu_flags', [])) or 'no AVX2'}), "
+        f"python {m['python']}, onnxruntime {m['onnxruntime']}, {m['date']}",
         f"load average at start {m['loadavg_start']}, at end {doc['loadavg_end']}; {doc['settings']['repeat']} run(s), "
         + ("median of each figure" if doc["settings"]["repeat"] > 1 else "one run")
         + ("; QUICK (smoke) sizes" if doc["settings"]["quick"] else ""),
