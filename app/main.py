@@ -22,7 +22,8 @@ from app.core.logging import configure_logging
 from app.core.metrics import Metrics
 from app.domain.vector_cache import VectorCache
 from app.embedding import model_files
-from app.embedding.onnx_embedder import ModelError, OnnxEmbedder
+from app.embedding.int8_support import CpuFeatures, Int8Support, int8_support
+from app.embedding.onnx_embedder import ModelError, OnnxEmbedder, Precision
 from app.schemas.limits import TraceLimits
 from app.services.embeddings import EmbeddingService
 from app.services.evaluator import Evaluator
@@ -33,7 +34,9 @@ from app.store.redis_shared import RedisSharedMemory
 log = logging.getLogger("app")
 
 
-def _load_embedder(files: model_files.ModelFiles, settings: Settings) -> OnnxEmbedder:
+def _load_embedder(
+    files: model_files.ModelFiles, settings: Settings, int8: Int8Support | None
+) -> OnnxEmbedder:
     model_files.verify(files)
     # The least a first answer needs: the embedding service finishes loading after it (or
     # before the service reports ready, with KP_EMBEDDER_PRELOAD).
@@ -42,13 +45,31 @@ def _load_embedder(files: model_files.ModelFiles, settings: Settings) -> OnnxEmb
         files.tokenizer,
         intra_op_threads=settings.embedder_threads,
         concurrent_runs=settings.embedder_worker_count,
-        precision=settings.embedder_precision,
+        precision="float32" if int8 is None else int8.precision,
+        int8_weights=None if int8 is None else int8.weights,
         defer=True,
     )
 
 
-def build_embeddings(settings: Settings) -> tuple[EmbeddingService, model_files.ModelFiles | None]:
-    """The embedding service the settings ask for (its model loads later), and its files."""
+def _int8_support(settings: Settings, cpu: CpuFeatures | None) -> Int8Support | None:
+    """With KP_EMBEDDER_PRECISION=int8: whether this CPU keeps int8 mode's promise (logged)."""
+    if settings.embedder_precision != "int8":
+        return None
+    support = int8_support(cpu)
+    if support.weights is None:
+        log.warning(
+            "int8 mode declined: the embedder runs float32", extra={"reason": support.reason}
+        )
+    else:
+        log.info("int8 mode", extra={"weights": support.weights, "reason": support.reason})
+    return support
+
+
+def build_embeddings(
+    settings: Settings, cpu: CpuFeatures | None = None
+) -> tuple[EmbeddingService, model_files.ModelFiles | None]:
+    """The embedding service the settings ask for (its model loads later), and its files;
+    `cpu` (default: this machine's) decides whether int8 mode runs."""
     if settings.embedder == "none":
         return EmbeddingService(None, model_name=None), None
     try:
@@ -57,10 +78,12 @@ def build_embeddings(settings: Settings) -> tuple[EmbeddingService, model_files.
         service = EmbeddingService(None, model_name=None)
         service.mark_unavailable(str(exc))
         return service, None
+    int8 = _int8_support(settings, cpu)
     service = EmbeddingService(
-        partial(_load_embedder, files, settings),
+        partial(_load_embedder, files, settings, int8),
         model_name=files.name,
-        precision=settings.embedder_precision,
+        precision="float32" if int8 is None else int8.precision,
+        precision_reason=None if int8 is None else int8.reason,
         workers=settings.embedder_worker_count,
         batch_size=settings.embed_batch_size,
         queue_limit=settings.embed_queue_limit,
@@ -70,16 +93,16 @@ def build_embeddings(settings: Settings) -> tuple[EmbeddingService, model_files.
 
 
 def build_memory(
-    settings: Settings, files: model_files.ModelFiles | None
+    settings: Settings, files: model_files.ModelFiles | None, precision: Precision | None
 ) -> InProcessMemory | RedisSharedMemory:
     """The novelty memory the settings ask for: this process's, or the one shared through
-    KP_REDIS_URL (connected by its start())."""
+    KP_REDIS_URL (connected by its start()); `precision` as for build_snapshots."""
     if settings.redis_url is None:
         return InProcessMemory(VectorCache(settings.cache_capacity, ttl_ms=settings.cache_ttl_ms))
     model_id = None
     if files is not None:
         try:
-            model_id = model_files.identity(files, settings.embedder_precision)
+            model_id = model_files.identity(files, precision or "float32")
         except ModelError as exc:
             log.error("shared cache: model identity unknown", extra={"reason": str(exc)})
     url = settings.redis_url.get_secret_value()
@@ -95,12 +118,16 @@ def build_memory(
 
 
 def build_snapshots(
-    settings: Settings, cache: VectorCache, files: model_files.ModelFiles | None
+    settings: Settings,
+    cache: VectorCache,
+    files: model_files.ModelFiles | None,
+    precision: Precision | None,
 ) -> SnapshotStore:
+    """`precision`: what the embedder runs (float32 where int8 mode declined)."""
     model_id = None
     if settings.cache_snapshot_path is not None and files is not None:
         try:
-            model_id = model_files.identity(files, settings.embedder_precision)
+            model_id = model_files.identity(files, precision or "float32")
         except ModelError as exc:
             log.error("cache snapshots off: model identity unknown", extra={"reason": str(exc)})
     return SnapshotStore(settings.cache_snapshot_path, cache, model_id)
@@ -112,18 +139,19 @@ async def _save_periodically(snapshots: SnapshotStore, interval_s: float) -> Non
         await run_in_threadpool(snapshots.save)
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, *, cpu: CpuFeatures | None = None) -> FastAPI:
+    """`cpu`: the CPU int8 mode decides on (default: this machine's; tests pass another)."""
     settings = settings or Settings.from_env()
     metrics = Metrics()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        embeddings, files = build_embeddings(settings)
-        memory = build_memory(settings, files)
+        embeddings, files = build_embeddings(settings, cpu)
+        memory = build_memory(settings, files, embeddings.precision)
         # Snapshots are the in-process memory's persistence; with Redis, Redis's (AOF), and
         # the settings refuse KP_CACHE_SNAPSHOT_PATH.
         local = memory.cache if isinstance(memory, InProcessMemory) else memory.mirror
-        snapshots = build_snapshots(settings, local, files)
+        snapshots = build_snapshots(settings, local, files, embeddings.precision)
         await run_in_threadpool(snapshots.restore)
         await memory.start()
         app.state.services = Services(

@@ -15,6 +15,7 @@ from fastapi.testclient import TestClient
 
 from app.core.config import Settings
 from app.embedding import model_files
+from app.embedding.int8_support import CpuFeatures
 from app.embedding.onnx_embedder import OnnxEmbedder
 from app.main import create_app
 from app.services.embeddings import Embedding, EmbeddingService
@@ -36,11 +37,13 @@ def load_fixture(name: str) -> dict[str, Any]:
 
 @pytest.fixture
 def make_client() -> Iterator[ClientFactory]:
-    """Builds a started app (lifespan run) from settings given as keyword arguments."""
+    """Builds a started app (lifespan run) from settings given as keyword arguments, and
+    `cpu`, the CPU int8 mode decides on (default: this machine's)."""
     clients: list[TestClient] = []
 
-    def factory(**settings: Any) -> TestClient:
-        client = TestClient(create_app(Settings(**settings)), raise_server_exceptions=False)
+    def factory(cpu: CpuFeatures | None = None, **settings: Any) -> TestClient:
+        app = create_app(Settings(**settings), cpu=cpu)
+        client = TestClient(app, raise_server_exceptions=False)
         client.__enter__()
         clients.append(client)
         return client

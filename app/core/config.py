@@ -29,7 +29,8 @@ class Settings(BaseSettings):
     embedder_threads: Annotated[int, Field(ge=0)] = 0  # 0: onnxruntime's choice (all cores)
     #: Model runs side by side under load, one core each; 0: one per core this process may use.
     embedder_workers: Annotated[int, Field(ge=0, le=64)] = 0
-    #: int8: 1.4-1.9x faster per text, scores within 0.01 of float32 (README, "int8 mode").
+    #: int8: 1.4-1.9x faster per text, scores within 0.01 of float32, on x86-64 CPUs with VNNI
+    #: or AVX2; declined (float32, said in /readyz and the log) elsewhere (README, "int8 mode").
     embedder_precision: Literal["float32", "int8"] = "float32"
 
     cache_capacity: Annotated[int, Field(ge=1)] = 1000

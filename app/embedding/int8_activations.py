@@ -6,7 +6,9 @@ MatMul: onnxruntime folds that into a float32 matrix at load, so inference is fl
 `quantize_activations` hands `q` and `s` as they are (no weight is re-quantised) to
 com.microsoft `DynamicQuantizeMatMul`, which quantises the activations to uint8 on every run
 (one scale per tensor) and multiplies in integers, with VNNI where the CPU has it. The MatMul's
-bias Add is folded into the same node.
+bias Add is folded into the same node. On CPUs without VNNI the weights are handed over shifted
+into uint8 (`q + 128` with zero point 128: the same products), which onnxruntime multiplies
+exactly there (app/embedding/int8_support.py).
 
 One scale per tensor is coarse for BERT models: a few input channels (channel 99 after most
 LayerNorms, one GELU channel per layer) reach 5 to 10 times the range of the rest, and
@@ -31,6 +33,8 @@ from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 
+from app.embedding.int8_support import Int8Weights
+
 if TYPE_CHECKING:
     import onnx
 
@@ -38,7 +42,7 @@ MS_DOMAIN: Final = "com.microsoft"
 FLOAT_CHANNELS_ASSET: Final = "int8_float_channels.json"
 
 
-def int8_activation_model(model: bytes) -> bytes:
+def int8_activation_model(model: bytes, weights: Int8Weights = "int8") -> bytes:
     """The model rewritten for int8 activations, or ValueError when it is not the one whose
     outlier channels are known (the packaged model)."""
     sha256 = hashlib.sha256(model).hexdigest()
@@ -49,7 +53,7 @@ def int8_activation_model(model: bytes) -> bytes:
             f"(sha256 {table['model_sha256'][:16]}...); this model has sha256 {sha256[:16]}... "
             "Use KP_EMBEDDER_PRECISION=float32 with other models."
         )
-    return quantize_activations(model, table["float_channels"])
+    return quantize_activations(model, table["float_channels"], weights)
 
 
 def float_channel_table() -> dict[str, Any]:
@@ -79,10 +83,13 @@ class _Weight:
 
 
 def quantize_activations(
-    model: bytes, float_channels: Mapping[str, Sequence[int]] | None = None
+    model: bytes,
+    float_channels: Mapping[str, Sequence[int]] | None = None,
+    weights: Int8Weights = "int8",
 ) -> bytes:
     """The model with each int8-weight MatMul computed by DynamicQuantizeMatMul;
-    `float_channels` maps a MatMul node name to input channels kept in float32.
+    `float_channels` maps a MatMul node name to input channels kept in float32, `weights` is
+    the type DynamicQuantizeMatMul gets them in.
 
     MatMuls between two activations (attention) and anything that does not match the pattern
     exactly are left as they are."""
@@ -113,7 +120,7 @@ def quantize_activations(
         if bias_add is not None:
             fused.add(id(bias_add))
         channels = list((float_channels or {}).get(node.name, ()))
-        replacement, tensors = _replacement(node, weight, bias_add, channels)
+        replacement, tensors = _replacement(node, weight, bias_add, channels, weights)
         nodes += [n for n in replacement if not done.issuperset(n.output)]
         done.update(o for n in replacement for o in n.output)
         new.update((t.name, t) for t in tensors)
@@ -128,23 +135,31 @@ def quantize_activations(
 
 
 def _replacement(
-    matmul: onnx.NodeProto, weight: _Weight, bias_add: onnx.NodeProto | None, channels: list[int]
+    matmul: onnx.NodeProto,
+    weight: _Weight,
+    bias_add: onnx.NodeProto | None,
+    channels: list[int],
+    weights: Int8Weights,
 ) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
     """The nodes and new initializers computing MatMul (+ bias) with int8 activations."""
     from onnx import helper, numpy_helper
 
     a = matmul.input[0]
     out = (bias_add or matmul).output[0]
-    zero_point = numpy_helper.from_array(
-        np.zeros(tuple(weight.scale.dims), dtype=np.int8), f"{weight.scale.name}_zero_point"
-    )
-    tensors = [weight.scale, zero_point]
+    q = numpy_helper.to_array(weight.q)
+    b, zero_point = weight.q, np.zeros(tuple(weight.scale.dims), dtype=np.int8)
+    tensors = [weight.scale]
+    if weights == "uint8":  # (q + 128) - 128 = q - 0: the same products, exact without VNNI
+        b = numpy_helper.from_array((q.astype(np.int16) + 128).astype(np.uint8), f"{b.name}_u8")
+        zero_point = np.full_like(zero_point, 128, dtype=np.uint8)
+        tensors.append(b)
+    zp = numpy_helper.from_array(zero_point, f"{weight.scale.name}_zero_point")
+    tensors.append(zp)
     bias = [] if bias_add is None else [i for i in bias_add.input if i != matmul.output[0]]
     if not channels:
-        return [_dqmm(matmul.name, a, weight, zero_point, bias, out)], tensors
+        return [_dqmm(matmul.name, a, b, weight.scale, zp, bias, out)], tensors
 
     # Y = DQMM(A * mask) + Gather(A, channels) @ (q[channels] * scale)
-    q = numpy_helper.to_array(weight.q)
     scale = numpy_helper.to_array(weight.scale)
     mask = np.ones(q.shape[0], dtype=np.float32)
     mask[channels] = 0
@@ -160,7 +175,7 @@ def _replacement(
         helper.make_node(
             "Gather", [a, f"{key}_index"], [f"{key}_outliers"], axis=-1, name=f"{key}_outliers"
         ),
-        _dqmm(p, f"{key}_rest", weight, zero_point, bias, f"{p}_int8"),
+        _dqmm(p, f"{key}_rest", b, weight.scale, zp, bias, f"{p}_int8"),
         helper.make_node(
             "MatMul", [f"{key}_outliers", f"{p}_rows"], [f"{p}_float"], name=f"{p}_float"
         ),
@@ -170,11 +185,17 @@ def _replacement(
 
 
 def _dqmm(
-    name: str, a: str, weight: _Weight, zero_point: onnx.TensorProto, bias: list[str], out: str
+    name: str,
+    a: str,
+    b: onnx.TensorProto,
+    scale: onnx.TensorProto,
+    zero_point: onnx.TensorProto,
+    bias: list[str],
+    out: str,
 ) -> onnx.NodeProto:
     from onnx import helper
 
-    inputs = [a, weight.q.name, weight.scale.name, zero_point.name, *bias]
+    inputs = [a, b.name, scale.name, zero_point.name, *bias]
     return helper.make_node(
         "DynamicQuantizeMatMul", inputs, [out], name=f"{name}_int8", domain=MS_DOMAIN
     )

@@ -23,6 +23,7 @@ import numpy.typing as npt
 import onnxruntime as ort
 from tokenizers import Tokenizer
 
+from app.embedding.int8_support import Int8Weights, int8_support
 from app.embedding.token_window import TokenWindow
 
 #: The model's window (`model_max_length` in tokenizer_config.json).
@@ -33,8 +34,8 @@ _INPUTS: Final = ("input_ids", "attention_mask", "token_type_ids")
 WARM_UP_TEXT: Final = " ".join(["warm up"] * 60)
 _OUTPUT: Final = "last_hidden_state"
 
-#: float32: the reference's arithmetic. int8: faster, vectors within 0.01 of the reference's
-#: scores (app/embedding/int8_activations.py).
+#: float32: the reference's arithmetic. int8: faster, scores within 0.01 of the reference's
+#: (app/embedding/int8_activations.py), on CPUs where int8_support() allows it.
 Precision = Literal["float32", "int8"]
 
 
@@ -67,16 +68,19 @@ class OnnxEmbedder:
         concurrent_runs: int = 1,
         precision: Precision = "float32",
         defer: bool = False,
+        int8_weights: Int8Weights | None = None,
     ) -> None:
         """`defer`: open only what a first answer needs (the main session, not yet run once);
-        `finish_loading` then opens the one-core session and warms both up."""
+        `finish_loading` then opens the one-core session and warms both up. `int8_weights`:
+        in int8 mode, the weights' type int8_support() chose for the CPU (None: ask it now;
+        ModelError where int8 mode declines)."""
         self._window = TokenWindow(load_tokenizer(tokenizer_path), MAX_TOKENS)
         # The PyPI wheel ships with telemetry on; a scoring service does not phone home.
         ort.disable_telemetry_events()
         self.precision: Final = precision
         self._model_path = model_path
-        model = _read_model(model_path, precision)
-        self._session = _open_session(model, model_path, intra_op_threads, precision)
+        model = _read_model(model_path, precision, int8_weights)
+        self._session = _open_session(model, model_path, intra_op_threads)
         # Until the one-core session is open, runs side by side share the main one.
         self._one_core_session = self._session
         #: Kept until the one-core session is opened from it.
@@ -89,7 +93,7 @@ class OnnxEmbedder:
         spread over all cores (no synchronisation inside a run). One single-threaded session
         serves them all: concurrent run() calls on a session are safe."""
         if self._model is not None:
-            self._one_core_session = _open_session(self._model, self._model_path, 1, self.precision)
+            self._one_core_session = _open_session(self._model, self._model_path, 1)
             self._model = None
         self.warm_up()
 
@@ -140,7 +144,7 @@ class OnnxEmbedder:
         return self.embed_tokenized(self.tokenize(texts))
 
 
-def _read_model(model_path: Path, precision: Precision) -> bytes:
+def _read_model(model_path: Path, precision: Precision, int8_weights: Int8Weights | None) -> bytes:
     """The model's bytes, rewritten for int8 activations in int8 mode."""
     try:
         model = model_path.read_bytes()
@@ -148,17 +152,20 @@ def _read_model(model_path: Path, precision: Precision) -> bytes:
         raise ModelError(f"cannot read {model_path}: {exc.strerror or exc}") from exc
     if precision == "float32":
         return model
+    if int8_weights is None:
+        support = int8_support()
+        if support.weights is None:
+            raise ModelError(support.reason)
+        int8_weights = support.weights
     from app.embedding.int8_activations import int8_activation_model
 
     try:
-        return int8_activation_model(model)
+        return int8_activation_model(model, int8_weights)
     except Exception as exc:  # a ValueError naming the setting, or a graph onnx cannot parse
         raise ModelError(f"model {model_path}: int8 mode unavailable: {exc}") from exc
 
 
-def _open_session(
-    model: bytes, model_path: Path, intra_op_threads: int, precision: Precision
-) -> ort.InferenceSession:
+def _open_session(model: bytes, model_path: Path, intra_op_threads: int) -> ort.InferenceSession:
     options = ort.SessionOptions()
     # BASIC (constant folding, redundant nodes removed), not ALL: the layout and fusion passes of
     # ALL made this model slower here (paired runs on the bench corpus: BASIC 0.92x, ALL 0.98x
@@ -166,11 +173,8 @@ def _open_session(
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     options.intra_op_num_threads = intra_op_threads
     options.log_severity_level = 3
-    if precision == "int8":
-        # On x64 CPUs without VNNI the u8s8 kernel can overflow its 16-bit sums
-        # (onnxruntime_session_options_config_keys.h); this picks the slower, exact u8u8 one
-        # there and changes nothing where VNNI runs.
-        options.add_session_config_entry("session.x64quantprecision", "1")
+    # No `session.x64quantprecision` for int8 mode: its weight rewrite runs at the EXTENDED
+    # level only, so at BASIC it changed nothing. The weights' type does it (int8_support.py).
     try:
         session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
     except Exception as exc:

@@ -93,8 +93,14 @@ class BatchOut(BaseModel):
 class EmbedderOut(BaseModel):
     state: EmbedderState
     model: str | None
-    #: float32 (the reference's arithmetic) or int8 (KP_EMBEDDER_PRECISION); null without a model.
-    precision: Precision | None
+    precision: Precision | None = Field(
+        description="float32 (the reference's arithmetic) or int8 (KP_EMBEDDER_PRECISION=int8 "
+        "on a CPU where int8 keeps scores within 0.01); null without a model."
+    )
+    precision_reason: str | None = Field(
+        description="With KP_EMBEDDER_PRECISION=int8: which int8 products this CPU runs, or why "
+        "int8 mode declined and the embedder runs float32 (the reference's vectors)."
+    )
     reason: str | None
 
 

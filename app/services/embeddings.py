@@ -153,6 +153,7 @@ class EmbeddingService:
         *,
         model_name: str | None,
         precision: Precision | None = None,
+        precision_reason: str | None = None,
         workers: int = 1,
         batch_size: int = 32,
         queue_limit: int = 256,
@@ -161,6 +162,8 @@ class EmbeddingService:
         self._factory = factory
         self.model_name = model_name
         self.precision = precision
+        #: With KP_EMBEDDER_PRECISION=int8: which int8 products run, or why float32 instead.
+        self.precision_reason = precision_reason
         self.state = EmbedderState.DISABLED if factory is None else EmbedderState.NOT_LOADED
         self.reason: str | None = "disabled by KP_EMBEDDER=none" if factory is None else None
         self.workers = workers
@@ -240,7 +243,12 @@ class EmbeddingService:
         self.state = EmbedderState.READY
         log.info(
             "embedder ready",
-            extra={"model": self.model_name, "precision": self.precision, "workers": self.workers},
+            extra={
+                "model": self.model_name,
+                "precision": self.precision,
+                "precision_reason": self.precision_reason,
+                "workers": self.workers,
+            },
         )
 
     async def _warm_up_once(self) -> None:

@@ -24,7 +24,13 @@ log = logging.getLogger(__name__)
 
 def embedder_out(services: Services) -> EmbedderOut:
     e = services.embeddings
-    return EmbedderOut(state=e.state, model=e.model_name, precision=e.precision, reason=e.reason)
+    return EmbedderOut(
+        state=e.state,
+        model=e.model_name,
+        precision=e.precision,
+        precision_reason=e.precision_reason,
+        reason=e.reason,
+    )
 
 
 @router.get("", summary="Cache size, limits and counters")
