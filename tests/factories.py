@@ -51,3 +51,20 @@ def make_trace(
         ],
         "outcome": {"result_summary": "Done", "confidence": confidence},
     }
+
+
+#: Distinct everyday objectives, for tests that need several traces unlike each other.
+TOPICS = [
+    "Reconcile the Q3 ledger against bank statements",
+    "Debug a flaky integration test in the CI pipeline",
+    "Triage a patient's chest pain symptoms",
+    "Answer a refund request for a damaged parcel",
+    "Tune the autovacuum settings of a busy database",
+    "Write a haiku about autumn leaves",
+    "Plan a three-day trip to Kyoto in spring",
+    "Estimate the carbon footprint of a data centre",
+    "Review a pull request for SQL injection",
+    "Summarise a paper on protein folding",
+    "Design a schema for an event ticketing system",
+    "Compare two mortgage offers with different fees",
+]

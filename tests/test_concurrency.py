@@ -25,23 +25,8 @@ from app.services.embeddings import (
     _Job,
 )
 from tests.conftest import fail_embedding_on, hold_runs
-from tests.factories import make_trace, step
+from tests.factories import TOPICS, make_trace, step
 from tests.server import running_server
-
-TOPICS = [
-    "Reconcile the Q3 ledger against bank statements",
-    "Debug a flaky integration test in the CI pipeline",
-    "Triage a patient's chest pain symptoms",
-    "Answer a refund request for a damaged parcel",
-    "Tune the autovacuum settings of a busy database",
-    "Write a haiku about autumn leaves",
-    "Plan a three-day trip to Kyoto in spring",
-    "Estimate the carbon footprint of a data centre",
-    "Review a pull request for SQL injection",
-    "Summarise a paper on protein folding",
-    "Design a schema for an event ticketing system",
-    "Compare two mortgage offers with different fees",
-]
 
 
 @asynccontextmanager

@@ -15,27 +15,12 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.factories import make_trace, step
+from tests.factories import TOPICS, make_trace, step
 from tests.server import TOKEN, LiveServer, RedisServer
 from tests.test_reference import SCORE_TOLERANCE, SEQUENCE
 
 PREFIX = "kp-replicas:"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-
-TOPICS = [
-    "Reconcile the Q3 ledger against bank statements",
-    "Debug a flaky integration test in the CI pipeline",
-    "Triage a patient's chest pain symptoms",
-    "Answer a refund request for a damaged parcel",
-    "Tune the autovacuum settings of a busy database",
-    "Write a haiku about autumn leaves",
-    "Plan a three-day trip to Kyoto in spring",
-    "Estimate the carbon footprint of a data centre",
-    "Review a pull request for SQL injection",
-    "Summarise a paper on protein folding",
-    "Design a schema for an event ticketing system",
-    "Compare two mortgage offers with different fees",
-]
 
 
 @pytest.fixture(scope="module")
