@@ -42,9 +42,15 @@ class ReferenceTiming:
 #: The reference SDK's first `evaluateValue` call in a fresh node process (transformers.js
 #: imported and the model loaded by that call), median of 5 processes.
 REFERENCE_FIRST_CALL = ReferenceTiming(
-    ms=0.0,
-    measured_on="TODO",
-    how="TODO",
+    ms=484.0,
+    measured_on="AMD EPYC, 2 cores, avx512_vnni",
+    how=(
+        "SDK commit 9ff0e3f bundled with esbuild, node 20.20.2, @huggingface/transformers 4.3.1 "
+        "(onnxruntime-node 1.30.0), the packaged model as onnx/model.onnx; a fresh node process "
+        "calls evaluateValue(examples/trace.json), which imports transformers and loads the "
+        "model; median of 5 processes (439-627 ms), alternating with 5 cold starts of this "
+        "service (first POST /evaluate 429-444 ms, median 442), 2026-11-23"
+    ),
 )
 
 
