@@ -45,7 +45,8 @@ from app.embedding.onnx_embedder import (
 
 log = logging.getLogger(__name__)
 
-#: Runs through the queue at load time, before the service reports itself ready.
+#: Runs through the queue that end the start-up (after the first answer, or before a preloaded
+#: service reports itself ready).
 _WARM_UP_REQUESTS = 3
 #: About the characters of English text that fill the 512-token window.
 _WINDOW_CHARS = 3000
@@ -207,7 +208,7 @@ class EmbeddingService:
 
     async def load(self) -> None:
         """Load the model once (the least the first request needs); concurrent callers wait for
-        the same load. The rest of the start-up is `warm_up`, after the first answer."""
+        the same load. The rest of the start-up is `_warm_up`, after the first answer."""
         if self._factory is None or self.state in (EmbedderState.READY, EmbedderState.UNAVAILABLE):
             return
         if self._load_task is None:
