@@ -11,7 +11,10 @@ from app.store.base import BackendInfo, Comparison, Vector
 def compare_in_order(
     cache: VectorCache, vectors: Sequence[Vector], *, add: bool
 ) -> list[Comparison]:
-    """Each vector against `cache`, then added to it when `add`."""
+    """Each vector against `cache`, then added to it when `add`. Without `add` (a dry run)
+    several vectors still see the ones before them, on a copy that is dropped afterwards."""
+    if not add and len(vectors) > 1:
+        cache, add = cache.copy(), True
     results = []
     for vector in vectors:
         size = cache.size
@@ -50,10 +53,7 @@ class InProcessMemory:
     async def compare(
         self, vectors: Sequence[Vector], trace_ids: Sequence[str], *, add: bool
     ) -> list[Comparison]:
-        if add or len(vectors) < 2:
-            return compare_in_order(self.cache, vectors, add=add)
-        # A dry run of several traces works on a copy: later traces still see earlier ones.
-        return compare_in_order(self.cache.copy(), vectors, add=True)
+        return compare_in_order(self.cache, vectors, add=add)
 
     async def stats(self) -> CacheStats:
         return self.cache.stats()

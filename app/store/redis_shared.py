@@ -301,18 +301,14 @@ class RedisSharedMemory:
                 compared = []
                 for vector in request.vectors:
                     entry_id = next(own)
-                    self._now_ms = _ms_of(entry_id)
-                    (comparison,) = compare_in_order(self.mirror, [vector], add=False)
-                    self.mirror.add(vector, added_at_ms=self._now_ms)
+                    self._now_ms = _ms_of(entry_id)  # the mirror's clock: the entry's time
+                    (comparison,) = compare_in_order(self.mirror, [vector], add=True)
                     self._last_id = entry_id
                     compared.append(comparison)
                 results.append(compared)
             else:
                 self._now_ms = max(self._now_ms, float(now_ms))
-                target = self.mirror.copy() if len(request.vectors) > 1 else self.mirror
-                results.append(
-                    compare_in_order(target, request.vectors, add=target is not self.mirror)
-                )
+                results.append(compare_in_order(self.mirror, request.vectors, add=False))
         self._adds_total, self._evictions_total = int(adds_total), int(evictions_total)
         return results
 
