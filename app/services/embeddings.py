@@ -218,7 +218,7 @@ class EmbeddingService:
     async def preload(self) -> None:
         """Load and warm up before the first request (KP_EMBEDDER_PRELOAD): nobody waits yet."""
         await self.load()
-        await self._warm_up_once()
+        await asyncio.shield(self._warm_up_started())
 
     async def _load(self) -> None:
         assert self._factory is not None
@@ -252,10 +252,11 @@ class EmbeddingService:
             },
         )
 
-    async def _warm_up_once(self) -> None:
+    def _warm_up_started(self) -> asyncio.Task[None]:
+        """The warm-up, started once: after the first answer, or by preload."""
         if self._warm_up_task is None:
             self._warm_up_task = asyncio.create_task(self._warm_up())
-        await asyncio.shield(self._warm_up_task)
+        return self._warm_up_task
 
     async def _warm_up(self) -> None:
         """What later runs need, kept out of the first request's way (a lazy load runs it after
@@ -311,8 +312,8 @@ class EmbeddingService:
         try:
             return await self._queued(texts)
         finally:
-            if self._warm_up_task is None and not self._closing:  # the first answer is on its way
-                self._warm_up_task = asyncio.create_task(self._warm_up())
+            if not self._closing:  # the first answer is on its way: warm up now
+                self._warm_up_started()
 
     async def _queued(self, texts: Sequence[str]) -> list[Embedding]:
         """Through the queue and a worker, as every request goes."""
