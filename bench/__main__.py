@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from app.domain.vector_cache import VectorCache
+from app.embedding.int8_support import RELEVANT_FLAGS, CpuFeatures
 from bench import corpus, load, megabyte, shared
 from bench.corpus import WORDS, Item
 from bench.floor import Floor
@@ -265,14 +266,10 @@ def machine() -> dict[str, Any]:
         (ln.split(":", 1)[1].strip() for ln in cpuinfo.splitlines() if ln.startswith("model name")),
         platform.processor(),
     )
-    flags_line = next((ln for ln in cpuinfo.splitlines() if ln.startswith("flags")), "")
-    flags = set(flags_line.split(":", 1)[-1].split())
     return {
         "cpu": model,
         "nproc": len(os.sched_getaffinity(0)),
-        "cpu_flags": sorted(
-            flags & {"avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8"}
-        ),
+        "cpu_flags": sorted(CpuFeatures.of_this_machine().flags & RELEVANT_FLAGS),
         "python": platform.python_version(),
         "onnxruntime": _version("onnxruntime"),
         "numpy": _version("numpy"),
