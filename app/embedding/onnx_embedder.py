@@ -71,7 +71,8 @@ class OnnxEmbedder:
         int8_weights: Int8Weights | None = None,
     ) -> None:
         """`defer`: open only what a first answer needs (the main session, not yet run once);
-        `finish_loading` then opens the one-core session and warms both up. `int8_weights`:
+        `finish_loading` then opens the one-core session, builds what long texts need to be
+        cut (token_window) and warms both sessions up. `int8_weights`:
         in int8 mode, the weights' type int8_support() chose for the CPU (None: ask it now;
         ModelError where int8 mode declines)."""
         self._window = TokenWindow(load_tokenizer(tokenizer_path), MAX_TOKENS)
@@ -95,6 +96,7 @@ class OnnxEmbedder:
         if self._model is not None:
             self._one_core_session = _open_session(self._model, self._model_path, 1)
             self._model = None
+        self._window.prepare()
         self.warm_up()
 
     def warm_up(self) -> None:

@@ -77,14 +77,20 @@ class TokenWindow:
             and isinstance(pre_tokenizer, BertPreTokenizer)
             and tokenizer.normalizer is None
         )
-        self._cut_chars = _cut_characters() if bert else None
+        self._bert = bert
         self._long_word = model.max_input_chars_per_word if bert else 0
         processor = tokenizer.post_processor
         self._special_tokens = processor.num_special_tokens_to_add(False) if processor else 0
 
+    def prepare(self) -> None:
+        """Builds the cut characters now (about 0.1 s) rather than on the first text longer
+        than the first prefix; a typical text never needs them."""
+        if self._bert:
+            _cut_characters()
+
     def window(self, text: str) -> Window:
         limit = self._first_prefix_chars
-        while self._cut_chars is not None and len(text) > limit:
+        while self._bert and len(text) > limit:
             cut = self._cut(text, limit)
             if cut is None:
                 break
@@ -108,8 +114,8 @@ class TokenWindow:
 
     def _cut(self, text: str, start: int) -> int | None:
         """The first clean cut at or after `start`, if any."""
-        assert self._cut_chars is not None
-        while (found := self._cut_chars.search(text, start)) is not None:
+        cut_chars = _cut_characters()
+        while (found := cut_chars.search(text, start)) is not None:
             cut = found.start()
             if not _inside_special_token(text, cut):
                 return cut
