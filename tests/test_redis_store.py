@@ -167,14 +167,16 @@ def test_ttl_expires_entries_for_every_replica_on_redis_s_clock(
     v = unit_vectors(2, seed=5)
 
     async def scenario() -> None:
-        async with replicas(redis_server, redis_prefix, ttl_ms=300) as (a, b):
+        # B's entry must outlive the two calls after it: a TTL far longer than they take even
+        # on a slow, busy machine; the sleep passes it whatever the machine's speed.
+        async with replicas(redis_server, redis_prefix, ttl_ms=1500) as (a, b):
             await a.compare([v[0]], ["old"], add=True)
-            await asyncio.sleep(0.6)  # past the TTL whatever the machine's speed
+            await asyncio.sleep(1.6)
             (fresh,) = await b.compare([v[1]], ["new"], add=True)
             assert fresh == Comparison(None, 0)  # A's entry expired before B's turn
             stats = await a.stats()
             assert stats.size == 1
-            assert stats.ttl_ms == 300
+            assert stats.ttl_ms == 1500
 
     run(scenario)
     # Redis dropped it too (XTRIM MINID at Redis's TIME).
