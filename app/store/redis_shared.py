@@ -140,6 +140,7 @@ class RedisSharedMemory:
         self._queue: deque[_Exchange | _Reset] = deque()
         self._flusher: asyncio.Task[None] | None = None
         self._probe: asyncio.Task[None] | None = None
+        self._closed = False
         self._available = True  # until an exchange says otherwise
         self._reason: str | None = None
         self._outages_total = 0
@@ -176,6 +177,7 @@ class RedisSharedMemory:
             await self._sync()
 
     async def close(self) -> None:
+        self._closed = True
         for task in (self._probe, self._flusher):
             if task is not None:
                 task.cancel()
@@ -191,6 +193,7 @@ class RedisSharedMemory:
     ) -> list[Comparison]:
         if not self._available:
             self._unmeasured_in_outage += len(vectors)
+            self._ensure_probe()
             raise MemoryUnavailableError(self._unavailable_detail())
         request = _Exchange(vectors, trace_ids, add)
         return await self._submit(request, request.future)
@@ -363,7 +366,7 @@ class RedisSharedMemory:
             "until Redis answers again",
             extra={"redis": self.location, "prefix": self.prefix, "reason": self._reason},
         )
-        self._probe = asyncio.create_task(self._reconnect())
+        self._ensure_probe()
 
     def _went_up(self) -> None:
         if self._available:
@@ -378,11 +381,22 @@ class RedisSharedMemory:
             },
         )
 
+    def _ensure_probe(self) -> None:
+        """A probe runs while the memory is unavailable: it is what notices that Redis is
+        back, or that a reset elsewhere gave the shared memory this replica's settings."""
+        if not self._closed and (self._probe is None or self._probe.done()):
+            self._probe = asyncio.create_task(self._reconnect())
+
     async def _reconnect(self) -> None:
         while not self._available:
             await asyncio.sleep(RETRY_INTERVAL_S)
-            with contextlib.suppress(MemoryUnavailableError):
+            try:
                 await self._sync()
+            except MemoryUnavailableError:
+                pass
+            except Exception:
+                # The probe must outlive any surprise, or the replica stays refused for good.
+                log.exception("shared cache probe failed; retrying")
 
 
 def _describe(exc: BaseException) -> str:
