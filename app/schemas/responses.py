@@ -30,6 +30,12 @@ class WeightsOut(BaseModel):
     outcome_confidence: float
 
 
+class NearestOut(BaseModel):
+    trace_id: str = Field(description="The id of the stored trace ('' if it was stored without).")
+    cosine: float = Field(description="Its cosine with this trace: max_cosine.")
+    age_ms: float = Field(description="How long before this trace it was stored, in ms.")
+
+
 class NoveltyOut(BaseModel):
     measured: bool = Field(description="True only when novelty came from a cosine comparison.")
     reason: NoveltyReason | None = Field(description="Why novelty was not measured.")
@@ -45,6 +51,11 @@ class NoveltyOut(BaseModel):
     )
     truncated: bool | None = Field(
         description="Whether the text went past the 512-token window (its tail did not count)."
+    )
+    nearest: NearestOut | None = Field(
+        default=None,
+        description="When novelty is measured: the stored trace with the largest cosine "
+        "(ties: the newest); null otherwise.",
     )
 
 

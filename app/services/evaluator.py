@@ -16,7 +16,7 @@ from typing import Literal
 from app.domain import scoring
 from app.schemas.trace import ReasoningTrace
 from app.services.embeddings import EmbedderUnavailableError, Embedding, EmbeddingService
-from app.store.base import Comparison, MemoryUnavailableError, NoveltyMemory
+from app.store.base import Comparison, MemoryUnavailableError, NearestTrace, NoveltyMemory
 
 NoveltyReason = Literal[
     "embedder_unavailable", "embedding_failed", "cache_empty", "cache_unavailable"
@@ -32,6 +32,7 @@ class NoveltyReport:
     cache_size: int
     tokens: int | None
     truncated: bool | None
+    nearest: NearestTrace | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,4 +108,5 @@ def _report(comparison: Comparison, embedding: Embedding) -> NoveltyReport:
         comparison.size,
         embedding.token_count,
         embedding.truncated,
+        comparison.nearest,
     )

@@ -20,11 +20,22 @@ class MemoryUnavailableError(Exception):
 
 
 @dataclass(frozen=True, slots=True)
+class NearestTrace:
+    """The stored trace with the largest cosine (ties: the newest), and how long ago it was
+    stored, as of this trace's turn."""
+
+    trace_id: str
+    cosine: float
+    age_ms: float
+
+
+@dataclass(frozen=True, slots=True)
 class Comparison:
     """One trace against the memory as it stood just before that trace's turn."""
 
     max_cosine: float | None  # None: the memory was empty
     size: int  # vectors compared against
+    nearest: NearestTrace | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,24 +4,40 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from app.domain.vector_cache import CacheStats, VectorCache
-from app.store.base import BackendInfo, Comparison, Vector
+import numpy as np
+
+from app.domain.vector_cache import CacheStats, Nearest, VectorCache, exact_cosine
+from app.store.base import BackendInfo, Comparison, NearestTrace, Vector
 
 
 def compare_in_order(
-    cache: VectorCache, vectors: Sequence[Vector], *, add: bool
+    cache: VectorCache, vectors: Sequence[Vector], trace_ids: Sequence[str], *, add: bool
 ) -> list[Comparison]:
     """Each vector against `cache`, then added to it when `add`. Without `add` (a dry run)
-    several vectors still see the ones before them, on a copy that is dropped afterwards."""
-    if not add and len(vectors) > 1:
-        cache, add = cache.copy(), True
+    several vectors still see the ones before them: the cache is left as it is, and each is
+    compared with it less the oldest entries the earlier ones would have evicted, and with
+    the earlier ones themselves (newer than any cached entry, so they win ties)."""
     results = []
-    for vector in vectors:
+    pending: list[tuple[Vector, str]] = []
+    for vector, trace_id in zip(vectors, trace_ids, strict=True):
+        now = cache.now_ms()
         size = cache.size
-        best = cache.max_cosine_similarity(vector) if size else None
-        results.append(Comparison(best, size))
+        evicted = max(0, size + len(pending) - cache.capacity)
+        found = cache.nearest(vector, skip_oldest=evicted)
+        for earlier, earlier_id in pending:
+            cosine = exact_cosine(np.asarray(vector, dtype=np.float32), earlier)
+            if found is None or cosine >= found.cosine:
+                found = Nearest(cosine, earlier_id, now)
+        seen = min(cache.capacity, size + len(pending))
+        if found is None:
+            results.append(Comparison(None, 0))
+        else:
+            nearest = NearestTrace(found.trace_id, found.cosine, max(0.0, now - found.added_at_ms))
+            results.append(Comparison(found.cosine, seen, nearest))
         if add:
-            cache.add(vector)
+            cache.add(vector, trace_id=trace_id)
+        else:
+            pending.append((np.asarray(vector, dtype=np.float32), trace_id))
     return results
 
 
@@ -53,7 +69,7 @@ class InProcessMemory:
     async def compare(
         self, vectors: Sequence[Vector], trace_ids: Sequence[str], *, add: bool
     ) -> list[Comparison]:
-        return compare_in_order(self.cache, vectors, add=add)
+        return compare_in_order(self.cache, vectors, trace_ids, add=add)
 
     async def stats(self) -> CacheStats:
         return self.cache.stats()

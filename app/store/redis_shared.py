@@ -293,36 +293,40 @@ class RedisSharedMemory:
             self.mirror.clear()
             self._epoch, self._last_id = epoch, b"0-0"
         for entry_id, fields in entries:
-            vector = self._vector_of(fields)
+            vector, trace_id = self._entry_of(fields)
             self._now_ms = _ms_of(entry_id)
-            self.mirror.add(vector, added_at_ms=self._now_ms)
+            self.mirror.add(vector, added_at_ms=self._now_ms, trace_id=trace_id)
             self._last_id = entry_id
         own = iter(own_ids)
         results = []
         for request in group:
             if request.add:
                 compared = []
-                for vector in request.vectors:
+                for vector, trace_id in zip(request.vectors, request.trace_ids, strict=True):
                     entry_id = next(own)
                     self._now_ms = _ms_of(entry_id)  # the mirror's clock: the entry's time
-                    (comparison,) = compare_in_order(self.mirror, [vector], add=True)
+                    (comparison,) = compare_in_order(self.mirror, [vector], [trace_id], add=True)
                     self._last_id = entry_id
                     compared.append(comparison)
                 results.append(compared)
             else:
                 self._now_ms = max(self._now_ms, float(now_ms))
-                results.append(compare_in_order(self.mirror, request.vectors, add=False))
+                results.append(
+                    compare_in_order(self.mirror, request.vectors, request.trace_ids, add=False)
+                )
         self._adds_total, self._evictions_total = int(adds_total), int(evictions_total)
         return results
 
-    def _vector_of(self, fields: list[bytes]) -> Vector:
-        data = dict(zip(fields[::2], fields[1::2], strict=True)).get(b"v", b"")
+    def _entry_of(self, fields: list[bytes]) -> tuple[Vector, str]:
+        named = dict(zip(fields[::2], fields[1::2], strict=True))
+        data = named.get(b"v", b"")
         if len(data) != self.mirror.dimensions * _WIRE.itemsize:
             raise ValueError(
                 f"a log entry holds {len(data)} bytes, not a {self.mirror.dimensions}-float "
                 "vector: another kind of service writes under this KP_REDIS_PREFIX"
             )
-        return np.frombuffer(data, dtype=_WIRE).astype(np.float32)
+        trace_id = named.get(b"trace", b"").decode("utf-8", "replace")
+        return np.frombuffer(data, dtype=_WIRE).astype(np.float32), trace_id
 
     async def _run_reset(self, item: _Reset) -> None:
         try:
