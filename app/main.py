@@ -98,7 +98,14 @@ def build_memory(
     """The novelty memory the settings ask for: this process's, or the one shared through
     KP_REDIS_URL (connected by its start()); `precision` as for build_snapshots."""
     if settings.redis_url is None:
-        return InProcessMemory(VectorCache(settings.cache_capacity, ttl_ms=settings.cache_ttl_ms))
+        return InProcessMemory(
+            VectorCache(
+                settings.cache_capacity,
+                ttl_ms=settings.cache_ttl_ms,
+                search=settings.cache_search,
+                index_threshold=settings.cache_index_threshold,
+            )
+        )
     model_id = None
     if files is not None:
         try:
@@ -114,6 +121,8 @@ def build_memory(
         ttl_ms=settings.cache_ttl_ms,
         timeout_ms=settings.redis_timeout_ms,
         model=model_id,
+        search=settings.cache_search,
+        index_threshold=settings.cache_index_threshold,
     )
 
 

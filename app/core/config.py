@@ -35,6 +35,11 @@ class Settings(BaseSettings):
 
     cache_capacity: Annotated[int, Field(ge=1)] = 1000
     cache_ttl_ms: Annotated[float, Field(gt=0)] | None = None
+    #: exact: the exact scan at any size (operators check the index with it); auto: an
+    #: approximate index proposes candidates, rescored exactly, from KP_CACHE_INDEX_THRESHOLD
+    #: entries on (README, "A large memory").
+    cache_search: Literal["exact", "auto"] = "auto"
+    cache_index_threshold: Annotated[int, Field(ge=1_000)] = 20_000
     cache_snapshot_path: Path | None = None
     cache_snapshot_interval_s: Annotated[float, Field(gt=0)] = 30.0
 

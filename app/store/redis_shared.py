@@ -49,7 +49,12 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 from redis.retry import Retry
 
-from app.domain.vector_cache import CacheStats, VectorCache
+from app.domain.vector_cache import (
+    DEFAULT_INDEX_THRESHOLD,
+    CacheStats,
+    SearchMode,
+    VectorCache,
+)
 from app.store.base import BackendInfo, Comparison, MemoryUnavailableError, Vector
 from app.store.in_process import compare_in_order
 
@@ -112,6 +117,8 @@ class RedisSharedMemory:
         timeout_ms: float,
         model: str | None,
         dimensions: int = 384,
+        search: SearchMode = "auto",
+        index_threshold: int = DEFAULT_INDEX_THRESHOLD,
     ) -> None:
         self.location = location
         self.prefix = prefix
@@ -132,7 +139,14 @@ class RedisSharedMemory:
         self._reset_script = self._client.register_script(script_text("reset.lua"))
         self._keys = [f"{prefix}novelty:log", f"{prefix}novelty:meta"]
         self._now_ms = 0.0  # Redis's clock as of the step being applied
-        self.mirror = VectorCache(capacity, dimensions, ttl_ms, clock_ms=lambda: self._now_ms)
+        self.mirror = VectorCache(
+            capacity,
+            dimensions,
+            ttl_ms,
+            clock_ms=lambda: self._now_ms,
+            search=search,
+            index_threshold=index_threshold,
+        )
         self._epoch = b""
         self._last_id = b"0-0"
         self._adds_total = 0
