@@ -45,7 +45,7 @@ DEFAULT_INDEX_THRESHOLD = 20_000
 TAIL_BATCH = 512
 #: Rows the background work copies or scans under the lock at a time, so a request never
 #: waits for more than about a millisecond of it.
-_CHUNK = 16_384
+_CHUNK = 4_096
 #: One index query in this many is rerun exactly in the background (the self-check).
 AUDIT_EVERY = 100
 _AUDIT_QUEUE = 64

@@ -6,7 +6,12 @@ checksum over the payload catches damage; a snapshot made by another model (or d
 set aside rather than loaded, since its vectors would not be comparable.
 
 Layout: 8-byte magic, 4-byte little-endian header length, JSON header, then the payload:
-`count x dimensions` float32 vectors followed by `count` float64 insertion times (ms).
+`count x dimensions` float32 vectors, `count` float64 insertion times (ms), then (format 2)
+the trace ids as one JSON array of strings (`trace_ids_bytes` long). Format 1 files, without
+trace ids, still load (their entries name no trace).
+
+A large cache is copied a chunk at a time (queries go on between chunks), hashed and written
+from those copies in a worker thread, without joining them into one more buffer.
 """
 
 from __future__ import annotations
@@ -23,13 +28,15 @@ from enum import StrEnum
 from pathlib import Path
 
 import numpy as np
+import orjson
 
 from app.domain.vector_cache import CacheEntries, VectorCache
 
 log = logging.getLogger(__name__)
 
 MAGIC = b"KPCACHE1"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+_READABLE_VERSIONS = (1, 2)
 _HEADER_LEN = struct.Struct("<I")
 _MAX_HEADER = 64 * 1024
 
@@ -66,22 +73,28 @@ def write_snapshot(path: Path, entries: CacheEntries, model_id: str) -> None:
     """Atomically replace `path` with a snapshot of `entries`."""
     vectors = np.ascontiguousarray(entries.vectors, dtype="<f4")
     times = np.ascontiguousarray(entries.added_at_ms, dtype="<f8")
-    payload = vectors.tobytes() + times.tobytes()
+    ids = orjson.dumps(list(entries.ids()))
+    parts = [vectors.view(np.uint8).reshape(-1).data, times.view(np.uint8).data, memoryview(ids)]
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(part)
     header = json.dumps(
         {
             "version": FORMAT_VERSION,
             "model": model_id,
             "dimensions": int(vectors.shape[1]),
             "count": int(vectors.shape[0]),
+            "trace_ids_bytes": len(ids),
             "saved_at_ms": time.time() * 1000.0,
-            "payload_sha256": hashlib.sha256(payload).hexdigest(),
+            "payload_sha256": digest.hexdigest(),
         }
     ).encode()
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with tmp.open("wb") as f:
             f.write(MAGIC + _HEADER_LEN.pack(len(header)) + header)
-            f.write(payload)
+            for part in parts:
+                f.write(part)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -106,9 +119,10 @@ def read_snapshot(path: Path, model_id: str, dimensions: int) -> CacheEntries:
         count, dims = int(header["count"]), int(header["dimensions"])
         version, snapshot_model = header["version"], str(header["model"])
         checksum = str(header["payload_sha256"])
+        ids_len = int(header.get("trace_ids_bytes", 0))
     except (ValueError, KeyError, TypeError) as exc:
         raise SnapshotError("corrupt", f"unreadable snapshot header: {exc}") from None
-    if version != FORMAT_VERSION:
+    if version not in _READABLE_VERSIONS:
         raise SnapshotError("corrupt", f"unknown snapshot format version {version!r}")
     if snapshot_model != model_id or dims != dimensions:
         raise SnapshotError(
@@ -117,7 +131,7 @@ def read_snapshot(path: Path, model_id: str, dimensions: int) -> CacheEntries:
             f"this service runs {model_id} ({dimensions} dimensions)",
         )
     payload = data[start + header_len :]
-    if count < 0 or len(payload) != count * dims * 4 + count * 8:
+    if count < 0 or ids_len < 0 or len(payload) != count * dims * 4 + count * 8 + ids_len:
         raise SnapshotError("corrupt", "snapshot payload is truncated or too long")
     if hashlib.sha256(payload).hexdigest() != checksum:
         raise SnapshotError("corrupt", "snapshot checksum does not match its payload")
@@ -125,7 +139,15 @@ def read_snapshot(path: Path, model_id: str, dimensions: int) -> CacheEntries:
     times = np.frombuffer(payload, dtype="<f8", offset=count * dims * 4, count=count)
     if not (np.isfinite(vectors).all() and np.isfinite(times).all()):
         raise SnapshotError("corrupt", "snapshot holds non-finite values")
-    return CacheEntries(vectors.astype(np.float32), times.astype(np.float64))
+    trace_ids: list[str] = [""] * count
+    if ids_len:
+        try:
+            trace_ids = orjson.loads(payload[count * dims * 4 + count * 8 :])
+        except orjson.JSONDecodeError as exc:
+            raise SnapshotError("corrupt", f"unreadable trace ids: {exc}") from None
+        if not isinstance(trace_ids, list) or len(trace_ids) != count:
+            raise SnapshotError("corrupt", "the trace ids do not match the vectors")
+    return CacheEntries(vectors.astype(np.float32), times.astype(np.float64), trace_ids)
 
 
 def _fsync_dir(directory: Path) -> None:
