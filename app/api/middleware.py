@@ -48,6 +48,11 @@ class _Refusal:
     body_left: bool = False
 
 
+#: Bodies read as a stream by their route, which applies its own limits (POST /cache/import:
+#: NDJSON, KP_CACHE_IMPORT_MAX_BYTES).
+STREAMED = frozenset({"/cache/import"})
+
+
 class RequestGuard:
     def __init__(
         self,
@@ -87,7 +92,7 @@ class RequestGuard:
 
         try:
             refusal = None
-            if scope["method"] in ("POST", "PUT", "PATCH"):
+            if scope["method"] in ("POST", "PUT", "PATCH") and scope["path"] not in STREAMED:
                 refusal, receive = await self._read_body(headers, receive)
             if refusal is None:
                 await self.app(scope, receive, send_with_id)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -306,6 +306,34 @@ class VectorCache:
             self._size += 1
             self.adds_total += 1
             self._maintain_index()
+
+    def append(self, entries: CacheEntries) -> tuple[int, int]:
+        """Adds `entries` (oldest first) as the newest entries, each keeping its time where
+        the order allows (raised to the newest entry's, lowered to now); an entry already
+        past the TTL is skipped. Returns (added, skipped)."""
+        added = skipped = 0
+        with self._lock:
+            now = self._clock_ms()
+            for vector, added_at, trace_id in zip(
+                entries.vectors, entries.added_at_ms, entries.ids(), strict=True
+            ):
+                if self.ttl_ms is not None and added_at <= now - self.ttl_ms:
+                    skipped += 1
+                    continue
+                self.add(vector, min(float(added_at), now), trace_id)
+                added += 1
+        return added, skipped
+
+    def chunks(self, size: int = _CHUNK) -> Iterator[CacheEntries]:
+        """The live entries oldest first, a copy of `size` at a time (for exports); entries
+        evicted meanwhile are left out, entries added meanwhile are not included."""
+        first, stop = self.sequence_range
+        seq = first
+        while seq < stop:
+            chunk = self.entries_between(seq, min(stop, seq + size))
+            seq += size
+            if len(chunk.vectors):
+                yield chunk
 
     def copy(self) -> VectorCache:
         """An independent cache with the same entries and settings, searched exactly (it

@@ -154,6 +154,12 @@ class ClearedOut(BaseModel):
     cleared: int
 
 
+class ImportedOut(BaseModel):
+    imported: int = Field(description="Entries added, in order, as the newest.")
+    expired: int = Field(description="Entries skipped: already past KP_CACHE_TTL_MS.")
+    lines: int = Field(description="Lines read (blank ones included).")
+
+
 class HealthOut(BaseModel):
     status: Literal["ok"]
 

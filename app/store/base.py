@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
-from app.domain.vector_cache import CacheStats
+from app.domain.vector_cache import CacheEntries, CacheStats
 
 Vector = npt.NDArray[np.float32]
 
@@ -63,6 +63,9 @@ class NoveltyMemory(Protocol):
         ...
 
     @property
+    def dimensions(self) -> int: ...
+
+    @property
     def evictions_total(self) -> int: ...
 
     async def start(self) -> None: ...
@@ -82,4 +85,13 @@ class NoveltyMemory(Protocol):
 
     async def clear(self) -> int:
         """Empty the memory (for every replica); how many vectors were dropped."""
+        ...
+
+    def export_chunks(self) -> AsyncIterator[CacheEntries]:
+        """Every entry, oldest first, a chunk at a time."""
+        ...
+
+    async def import_entries(self, entries: CacheEntries) -> tuple[int, int]:
+        """Appends `entries` in order as the newest (capacity and TTL apply); returns
+        (added, skipped as expired). MemoryUnavailableError when it cannot be reached."""
         ...

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+from collections.abc import AsyncIterator, Sequence
 
 import numpy as np
 
-from app.domain.vector_cache import CacheStats, Nearest, VectorCache, exact_cosine
+from app.domain.vector_cache import CacheEntries, CacheStats, Nearest, VectorCache, exact_cosine
 from app.store.base import BackendInfo, Comparison, NearestTrace, Vector
 
 
@@ -57,6 +58,10 @@ class InProcessMemory:
         return self.cache.size
 
     @property
+    def dimensions(self) -> int:
+        return self.cache.dimensions
+
+    @property
     def evictions_total(self) -> int:
         return self.cache.evictions_total
 
@@ -76,3 +81,12 @@ class InProcessMemory:
 
     async def clear(self) -> int:
         return self.cache.clear()
+
+    async def export_chunks(self) -> AsyncIterator[CacheEntries]:
+        for chunk in self.cache.chunks():
+            yield chunk
+            await asyncio.sleep(0)  # other requests go on between chunks
+
+    async def import_entries(self, entries: CacheEntries) -> tuple[int, int]:
+        # No await: the whole request is one step of the order.
+        return self.cache.append(entries)

@@ -38,7 +38,7 @@ import dataclasses
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any, TypeVar
@@ -51,6 +51,7 @@ from redis.retry import Retry
 
 from app.domain.vector_cache import (
     DEFAULT_INDEX_THRESHOLD,
+    CacheEntries,
     CacheStats,
     SearchMode,
     VectorCache,
@@ -64,6 +65,8 @@ RETRY_INTERVAL_S = 0.5
 #: Vectors one exchange appends at most when it carries several requests (a larger batch
 #: still goes whole, alone).
 GROUP_VECTORS = 256
+#: Entries one run of import.lua appends (about 1.5 MB of vectors).
+IMPORT_BATCH = 1000
 _WIRE = np.dtype("<f4")
 _T = TypeVar("_T")
 
@@ -137,6 +140,7 @@ class RedisSharedMemory:
         )
         self._exchange_script = self._client.register_script(script_text("exchange.lua"))
         self._reset_script = self._client.register_script(script_text("reset.lua"))
+        self._import_script = self._client.register_script(script_text("import.lua"))
         self._keys = [f"{prefix}novelty:log", f"{prefix}novelty:meta"]
         self._now_ms = 0.0  # Redis's clock as of the step being applied
         self.mirror = VectorCache(
@@ -178,6 +182,10 @@ class RedisSharedMemory:
     @property
     def size(self) -> int:
         return self.mirror.size
+
+    @property
+    def dimensions(self) -> int:
+        return self.mirror.dimensions
 
     @property
     def evictions_total(self) -> int:
@@ -229,6 +237,42 @@ class RedisSharedMemory:
         # settings when the replicas' KP_CACHE_* disagree with it.
         reset = _Reset()
         return await self._submit(reset, reset.future)
+
+    async def export_chunks(self) -> AsyncIterator[CacheEntries]:
+        """The shared memory, brought up to date, from this replica's mirror of it."""
+        await self._sync()
+        for chunk in self.mirror.chunks():
+            yield chunk
+            await asyncio.sleep(0)
+
+    async def import_entries(self, entries: CacheEntries) -> tuple[int, int]:
+        """Appended by import.lua, IMPORT_BATCH entries a run (Redis serves others between
+        runs); the replicas' mirrors, this one's too, read them from the log as usual."""
+        if not self._available:
+            raise MemoryUnavailableError(self._unavailable_detail())
+        added = skipped = 0
+        settings = [str(self.capacity), _number(self.ttl_ms), self.model]
+        ids = entries.ids()
+        for start in range(0, len(entries.vectors), IMPORT_BATCH):
+            args: list[bytes | str] = list(settings)
+            for i in range(start, min(start + IMPORT_BATCH, len(entries.vectors))):
+                args += [
+                    ids[i],
+                    repr(float(entries.added_at_ms[i])),
+                    np.asarray(entries.vectors[i], dtype=_WIRE).tobytes(),
+                ]
+            try:
+                async with asyncio.timeout(self._timeout_s):
+                    appended, expired = await self._import_script(keys=self._keys, args=args)
+            except (RedisError, OSError, TimeoutError) as exc:
+                self._went_down(exc)
+                raise MemoryUnavailableError(
+                    f"{self._unavailable_detail()} ({added} entries of this import were "
+                    "added before it failed)"
+                ) from None
+            added, skipped = added + int(appended), skipped + int(expired)
+        await self._sync()
+        return added, skipped
 
     # ── one exchange at a time ──────────────────────────────────────────────
 
