@@ -62,6 +62,26 @@ class Metrics:
             "Times the shared cache's Redis became unreachable since start.",
             registry=r,
         )
+        self.cache_index_entries = Gauge(
+            "kp_cache_index_entries",
+            "Entries in the approximate index (KP_CACHE_SEARCH=auto past "
+            "KP_CACHE_INDEX_THRESHOLD); the newest few wait in a tail scanned exactly.",
+            registry=r,
+        )
+        self.cache_index_building = Gauge(
+            "kp_cache_index_building", "1 while the index is being built.", registry=r
+        )
+        self.cache_recall_checks = Gauge(
+            "kp_cache_recall_checks",
+            "Sampled index answers rerun with the exact scan since start (the self-check).",
+            registry=r,
+        )
+        self.cache_recall_agreements = Gauge(
+            "kp_cache_recall_agreements",
+            "Of those, answers whose max_cosine equalled the exact scan's: recall in "
+            "production is agreements / checks.",
+            registry=r,
+        )
         self.embedder_state = Gauge(
             "kp_embedder_state", "1 for the embedder's current state.", ["state"], registry=r
         )

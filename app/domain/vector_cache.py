@@ -86,6 +86,7 @@ class IndexStatus:
     state: IndexState
     indexed: int  # entries in the index (the rest are in the exactly-scanned tail)
     progress: float | None  # while building: the share of entries indexed so far
+    warming: bool  # the first build since the cache was filled (restart, catch-up) runs
     audits_total: int  # index answers rerun exactly
     audit_agreements_total: int  # ... that found the same maximum
 
@@ -151,6 +152,9 @@ class VectorCache:
         self._building: threading.Thread | None = None
         self._build_progress = 0.0
         self._generation = 0  # changes with clear/load: a build of an older one is dropped
+        # Set once an index has served: later builds (after a clear, past the threshold
+        # again) happen while the exact scan answers and do not make the service unready.
+        self._ever_indexed = False
         self._queries = 0
         self._audit_queue: deque[tuple[Vector, float, int]] = deque(maxlen=_AUDIT_QUEUE)
         self.audits_total = 0
@@ -240,6 +244,7 @@ class VectorCache:
                 state=state,
                 indexed=min(indexed, self._size),
                 progress=self._build_progress if building else None,
+                warming=building and not self._ever_indexed,
                 audits_total=self.audits_total,
                 audit_agreements_total=self.audit_agreements_total,
             )
@@ -485,6 +490,7 @@ class VectorCache:
                 if next_seq - seq < TAIL_BATCH:
                     # Caught up: what is left stays in the tail.
                     self._index, self._indexed_upto = index, seq
+                    self._ever_indexed = True
                     self._purged_upto = first
                     self._build_progress = 1.0
                     return

@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
 
+from app.domain.vector_cache import IndexStatus
 from app.embedding.onnx_embedder import Precision
 from app.schemas.trace import ReasoningTrace
 from app.services.embeddings import EmbedderState
@@ -181,8 +182,31 @@ class SnapshotOut(BaseModel):
         return cls(**fields)
 
 
+class CacheIndexOut(BaseModel):
+    search: Literal["exact", "auto"] = Field(description="KP_CACHE_SEARCH.")
+    threshold: int = Field(
+        description="KP_CACHE_INDEX_THRESHOLD: entries from which the "
+        "index answers (with KP_CACHE_SEARCH=auto)."
+    )
+    state: Literal["off", "building", "ready"]
+    indexed: int = Field(description="Entries in the index.")
+    progress: float | None = Field(description="While building: the share indexed so far.")
+    warming: bool = Field(
+        description="The first build since start (or catch-up) runs: not ready yet."
+    )
+    audits_total: int = Field(description="Index answers rerun exactly (the self-check).")
+    audit_agreements_total: int = Field(description="Of those, answers equal to the exact one.")
+
+    @classmethod
+    def of(cls, status: IndexStatus) -> CacheIndexOut:
+        return cls(**asdict(status))
+
+
 class ReadyOut(BaseModel):
-    status: Literal["ready", "degraded"]
+    status: Literal["ready", "degraded", "warming"] = Field(
+        description="warming: the cache's index is being built after a start (cache_warming "
+        "in warnings, with progress); scoring works meanwhile, on the exact scan."
+    )
     degraded: bool = Field(
         description="True when novelty is not measured (N fixed at 0.5): no embedder, or the "
         "shared cache unreachable."
@@ -190,6 +214,7 @@ class ReadyOut(BaseModel):
     embedder: EmbedderOut
     cache_size: int
     cache_backend: CacheBackendOut
+    cache_index: CacheIndexOut
     admin_auth: bool = Field(description="Whether /cache needs a bearer token.")
     snapshot: SnapshotOut
     warnings: list[str]

@@ -9,7 +9,7 @@ from typing import Literal, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from app.domain.vector_cache import CacheEntries, CacheStats
+from app.domain.vector_cache import CacheEntries, CacheStats, IndexStatus
 
 Vector = npt.NDArray[np.float32]
 
@@ -67,6 +67,14 @@ class NoveltyMemory(Protocol):
 
     @property
     def evictions_total(self) -> int: ...
+
+    def index_status(self) -> IndexStatus:
+        """The approximate index of this process's copy of the memory."""
+        ...
+
+    def run_audit(self, limit: int) -> int:
+        """Reruns sampled index answers exactly (blocking: call from a worker thread)."""
+        ...
 
     async def start(self) -> None: ...
 

@@ -7,7 +7,14 @@ from collections.abc import AsyncIterator, Sequence
 
 import numpy as np
 
-from app.domain.vector_cache import CacheEntries, CacheStats, Nearest, VectorCache, exact_cosine
+from app.domain.vector_cache import (
+    CacheEntries,
+    CacheStats,
+    IndexStatus,
+    Nearest,
+    VectorCache,
+    exact_cosine,
+)
 from app.store.base import BackendInfo, Comparison, NearestTrace, Vector
 
 
@@ -56,6 +63,12 @@ class InProcessMemory:
     @property
     def size(self) -> int:
         return self.cache.size
+
+    def index_status(self) -> IndexStatus:
+        return self.cache.index_status()
+
+    def run_audit(self, limit: int) -> int:
+        return self.cache.run_audit(limit)
 
     @property
     def dimensions(self) -> int:

@@ -53,6 +53,7 @@ from app.domain.vector_cache import (
     DEFAULT_INDEX_THRESHOLD,
     CacheEntries,
     CacheStats,
+    IndexStatus,
     SearchMode,
     VectorCache,
 )
@@ -182,6 +183,12 @@ class RedisSharedMemory:
     @property
     def size(self) -> int:
         return self.mirror.size
+
+    def index_status(self) -> IndexStatus:
+        return self.mirror.index_status()
+
+    def run_audit(self, limit: int) -> int:
+        return self.mirror.run_audit(limit)
 
     @property
     def dimensions(self) -> int:

@@ -7,7 +7,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from app.api.deps import ServicesDep
 from app.api.routes.cache import embedder_out
-from app.schemas.responses import CacheBackendOut, HealthOut, ReadyOut, SnapshotOut
+from app.schemas.responses import (
+    CacheBackendOut,
+    CacheIndexOut,
+    HealthOut,
+    ReadyOut,
+    SnapshotOut,
+)
 from app.services.embeddings import EmbedderState
 from app.services.snapshots import SnapshotState
 
@@ -35,17 +41,24 @@ async def readyz(services: ServicesDep) -> ReadyOut:
             f"novelty is not measured (fixed at 0.5): the shared cache at {backend.location} "
             f"is unavailable: {backend.reason}"
         )
+    index = services.memory.index_status()
+    if index.warming:
+        warnings.append(
+            f"cache_warming: building the cache's index, {100 * (index.progress or 0):.0f}% "
+            "done; the exact scan answers meanwhile"
+        )
     snapshot = services.snapshots.status
     if snapshot.state in (SnapshotState.SET_ASIDE, SnapshotState.ERROR):
         warnings.append(f"cache snapshot {snapshot.state.value}: {snapshot.detail}")
     if snapshot.last_save_error is not None:
         warnings.append(f"cache snapshot not saved: {snapshot.last_save_error}")
     return ReadyOut(
-        status="degraded" if degraded else "ready",
+        status="degraded" if degraded else "warming" if index.warming else "ready",
         degraded=degraded,
         embedder=embedder_out(services),
         cache_size=services.memory.size,
         cache_backend=CacheBackendOut.of(backend),
+        cache_index=CacheIndexOut.of(index),
         admin_auth=services.settings.admin_token is not None,
         snapshot=SnapshotOut.of(snapshot),
         warnings=warnings,
@@ -64,6 +77,11 @@ async def metrics(services: ServicesDep) -> Response:
     for cores, runs in services.embeddings.runs_total.items():
         m.embed_runs.labels(cores).set(runs)
     m.snapshot_save_errors.set(services.snapshots.status.save_errors_total)
+    index = services.memory.index_status()
+    m.cache_index_entries.set(index.indexed)
+    m.cache_index_building.set(1 if index.state == "building" else 0)
+    m.cache_recall_checks.set(index.audits_total)
+    m.cache_recall_agreements.set(index.audit_agreements_total)
     for state in EmbedderState:
         m.embedder_state.labels(state.value).set(1 if services.embeddings.state is state else 0)
     return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
