@@ -20,10 +20,11 @@ from app.api.routes import cache, evaluate, health
 from app.core.config import Settings, redis_location
 from app.core.logging import configure_logging
 from app.core.metrics import Metrics
+from app.core.states import Precision
 from app.domain.vector_cache import VectorCache
 from app.embedding import model_files
 from app.embedding.int8_support import CpuFeatures, Int8Support, int8_support
-from app.embedding.onnx_embedder import ModelError, OnnxEmbedder, Precision
+from app.embedding.onnx_embedder import ModelError, OnnxEmbedder
 from app.schemas.limits import TraceLimits
 from app.services.embeddings import EmbeddingService
 from app.services.evaluator import Evaluator

@@ -16,13 +16,14 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final, Literal
+from typing import Final
 
 import numpy as np
 import numpy.typing as npt
 import onnxruntime as ort
 from tokenizers import Tokenizer
 
+from app.core.states import Precision
 from app.embedding.int8_support import Int8Weights, int8_support
 from app.embedding.token_window import TokenWindow
 
@@ -33,10 +34,6 @@ _INPUTS: Final = ("input_ids", "attention_mask", "token_type_ids")
 #: 122 tokens: the long end of a typical trace's text.
 WARM_UP_TEXT: Final = " ".join(["warm up"] * 60)
 _OUTPUT: Final = "last_hidden_state"
-
-#: float32: the reference's arithmetic. int8: faster, scores within 0.01 of the reference's
-#: (app/embedding/int8_activations.py), on CPUs where int8_support() allows it.
-Precision = Literal["float32", "int8"]
 
 
 class ModelError(RuntimeError):

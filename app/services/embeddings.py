@@ -29,17 +29,16 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
 
+from app.core.states import EmbedderState, Precision
 from app.embedding.onnx_embedder import (
     WARM_UP_TEXT,
     ModelError,
     OnnxEmbedder,
-    Precision,
     TokenizedText,
 )
 
@@ -52,14 +51,6 @@ _WARM_UP_REQUESTS = 3
 _WINDOW_CHARS = 3000
 #: Texts of similar length one one-core run takes at most, while other workers run too.
 _ONE_CORE_RUN_TEXTS = 2
-
-
-class EmbedderState(StrEnum):
-    DISABLED = "disabled"
-    NOT_LOADED = "not_loaded"
-    LOADING = "loading"
-    READY = "ready"
-    UNAVAILABLE = "unavailable"
 
 
 class EmbedderUnavailableError(Exception):
