@@ -148,6 +148,7 @@ def create_app(settings: Settings | None = None, *, cpu: CpuFeatures | None = No
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         embeddings, files = build_embeddings(settings, cpu)
+        embeddings.observe(metrics)
         memory = build_memory(settings, files, embeddings.precision)
         # Snapshots are the in-process memory's persistence; with Redis, Redis's (AOF), and
         # the settings refuse KP_CACHE_SNAPSHOT_PATH.
