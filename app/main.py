@@ -7,6 +7,7 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 from fastapi.concurrency import run_in_threadpool
@@ -30,7 +31,9 @@ from app.services.embeddings import EmbeddingService
 from app.services.evaluator import Evaluator
 from app.services.snapshots import SnapshotStore
 from app.store.in_process import InProcessMemory
-from app.store.redis_shared import RedisSharedMemory
+
+if TYPE_CHECKING:
+    from app.store.redis_shared import RedisSharedMemory
 
 log = logging.getLogger("app")
 
@@ -106,6 +109,8 @@ def build_memory(
             model_id = model_files.identity(files, precision or "float32")
         except ModelError as exc:
             log.error("shared cache: model identity unknown", extra={"reason": str(exc)})
+    from app.store.redis_shared import RedisSharedMemory  # redis is slow to import; only here
+
     url = settings.redis_url.get_secret_value()
     return RedisSharedMemory(
         url,
