@@ -73,18 +73,18 @@ class EmbeddingService:
         #: With KP_EMBEDDER_PRECISION=int8: which int8 products run, or why float32 instead.
         self.precision_reason = precision_reason
         self.workers = workers
-        self.lifecycle = ModelLifecycle(
-            factory,
-            on_loaded=self._start_workers,
-            warm_runs=self._warm_runs,
-            log_extra=self._log_extra,
-        )
         self.scheduler = RunScheduler(
             ModelBackend(lambda: self.lifecycle.embedder, batch_size),
             workers=workers,
             batch_size=batch_size,
             admission=Admission(queue_limit, max_wait_ms),
             observer=observer,
+        )
+        self.lifecycle = ModelLifecycle(
+            factory,
+            on_loaded=self.scheduler.start,
+            warm_runs=self._warm_runs,
+            log_extra=self._log_extra,
         )
 
     def observe(self, observer: EmbedObserver) -> None:
@@ -164,9 +164,6 @@ class EmbeddingService:
 
         self.scheduler.submit(texts, settle, future.done)
         return await future
-
-    def _start_workers(self) -> bool:
-        return self.scheduler.start()
 
     async def _warm_runs(self) -> None:
         for _ in range(WARM_UP_REQUESTS):
