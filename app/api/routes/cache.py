@@ -11,13 +11,8 @@ from fastapi import APIRouter, HTTPException, Request, status
 from fastapi.responses import StreamingResponse
 
 from app.api.deps import AdminDep, Services, ServicesDep
-from app.schemas.responses import (
-    CacheBackendOut,
-    CacheOut,
-    ClearedOut,
-    EmbedderOut,
-    ImportedOut,
-)
+from app.api.presenters import backend_out
+from app.schemas.responses import CacheOut, ClearedOut, EmbedderOut, ImportedOut
 from app.services.cache_transfer import (
     BodyTooLargeError,
     ImportLineError,
@@ -54,7 +49,7 @@ async def cache_stats(services: ServicesDep) -> CacheOut:
     return CacheOut(
         **asdict(stats),
         embedder=embedder_out(services),
-        backend=CacheBackendOut.of(services.memory.backend),
+        backend=backend_out(services.memory.backend),
     )
 
 
