@@ -94,7 +94,10 @@ def vectors(count: int, *, batch: int = 32) -> tuple[list[str], npt.NDArray[np.f
         rows = order[start : start + batch]
         out[rows] = embedder.embed([corpus[i] for i in rows])
         if n % 200 == 0:
-            print(f"embedded {start + len(rows)}/{len(order)} in {time.monotonic() - started:.0f} s", flush=True)
+            print(
+                f"embedded {start + len(rows)}/{len(order)} in {time.monotonic() - started:.0f} s",
+                flush=True,
+            )
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp.npy")
     np.save(tmp, out)
