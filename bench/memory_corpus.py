@@ -3,7 +3,7 @@
 The text: docstrings of the Python files Debian's packages install (/usr/lib/python3.11, the
 standard library, and /usr/lib/python3/dist-packages), read with `ast` (nothing imported), each
 split into paragraphs; then the items of the Debian and upstream changelogs in /usr/share/doc
-(`* ...` entries). Paragraphs of 40 to 2,000 characters, whitespace collapsed, deduplicated, in
+(`* ...` entries). Paragraphs of 40 to 400 characters, whitespace collapsed, deduplicated, in
 a fixed order (sorted paths).
 
 The vectors are the service's own (app.embedding.onnx_embedder, float32, the default mode) and
@@ -28,8 +28,10 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
+PART = 5_000
 CACHE_DIR = Path(os.environ.get("KP_BENCH_CACHE", Path.home() / ".cache" / "kp-scoring"))
-MIN_CHARS, MAX_CHARS = 40, 2000
+#: Paragraphs of a typical trace's length (about 10 to 100 tokens).
+MIN_CHARS, MAX_CHARS = 40, 400
 #: Modules that do something when imported (open windows, print, start tests) are skipped.
 PYTHON_ROOTS = ("/usr/lib/python3.11", "/usr/lib/python3/dist-packages")
 _DOCUMENTED = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
@@ -74,8 +76,12 @@ def texts(count: int) -> list[str]:
     return out
 
 
-def vectors(count: int, *, batch: int = 32) -> tuple[list[str], npt.NDArray[np.float32]]:
-    """`count` texts and their MiniLM vectors (fewer if the sources run out)."""
+def vectors(
+    count: int, *, batch: int = 32, worker: tuple[int, int] = (0, 1)
+) -> tuple[list[str], npt.NDArray[np.float32]]:
+    """`count` texts and their MiniLM vectors (fewer if the sources run out). `worker`
+    (i, n): embed only every n-th part, from the i-th, so n processes share the work; the
+    vectors are returned once every part is there."""
     corpus = texts(count)
     key = hashlib.sha256("\n".join(corpus).encode()).hexdigest()[:16]
     path = CACHE_DIR / f"memory-{len(corpus)}-{key}.npy"
@@ -86,18 +92,36 @@ def vectors(count: int, *, batch: int = 32) -> tuple[list[str], npt.NDArray[np.f
 
     files = model_files.resolve(None, None)
     embedder = OnnxEmbedder(files.model, files.tokenizer, intra_op_threads=1)
-    # Similar lengths together: less padding, the same vectors.
-    order = sorted(range(len(corpus)), key=lambda i: len(corpus[i]))
+    # Embedded PART texts at a time, each part saved as it is done: an interrupted run resumes.
+    parts = CACHE_DIR / f"memory-{len(corpus)}-{key}.parts"
+    parts.mkdir(parents=True, exist_ok=True)
     out = np.empty((len(corpus), 384), dtype=np.float32)
     started = time.monotonic()
-    for n, start in enumerate(range(0, len(order), batch)):
-        rows = order[start : start + batch]
-        out[rows] = embedder.embed([corpus[i] for i in rows])
-        if n % 200 == 0:
-            print(
-                f"embedded {start + len(rows)}/{len(order)} in {time.monotonic() - started:.0f} s",
-                flush=True,
-            )
+    mine = range(worker[0] * PART, len(corpus), worker[1] * PART)
+    for first in range(0, len(corpus), PART):
+        part = parts / f"{first:07d}.npy"
+        if part.exists():
+            out[first : first + PART] = np.load(part)
+            continue
+        if first not in mine:
+            while not part.exists():  # another worker's part
+                time.sleep(5)
+            time.sleep(1)
+            out[first : first + PART] = np.load(part)
+            continue
+        chunk = corpus[first : first + PART]
+        # Similar lengths together: less padding, the same vectors.
+        order = sorted(range(len(chunk)), key=lambda i: len(chunk[i]))
+        vectors_of_part = np.empty((len(chunk), 384), dtype=np.float32)
+        for start in range(0, len(order), batch):
+            rows = order[start : start + batch]
+            vectors_of_part[rows] = embedder.embed([chunk[i] for i in rows])
+        tmp_part = part.with_suffix(".tmp.npy")
+        np.save(tmp_part, vectors_of_part)
+        os.replace(tmp_part, part)
+        out[first : first + PART] = vectors_of_part
+        done = first + len(chunk)
+        print(f"embedded {done}/{len(corpus)} in {time.monotonic() - started:.0f} s", flush=True)
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp.npy")
     np.save(tmp, out)
@@ -108,8 +132,10 @@ def vectors(count: int, *, batch: int = 32) -> tuple[list[str], npt.NDArray[np.f
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--count", type=int, default=100_000)
+    parser.add_argument("--worker", default="0/1", help="i/n: this process's share of parts")
     args = parser.parse_args()
-    corpus, v = vectors(args.count)
+    i, n = (int(x) for x in args.worker.split("/"))
+    corpus, v = vectors(args.count, worker=(i, n))
     print(f"{len(corpus)} texts, vectors {v.shape} in {CACHE_DIR}")
 
 

@@ -68,6 +68,10 @@ RETRY_INTERVAL_S = 0.5
 GROUP_VECTORS = 256
 #: Entries one run of import.lua appends (about 1.5 MB of vectors).
 IMPORT_BATCH = 1000
+#: Log entries one exchange returns at most: a replica far behind (a start against a large
+#: memory, a long outage) catches up a page at a time, each well within KP_REDIS_TIMEOUT_MS,
+#: and Redis serves the other replicas between pages.
+PAGE = 2000
 _WIRE = np.dtype("<f4")
 _T = TypeVar("_T")
 
@@ -159,6 +163,10 @@ class RedisSharedMemory:
         self._queue: deque[_Exchange | _Reset] = deque()
         self._flusher: asyncio.Task[None] | None = None
         self._probe: asyncio.Task[None] | None = None
+        self._warmer: asyncio.Task[None] | None = None
+        self._caught_up = False
+        self._first_page = asyncio.Event()
+        self._log_length = 0
         self._closed = False
         self._available = True  # until an exchange says otherwise
         self._reason: str | None = None
@@ -185,7 +193,13 @@ class RedisSharedMemory:
         return self.mirror.size
 
     def index_status(self) -> IndexStatus:
-        return self.mirror.index_status()
+        """The mirror's index; while the first catch-up runs, warming with its progress."""
+        status = self.mirror.index_status()
+        loading = self.warming
+        if loading is None:
+            return status
+        loaded, total = loading
+        return dataclasses.replace(status, warming=True, progress=loaded / total if total else 0.0)
 
     def run_audit(self, limit: int) -> int:
         return self.mirror.run_audit(limit)
@@ -201,13 +215,33 @@ class RedisSharedMemory:
     # ── lifecycle ───────────────────────────────────────────────────────────
 
     async def start(self) -> None:
-        """One exchange, to load the mirror; Redis down is reported, not fatal."""
+        """Loads the mirror: the first page now (a new memory takes this replica's
+        settings), the rest in the background (the service answers /healthz meanwhile, and
+        /readyz says warming); Redis down is reported, not fatal."""
+        self._warmer = asyncio.create_task(self._warm())
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self._first_page.wait()), self._timeout_s)
+
+    async def _warm(self) -> None:
+        request = _Exchange([], [], add=False)
+        self._queue.append(request)
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.create_task(self._flush())
         with contextlib.suppress(MemoryUnavailableError):
-            await self._sync()
+            await request.future  # no timeout: as many pages as the log holds
+        self._caught_up = True
+        self._first_page.set()
+
+    @property
+    def warming(self) -> tuple[int, int] | None:
+        """(entries loaded, entries in the log) while the first catch-up runs, else None."""
+        if self._caught_up:
+            return None
+        return self.mirror.size, max(self._log_length, self.mirror.size)
 
     async def close(self) -> None:
         self._closed = True
-        for task in (self._probe, self._flusher):
+        for task in (self._probe, self._flusher, self._warmer):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -224,6 +258,13 @@ class RedisSharedMemory:
             self._unmeasured_in_outage += len(vectors)
             self._ensure_probe()
             raise MemoryUnavailableError(self._unavailable_detail())
+        loading = self.warming
+        if loading is not None and loading[1] > PAGE:
+            # A large log is still being loaded: an answer now would wait for all of it.
+            raise MemoryUnavailableError(
+                f"the shared cache at {self.location} is loading (cache_warming): "
+                f"{loading[0]} of {loading[1]} entries"
+            )
         request = _Exchange(vectors, trace_ids, add)
         return await self._submit(request, request.future)
 
@@ -328,6 +369,7 @@ class RedisSharedMemory:
             str(self.capacity),
             _number(self.ttl_ms),
             self.model,
+            str(PAGE),
         ]
         for request in group:
             if request.add:
@@ -337,6 +379,11 @@ class RedisSharedMemory:
             async with asyncio.timeout(self._timeout_s):
                 reply = await self._exchange_script(keys=self._keys, args=args)
             results = self._apply(reply, group)
+            if results is None:
+                # Not caught up: the log's next page first, then these requests again.
+                self._queue.extendleft(reversed(group))
+                self._went_up()
+                return
         except (RedisError, OSError, TimeoutError, ValueError) as exc:
             self._went_down(exc)
             error = MemoryUnavailableError(self._unavailable_detail())
@@ -350,10 +397,13 @@ class RedisSharedMemory:
             if not request.future.done():
                 request.future.set_result(result)
 
-    def _apply(self, reply: list[Any], group: list[_Exchange]) -> list[list[Comparison]]:
-        """The log's new entries into the mirror, then this replica's own requests in order.
-        Runs without awaiting: nothing else touches the mirror meanwhile."""
-        epoch, now_ms, full, entries, own_ids, adds_total, evictions_total = reply
+    def _apply(self, reply: list[Any], group: list[_Exchange]) -> list[list[Comparison]] | None:
+        """The log's new entries into the mirror, then this replica's own requests in order
+        (None: a page of the log only, more waits). Runs without awaiting: nothing else
+        touches the mirror meanwhile."""
+        epoch, now_ms, full, entries, own_ids, adds_total, evictions_total, more, length = reply
+        self._log_length = int(length)
+        self._first_page.set()
         if full:
             self.mirror.clear()
             self._epoch, self._last_id = epoch, b"0-0"
@@ -362,6 +412,10 @@ class RedisSharedMemory:
             self._now_ms = _ms_of(entry_id)
             self.mirror.add(vector, added_at_ms=self._now_ms, trace_id=trace_id)
             self._last_id = entry_id
+        self._adds_total, self._evictions_total = int(adds_total), int(evictions_total)
+        if more:
+            return None
+        self._caught_up = True
         own = iter(own_ids)
         results = []
         for request in group:
@@ -379,7 +433,6 @@ class RedisSharedMemory:
                 results.append(
                     compare_in_order(self.mirror, request.vectors, request.trace_ids, add=False)
                 )
-        self._adds_total, self._evictions_total = int(adds_total), int(evictions_total)
         return results
 
     def _entry_of(self, fields: list[bytes]) -> tuple[Vector, str]:
