@@ -243,3 +243,30 @@ def test_kill_9_under_load_leaves_a_loadable_snapshot(tmp_path: Path) -> None:
         assert list(tmp_path.glob(".*.tmp")) == []
     finally:
         again.stop()
+
+
+def test_a_large_cache_is_saved_in_chunks_and_restored_with_its_trace_ids(
+    tmp_path: Path,
+) -> None:
+    """Written from the cache's chunks (never one joined copy); an empty cache saves too."""
+    from app.domain.vector_cache import VectorCache
+    from app.services.snapshots import SnapshotStore
+
+    cache = VectorCache(capacity=20_000, search="exact")
+    original = entries(10_000)
+    cache.load(original)
+    assert len(list(cache.chunks())) > 1
+    store = SnapshotStore(tmp_path / "big.snapshot", cache, MODEL)
+    assert store.save(force=True)
+    restored = VectorCache(capacity=20_000, search="exact")
+    SnapshotStore(tmp_path / "big.snapshot", restored, MODEL).restore()
+    again = restored.entries()
+    np.testing.assert_array_equal(again.vectors, original.vectors)
+    assert list(again.trace_ids) == list(original.trace_ids)
+    cache.clear()
+    assert store.save()
+    empty = VectorCache(capacity=20_000)
+    loader = SnapshotStore(tmp_path / "big.snapshot", empty, MODEL)
+    loader.restore()
+    assert loader.status.state.value == "loaded"
+    assert empty.size == 0

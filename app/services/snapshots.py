@@ -23,6 +23,7 @@ import logging
 import os
 import struct
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,21 +62,30 @@ class SnapshotStatus:
     save_errors_total: int = 0
 
 
-def write_snapshot(path: Path, entries: CacheEntries, model_id: str) -> None:
-    """Atomically replace `path` with a snapshot of `entries`."""
-    vectors = np.ascontiguousarray(entries.vectors, dtype="<f4")
-    times = np.ascontiguousarray(entries.added_at_ms, dtype="<f8")
-    ids = orjson.dumps(list(entries.ids()))
-    parts = [vectors.view(np.uint8).reshape(-1).data, times.view(np.uint8).data, memoryview(ids)]
+def write_snapshot(
+    path: Path, entries: CacheEntries | Sequence[CacheEntries], model_id: str
+) -> None:
+    """Atomically replace `path` with a snapshot of `entries` (one copy, or the chunks of
+    one, oldest first: written one after the other, never joined)."""
+    chunks = [entries] if isinstance(entries, CacheEntries) else list(entries)
+    vectors = [np.ascontiguousarray(c.vectors, dtype="<f4") for c in chunks]
+    times = [np.ascontiguousarray(c.added_at_ms, dtype="<f8") for c in chunks]
+    ids = orjson.dumps([trace_id for c in chunks for trace_id in c.ids()])
+    parts = [
+        *(v.view(np.uint8).reshape(-1).data for v in vectors),
+        *(t.view(np.uint8).data for t in times),
+        memoryview(ids),
+    ]
     digest = hashlib.sha256()
     for part in parts:
         digest.update(part)
+    dimensions = vectors[0].shape[1] if vectors else 0
     header = json.dumps(
         {
             "version": FORMAT_VERSION,
             "model": model_id,
-            "dimensions": int(vectors.shape[1]),
-            "count": int(vectors.shape[0]),
+            "dimensions": int(dimensions),
+            "count": sum(len(v) for v in vectors),
             "trace_ids_bytes": len(ids),
             "saved_at_ms": time.time() * 1000.0,
             "payload_sha256": digest.hexdigest(),
@@ -210,7 +220,8 @@ class SnapshotStore:
         if not force and version == self._saved_version:
             return False
         try:
-            write_snapshot(path, self.cache.entries(), self.model_id)
+            chunks = list(self.cache.chunks()) or [self.cache.entries()]  # empty: its shape
+            write_snapshot(path, chunks, self.model_id)
         except OSError as exc:
             self.status.save_errors_total += 1
             self.status.last_save_error = f"{exc.strerror or exc} ({path})"
