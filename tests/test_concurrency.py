@@ -206,6 +206,8 @@ def test_a_full_queue_turns_requests_away_at_once_and_changes_nothing(
     run(scenario)
 
 
+@pytest.mark.server
+@pytest.mark.slow
 def test_a_burst_of_64_and_16_clients_in_a_closed_loop_are_all_served() -> None:
     """With the default limits, a burst and a closed loop are load a machine carries, even a
     slow one: every answer is 200, none is turned away."""

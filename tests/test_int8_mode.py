@@ -210,6 +210,7 @@ def test_the_rewrite_uses_the_shipped_int8_weights(weights: Int8Weights) -> None
     assert len(table) == 30
 
 
+@pytest.mark.slow
 def test_the_channel_table_is_what_the_calibration_script_makes() -> None:
     script = Path(__file__).parents[1] / "scripts" / "calibrate_int8.py"
     proc = subprocess.run(

@@ -152,6 +152,7 @@ def test_disk_full_keeps_the_old_snapshot(
     assert list(tmp_path.glob(".*.tmp")) == []
 
 
+@pytest.mark.server
 def test_sigterm_restart_keeps_the_cache(tmp_path: Path) -> None:
     env = {
         "KP_CACHE_SNAPSHOT_PATH": str(tmp_path / "cache.snapshot"),
@@ -174,6 +175,8 @@ def test_sigterm_restart_keeps_the_cache(tmp_path: Path) -> None:
         again.stop()
 
 
+@pytest.mark.server
+@pytest.mark.slow
 def test_kill_9_under_load_leaves_a_loadable_snapshot(tmp_path: Path) -> None:
     env = {
         "KP_CACHE_SNAPSHOT_PATH": str(tmp_path / "cache.snapshot"),

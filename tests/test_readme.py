@@ -37,6 +37,7 @@ def test_the_curl_example_answers_what_the_readme_shows(client: TestClient) -> N
     assert again["score"] == pytest.approx(0.40125, abs=1e-6)
 
 
+@pytest.mark.server
 def test_the_python_client_examples_run_as_written() -> None:
     sync_block, async_block = blocks("python")
     with running_server() as server:

@@ -256,6 +256,7 @@ class _Records(logging.Handler):
         self.messages.append(record.getMessage())
 
 
+@pytest.mark.redis
 def test_redis_down_at_start_then_back(tmp_path: Path) -> None:
     redis = RedisServer(tmp_path)
     redis.stop()
@@ -290,6 +291,7 @@ def test_redis_down_at_start_then_back(tmp_path: Path) -> None:
     assert sum(m.startswith("shared cache available again") for m in messages) == 1
 
 
+@pytest.mark.redis
 def test_a_redis_that_does_not_answer_costs_a_request_the_timeout_only(tmp_path: Path) -> None:
     """SIGSTOP: connections stay open and nothing answers, the worst case for a client."""
     redis = RedisServer(tmp_path)
@@ -322,6 +324,7 @@ def test_a_redis_that_does_not_answer_costs_a_request_the_timeout_only(tmp_path:
         redis.stop()
 
 
+@pytest.mark.redis
 def test_acknowledged_adds_survive_kill_9_of_redis(tmp_path: Path) -> None:
     redis = RedisServer(tmp_path)
     v = unit_vectors(20, seed=11)
