@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import re
 import signal
 import threading
 import time
@@ -127,7 +128,12 @@ def test_unwritable_snapshot_location_keeps_serving(
     ready = client.get("/readyz").json()
     assert "Not a directory" in ready["snapshot"]["last_save_error"]
     assert any("not saved" in w for w in ready["warnings"])
-    assert "kp_snapshot_save_errors" in client.get("/metrics").text
+    errors = ready["snapshot"]["save_errors_total"]
+    metrics = client.get("/metrics").text
+    assert re.search(r"^# TYPE kp_snapshot_save_errors(_total)? counter$", metrics, re.M)
+    saved = re.search(r"^kp_snapshot_save_errors_total (\S+)$", metrics, re.M)
+    assert saved is not None
+    assert float(saved.group(1)) >= errors >= 1
     assert client.post("/evaluate", json=make_trace()).status_code == 200
 
 
