@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+#: How a warning about a part that leaves novelty unmeasured begins.
+UNMEASURED = "novelty is not measured (fixed at 0.5): "
+
 
 @dataclass(frozen=True, slots=True)
 class Health:

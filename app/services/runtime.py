@@ -13,7 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from app.core.config import Settings, redis_location
-from app.core.health import Health
+from app.core.health import UNMEASURED, Health
 from app.domain.vector_cache import VectorCache
 from app.embedding import model_files
 from app.embedding.int8_support import CpuFeatures, Int8Support, int8_support
@@ -26,8 +26,6 @@ from app.store.in_process import InProcessMemory
 from app.store.redis_shared import RedisSharedMemory
 
 log = logging.getLogger("app")
-
-UNMEASURED = "novelty is not measured (fixed at 0.5): "
 
 
 class Runtime:

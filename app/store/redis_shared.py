@@ -49,7 +49,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 from redis.retry import Retry
 
-from app.core.health import Health
+from app.core.health import UNMEASURED, Health
 from app.domain.vector_cache import CacheStats, VectorCache
 from app.store.base import BackendInfo, Comparison, MemoryUnavailableError, Vector
 from app.store.in_process import compare_in_order
@@ -186,7 +186,7 @@ class RedisSharedMemory:
             return Health()
         return Health(
             degraded=True,
-            warnings=(f"novelty is not measured (fixed at 0.5): {self._unavailable_detail()}",),
+            warnings=(UNMEASURED + self._unavailable_detail(),),
         )
 
     # ── lifecycle ───────────────────────────────────────────────────────────
