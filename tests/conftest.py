@@ -47,11 +47,14 @@ def load_fixture(name: str) -> dict[str, Any]:
     return data
 
 
-@pytest.fixture(autouse=True)
-def _no_kp_settings_from_the_shell(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Tests state their settings (Settings reads KP_* too): the caller's shell stays out."""
-    for name in [n for n in os.environ if n.startswith("KP_")]:
-        monkeypatch.delenv(name)
+@pytest.fixture(autouse=True, scope="session")
+def _no_kp_settings_from_the_shell() -> Iterator[None]:
+    """Tests state their settings (Settings reads KP_* too): the caller's shell stays out,
+    for every fixture of every scope (this one is set up first)."""
+    with pytest.MonkeyPatch.context() as env:
+        for name in [n for n in os.environ if n.startswith("KP_")]:
+            env.delenv(name)
+        yield
 
 
 @pytest.fixture
