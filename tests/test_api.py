@@ -7,6 +7,7 @@ import re
 import pytest
 from fastapi.testclient import TestClient
 
+from app.core.config import ConfigError
 from tests.conftest import ClientFactory
 from tests.factories import make_trace, step
 
@@ -228,6 +229,18 @@ def test_readyz_collects_every_part_s_warnings(client_no_embedder: TestClient) -
     warnings = body["warnings"]
     assert any("KP_ADMIN_TOKEN" in w for w in warnings)  # the settings
     assert any(w.startswith("novelty is not measured") for w in warnings)  # the embedder
+
+
+def test_the_factory_reads_the_settings_when_uvicorn_calls_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import app.main
+
+    assert not hasattr(app.main, "app")  # nothing is built at import
+    monkeypatch.setenv("KP_CACHE_CAPACITY", "-5")
+    with pytest.raises(ConfigError, match="KP_CACHE_CAPACITY"):
+        app.main.create_app()
+    # Built from the environment by the live-server tests (tests/server.py: kp-scoring serve).
 
 
 def test_request_id_is_echoed_when_given(client_no_embedder: TestClient) -> None:
