@@ -278,7 +278,8 @@ def test_redis_down_at_start_then_back(tmp_path: Path) -> None:
             assert await memory.compare(v, ["t"], add=True) == [Comparison(None, 0)]
             assert memory.backend.outages_total == 1
 
-    # The app's loggers do not propagate to the root (app/core/logging.py): listen directly.
+    # Once logging is set up the app's loggers do not propagate (app/core/logging.py): listen
+    # on the logger itself.
     logger, records = logging.getLogger("app.store.redis_shared"), _Records()
     logger.addHandler(records)
     try:
