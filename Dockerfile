@@ -71,7 +71,7 @@ HEALTHCHECK --interval=30s --timeout=5s --start-period=60s --retries=3 \
 
 # One process: the in-process cache lives in it (no --workers); to scale, run more containers
 # on one Redis (KP_REDIS_URL), where the cache is shared.
-CMD ["kp-scoring", "serve", "--host", "0.0.0.0", "--port", "8000"]
+CMD ["python3", "-m", "app.serve", "--host", "0.0.0.0", "--port", "8000"]
 
 # Last, so that a new revision or date does not invalidate the cached layers above.
 ARG VERSION=0.1.0

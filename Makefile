@@ -17,7 +17,7 @@ $(BIN)/.installed: pyproject.toml
 
 ## run: start the service on http://$(HOST):$(PORT) (settings from KP_* variables)
 run: $(BIN)/.installed
-	$(BIN)/kp-scoring serve --host $(HOST) --port $(PORT)
+	$(BIN)/python -m app.serve --host $(HOST) --port $(PORT)
 
 ## test: lint, type-check and run the whole test suite
 test: lint unit

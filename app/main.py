@@ -33,7 +33,7 @@ def create_app(settings: Settings | None = None, *, cpu: CpuFeatures | None = No
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        runtime = Runtime(settings, cpu)
+        runtime = Runtime(settings, cpu, observer=metrics)
         await runtime.start()
         metrics.registry.register(runtime.collector)
         app.state.services = Services(settings, runtime, metrics, limits)

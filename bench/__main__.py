@@ -2,7 +2,7 @@
 
     python -m bench [--quick] [--repeat N] [--out bench/results/latest.json] [--env KP_X=Y]
 
-Starts `kp-scoring serve` (python -m app.cli serve) on a free loopback port, as a user would, measures
+Starts `python -m app.serve` on a free loopback port, as a user would, measures
 latency and throughput on a fixed corpus, and, in the same run, the floor: the same texts
 tokenized and run through a bare onnxruntime session one at a time. Prints a table with
 absolute figures, service / floor ratios and the targets (PASS/FAIL), and writes the same

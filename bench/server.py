@@ -1,4 +1,4 @@
-"""The service as a user starts it: `kp-scoring serve` (python -m app.cli serve) on a free loopback port."""
+"""The service as a user starts it: `python -m app.serve` on a free loopback port."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ HOST = "127.0.0.1"
 #: The admin token the bench's servers run with (DELETE /cache between phases).
 ADMIN_TOKEN = "bench-" + secrets.token_hex(16)
 _TICKS = os.sysconf("SC_CLK_TCK")
-#: How every server starts (app/serve.py): `kp-scoring serve`, run by this interpreter.
-SERVE = (sys.executable, "-m", "app.cli", "serve")
+#: How every server starts (app/serve.py), run by this interpreter.
+SERVE = (sys.executable, "-m", "app.serve")
 
 
 def free_port() -> int:

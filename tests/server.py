@@ -22,8 +22,8 @@ import redis
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "test-admin-token"
-#: How every server starts (app/serve.py): `kp-scoring serve`, run by this interpreter.
-SERVE = (sys.executable, "-m", "app.cli", "serve")
+#: How every server starts (app/serve.py), run by this interpreter.
+SERVE = (sys.executable, "-m", "app.serve")
 
 
 def free_port() -> int:

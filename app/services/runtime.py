@@ -14,26 +14,35 @@ from prometheus_client.registry import Collector
 
 from app.core.config import Settings, redis_location
 from app.core.health import UNMEASURED, Health
+from app.core.states import EmbedderState, Precision
 from app.domain.vector_cache import VectorCache
 from app.embedding import model_files
 from app.embedding.int8_support import CpuFeatures, Int8Support, int8_support
-from app.embedding.onnx_embedder import ModelError, OnnxEmbedder, Precision
-from app.services.embeddings import EmbedderState, EmbeddingService
+from app.embedding.onnx_embedder import ModelError, OnnxEmbedder
+from app.services.embeddings import EmbeddingService
+from app.services.embeddings_types import EmbedObserver
 from app.services.evaluator import Evaluator
 from app.services.snapshots import SnapshotStore
 from app.store.base import NoveltyMemory
 from app.store.in_process import InProcessMemory
-from app.store.redis_shared import RedisSharedMemory
 
 log = logging.getLogger("app")
 
 
 class Runtime:
-    """`cpu`: the CPU int8 mode decides on (default: this machine's)."""
+    """`cpu`: the CPU int8 mode decides on (default: this machine's); `observer`: where the
+    embedder's queue waits and model run times go (the metrics)."""
 
-    def __init__(self, settings: Settings, cpu: CpuFeatures | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        cpu: CpuFeatures | None = None,
+        observer: EmbedObserver | None = None,
+    ) -> None:
         self.settings = settings
         self.embeddings, files = build_embeddings(settings, cpu)
+        if observer is not None:
+            self.embeddings.observe(observer)
         # Vectors are comparable only with vectors of the same model and arithmetic: the
         # shared memory and the snapshots both carry this identity.
         needs_identity = settings.redis_url is not None or settings.cache_snapshot_path is not None
@@ -230,6 +239,8 @@ def build_memory(settings: Settings, model_id: str | None) -> NoveltyMemory:
     """This process's memory, or the one shared through KP_REDIS_URL (connected by start())."""
     if settings.redis_url is None:
         return InProcessMemory(VectorCache(settings.cache_capacity, ttl_ms=settings.cache_ttl_ms))
+    from app.store.redis_shared import RedisSharedMemory  # redis is slow to import; only here
+
     url = settings.redis_url.get_secret_value()
     return RedisSharedMemory(
         url,

@@ -6,8 +6,9 @@ from fastapi import APIRouter, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from app.api.deps import ServicesDep
+from app.api.presenters import backend_out, snapshot_out
 from app.api.routes.cache import embedder_out
-from app.schemas.responses import CacheBackendOut, HealthOut, ReadyOut, SnapshotOut
+from app.schemas.responses import HealthOut, ReadyOut
 
 router = APIRouter(tags=["health"])
 
@@ -25,9 +26,9 @@ async def readyz(services: ServicesDep) -> ReadyOut:
         degraded=health.degraded,
         embedder=embedder_out(services),
         cache_size=services.memory.size,
-        cache_backend=CacheBackendOut.of(services.memory.backend),
+        cache_backend=backend_out(services.memory.backend),
         admin_auth=services.settings.admin_token is not None,
-        snapshot=SnapshotOut.of(services.snapshots.status),
+        snapshot=snapshot_out(services.snapshots.status),
         warnings=list(health.warnings),
     )
 
