@@ -7,7 +7,7 @@
 --
 -- An entry already past the TTL is skipped. An entry's id is its time in ms, raised to the
 -- log's last id (ids only grow) and lowered to now (an entry from the future would outlive
--- its TTL). Returns {appended, skipped}.
+-- its TTL). Returns {'ok', appended, skipped}, or {'settings_mismatch', why} as exchange.lua.
 local log, meta = KEYS[1], KEYS[2]
 local capacity, ttl, model = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
 local time = redis.call('TIME')
@@ -20,13 +20,13 @@ if not state[1] then
   redis.call('HSET', meta, 'epoch', epoch, 'capacity', ARGV[1], 'ttl_ms', ARGV[2], 'model', model)
 else
   if tonumber(state[2]) ~= capacity or tonumber(state[3]) ~= ttl then
-    return redis.error_reply('KPCONFIG the shared cache has KP_CACHE_CAPACITY=' .. state[2] ..
+    return {'settings_mismatch', 'the shared cache has KP_CACHE_CAPACITY=' .. state[2] ..
       ' and KP_CACHE_TTL_MS=' .. state[3] .. ' (0: unset), this replica ' .. ARGV[1] ..
-      ' and ' .. ARGV[2])
+      ' and ' .. ARGV[2]}
   end
   if model ~= '' and state[4] and state[4] ~= '' and state[4] ~= model then
-    return redis.error_reply('KPCONFIG the shared cache holds vectors of ' .. state[4] ..
-      ', this replica makes them with ' .. model)
+    return {'settings_mismatch', 'the shared cache holds vectors of ' .. state[4] ..
+      ', this replica makes them with ' .. model}
   end
 end
 
@@ -66,4 +66,4 @@ if appended > 0 then
     redis.call('HINCRBY', meta, 'evictions', math.min(evicted, appended))
   end
 end
-return {appended, skipped}
+return {'ok', appended, skipped}

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import numpy as np
 
+from app.core.health import Health
 from app.domain.vector_cache import (
     CacheEntries,
     CacheStats,
@@ -77,6 +78,13 @@ class InProcessMemory:
     @property
     def evictions_total(self) -> int:
         return self.cache.evictions_total
+
+    @property
+    def local_cache(self) -> VectorCache:
+        return self.cache
+
+    def health(self) -> Health:
+        return Health()
 
     async def start(self) -> None:
         return None

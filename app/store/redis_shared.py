@@ -49,6 +49,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 from redis.retry import Retry
 
+from app.core.health import UNMEASURED, Health
 from app.domain.vector_cache import (
     DEFAULT_INDEX_THRESHOLD,
     CacheEntries,
@@ -74,6 +75,14 @@ IMPORT_BATCH = 1000
 PAGE = 2000
 _WIRE = np.dtype("<f4")
 _T = TypeVar("_T")
+#: exchange.lua's first reply element: its run went through, or this replica's settings
+#: differ from the memory's (the second element says how).
+EXCHANGED = b"ok"
+SETTINGS_MISMATCH = b"settings_mismatch"
+
+
+class SettingsMismatchError(Exception):
+    """This replica's KP_CACHE_* or model differ from the shared memory's."""
 
 
 def script_text(name: str) -> str:
@@ -212,6 +221,18 @@ class RedisSharedMemory:
     def evictions_total(self) -> int:
         return self._evictions_total
 
+    @property
+    def local_cache(self) -> VectorCache:
+        return self.mirror
+
+    def health(self) -> Health:
+        if self._available:
+            return Health()
+        return Health(
+            degraded=True,
+            warnings=(UNMEASURED + self._unavailable_detail(),),
+        )
+
     # ── lifecycle ───────────────────────────────────────────────────────────
 
     async def start(self) -> None:
@@ -311,8 +332,11 @@ class RedisSharedMemory:
                 ]
             try:
                 async with asyncio.timeout(self._timeout_s):
-                    appended, expired = await self._import_script(keys=self._keys, args=args)
-            except (RedisError, OSError, TimeoutError) as exc:
+                    status, *body = await self._import_script(keys=self._keys, args=args)
+                if status == SETTINGS_MISMATCH:
+                    raise SettingsMismatchError(body[0].decode())
+                appended, expired = body
+            except (RedisError, OSError, TimeoutError, SettingsMismatchError) as exc:
                 self._went_down(exc)
                 raise MemoryUnavailableError(
                     f"{self._unavailable_detail()} ({added} entries of this import were "
@@ -384,7 +408,7 @@ class RedisSharedMemory:
                 self._queue.extendleft(reversed(group))
                 self._went_up()
                 return
-        except (RedisError, OSError, TimeoutError, ValueError) as exc:
+        except (RedisError, OSError, TimeoutError, ValueError, SettingsMismatchError) as exc:
             self._went_down(exc)
             error = MemoryUnavailableError(self._unavailable_detail())
             for request in group:
@@ -401,7 +425,12 @@ class RedisSharedMemory:
         """The log's new entries into the mirror, then this replica's own requests in order
         (None: a page of the log only, more waits). Runs without awaiting: nothing else
         touches the mirror meanwhile."""
-        epoch, now_ms, full, entries, own_ids, adds_total, evictions_total, more, length = reply
+        status, *body = reply
+        if status == SETTINGS_MISMATCH:
+            raise SettingsMismatchError(body[0].decode())
+        if status != EXCHANGED:
+            raise ValueError(f"exchange.lua answered {status!r}: not this service's script")
+        epoch, now_ms, full, entries, own_ids, adds_total, evictions_total, more, length = body
         self._log_length = int(length)
         self._first_page.set()
         if full:
@@ -525,8 +554,9 @@ def _describe(exc: BaseException) -> str:
     if isinstance(exc, TimeoutError):
         return "no answer within KP_REDIS_TIMEOUT_MS"
     text = str(exc)
-    if text.startswith("KPCONFIG "):  # exchange.lua: this replica's settings differ
-        return text.removeprefix("KPCONFIG ") + (
-            ": give every replica the same settings, or DELETE /cache from one with the new ones"
+    if isinstance(exc, SettingsMismatchError):
+        return (
+            f"{text}: give every replica the same settings, "
+            "or DELETE /cache from one with the new ones"
         )
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -19,7 +19,6 @@ from app.services.cache_transfer import (
     export_lines,
     read_body,
 )
-from app.store.base import MemoryUnavailableError
 
 router = APIRouter(
     prefix="/cache",
@@ -68,14 +67,7 @@ async def cache_stats(services: ServicesDep) -> CacheOut:
     },
 )
 async def cache_clear(services: ServicesDep) -> ClearedOut:
-    try:
-        cleared = await services.memory.clear()
-    except MemoryUnavailableError as exc:
-        raise HTTPException(
-            status_code=status.HTTP_503_SERVICE_UNAVAILABLE,
-            detail=str(exc),
-            headers={"Retry-After": "1"},
-        ) from None
+    cleared = await services.memory.clear()  # MemoryUnavailableError: 503 (app.api.errors)
     log.info("cache cleared", extra={"cleared": cleared})
     return ClearedOut(cleared=cleared)
 
@@ -104,12 +96,9 @@ _UNAVAILABLE: dict[int | str, dict[str, Any]] = {
 )
 async def cache_export(services: ServicesDep) -> StreamingResponse:
     chunks = services.memory.export_chunks()
-    try:
-        # The first chunk before the answer starts: an unreachable Redis is a 503, not a
-        # truncated 200.
-        first = await anext(chunks, None)
-    except MemoryUnavailableError as exc:
-        raise _unavailable(exc) from None
+    # The first chunk before the answer starts: an unreachable Redis is a 503 (MemoryUnavailable
+    # Error, app.api.errors), not a truncated 200.
+    first = await anext(chunks, None)
 
     async def lines() -> AsyncIterator[bytes]:
         if first is None:
@@ -170,17 +159,6 @@ async def cache_import(request: Request, services: ServicesDep) -> ImportedOut:
                 {"loc": ["body", exc.line], "msg": str(exc), "type": "bad_line", "line": exc.line}
             ],
         ) from None
-    try:
-        imported, expired = await services.memory.import_entries(entries)
-    except MemoryUnavailableError as exc:
-        raise _unavailable(exc) from None
+    imported, expired = await services.memory.import_entries(entries)  # 503: app.api.errors
     log.info("cache imported", extra={"imported": imported, "expired": expired})
     return ImportedOut(imported=imported, expired=expired, lines=lines)
-
-
-def _unavailable(exc: MemoryUnavailableError) -> HTTPException:
-    return HTTPException(
-        status_code=status.HTTP_503_SERVICE_UNAVAILABLE,
-        detail=str(exc),
-        headers={"Retry-After": "1"},
-    )
