@@ -28,7 +28,7 @@ import numpy as np
 
 from app.domain.vector_cache import VectorCache
 from app.embedding.int8_support import RELEVANT_FLAGS, CpuFeatures
-from bench import corpus, floor, load, megabyte, shared
+from bench import corpus, floor, load, megabyte, memory, shared
 from bench.corpus import WORDS, Item
 from bench.floor import Floor
 from bench.report import render, targets
@@ -362,6 +362,13 @@ def main(argv: list[str] | None = None) -> int:
         metavar="KP_NAME=VALUE",
         help="extra setting for the embedder servers",
     )
+    parser.add_argument(
+        "--memory",
+        default="100000,1000000",
+        metavar="SIZES",
+        help="the memory phase's sizes (bench.memory: real MiniLM vectors, recall, latency); "
+        "'off' to skip; --quick skips it",
+    )
     args = parser.parse_args(argv)
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
@@ -397,9 +404,16 @@ def main(argv: list[str] | None = None) -> int:
     doc["duration_s"] = round(time.perf_counter() - started, 1)
     doc["targets"] = [t.as_json() for t in targets(doc["results"])]
     doc["notes"] = notes(doc)
+    if not args.quick and args.memory != "off":
+        print("memory phase ...", file=sys.stderr, flush=True)
+        sizes_of_memory = [int(n) for n in args.memory.split(",")]
+        doc["memory"] = memory.run(sizes_of_memory, 500, service=True, threshold=20_000)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=2) + "\n")
     print(render(doc))
+    if "memory" in doc:
+        print()
+        print(memory.render(doc["memory"]))
     print(f"\n{doc['duration_s']} s; written: {args.out}")
     return 0
 
