@@ -98,15 +98,13 @@ def vectors(
     out = np.empty((len(corpus), 384), dtype=np.float32)
     started = time.monotonic()
     mine = range(worker[0] * PART, len(corpus), worker[1] * PART)
-    for first in range(0, len(corpus), PART):
+    # This worker's parts first, then the others' (waiting for the ones not done yet).
+    for first in [*mine, *(f for f in range(0, len(corpus), PART) if f not in mine)]:
         part = parts / f"{first:07d}.npy"
-        if part.exists():
-            out[first : first + PART] = np.load(part)
-            continue
         if first not in mine:
-            while not part.exists():  # another worker's part
+            while not part.exists():
                 time.sleep(5)
-            time.sleep(1)
+        if part.exists():
             out[first : first + PART] = np.load(part)
             continue
         chunk = corpus[first : first + PART]
@@ -122,6 +120,8 @@ def vectors(
         out[first : first + PART] = vectors_of_part
         done = first + len(chunk)
         print(f"embedded {done}/{len(corpus)} in {time.monotonic() - started:.0f} s", flush=True)
+    if worker[0] != 0:
+        return corpus, out  # the first worker writes the whole
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp.npy")
     np.save(tmp, out)

@@ -312,6 +312,53 @@ class VectorCache:
             self.adds_total += 1
             self._maintain_index()
 
+    def extend(
+        self,
+        vectors: npt.NDArray[np.float32],
+        added_at_ms: npt.NDArray[np.float64],
+        trace_ids: Sequence[str],
+    ) -> None:
+        """`add` for many vectors at once (a replica reading the shared log): the same
+        entries, times, evictions and counts as adding them one by one, in one copy."""
+        n = len(vectors)
+        if n == 0:
+            return
+        v = np.asarray(vectors, dtype=np.float32)
+        if v.ndim != 2 or v.shape[1] != self.dimensions or not np.isfinite(v).all():
+            raise ValueError(f"expected finite vectors of {self.dimensions} dimensions")
+        times = np.asarray(added_at_ms, dtype=np.float64)
+        ids = np.empty(n, dtype=object)
+        ids[:] = list(trace_ids)
+        with self._lock:
+            if self._size:
+                newest = float(self._added_at[self._tail_index()])
+                times = np.maximum.accumulate(np.concatenate([[newest], times]))[1:]
+            else:
+                times = np.maximum.accumulate(times)
+            skipped = max(0, n - self.capacity)  # added and evicted within this call
+            if skipped:
+                self._first_seq += self._size + skipped
+                self.evictions_total += self._size + skipped
+                self._head, self._size = 0, 0
+                v, times, ids = v[skipped:], times[skipped:], ids[skipped:]
+            evicted = max(0, self._size + len(v) - self.capacity)
+            if evicted:
+                self._head = (self._head + evicted) % len(self._vectors)
+                self._size -= evicted
+                self._first_seq += evicted
+                self.evictions_total += evicted
+            while len(self._vectors) < min(self.capacity, self._size + len(v)):
+                self._grow()
+            slots = (self._head + self._size + np.arange(len(v))) % len(self._vectors)
+            wide = v.astype(np.float64)
+            self._vectors[slots] = v
+            self._norms[slots] = np.sqrt((wide * wide).sum(axis=1))
+            self._added_at[slots] = times
+            self._trace_ids[slots] = ids
+            self._size += len(v)
+            self.adds_total += n
+            self._maintain_index()
+
     def append(self, entries: CacheEntries) -> tuple[int, int]:
         """Adds `entries` (oldest first) as the newest entries, each keeping its time where
         the order allows (raised to the newest entry's, lowered to now); an entry already

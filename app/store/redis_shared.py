@@ -173,6 +173,7 @@ class RedisSharedMemory:
         self._flusher: asyncio.Task[None] | None = None
         self._probe: asyncio.Task[None] | None = None
         self._warmer: asyncio.Task[None] | None = None
+        self._followers: set[asyncio.Task[None]] = set()
         self._caught_up = False
         self._first_page = asyncio.Event()
         self._log_length = 0
@@ -244,14 +245,18 @@ class RedisSharedMemory:
             await asyncio.wait_for(asyncio.shield(self._first_page.wait()), self._timeout_s)
 
     async def _warm(self) -> None:
+        await self._follow()
+        self._caught_up = True
+        self._first_page.set()
+
+    async def _follow(self) -> None:
+        """Reads the log up to its end, without a timeout: as many pages as it holds."""
         request = _Exchange([], [], add=False)
         self._queue.append(request)
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.create_task(self._flush())
         with contextlib.suppress(MemoryUnavailableError):
-            await request.future  # no timeout: as many pages as the log holds
-        self._caught_up = True
-        self._first_page.set()
+            await request.future
 
     @property
     def warming(self) -> tuple[int, int] | None:
@@ -262,7 +267,7 @@ class RedisSharedMemory:
 
     async def close(self) -> None:
         self._closed = True
-        for task in (self._probe, self._flusher, self._warmer):
+        for task in (self._probe, self._flusher, self._warmer, *self._followers):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -343,7 +348,10 @@ class RedisSharedMemory:
                     "added before it failed)"
                 ) from None
             added, skipped = added + int(appended), skipped + int(expired)
-        await self._sync()
+        # The mirror reads them in the background, a page at a time (a request meanwhile
+        # waits behind those pages).
+        self._followers.add(task := asyncio.create_task(self._follow()))
+        task.add_done_callback(self._followers.discard)
         return added, skipped
 
     # ── one exchange at a time ──────────────────────────────────────────────
@@ -436,11 +444,14 @@ class RedisSharedMemory:
         if full:
             self.mirror.clear()
             self._epoch, self._last_id = epoch, b"0-0"
-        for entry_id, fields in entries:
-            vector, trace_id = self._entry_of(fields)
-            self._now_ms = _ms_of(entry_id)
-            self.mirror.add(vector, added_at_ms=self._now_ms, trace_id=trace_id)
-            self._last_id = entry_id
+        if entries:
+            read = [self._entry_of(fields) for _, fields in entries]
+            times = np.array([_ms_of(entry_id) for entry_id, _ in entries], dtype=np.float64)
+            self.mirror.extend(
+                np.stack([vector for vector, _ in read]), times, [t for _, t in read]
+            )
+            self._now_ms = float(times[-1])
+            self._last_id = entries[-1][0]
         self._adds_total, self._evictions_total = int(adds_total), int(evictions_total)
         if more:
             return None
