@@ -48,6 +48,10 @@ TAIL_BATCH = 512
 _CHUNK = 4_096
 #: One index query in this many is rerun exactly in the background (the self-check).
 AUDIT_EVERY = 100
+#: The index is trained again (in the background) when the memory has grown this many times
+#: past the entries its cells were trained on, up to a sample of _SAMPLE.
+RETRAIN_GROWTH = 4
+_SAMPLE = 131_072
 _AUDIT_QUEUE = 64
 
 
@@ -155,6 +159,7 @@ class VectorCache:
         # Set once an index has served: later builds (after a clear, past the threshold
         # again) happen while the exact scan answers and do not make the service unready.
         self._ever_indexed = False
+        self._trained_on = 0  # entries the index's cells were trained on
         self._queries = 0
         self._audit_queue: deque[tuple[Vector, float, int]] = deque(maxlen=_AUDIT_QUEUE)
         self.audits_total = 0
@@ -491,12 +496,17 @@ class VectorCache:
         into it, delete the evicted prefix from it in bulk."""
         if self.search == "exact":
             return
+        idle = self._building is None or not self._building.is_alive()
         if self._index is None:
-            if self._size >= self.index_threshold and (
-                self._building is None or not self._building.is_alive()
-            ):
+            if self._size >= self.index_threshold and idle:
                 self._start_build()
             return
+        grown = self._size >= RETRAIN_GROWTH * self._trained_on
+        if idle and grown and self._trained_on < _SAMPLE:
+            # Cells trained on the first entries fit a grown memory less well: train again
+            # on a larger sample, in the background, while this index serves.
+            self._trained_on = self._size
+            self._start_build()
         next_seq = self._first_seq + self._size
         start = max(self._indexed_upto, self._first_seq)
         if next_seq - start >= TAIL_BATCH:
@@ -523,7 +533,8 @@ class VectorCache:
         at a time, outside the lock; the index is swapped in once it has caught up."""
         with self._lock:
             first, stop = self._first_seq, self._first_seq + self._size
-        sample = self.entries_between(max(first, stop - 64 * 1024), stop)
+        sample = self.entries_between(max(first, stop - _SAMPLE), stop)
+        self._trained_on = max(self._trained_on, len(sample.vectors))
         params = IndexParams.for_capacity(self.capacity, len(sample.vectors))
         index = AnnIndex(self.dimensions, params)
         index.train(_unit_rows(sample.vectors, None))
@@ -550,6 +561,7 @@ class VectorCache:
 
     def _reset_index(self) -> None:
         self._generation += 1
+        self._trained_on = 0
         self._index = None
         self._indexed_upto = self._purged_upto = self._first_seq
         self._audit_queue.clear()
