@@ -426,8 +426,7 @@ class VectorCache:
         with self._lock:
             self._first_seq += self._size  # the new entries are numbered after the old ones
             self._vectors = vectors.copy()
-            wide = self._vectors.astype(np.float64)
-            self._norms = np.sqrt((wide * wide).sum(axis=1))
+            self._norms = _row_norms(self._vectors)
             self._added_at = added_at.copy()
             self._trace_ids = ids
             self._head = 0
@@ -671,6 +670,15 @@ def exact_cosine(a: Vector, b: Vector) -> float:
     denominator = _norm64(b) * _norm64(a)
     dot = float((b.astype(np.float64) * a.astype(np.float64)).sum())
     return 0.0 if denominator == 0 else max(-1.0, dot / denominator)
+
+
+def _row_norms(rows: npt.NDArray[np.float32]) -> npt.NDArray[np.float64]:
+    """Each row's norm as _norm64 computes it, a block at a time (no float64 copy of all)."""
+    out = np.empty(len(rows), dtype=np.float64)
+    for start in range(0, len(rows), _CHUNK):
+        wide = rows[start : start + _CHUNK].astype(np.float64)
+        out[start : start + _CHUNK] = np.sqrt((wide * wide).sum(axis=1))
+    return out
 
 
 def _norm64(v: Vector) -> float:
