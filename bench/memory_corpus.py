@@ -129,6 +129,27 @@ def vectors(
     return corpus, out
 
 
+def available(count: int) -> tuple[list[str], npt.NDArray[np.float32]]:
+    """The texts and vectors embedded so far (all `count` when done; else the parts done,
+    from the first, in order), without embedding anything."""
+    corpus = texts(count)
+    key = hashlib.sha256("\n".join(corpus).encode()).hexdigest()[:16]
+    path = CACHE_DIR / f"memory-{len(corpus)}-{key}.npy"
+    if path.exists():
+        return corpus, np.load(path)
+    parts = CACHE_DIR / f"memory-{len(corpus)}-{key}.parts"
+    done = []
+    for first in range(0, len(corpus), PART):
+        part = parts / f"{first:07d}.npy"
+        if not part.exists():
+            break
+        done.append(np.load(part))
+    if not done:
+        return [], np.empty((0, 384), dtype=np.float32)
+    vectors = np.concatenate(done)
+    return corpus[: len(vectors)], vectors
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--count", type=int, default=100_000)
