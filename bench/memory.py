@@ -4,9 +4,10 @@
 
 Vectors (bench.memory_corpus): paragraphs of the docstrings and changelogs Debian's packages
 ship, embedded once by the service's own model (float32) and cached in ~/.cache/kp-scoring.
-The 100,000-entry memory holds 100,000 of them. The 1,000,000-entry one holds those and
-900,000 derived from them: each mixes two random real vectors (weights 1 and 0.5) with 10 %
-Gaussian noise, renormalised, so it lies among the real ones rather than in empty space.
+The 100,000-entry memory holds 100,000 of them (when fewer are embedded yet, as many as there
+are, and derived ones for the rest: the report says how many are real). The 1,000,000-entry
+one holds those and derived ones: each mixes two random real vectors (weights 1 and 0.5) with
+10 % Gaussian noise, renormalised, so it lies among the real ones rather than in empty space.
 
 Queries, each against the memory's answer and the exact maximum (float64 over every entry):
 - near-duplicates: edits of stored texts (about 15 % of their words dropped at random),
@@ -257,7 +258,10 @@ def service_phase(stored: Matrix, workdir: Path) -> dict[str, Any]:
 def run(sizes: list[int], queries: int, service: bool, threshold: int) -> dict[str, Any]:
     faiss.omp_set_num_threads(1)  # one core, as the budget is stated
     real_count = min(sizes[0], 100_000)
-    texts, vectors = memory_corpus.vectors(real_count)
+    texts, vectors = memory_corpus.available(real_count)
+    if not len(vectors):
+        texts, vectors = memory_corpus.vectors(real_count)
+    # Fresh: paragraphs past every one that is (or will be) embedded for the memory.
     extra = memory_corpus.texts(real_count + queries)[real_count:]
     rng = random.Random(5)
     picks = rng.sample(range(len(texts)), queries)
@@ -274,6 +278,7 @@ def run(sizes: list[int], queries: int, service: bool, threshold: int) -> dict[s
         "checks": [],
     }
     for size in sizes:
+        # Past the real vectors embedded so far: derived ones (the module docstring).
         stored = (
             vectors
             if size <= len(vectors)
