@@ -39,7 +39,10 @@ class IndexParams:
         nlist = 1 << max(6, round(float(np.log2(max(target, 1.0)))))
         while nlist > 64 and nlist * 8 > training_size:
             nlist //= 2
-        return cls(nlist=min(nlist, 4096), nprobe=16, candidates=16)
+        # Measured on real MiniLM vectors (bench.memory): near-duplicates are found at any
+        # of these settings; for fresh traces, whose nearest entry is far, each doubling of
+        # nprobe gains a few points of recall for about 1.5x the query time.
+        return cls(nlist=min(nlist, 4096), nprobe=32, candidates=16)
 
 
 class AnnIndex:
