@@ -8,16 +8,18 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
 
+import redis.asyncio as aioredis
 from fastapi import FastAPI
 from fastapi.concurrency import run_in_threadpool
 from fastapi_offline import FastAPIOffline
 
 from app import __version__
+from app.api.asgi import pipeline
 from app.api.deps import Services
 from app.api.errors import install_error_handlers
-from app.api.middleware import RequestGuard
-from app.api.routes import cache, evaluate, health
-from app.core.config import Settings, redis_location
+from app.api.routes import cache, evaluate, health, jwks
+from app.core.api_keys import KeyFileError, KeyRing, load_key_file
+from app.core.config import Settings, config_error, redis_location
 from app.core.logging import configure_logging
 from app.core.metrics import Metrics
 from app.domain.vector_cache import VectorCache
@@ -25,10 +27,15 @@ from app.embedding import model_files
 from app.embedding.int8_support import CpuFeatures, Int8Support, int8_support
 from app.embedding.onnx_embedder import ModelError, OnnxEmbedder, Precision
 from app.schemas.limits import TraceLimits
+from app.services.embedding_memo import EmbeddingMemo
 from app.services.embeddings import EmbeddingService
 from app.services.evaluator import Evaluator
+from app.services.idempotency import Idempotency
+from app.services.signing import Signer, SigningKeyError
 from app.services.snapshots import SnapshotStore
+from app.store.idempotency import InProcessIdempotencyStore, RedisIdempotencyStore
 from app.store.in_process import InProcessMemory
+from app.store.rate_limit import InProcessRateLimiter, RedisRateLimiter
 from app.store.redis_shared import RedisSharedMemory
 
 log = logging.getLogger("app")
@@ -133,6 +140,49 @@ def build_snapshots(
     return SnapshotStore(settings.cache_snapshot_path, cache, model_id)
 
 
+def load_keys(settings: Settings) -> KeyRing:
+    """The keys file's keys and KP_ADMIN_TOKEN; a bad file stops the start naming the entry."""
+    entries = []
+    if settings.api_keys_file is not None:
+        try:
+            entries = load_key_file(settings.api_keys_file)
+        except KeyFileError as exc:
+            raise config_error("API_KEYS_FILE", str(exc)) from None
+    token = settings.admin_token
+    return KeyRing(entries, token.get_secret_value() if token is not None else None)
+
+
+def load_signer(settings: Settings) -> Signer | None:
+    if settings.signing_key_file is None:
+        if settings.signing_previous_keys_file is not None:
+            raise config_error("SIGNING_PREVIOUS_KEYS_FILE", "is set without KP_SIGNING_KEY_FILE")
+        return None
+    try:
+        return Signer.from_files(
+            settings.signing_key_file, settings.signing_previous_keys_file, settings.signing_issuer
+        )
+    except SigningKeyError as exc:
+        variable = "SIGNING_PREVIOUS_KEYS_FILE" if "key " in str(exc) else "SIGNING_KEY_FILE"
+        raise config_error(variable, str(exc)) from None
+
+
+def build_trust_stores(
+    settings: Settings,
+) -> tuple[InProcessRateLimiter | RedisRateLimiter, Idempotency, aioredis.Redis | None]:
+    """Rate limits and idempotency records: in this process, or in the Redis the novelty
+    cache is shared through, so that every replica counts and replays alike."""
+    if settings.redis_url is None:
+        return InProcessRateLimiter(), Idempotency(InProcessIdempotencyStore()), None
+    client = aioredis.Redis.from_url(
+        settings.redis_url.get_secret_value(),
+        socket_timeout=settings.redis_timeout_ms / 1000,
+        socket_connect_timeout=settings.redis_timeout_ms / 1000,
+    )
+    prefix = settings.redis_prefix
+    limiter = RedisRateLimiter(client, prefix)
+    return limiter, Idempotency(RedisIdempotencyStore(client, prefix)), client
+
+
 async def _save_periodically(snapshots: SnapshotStore, interval_s: float) -> None:
     while True:
         await asyncio.sleep(interval_s)
@@ -143,6 +193,8 @@ def create_app(settings: Settings | None = None, *, cpu: CpuFeatures | None = No
     """`cpu`: the CPU int8 mode decides on (default: this machine's; tests pass another)."""
     settings = settings or Settings.from_env()
     metrics = Metrics()
+    keys = load_keys(settings)
+    signer = load_signer(settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -154,16 +206,23 @@ def create_app(settings: Settings | None = None, *, cpu: CpuFeatures | None = No
         snapshots = build_snapshots(settings, local, files, embeddings.precision)
         await run_in_threadpool(snapshots.restore)
         await memory.start()
+        rate_limiter, idempotency, trust_redis = build_trust_stores(settings)
+        memo = EmbeddingMemo(embeddings, settings.embed_memo_capacity, metrics)
         app.state.services = Services(
             settings,
             memory,
             embeddings,
-            Evaluator(memory, embeddings),
+            Evaluator(memory, memo),
             metrics,
             snapshots,
             TraceLimits(settings.max_batch, settings.max_steps, settings.max_string_chars),
+            rate_limiter,
+            idempotency,
+            signer,
         )
-        if settings.admin_token is None:
+        if settings.api_keys_file is not None:
+            log.info("API keys required", extra={"keys": keys.names})
+        if not keys.names:
             log.warning("KP_ADMIN_TOKEN is not set: GET and DELETE /cache are open to every caller")
         if settings.embedder_preload:
             await embeddings.preload()
@@ -186,6 +245,8 @@ def create_app(settings: Settings | None = None, *, cpu: CpuFeatures | None = No
             await embeddings.close()
             await run_in_threadpool(snapshots.save)
             await memory.close()
+            if trust_redis is not None:
+                await trust_redis.aclose()
             log.info("kp-scoring stopped", extra={"cache_size": memory.size})
 
     # FastAPI, with /docs and /redoc loading their JS and CSS from the service, not a CDN:
@@ -196,15 +257,17 @@ def create_app(settings: Settings | None = None, *, cpu: CpuFeatures | None = No
         summary="KnowledgePulse trace scoring: is this reasoning trace worth sharing?",
         lifespan=lifespan,
     )
-    for router in (evaluate.router, cache.router, health.router):
+    for router in (evaluate.router, cache.router, health.router, jwks.router):
         app.include_router(router)
     install_error_handlers(app)
-    app.add_middleware(
-        RequestGuard,
+    chain = pipeline.pieces(
         metrics=metrics,
+        keys=keys,
+        evaluate_open=settings.api_keys_file is None,
         max_body_bytes=settings.max_body_bytes,
         max_json_depth=settings.max_json_depth,
     )
+    pipeline.install(app, chain)
     return app
 
 

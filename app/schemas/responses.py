@@ -56,9 +56,16 @@ class EvaluationOut(BaseModel):
     overrides: list[Literal["single_thought", "error_recovery_bonus", "low_tool_diversity"]]
     novelty: NoveltyOut
     elapsed_ms: float
+    signature: str | None = Field(
+        default=None,
+        description="With KP_SIGNING_KEY_FILE: a compact JWS (alg EdDSA, kid) over iss, iat, "
+        "trace_id, trace_sha256 (SHA-256 of the trace's RFC 8785 canonical JSON), score, "
+        "dimensions, weights_profile and novelty_measured; its keys are at "
+        "/.well-known/jwks.json. null when the service signs nothing.",
+    )
 
     @classmethod
-    def of(cls, evaluation: Evaluation) -> EvaluationOut:
+    def of(cls, evaluation: Evaluation, signature: str | None = None) -> EvaluationOut:
         s, n, w, d = (
             evaluation.score,
             evaluation.novelty,
@@ -79,6 +86,7 @@ class EvaluationOut(BaseModel):
             overrides=list(s.overrides),
             novelty=NoveltyOut.model_validate(n, from_attributes=True),
             elapsed_ms=round(evaluation.elapsed_ms, 3),
+            signature=signature,
         )
 
 
@@ -136,6 +144,22 @@ class CacheOut(BaseModel):
     backend: CacheBackendOut = Field(
         description="Where the cache lives. Shared: the figures are the shared cache's, "
         "memory_bytes this replica's copy; while unavailable, this replica's last view."
+    )
+
+
+class JwkOut(BaseModel):
+    kty: Literal["OKP"]
+    crv: Literal["Ed25519"]
+    x: str
+    kid: str
+    alg: Literal["EdDSA"]
+    use: Literal["sig"]
+
+
+class JwksOut(BaseModel):
+    keys: list[JwkOut] = Field(
+        description="The signing key first, then earlier ones (KP_SIGNING_PREVIOUS_KEYS_FILE); "
+        "empty when the service signs nothing."
     )
 
 
