@@ -8,6 +8,7 @@ or unavailable.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -387,9 +388,12 @@ def verify(
     )
 
 
+_COMPACT_JWS = re.compile(r"[A-Za-z0-9_-]+\.[A-Za-z0-9_-]*\.[A-Za-z0-9_-]*")
+
+
 def _signature_of(value: str) -> str:
     """A compact JWS as given, or the `signature` of an answer in a JSON file."""
-    if value.count(".") == 2 and not Path(value).is_file():
+    if _COMPACT_JWS.fullmatch(value):
         return value
     try:
         answer = json.loads(read_source(value))

@@ -12,6 +12,7 @@ import redis.asyncio as aioredis
 from fastapi import FastAPI
 from fastapi.concurrency import run_in_threadpool
 from fastapi_offline import FastAPIOffline
+from joserfc.jwk import OKPKey
 
 from app import __version__
 from app.api.asgi import pipeline
@@ -31,7 +32,7 @@ from app.services.embedding_memo import EmbeddingMemo
 from app.services.embeddings import EmbeddingService
 from app.services.evaluator import Evaluator
 from app.services.idempotency import Idempotency
-from app.services.signing import Signer, SigningKeyError
+from app.services.signing import Signer, SigningKeyError, load_private_key, load_public_keys
 from app.services.snapshots import SnapshotStore
 from app.store.idempotency import InProcessIdempotencyStore, RedisIdempotencyStore
 from app.store.in_process import InProcessMemory
@@ -158,12 +159,16 @@ def load_signer(settings: Settings) -> Signer | None:
             raise config_error("SIGNING_PREVIOUS_KEYS_FILE", "is set without KP_SIGNING_KEY_FILE")
         return None
     try:
-        return Signer.from_files(
-            settings.signing_key_file, settings.signing_previous_keys_file, settings.signing_issuer
-        )
+        key = load_private_key(settings.signing_key_file)
     except SigningKeyError as exc:
-        variable = "SIGNING_PREVIOUS_KEYS_FILE" if "key " in str(exc) else "SIGNING_KEY_FILE"
-        raise config_error(variable, str(exc)) from None
+        raise config_error("SIGNING_KEY_FILE", str(exc)) from None
+    previous: tuple[OKPKey, ...] = ()
+    if settings.signing_previous_keys_file is not None:
+        try:
+            previous = load_public_keys(settings.signing_previous_keys_file)
+        except SigningKeyError as exc:
+            raise config_error("SIGNING_PREVIOUS_KEYS_FILE", str(exc)) from None
+    return Signer(key, previous, settings.signing_issuer)
 
 
 def build_trust_stores(

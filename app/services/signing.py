@@ -20,6 +20,7 @@ from typing import Any
 import orjson
 import rfc8785
 from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import dsa, ec, ed448, rsa, x25519
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from joserfc import jws
 from joserfc.errors import JoseError
@@ -32,7 +33,7 @@ ALGORITHM = "EdDSA"
 DEFAULT_ISSUER = "kp-scoring"
 # RFC 9864 prefers the fully specified "Ed25519"; the registry and the issue ask for "EdDSA",
 # which every JOSE library verifies. joserfc warns on each use: it is the choice made here.
-warnings.filterwarnings("ignore", message="EdDSA is deprecated", module="joserfc")
+warnings.filterwarnings("ignore", message="EdDSA is deprecated", module=r"joserfc\b")
 
 _PEM_BLOCK = re.compile(rb"-----BEGIN [A-Z ]+-----.+?-----END [A-Z ]+-----", re.DOTALL)
 
@@ -76,14 +77,6 @@ class Signer:
         """RFC 7638 thumbprint of the public key: stable, and needs no naming scheme."""
         kid: str = self.key.thumbprint()
         return kid
-
-    @classmethod
-    def from_files(
-        cls, key_file: Path, previous_file: Path | None = None, issuer: str = DEFAULT_ISSUER
-    ) -> Signer:
-        key = OKPKey.import_key(_ed25519_private(key_file))
-        previous = () if previous_file is None else tuple(_ed25519_publics(previous_file))
-        return cls(key, previous, issuer)
 
     def jwks(self) -> dict[str, list[dict[str, Any]]]:
         keys = [_public_jwk(self.key)]
@@ -138,6 +131,25 @@ def verify(signature: str, trace: Any, jwks: dict[str, Any]) -> dict[str, Any]:
     return claims
 
 
+_KINDS: tuple[tuple[type, str], ...] = (
+    (rsa.RSAPrivateKey, "an RSA key"),
+    (ec.EllipticCurvePrivateKey, "an EC (ECDSA) key"),
+    (ed448.Ed448PrivateKey, "an Ed448 key"),
+    (x25519.X25519PrivateKey, "an X25519 key (key exchange, not signatures)"),
+    (dsa.DSAPrivateKey, "a DSA key"),
+)
+
+
+def load_private_key(path: Path) -> OKPKey:
+    """The Ed25519 private key of a PEM file, or SigningKeyError saying why not."""
+    return OKPKey.import_key(_ed25519_private(path))
+
+
+def load_public_keys(path: Path) -> tuple[OKPKey, ...]:
+    """The Ed25519 public keys of a PEM file (one or more blocks), or SigningKeyError."""
+    return tuple(_ed25519_publics(path))
+
+
 def _ed25519_private(path: Path) -> bytes:
     try:
         data = path.read_bytes()
@@ -148,8 +160,9 @@ def _ed25519_private(path: Path) -> bytes:
     except (ValueError, TypeError) as exc:
         raise SigningKeyError(f"{path} is not an unencrypted PEM private key: {exc}") from None
     if not isinstance(key, Ed25519PrivateKey):
+        kind = next((name for cls, name in _KINDS if isinstance(key, cls)), "another kind of key")
         raise SigningKeyError(
-            f"{path} holds a {type(key).__name__.lstrip('_')}: an Ed25519 private key is needed "
+            f"{path} holds {kind}: an Ed25519 private key is needed "
             "(openssl genpkey -algorithm ed25519)"
         )
     pem: bytes = key.private_bytes(
