@@ -50,17 +50,21 @@ class ApiKeys:
             return
         open_route = self.evaluate_open if needed == "evaluate" else self.admin_open
         presented = _bearer(header(scope, b"authorization"))
-        if presented is None:
-            if open_route:
-                await self.app(scope, receive, send)
-                return
-            await self._refuse(
-                send, 401, "missing", "an API key is required: Authorization: Bearer <key>"
-            )
+        if presented is None and open_route:
+            await self.app(scope, receive, send)
             return
-        key = self.keys.identify(presented)
+        key = None if presented is None else self.keys.identify(presented)
         if key is None:
-            await self._refuse(send, 401, "unknown_key", "the API key is not valid")
+            what = (
+                "an API key" if needed == "evaluate" else "KP_ADMIN_TOKEN or a key with scope admin"
+            )
+            problem = "is required" if presented is None else "is not valid"
+            await self._refuse(
+                send,
+                401,
+                "missing" if presented is None else "unknown_key",
+                f"a bearer key {problem}: Authorization: Bearer <{what}>",
+            )
             return
         if needed not in key.scopes:
             await self._refuse(
