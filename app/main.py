@@ -7,8 +7,8 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
+from typing import TYPE_CHECKING
 
-import redis.asyncio as aioredis
 from fastapi import FastAPI
 from fastapi.concurrency import run_in_threadpool
 from fastapi_offline import FastAPIOffline
@@ -23,10 +23,11 @@ from app.core.api_keys import KeyFileError, KeyRing, load_key_file
 from app.core.config import Settings, config_error, redis_location
 from app.core.logging import configure_logging
 from app.core.metrics import Metrics
+from app.core.states import Precision
 from app.domain.vector_cache import VectorCache
 from app.embedding import model_files
 from app.embedding.int8_support import CpuFeatures, Int8Support, int8_support
-from app.embedding.onnx_embedder import ModelError, OnnxEmbedder, Precision
+from app.embedding.onnx_embedder import ModelError, OnnxEmbedder
 from app.schemas.limits import TraceLimits
 from app.services.embedding_memo import EmbeddingMemo
 from app.services.embeddings import EmbeddingService
@@ -34,10 +35,14 @@ from app.services.evaluator import Evaluator
 from app.services.idempotency import Idempotency
 from app.services.signing import Signer, SigningKeyError, load_private_key, load_public_keys
 from app.services.snapshots import SnapshotStore
-from app.store.idempotency import InProcessIdempotencyStore, RedisIdempotencyStore
+from app.store.idempotency import IdempotencyStore, InProcessIdempotencyStore
 from app.store.in_process import InProcessMemory
-from app.store.rate_limit import InProcessRateLimiter, RedisRateLimiter
-from app.store.redis_shared import RedisSharedMemory
+from app.store.rate_limit import InProcessRateLimiter, RateLimiter
+
+if TYPE_CHECKING:
+    import redis.asyncio as aioredis
+
+    from app.store.redis_shared import RedisSharedMemory
 
 log = logging.getLogger("app")
 
@@ -113,6 +118,8 @@ def build_memory(
             model_id = model_files.identity(files, precision or "float32")
         except ModelError as exc:
             log.error("shared cache: model identity unknown", extra={"reason": str(exc)})
+    from app.store.redis_shared import RedisSharedMemory  # redis is slow to import; only here
+
     url = settings.redis_url.get_secret_value()
     return RedisSharedMemory(
         url,
@@ -173,19 +180,24 @@ def load_signer(settings: Settings) -> Signer | None:
 
 def build_trust_stores(
     settings: Settings,
-) -> tuple[InProcessRateLimiter | RedisRateLimiter, Idempotency, aioredis.Redis | None]:
+) -> tuple[RateLimiter, Idempotency, aioredis.Redis | None]:
     """Rate limits and idempotency records: in this process, or in the Redis the novelty
     cache is shared through, so that every replica counts and replays alike."""
     if settings.redis_url is None:
         return InProcessRateLimiter(), Idempotency(InProcessIdempotencyStore()), None
+    # redis is slow to import; only here.
+    import redis.asyncio as aioredis
+
+    from app.store.idempotency_redis import RedisIdempotencyStore
+    from app.store.rate_limit_redis import RedisRateLimiter
+
     client = aioredis.Redis.from_url(
         settings.redis_url.get_secret_value(),
         socket_timeout=settings.redis_timeout_ms / 1000,
         socket_connect_timeout=settings.redis_timeout_ms / 1000,
     )
-    prefix = settings.redis_prefix
-    limiter = RedisRateLimiter(client, prefix)
-    return limiter, Idempotency(RedisIdempotencyStore(client, prefix)), client
+    store: IdempotencyStore = RedisIdempotencyStore(client, settings.redis_prefix)
+    return RedisRateLimiter(client, settings.redis_prefix), Idempotency(store), client
 
 
 async def _save_periodically(snapshots: SnapshotStore, interval_s: float) -> None:
@@ -204,6 +216,7 @@ def create_app(settings: Settings | None = None, *, cpu: CpuFeatures | None = No
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         embeddings, files = build_embeddings(settings, cpu)
+        embeddings.observe(metrics)
         memory = build_memory(settings, files, embeddings.precision)
         # Snapshots are the in-process memory's persistence; with Redis, Redis's (AOF), and
         # the settings refuse KP_CACHE_SNAPSHOT_PATH.

@@ -1,6 +1,7 @@
 """Per-key token buckets (rate_per_minute of the keys file): in this process, or shared by
 every replica through Redis (KP_REDIS_URL), so the limit holds however requests are spread.
 
+The Redis buckets are in rate_limit_redis.py (redis is imported only with KP_REDIS_URL).
 A bucket holds `per_minute` tokens (a whole minute's worth may come at once) and refills at
 `per_minute` a minute; a request takes one or is told how long until one is there.
 """
@@ -9,11 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from importlib.resources import files
 from typing import Protocol
-
-import redis.asyncio as aioredis
-from redis.exceptions import RedisError
 
 
 class RateLimitUnavailableError(Exception):
@@ -39,25 +36,6 @@ class InProcessRateLimiter:
             return 0.0
         self._buckets[name] = (tokens, now)
         return (1 - tokens) * 60.0 / per_minute
-
-
-class RedisRateLimiter:
-    """The buckets in Redis, one hash per key name, taken by a Lua script (atomic)."""
-
-    def __init__(self, client: aioredis.Redis, prefix: str) -> None:
-        self._client = client
-        self._prefix = prefix
-        source = files("app.store").joinpath("token_bucket.lua").read_text(encoding="utf-8")
-        self._script = client.register_script(source)
-
-    async def take(self, name: str, per_minute: int) -> float:
-        try:
-            wait_us = await self._script(
-                keys=[f"{self._prefix}ratelimit:{name}"], args=[per_minute]
-            )
-        except (RedisError, OSError) as exc:
-            raise RateLimitUnavailableError(f"{type(exc).__name__}: {exc}") from exc
-        return int(wait_us) / 1e6
 
 
 def retry_after(seconds: float) -> int:

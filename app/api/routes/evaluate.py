@@ -9,6 +9,7 @@ from fastapi import APIRouter, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
 
 from app.api.deps import BearerDep, Services, ServicesDep
+from app.api.presenters import evaluation_out
 from app.schemas.limits import limit_errors
 from app.schemas.responses import BatchIn, BatchOut, EvaluationOut
 from app.schemas.trace import ReasoningTrace
@@ -132,7 +133,7 @@ def _answer(
 ) -> EvaluationOut:
     signer = services.signer
     signature = None if signer is None or sent is None else signer.sign(evaluation, sent[index])
-    return EvaluationOut.of(evaluation, signature)
+    return evaluation_out(evaluation, signature)
 
 
 def _check_limits(services: Services, traces: list[ReasoningTrace], *, batch: bool) -> None:
