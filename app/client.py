@@ -21,9 +21,9 @@ from typing import Any, Self
 
 import httpx
 
+from app.core.signatures import SignatureInvalidError, trace_sha256, verify
 from app.schemas.responses import BatchOut, CacheOut, ClearedOut, EvaluationOut, ReadyOut
 from app.schemas.trace import ReasoningTrace
-from app.services.signing import SignatureInvalidError, trace_sha256, verify
 
 #: Checks a signed score: the claims, or SignatureInvalidError (see app.services.signing).
 verify_signature = verify

@@ -10,11 +10,11 @@ from fastapi.exceptions import RequestValidationError
 
 from app.api.deps import BearerDep, Services, ServicesDep
 from app.api.presenters import evaluation_out
+from app.core.signatures import TraceNotCanonicalError, trace_sha256
 from app.schemas.limits import limit_errors
 from app.schemas.responses import BatchIn, BatchOut, EvaluationOut
 from app.schemas.trace import ReasoningTrace
 from app.services.evaluator import Evaluation
-from app.services.signing import TraceNotCanonicalError, trace_sha256
 
 router = APIRouter(
     tags=["evaluate"],
