@@ -240,7 +240,7 @@ def create_app(settings: Settings | None = None, *, cpu: CpuFeatures | None = No
         )
         if settings.api_keys_file is not None:
             log.info("API keys required", extra={"keys": keys.names})
-        if not keys.names:
+        if settings.cache_open:
             log.warning("KP_ADMIN_TOKEN is not set: GET and DELETE /cache are open to every caller")
         if settings.embedder_preload:
             await embeddings.preload()
@@ -281,7 +281,8 @@ def create_app(settings: Settings | None = None, *, cpu: CpuFeatures | None = No
     chain = pipeline.pieces(
         metrics=metrics,
         keys=keys,
-        evaluate_open=settings.api_keys_file is None,
+        evaluate_open=settings.scoring_open,
+        admin_open=settings.cache_open,
         max_body_bytes=settings.max_body_bytes,
         max_json_depth=settings.max_json_depth,
     )

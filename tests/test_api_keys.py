@@ -112,7 +112,20 @@ def test_the_client_and_the_cli_send_the_key(keyed: Server, tmp_path: Path) -> N
 
 def test_without_a_keys_file_scoring_stays_open(server: Server) -> None:
     assert post(server).status_code == 200
+    # An agent that sends a bearer key anyway (its registry key, say) is served as before.
+    assert post(server, bearer("kp-some-registry-key")).status_code == 200
     assert httpx.get(f"{server.url}/cache").status_code == 401  # KP_ADMIN_TOKEN still guards it
+    assert httpx.get(f"{server.url}/readyz").json()["admin_auth"] is True
+
+
+def test_a_keys_file_closes_the_cache_even_without_an_admin_token(tmp_path: Path) -> None:
+    keys = write_keys(tmp_path / "keys.json", [entry("agent-a", AGENT_A, ["evaluate"])])
+    with running_server(token=None, api_keys_file=str(keys)) as s:
+        assert httpx.get(f"{s.url}/cache").status_code == 401
+        assert httpx.get(f"{s.url}/cache", headers=bearer(AGENT_A)).status_code == 403
+        ready = httpx.get(f"{s.url}/readyz").json()
+        assert ready["admin_auth"] is True
+        assert not any("open" in w for w in ready["warnings"])
 
 
 # Bad files: the start stops, naming the variable and the entry.

@@ -78,6 +78,17 @@ class Settings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     @property
+    def scoring_open(self) -> bool:
+        """Scoring needs no key: KP_API_KEYS_FILE is unset."""
+        return self.api_keys_file is None
+
+    @property
+    def cache_open(self) -> bool:
+        """/cache needs no key: neither KP_ADMIN_TOKEN nor KP_API_KEYS_FILE is set (a keys file
+        without an admin key closes /cache to all but KP_ADMIN_TOKEN)."""
+        return self.admin_token is None and self.api_keys_file is None
+
+    @property
     def embedder_worker_count(self) -> int:
         """KP_EMBEDDER_WORKERS, with 0 resolved to the cores this process may run on."""
         return self.embedder_workers or len(os.sched_getaffinity(0))

@@ -23,16 +23,23 @@ def required_scope(path: str) -> KeyScope | None:
 
 
 class ApiKeys:
-    """`keys`: the keys file's keys and KP_ADMIN_TOKEN. `evaluate_open`: no keys file, so
-    scoring is open as it was; /cache is open only when there is no key at all."""
+    """`keys`: the keys file's keys and KP_ADMIN_TOKEN. An open route (`evaluate_open`: no keys
+    file; `admin_open`: no keys file and no admin token) serves every caller as before; a key
+    it knows still names the caller (for idempotency and logs)."""
 
     def __init__(
-        self, app: ASGIApp, *, keys: KeyRing, evaluate_open: bool, metrics: Metrics
+        self,
+        app: ASGIApp,
+        *,
+        keys: KeyRing,
+        evaluate_open: bool,
+        admin_open: bool,
+        metrics: Metrics,
     ) -> None:
         self.app = app
         self.keys = keys
         self.evaluate_open = evaluate_open
-        self.admin_open = not keys.names
+        self.admin_open = admin_open
         self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -48,16 +55,15 @@ class ApiKeys:
             msg = "API keys go in the Authorization header (Bearer), never in the URL"
             await send_json(send, 400, detail(("query", in_query), msg, "key_in_query"))
             return
-        open_route = self.evaluate_open if needed == "evaluate" else self.admin_open
         presented = _bearer(header(scope, b"authorization"))
-        if presented is None and open_route:
+        key = None if presented is None else self.keys.identify(presented)
+        if self.evaluate_open if needed == "evaluate" else self.admin_open:
+            if key is not None and needed in key.scopes:
+                state(scope)["api_key"] = key
             await self.app(scope, receive, send)
             return
-        key = None if presented is None else self.keys.identify(presented)
         if key is None:
-            what = (
-                "an API key" if needed == "evaluate" else "KP_ADMIN_TOKEN or a key with scope admin"
-            )
+            what = "an API key" if needed == "evaluate" else "KP_ADMIN_TOKEN or an admin key"
             problem = "is required" if presented is None else "is not valid"
             await self._refuse(
                 send,

@@ -33,6 +33,7 @@ def pieces(
     metrics: Metrics,
     keys: KeyRing,
     evaluate_open: bool,
+    admin_open: bool,
     max_body_bytes: int,
     max_json_depth: int,
 ) -> list[Piece]:
@@ -40,7 +41,15 @@ def pieces(
         Piece(RequestId, {}),
         Piece(AccessLog, {"metrics": metrics}),
         Piece(LingeringClose, {}),
-        Piece(ApiKeys, {"keys": keys, "evaluate_open": evaluate_open, "metrics": metrics}),
+        Piece(
+            ApiKeys,
+            {
+                "keys": keys,
+                "evaluate_open": evaluate_open,
+                "admin_open": admin_open,
+                "metrics": metrics,
+            },
+        ),
         Piece(RateLimit, {"metrics": metrics}),
         Piece(ContentType, {}),
         Piece(BodySize, {"max_body_bytes": max_body_bytes}),

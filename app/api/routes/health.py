@@ -24,7 +24,7 @@ async def readyz(services: ServicesDep) -> ReadyOut:
     backend = services.memory.backend
     degraded = services.embeddings.degraded or not backend.available
     warnings = []
-    if services.settings.admin_token is None:
+    if services.settings.cache_open:
         warnings.append("KP_ADMIN_TOKEN is not set: /cache is open to every caller")
     if services.embeddings.degraded:
         warnings.append(
@@ -46,7 +46,7 @@ async def readyz(services: ServicesDep) -> ReadyOut:
         embedder=embedder_out(services),
         cache_size=services.memory.size,
         cache_backend=backend_out(backend),
-        admin_auth=services.settings.admin_token is not None,
+        admin_auth=not services.settings.cache_open,
         snapshot=snapshot_out(snapshot),
         warnings=warnings,
     )
