@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.factories import make_trace
-from tests.keys import AGENT_B, OPS, SLOW, bearer, entry, standard_keys, write_keys
+from tests.keys import AGENT_A, AGENT_B, OPS, SLOW, bearer, entry, standard_keys, write_keys
 from tests.server import LiveServer, RedisServer
 
 PAIR = "kp-pair-8d0c55e1f2"
@@ -72,6 +72,19 @@ def test_a_key_over_its_rate_gets_429_and_adds_nothing(live: LiveServer) -> None
     )
     assert re.search(r'kp_api_key_requests_total\{key="slow",outcome="admitted"\} 1\.0', metrics)
     assert 'kp_api_key_requests_total{key="agent-b",outcome="admitted"}' in metrics
+
+
+def test_keys_without_a_rate_are_counted_and_never_limited(live: LiveServer) -> None:
+    for i in range(3):
+        r = live.client.post(
+            "/evaluate",
+            json=make_trace(trace_id=f"kp:trace:u{i}"),
+            headers=bearer(AGENT_A),
+            params={"dry_run": "true"},
+        )
+        assert r.status_code == 200
+    metrics = live.client.get("/metrics").text
+    assert re.search(r'kp_api_key_requests_total\{key="agent-a",outcome="admitted"\} 3\.0', metrics)
 
 
 def test_a_refused_request_is_not_read(live: LiveServer) -> None:

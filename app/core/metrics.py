@@ -108,7 +108,7 @@ class Metrics:
         # Key names come from KP_API_KEYS_FILE: their number is bounded by the operator.
         self.key_requests = Counter(
             "kp_api_key_requests",
-            "Requests of rate-limited API keys, by key name and outcome (admitted, rate_limited).",
+            "Requests with an API key, by key name and outcome (admitted, rate_limited).",
             ["key", "outcome"],
             registry=r,
         )

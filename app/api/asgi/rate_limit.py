@@ -23,7 +23,11 @@ class RateLimit:
         key: ApiKey | None = (
             scope.get("state", {}).get("api_key") if scope["type"] == "http" else None
         )
-        if key is None or key.rate_per_minute is None:
+        if key is None:
+            await self.app(scope, receive, send)
+            return
+        if key.rate_per_minute is None:
+            self.metrics.key_requests.labels(key.name, "admitted").inc()
             await self.app(scope, receive, send)
             return
         limiter: RateLimiter = scope["app"].state.services.rate_limiter
