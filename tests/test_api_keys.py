@@ -4,6 +4,8 @@ the admin token beside the file, open probes, keys never in the URL, bad files s
 from __future__ import annotations
 
 import json
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -185,3 +187,20 @@ def test_a_key_is_known_by_its_whole_hash_in_either_case(tmp_path: Path) -> None
     assert ring.identify(AGENT_A[:-1]) is None
     assert ring.identify(AGENT_A + "x") is None
     assert ring.identify(sha256(AGENT_A)) is None  # the hash itself is no key
+
+
+def test_a_client_that_sends_its_whole_body_first_gets_the_401(keyed: Server) -> None:
+    """urllib writes the whole body before it reads: the key is refused before the body is
+    read, and the rest is dropped before the connection closes, so the client sees the 401."""
+    body = b'{"pad": "' + b"x" * (2 * 1024 * 1024) + b'"}'
+    request = urllib.request.Request(
+        f"{keyed.url}/evaluate",
+        data=body,
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=60)
+    assert refused.value.code == 401
+    assert refused.value.headers["connection"] == "close"
+    assert json.loads(refused.value.read())["detail"][0]["loc"] == ["header", "authorization"]

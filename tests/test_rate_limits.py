@@ -13,7 +13,7 @@ import pytest
 
 from tests.factories import make_trace
 from tests.keys import AGENT_A, AGENT_B, OPS, SLOW, bearer, entry, standard_keys, write_keys
-from tests.server import LiveServer, RedisServer
+from tests.server import LiveServer, RedisServer, free_port
 
 PAIR = "kp-pair-8d0c55e1f2"
 
@@ -151,3 +151,33 @@ def test_the_limit_holds_across_two_replicas_on_one_redis(
         b.stop()
     # Retry-After is honest: a bucket of 2 a minute refills a token within 30 s.
     assert 1 <= int(answers[-1].headers["retry-after"]) <= 30
+
+
+def test_without_redis_limits_go_unchecked_visibly_and_idempotency_is_a_503(
+    tmp_path: Path,
+) -> None:
+    """Redis away: a rate limit lets requests through, counted and logged (refusing every agent
+    would be worse); an Idempotency-Key cannot be honoured, so that request is a 503 and
+    nothing is scored."""
+    keys = standard_keys(tmp_path / "keys.json")
+    nowhere = f"redis://127.0.0.1:{free_port()}/0"
+    server = LiveServer(
+        env(keys, KP_EMBEDDER="none", KP_REDIS_URL=nowhere, KP_LOG_LEVEL="info"),
+        tmp_path / "server.log",
+    )
+    try:
+        for _ in range(2):  # one a minute: the second would be refused with Redis there
+            r = server.client.post("/evaluate", json=make_trace(), headers=bearer(SLOW))
+            assert r.status_code == 200, r.text
+        metrics = server.client.get("/metrics").text
+        assert "kp_rate_limit_unavailable_total 2.0" in metrics
+        r = server.client.post(
+            "/evaluate", json=make_trace(), headers={**bearer(AGENT_B), "Idempotency-Key": "k1"}
+        )
+        assert r.status_code == 503
+        assert r.headers["retry-after"] == "1"
+        assert r.json()["detail"][0]["type"] == "idempotency_unavailable"
+        assert 'kp_evaluations_total{profile="default"} 2.0' in server.client.get("/metrics").text
+    finally:
+        server.stop()
+    assert "rate limit not checked: Redis unavailable" in server.log_path.read_text()
