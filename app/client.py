@@ -245,10 +245,10 @@ class KpScoringClient(_Base):
         keys: dict[str, Any] = self._request("GET", "/.well-known/jwks.json")
         return keys
 
-    def verify(self, signature: str, trace: Any) -> dict[str, Any]:
-        """The claims of a signed score about `trace` (as sent, parsed JSON), checked against
+    def verify(self, signature: str, trace: TraceLike) -> dict[str, Any]:
+        """The claims of a signed score about `trace` (as this client sent it), checked against
         the service's JWKS; SignatureInvalidError if it does not verify."""
-        return verify(signature, trace, self.jwks())
+        return verify(signature, _trace_json(trace), self.jwks())
 
     def cache_stats(self) -> CacheOut:
         return CacheOut.model_validate(self._request("GET", "/cache", headers=self._headers))
@@ -338,9 +338,9 @@ class AsyncKpScoringClient(_Base):
         keys: dict[str, Any] = await self._request("GET", "/.well-known/jwks.json")
         return keys
 
-    async def verify(self, signature: str, trace: Any) -> dict[str, Any]:
+    async def verify(self, signature: str, trace: TraceLike) -> dict[str, Any]:
         """As `KpScoringClient.verify`."""
-        return verify(signature, trace, await self.jwks())
+        return verify(signature, _trace_json(trace), await self.jwks())
 
     async def cache_stats(self) -> CacheOut:
         body = await self._request("GET", "/cache", headers=self._headers)

@@ -23,6 +23,7 @@ from app.cli import cli
 from app.client import KpScoringClient, SignatureInvalidError, verify_signature
 from app.core.config import ConfigError, Settings
 from app.main import create_app
+from app.schemas.trace import ReasoningTrace
 from tests.factories import make_trace, step
 from tests.server import Server, running_server
 
@@ -187,6 +188,10 @@ def test_the_client_and_the_cli_verify(signing: Server, tmp_path: Path) -> None:
         assert kp.verify(answer.signature, trace)["score"] == answer.score
         with pytest.raises(SignatureInvalidError):
             kp.verify(answer.signature, {**trace, "id": "kp:trace:other"})
+        model = ReasoningTrace.model_validate(trace)
+        signed_model = kp.evaluate(model, dry_run=True).signature
+        assert signed_model is not None
+        assert kp.verify(signed_model, model)["trace_id"] == trace["id"]
     trace_file = tmp_path / "trace.json"
     trace_file.write_text(json.dumps(trace, indent=2))
     answer_file = tmp_path / "answer.json"
