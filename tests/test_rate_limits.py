@@ -181,3 +181,29 @@ def test_without_redis_limits_go_unchecked_visibly_and_idempotency_is_a_503(
     finally:
         server.stop()
     assert "rate limit not checked: Redis unavailable" in server.log_path.read_text()
+
+
+def test_the_bucket_refills_at_its_rate() -> None:
+    """The in-process bucket on a clock the test moves: a minute's worth at once, then one
+    request per 1/rate of a minute, and never more than a minute's worth saved up."""
+    import asyncio
+
+    from app.store import rate_limit
+
+    now = [1000.0]
+    limiter = rate_limit.InProcessRateLimiter(clock=lambda: now[0])
+
+    def take() -> float:
+        return asyncio.run(limiter.take("k", 60))
+
+    assert [take() for _ in range(60)] == [0.0] * 60
+    assert take() == pytest.approx(1.0)  # one token a second
+    now[0] += 0.5
+    assert take() == pytest.approx(0.5)
+    now[0] += 0.5
+    assert take() == 0.0
+    now[0] += 3600  # an hour idle: the bucket is full, not fuller
+    assert [take() for _ in range(60)] == [0.0] * 60
+    assert take() > 0
+    assert rate_limit.retry_after(0.2) == 1
+    assert rate_limit.retry_after(1.5) == 2

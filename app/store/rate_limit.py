@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 
@@ -24,11 +25,12 @@ class RateLimiter(Protocol):
 
 
 class InProcessRateLimiter:
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
         self._buckets: dict[str, tuple[float, float]] = {}
 
     async def take(self, name: str, per_minute: int) -> float:
-        now = time.monotonic()
+        now = self._clock()
         tokens, at = self._buckets.get(name, (float(per_minute), now))
         tokens = min(float(per_minute), tokens + (now - at) * per_minute / 60.0)
         if tokens >= 1:
