@@ -6,10 +6,13 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
+from app.core.config import Settings
+from app.main import create_app
 from app.services.embedding_memo import EmbeddingMemo
 from app.services.embeddings import Embedding
 from tests.conftest import ClientFactory
@@ -89,3 +92,52 @@ def test_the_memo_is_bounded_and_a_text_twice_in_one_request_runs_once() -> None
     assert len(memo) == 2
     asyncio.run(memo.embed(["yy", "x"]))
     assert inner.texts == ["x", "yy", "zzz", "x"]
+
+
+def test_concurrent_requests_for_one_new_text_share_one_model_run() -> None:
+    async def scenario() -> None:
+        app = create_app(Settings(embedder_preload=True))
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://kp") as client:
+                embeddings = app.state.services.embeddings
+                before = sum(embeddings.runs_total.values())
+                trace = make_trace(objective="Shared run for eight copies of one text")
+                answers = await asyncio.gather(
+                    *(
+                        client.post("/evaluate", json=trace, params={"dry_run": "true"})
+                        for _ in range(8)
+                    )
+                )
+                assert [r.status_code for r in answers] == [200] * 8
+                assert sum(embeddings.runs_total.values()) == before + 1
+                assert len({r.json()["novelty"]["tokens"] for r in answers}) == 1
+
+    asyncio.run(scenario())
+
+
+class GatedEmbedder(CountingEmbedder):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+
+    async def embed(self, texts: Any) -> list[Embedding]:
+        await self.gate.wait()
+        return await super().embed(texts)
+
+
+def test_a_text_waited_for_is_embedded_anew_if_its_runner_goes_away() -> None:
+    async def scenario() -> None:
+        inner = GatedEmbedder()
+        memo = EmbeddingMemo(inner, capacity=8)
+        runner = asyncio.create_task(memo.embed(["x"]))
+        await asyncio.sleep(0)
+        waiter = asyncio.create_task(memo.embed(["x"]))
+        await asyncio.sleep(0)
+        runner.cancel()  # its client went away
+        inner.gate.set()
+        (got,) = await waiter
+        assert got.token_count == 1
+        assert inner.texts == ["x"]  # the cancelled run never reached the model
+
+    asyncio.run(scenario())
