@@ -12,15 +12,13 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI
 from fastapi.concurrency import run_in_threadpool
 from fastapi_offline import FastAPIOffline
-from joserfc.jwk import OKPKey
 
 from app import __version__
 from app.api.asgi import pipeline
 from app.api.deps import Services
 from app.api.errors import install_error_handlers
 from app.api.routes import cache, evaluate, health, jwks
-from app.core.api_keys import KeyFileError, KeyRing, load_key_file
-from app.core.config import Settings, config_error, redis_location
+from app.core.config import Settings, redis_location
 from app.core.logging import configure_logging
 from app.core.metrics import Metrics
 from app.core.states import Precision
@@ -32,16 +30,11 @@ from app.schemas.limits import TraceLimits
 from app.services.embedding_memo import EmbeddingMemo
 from app.services.embeddings import EmbeddingService
 from app.services.evaluator import Evaluator
-from app.services.idempotency import Idempotency
-from app.services.signing import Signer, SigningKeyError, load_private_key, load_public_keys
 from app.services.snapshots import SnapshotStore
-from app.store.idempotency import IdempotencyStore, InProcessIdempotencyStore
+from app.services.trust import build_trust_stores, load_keys, load_signer
 from app.store.in_process import InProcessMemory
-from app.store.rate_limit import InProcessRateLimiter, RateLimiter
 
 if TYPE_CHECKING:
-    import redis.asyncio as aioredis
-
     from app.store.redis_shared import RedisSharedMemory
 
 log = logging.getLogger("app")
@@ -148,58 +141,6 @@ def build_snapshots(
     return SnapshotStore(settings.cache_snapshot_path, cache, model_id)
 
 
-def load_keys(settings: Settings) -> KeyRing:
-    """The keys file's keys and KP_ADMIN_TOKEN; a bad file stops the start naming the entry."""
-    entries = []
-    if settings.api_keys_file is not None:
-        try:
-            entries = load_key_file(settings.api_keys_file)
-        except KeyFileError as exc:
-            raise config_error("API_KEYS_FILE", str(exc)) from None
-    token = settings.admin_token
-    return KeyRing(entries, token.get_secret_value() if token is not None else None)
-
-
-def load_signer(settings: Settings) -> Signer | None:
-    if settings.signing_key_file is None:
-        if settings.signing_previous_keys_file is not None:
-            raise config_error("SIGNING_PREVIOUS_KEYS_FILE", "is set without KP_SIGNING_KEY_FILE")
-        return None
-    try:
-        key = load_private_key(settings.signing_key_file)
-    except SigningKeyError as exc:
-        raise config_error("SIGNING_KEY_FILE", str(exc)) from None
-    previous: tuple[OKPKey, ...] = ()
-    if settings.signing_previous_keys_file is not None:
-        try:
-            previous = load_public_keys(settings.signing_previous_keys_file)
-        except SigningKeyError as exc:
-            raise config_error("SIGNING_PREVIOUS_KEYS_FILE", str(exc)) from None
-    return Signer(key, previous, settings.signing_issuer)
-
-
-def build_trust_stores(
-    settings: Settings,
-) -> tuple[RateLimiter, Idempotency, aioredis.Redis | None]:
-    """Rate limits and idempotency records: in this process, or in the Redis the novelty
-    cache is shared through, so that every replica counts and replays alike."""
-    if settings.redis_url is None:
-        return InProcessRateLimiter(), Idempotency(InProcessIdempotencyStore()), None
-    # redis is slow to import; only here.
-    import redis.asyncio as aioredis
-
-    from app.store.idempotency_redis import RedisIdempotencyStore
-    from app.store.rate_limit_redis import RedisRateLimiter
-
-    client = aioredis.Redis.from_url(
-        settings.redis_url.get_secret_value(),
-        socket_timeout=settings.redis_timeout_ms / 1000,
-        socket_connect_timeout=settings.redis_timeout_ms / 1000,
-    )
-    store: IdempotencyStore = RedisIdempotencyStore(client, settings.redis_prefix)
-    return RedisRateLimiter(client, settings.redis_prefix), Idempotency(store), client
-
-
 async def _save_periodically(snapshots: SnapshotStore, interval_s: float) -> None:
     while True:
         await asyncio.sleep(interval_s)
@@ -224,7 +165,7 @@ def create_app(settings: Settings | None = None, *, cpu: CpuFeatures | None = No
         snapshots = build_snapshots(settings, local, files, embeddings.precision)
         await run_in_threadpool(snapshots.restore)
         await memory.start()
-        rate_limiter, idempotency, trust_redis = build_trust_stores(settings)
+        trust = build_trust_stores(settings)
         memo = EmbeddingMemo(embeddings, settings.embed_memo_capacity, metrics)
         app.state.services = Services(
             settings,
@@ -234,8 +175,8 @@ def create_app(settings: Settings | None = None, *, cpu: CpuFeatures | None = No
             metrics,
             snapshots,
             TraceLimits(settings.max_batch, settings.max_steps, settings.max_string_chars),
-            rate_limiter,
-            idempotency,
+            trust.rate_limiter,
+            trust.idempotency,
             signer,
         )
         if settings.api_keys_file is not None:
@@ -263,8 +204,7 @@ def create_app(settings: Settings | None = None, *, cpu: CpuFeatures | None = No
             await embeddings.close()
             await run_in_threadpool(snapshots.save)
             await memory.close()
-            if trust_redis is not None:
-                await trust_redis.aclose()
+            await trust.close()
             log.info("kp-scoring stopped", extra={"cache_size": memory.size})
 
     # FastAPI, with /docs and /redoc loading their JS and CSS from the service, not a CDN:
