@@ -22,6 +22,8 @@ from tests.factories import make_trace
 from tests.keys import AGENT_A, OPS, bearer, entry, sha256, standard_keys, write_keys
 from tests.server import TOKEN, LiveServer, Server, running_server
 
+pytestmark = pytest.mark.server
+
 
 @pytest.fixture(scope="module")
 def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:

@@ -18,6 +18,8 @@ from tests.factories import make_trace
 from tests.keys import AGENT_A, AGENT_B, OPS, bearer, standard_keys
 from tests.server import LiveServer, RedisServer
 
+pytestmark = [pytest.mark.server, pytest.mark.redis]
+
 
 def env(keys: Path, **more: str) -> dict[str, str]:
     return {

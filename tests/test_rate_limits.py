@@ -15,6 +15,8 @@ from tests.factories import make_trace
 from tests.keys import AGENT_A, AGENT_B, OPS, SLOW, bearer, entry, standard_keys, write_keys
 from tests.server import LiveServer, RedisServer, free_port
 
+pytestmark = [pytest.mark.server, pytest.mark.redis]
+
 PAIR = "kp-pair-8d0c55e1f2"
 
 

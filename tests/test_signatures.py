@@ -27,6 +27,8 @@ from app.schemas.trace import ReasoningTrace
 from tests.factories import make_trace, step
 from tests.server import Server, running_server
 
+pytestmark = pytest.mark.server
+
 CLAIMS = {
     "iss",
     "iat",

@@ -8,10 +8,10 @@ package makes the canonical form; app/services/signing.py signs.
 from __future__ import annotations
 
 import hashlib
+import json
 import warnings
 from typing import Any
 
-import orjson
 import rfc8785
 from joserfc import jws
 from joserfc.errors import JoseError
@@ -52,8 +52,8 @@ def verify(signature: str, trace: Any, jwks: dict[str, Any]) -> dict[str, Any]:
     if found.headers().get("alg") != ALGORITHM:
         raise SignatureInvalidError(f"the signature's alg is not {ALGORITHM}")
     try:
-        claims: dict[str, Any] = orjson.loads(found.payload)
-    except orjson.JSONDecodeError:
+        claims: dict[str, Any] = json.loads(found.payload)
+    except ValueError:
         raise SignatureInvalidError("the signed claims are not JSON") from None
     expected = trace_sha256(trace)
     if claims.get("trace_sha256") != expected:

@@ -11,7 +11,6 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol
 
-from app.core.metrics import Metrics
 from app.services.embeddings import Embedding
 
 
@@ -26,10 +25,12 @@ class _RunnerGoneError(Exception):
 class EmbeddingMemo:
     """`capacity` vectors at most (the least recently used go first); 0 turns it off."""
 
-    def __init__(self, embeddings: Embedder, capacity: int, metrics: Metrics | None = None) -> None:
+    def __init__(self, embeddings: Embedder, capacity: int) -> None:
         self._embeddings = embeddings
         self._capacity = capacity
-        self._metrics = metrics
+        #: Texts found in the memo, and texts not (read by /metrics).
+        self.hits_total = 0
+        self.misses_total = 0
         self._memo: OrderedDict[bytes, Embedding] = OrderedDict()
         #: Texts being embedded now, for requests that ask for them meanwhile.
         self._running: dict[bytes, asyncio.Future[Embedding]] = {}
@@ -53,9 +54,8 @@ class EmbeddingMemo:
                 waiting[digest] = (text, self._running[digest])
             else:
                 missing.setdefault(digest, text)
-        if self._metrics is not None:
-            self._metrics.embed_memo.labels("hit").inc(len(texts) - len(missing))
-            self._metrics.embed_memo.labels("miss").inc(len(missing))
+        self.hits_total += len(texts) - len(missing)
+        self.misses_total += len(missing)
         if missing:
             found |= await self._run(missing)
         for digest, (text, future) in waiting.items():

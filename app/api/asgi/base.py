@@ -7,6 +7,8 @@ from typing import Any
 
 import orjson
 
+from app.core.errors import error_body, field_error
+
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -24,8 +26,8 @@ def header(scope: Scope, name: bytes) -> str | None:
 
 
 def detail(loc: tuple[str, ...], msg: str, kind: str) -> dict[str, Any]:
-    """FastAPI's error shape: one entry naming the part of the request at fault."""
-    return {"detail": [{"loc": list(loc), "msg": msg, "type": kind}]}
+    """The one error shape (app/core/errors.py), with one entry naming the part at fault."""
+    return error_body([field_error(loc, msg, kind)])
 
 
 async def send_json(
