@@ -52,6 +52,7 @@ TARGETS = {
     "add_ms_mean": 0.1,
     "request_ratio": 1.25,
 }
+REAL_VECTORS = 100_000
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "memory.json"
 
 
@@ -257,12 +258,15 @@ def service_phase(stored: Matrix, workdir: Path) -> dict[str, Any]:
 
 def run(sizes: list[int], queries: int, service: bool, threshold: int) -> dict[str, Any]:
     faiss.omp_set_num_threads(1)  # one core, as the budget is stated
-    real_count = min(sizes[0], 100_000)
+    real_count = REAL_VECTORS  # the same corpus (and cache) whatever the sizes
     texts, vectors = memory_corpus.available(real_count)
     if not len(vectors):
         texts, vectors = memory_corpus.vectors(real_count)
     # Fresh: paragraphs past every one that is (or will be) embedded for the memory.
-    extra = memory_corpus.texts(real_count + queries)[real_count:]
+    stored_texts = set(texts)
+    extra = [t for t in memory_corpus.texts(real_count + 4 * queries) if t not in stored_texts][
+        :queries
+    ]
     rng = random.Random(5)
     picks = rng.sample(range(len(texts)), queries)
     print(f"embedding {queries} edits and {len(extra)} fresh paragraphs", file=sys.stderr)

@@ -19,6 +19,7 @@ import argparse
 import ast
 import gzip
 import hashlib
+import json
 import os
 import re
 import time
@@ -123,15 +124,29 @@ def vectors(
     if worker[0] != 0:
         return corpus, out  # the first worker writes the whole
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    path.with_name(path.name.removesuffix(".npy") + ".texts.json").write_text(json.dumps(corpus))
     tmp = path.with_suffix(".tmp.npy")
     np.save(tmp, out)
     os.replace(tmp, path)
     return corpus, out
 
 
+def saved(count: int) -> tuple[list[str], npt.NDArray[np.float32]] | None:
+    """A finished embedding of `count` texts with its texts beside it (the packages' files
+    may change later: an install adds changelogs, and the texts would no longer match)."""
+    for path in sorted(CACHE_DIR.glob(f"memory-{count}-*.texts.json")):
+        vectors_path = path.with_name(path.name.removesuffix(".texts.json") + ".npy")
+        if vectors_path.exists():
+            return json.loads(path.read_text()), np.load(vectors_path)
+    return None
+
+
 def available(count: int) -> tuple[list[str], npt.NDArray[np.float32]]:
     """The texts and vectors embedded so far (all `count` when done; else the parts done,
     from the first, in order), without embedding anything."""
+    finished = saved(count)
+    if finished is not None:
+        return finished
     corpus = texts(count)
     key = hashlib.sha256("\n".join(corpus).encode()).hexdigest()[:16]
     path = CACHE_DIR / f"memory-{len(corpus)}-{key}.npy"
