@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request
 from fastapi.exceptions import RequestValidationError
 
 from app.api.deps import Services, ServicesDep
@@ -45,9 +45,9 @@ DryRun = Annotated[
 
 @router.post("/evaluate", summary="Score one reasoning trace", responses=_NEXT)
 async def evaluate(
-    trace: ReasoningTrace, services: ServicesDep, dry_run: DryRun = False
+    trace: ReasoningTrace, request: Request, services: ServicesDep, dry_run: DryRun = False
 ) -> EvaluationOut:
-    _check_limits(services, [trace], batch=False)
+    await _check_limits(services, request, [trace], batch=False)
     (evaluation,) = await services.evaluator.evaluate([trace], dry_run=dry_run)
     _count(services, [evaluation])
     return EvaluationOut.of(evaluation)
@@ -55,16 +55,20 @@ async def evaluate(
 
 @router.post("/evaluate/batch", summary="Score traces in order, as one step", responses=_NEXT)
 async def evaluate_batch(
-    batch: BatchIn, services: ServicesDep, dry_run: DryRun = False
+    batch: BatchIn, request: Request, services: ServicesDep, dry_run: DryRun = False
 ) -> BatchOut:
-    _check_limits(services, batch.traces, batch=True)
+    await _check_limits(services, request, batch.traces, batch=True)
     evaluations = await services.evaluator.evaluate(batch.traces, dry_run=dry_run)
     _count(services, evaluations)
     return BatchOut(results=[EvaluationOut.of(e) for e in evaluations])
 
 
-def _check_limits(services: Services, traces: list[ReasoningTrace], *, batch: bool) -> None:
-    errors = limit_errors(traces, services.limits, batch=batch)
+async def _check_limits(
+    services: Services, request: Request, traces: list[ReasoningTrace], *, batch: bool
+) -> None:
+    # The body was read to parse it: this is its size, not a second read.
+    body_bytes = len(await request.body())
+    errors = limit_errors(traces, services.limits, batch=batch, body_bytes=body_bytes)
     if errors:
         raise RequestValidationError(errors)
 
