@@ -75,7 +75,7 @@ class InProcess:
         await self._lifespan.__aenter__()
         services = self.app.state.services
         self.services = services
-        self.embedder = services.embeddings._embedder
+        self.embedder = services.embeddings.lifecycle.embedder
         return self
 
     async def __aexit__(self, *exc: object) -> None:
