@@ -379,7 +379,9 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(where, str):
             raise SystemExit(f"reference phase unavailable: {where}")
         return reference.main(
-            ["--rounds", str(max(3, args.repeat))] + (["--quick"] if args.quick else [])
+            ["--rounds", str(max(3, args.repeat))]
+            + (["--quick"] if args.quick else [])
+            + [f"--env={pair}" for pair in args.env]
         )
     runs = []
     for i in range(args.repeat):
@@ -390,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         doc["runs"] = runs
     if isinstance(where, Path):
         # Its own interleaved rounds (at least 3), after the runs above, with no server of theirs up.
-        doc["reference"] = reference.measure(where, max(3, args.repeat), args.quick)
+        doc["reference"] = reference.measure(where, max(3, args.repeat), args.quick, env=env)
     else:
         doc["reference_skipped"] = where
         print(f"reference phase skipped: {where}", file=sys.stderr)

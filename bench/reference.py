@@ -129,12 +129,12 @@ def reference_cold(directory: Path, trace_file: Path) -> float:
     return elapsed
 
 
-def service_cold(trace: dict[str, Any], log: Path) -> float:
+def service_cold(trace: dict[str, Any], log: Path, env: dict[str, str]) -> float:
     """Milliseconds from spawning the service (default settings: the model loads on demand)
     to its first POST /evaluate answered; the port is tried every 2 ms until it listens."""
     port = free_port()
     request = load.evaluate_requests([trace], port)[0]
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("KP_")}
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("KP_")} | env
     with log.open("ab") as out:
         started = time.perf_counter()
         process = subprocess.Popen(
@@ -171,8 +171,14 @@ def _spread(values: list[float]) -> dict[str, Any]:
 
 
 def measure(
-    directory: Path, rounds: int, quick: bool, log: Callable[[str], None] = print
+    directory: Path,
+    rounds: int,
+    quick: bool,
+    log: Callable[[str], None] = print,
+    env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
+    """`env`: KP_* settings for the service (its preloaded server and its cold starts)."""
+    env = env or {}
     sizes = Sizes.of(quick)
     typical = corpus.build("typical", sizes.typical, seed=21)
     long = corpus.build("long", sizes.long, seed=22)
@@ -187,7 +193,7 @@ def measure(
     per_round: list[dict[str, float]] = []
     parity: list[float] = []
     try:
-        with Server({"KP_EMBEDDER_PRELOAD": "true"}, tmp / "server.log") as server:
+        with Server({"KP_EMBEDDER_PRELOAD": "true", **env}, tmp / "server.log") as server:
             port, pid = server.port, server.pid
 
             def bodies(items: list[Item]) -> list[bytes]:
@@ -249,7 +255,7 @@ def measure(
                 r["service_16_rate_rps"] = c.throughput_rps
                 r["service_16_turned_away"] = len(c.turned_away_ms)
                 pair = [
-                    (service_cold, (typical[0].trace, tmp / "cold.log")),
+                    (service_cold, (typical[0].trace, tmp / "cold.log", env)),
                     (reference_cold, (directory, trace_file)),
                 ]
                 for fn, args in pair if i % 2 == 0 else pair[::-1]:
@@ -372,11 +378,12 @@ def table(ref: dict[str, Any]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.__main__ import machine
+    from bench.__main__ import machine, parse_env
 
     parser = argparse.ArgumentParser(prog="python -m bench.reference", description=__doc__)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--env", action="append", default=[], metavar="KP_NAME=VALUE")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "reference.json")
     args = parser.parse_args(argv)
     where = available()
@@ -384,8 +391,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"reference phase skipped: {where}")
         return 0
     m = machine()
-    ref = measure(where, args.rounds, args.quick, lambda s: print(s, file=sys.stderr))
-    doc = {"machine": m, "loadavg_end": Path("/proc/loadavg").read_text().split()[:3], **ref}
+    env = parse_env(args.env)
+    ref = measure(where, args.rounds, args.quick, lambda s: print(s, file=sys.stderr), env)
+    doc = {
+        "machine": m,
+        "env": env,
+        "loadavg_end": Path("/proc/loadavg").read_text().split()[:3],
+        **ref,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=2) + "\n")
     print(
