@@ -12,7 +12,7 @@ nested paths, each the one before it plus one layer; the differences are each la
 4. ASGI: the whole app called in process with the request's bytes (no socket): (3) plus the
    middleware (body limits, metrics, the access log line), routing, JSON parsing, validation
    and the response's serialisation;
-5. HTTP: a real `uvicorn app.main:app` (preloaded, as a user runs it) over loopback from the
+5. HTTP: a real `python -m app.serve` (preloaded, as a user runs it) over loopback from the
    bench's lean client: (4) plus the socket, HTTP parsing, uvicorn and the client.
 
 Paths 1-4 run in this process on its event loop; 5 is a server process of its own (started

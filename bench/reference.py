@@ -5,12 +5,12 @@
 When node and the folder bench/reference_setup.py prepares are at hand, the reference SDK's
 `evaluateValue` runs in node (transformers.js, onnxruntime-node) on the same traces and the
 same model file as the floor (bench/floor.py, in this process) and the service (over HTTP, a
-preloaded uvicorn). Each round measures all three, in an order that turns from round to round
+preloaded `python -m app.serve`). Each round measures all three, in an order that turns from round to round
 so that a host that speeds up or slows down touches each alike; the figures are the medians of
 the rounds, with their range. Per round, one at a time: typical traces (p50) and long ones
 (512-token window, p99); 16 closed-loop clients on the service against the floor's
 one-at-a-time rate; and the cold start of each: a fresh process to its first answer (the
-service: `uvicorn app.main:app` spawned to its first POST /evaluate answered; the reference: node
+service: `python -m app.serve` spawned to its first POST /evaluate answered; the reference: node
 spawned, transformers.js and the SDK imported, its first evaluateValue returned).
 """
 
@@ -34,7 +34,7 @@ from typing import IO, Any
 from bench import corpus, load
 from bench.corpus import Item
 from bench.floor import Floor
-from bench.server import HOST, ROOT, UVICORN, Server, free_port
+from bench.server import HOST, ROOT, SERVE, Server, free_port
 from bench.stats import percentile
 
 RUNNER = Path(__file__).resolve().parent / "reference_runner.mjs"
@@ -138,7 +138,7 @@ def service_cold(trace: dict[str, Any], log: Path, env: dict[str, str]) -> float
     with log.open("ab") as out:
         started = time.perf_counter()
         process = subprocess.Popen(
-            [*UVICORN, "--host", HOST, "--port", str(port)],
+            [*SERVE, "--host", HOST, "--port", str(port)],
             cwd=ROOT,
             env=clean,
             stdout=out,
