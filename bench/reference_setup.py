@@ -127,9 +127,6 @@ def fetch_source(target: Path, source: Path | None, git_dir: Path | None, cache:
 
 
 def install(directory: Path) -> None:
-    for tool in ("node", "npm"):
-        if shutil.which(tool) is None:
-            raise UnavailableError(f"{tool} is not installed")
     package = directory / "package.json"
     if not package.exists():
         package.write_text(json.dumps({"name": "kp-reference-bench", "private": True}) + "\n")
@@ -177,6 +174,9 @@ def link_model(directory: Path) -> Path:
 def setup(
     directory: Path, source: Path | None = None, git_dir: Path | None = None
 ) -> dict[str, str]:
+    for tool in ("node", "npm"):
+        if shutil.which(tool) is None:
+            raise UnavailableError(f"{tool} is not installed")
     directory.mkdir(parents=True, exist_ok=True)
     (directory / READY).unlink(missing_ok=True)
     origin = fetch_source(directory / "sdk-src", source, git_dir, directory)
