@@ -28,8 +28,9 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from bench import corpus, load
 from bench.corpus import Item
@@ -94,17 +95,17 @@ class NodeReference:
         self._read()  # {"ready": true}
 
     def _read(self) -> dict[str, Any]:
-        stdout: IO[str] = self.process.stdout  # type: ignore[assignment]
-        line = stdout.readline()
+        assert self.process.stdout is not None  # opened with stdout=PIPE
+        line = self.process.stdout.readline()
         if not line:
             raise RuntimeError(f"the reference runner exited ({self.process.wait()})")
         answer: dict[str, Any] = json.loads(line)
         return answer
 
     def ask(self, request: dict[str, Any]) -> dict[str, Any]:
-        stdin: IO[str] = self.process.stdin  # type: ignore[assignment]
-        stdin.write(json.dumps(request) + "\n")
-        stdin.flush()
+        assert self.process.stdin is not None  # opened with stdin=PIPE
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
         return self._read()
 
     def score(self, traces: list[dict[str, Any]]) -> tuple[list[float], list[float]]:
@@ -221,7 +222,7 @@ def measure(
             node.score([i.trace for i in warm])
             load.run(lambda: one_client(warm))
 
-            def run_floor(r: dict[str, float]) -> None:
+            def run_floor(r: dict[str, Any]) -> None:
                 t = floor.measure([i.text for i in typical], [])
                 lg = floor.measure([i.text for i in long], [])
                 r |= {
@@ -231,7 +232,7 @@ def measure(
                     "floor_rate_rps": t["throughput_rps"],
                 }
 
-            def run_reference(r: dict[str, float]) -> None:
+            def run_reference(r: dict[str, Any]) -> None:
                 t_ms, t_scores = node.score([i.trace for i in typical])
                 l_ms, _ = node.score([i.trace for i in long])
                 r |= {
@@ -240,9 +241,9 @@ def measure(
                     "reference_long_p99_ms": percentile(l_ms, 99),
                     "reference_rate_rps": 1000 * len(t_ms) / sum(t_ms),
                 }
-                r["_reference_scores"] = t_scores  # type: ignore[assignment]
+                r["_reference_scores"] = t_scores
 
-            def run_service(r: dict[str, float]) -> None:
+            def run_service(r: dict[str, Any]) -> None:
                 t = load.run(lambda: one_client(typical))
                 lg = load.run(lambda: one_client(long))
                 r |= {
@@ -250,7 +251,7 @@ def measure(
                     "service_long_p50_ms": percentile(lg.latencies_ms, 50),
                     "service_long_p99_ms": percentile(lg.latencies_ms, 99),
                 }
-                r["_service_scores"] = [x["score"] for x in t.responses()]  # type: ignore[assignment]
+                r["_service_scores"] = [x["score"] for x in t.responses()]
 
             steps = [run_floor, run_reference, run_service]
             for i in range(rounds):
@@ -261,13 +262,15 @@ def measure(
                 c = load.run(crowded)
                 r["service_16_rate_rps"] = c.throughput_rps
                 r["service_16_turned_away"] = len(c.turned_away_ms)
-                pair = [
-                    (service_cold, (typical[0].trace, tmp / "cold.log", env)),
-                    (reference_cold, (directory, trace_file)),
-                ]
-                for fn, args in pair if i % 2 == 0 else pair[::-1]:
-                    key = "service_cold_ms" if fn is service_cold else "reference_cold_ms"
-                    r[key] = fn(*args)  # type: ignore[operator]
+                colds: dict[str, Callable[[], float]] = {
+                    "service_cold_ms": partial(
+                        service_cold, typical[0].trace, tmp / "cold.log", env
+                    ),
+                    "reference_cold_ms": partial(reference_cold, directory, trace_file),
+                }
+                # Alternating which starts first from round to round.
+                for key in sorted(colds, reverse=i % 2 == 0):
+                    r[key] = colds[key]()
                 ours, theirs = r.pop("_service_scores"), r.pop("_reference_scores")
                 parity.append(max(abs(a - b) for a, b in zip(ours, theirs, strict=True)))
                 per_round.append(r)
