@@ -74,6 +74,8 @@ VARIANTS: dict[str, Tweak | None] = {
     "ALL": ALL,
     "BASIC, no spinning": NO_SPIN,
     "ALL, no spinning": _both(ALL, NO_SPIN),
+    # Two threads named: onnxruntime pins its threads to cores only when it picks the count.
+    "BASIC, 2 threads named": _threads(2),
     # One thread: the kernels' own cost, with no thread pool to wait on or spin in.
     "BASIC, 1 thread": _threads(1),
     "ALL, 1 thread": _both(ALL, _threads(1)),
