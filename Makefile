@@ -17,7 +17,7 @@ $(BIN)/.installed: pyproject.toml
 
 ## run: start the service on http://$(HOST):$(PORT) (settings from KP_* variables)
 run: $(BIN)/.installed
-	$(BIN)/uvicorn app.main:app --host $(HOST) --port $(PORT)
+	$(BIN)/uvicorn app.main:app --http app.server.protocol:LimitedHttpToolsProtocol --host $(HOST) --port $(PORT)
 
 ## test: lint, type-check and run the whole test suite
 test: lint unit

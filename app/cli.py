@@ -319,7 +319,9 @@ def serve(
     """Run the service (one uvicorn process); settings come from KP_* variables."""
     import uvicorn
 
-    uvicorn.run("app.main:app", host=host, port=port, reload=reload)
+    from app.server.launch import HTTP_PROTOCOL
+
+    uvicorn.run("app.main:app", host=host, port=port, reload=reload, http=HTTP_PROTOCOL)
 
 
 @cache_cli.command("stats")

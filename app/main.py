@@ -25,6 +25,7 @@ from app.embedding import model_files
 from app.embedding.int8_support import CpuFeatures, Int8Support, int8_support
 from app.embedding.onnx_embedder import ModelError, OnnxEmbedder, Precision
 from app.schemas.limits import TraceLimits
+from app.server.descriptors import raise_open_files_limit, watch_descriptors
 from app.services.embeddings import EmbeddingService
 from app.services.evaluator import Evaluator
 from app.services.snapshots import SnapshotStore
@@ -146,6 +147,7 @@ def create_app(settings: Settings | None = None, *, cpu: CpuFeatures | None = No
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        raise_open_files_limit(settings.open_files_limit)
         embeddings, files = build_embeddings(settings, cpu)
         memory = build_memory(settings, files, embeddings.precision)
         # Snapshots are the in-process memory's persistence; with Redis, Redis's (AOF), and
@@ -179,9 +181,11 @@ def create_app(settings: Settings | None = None, *, cpu: CpuFeatures | None = No
         saver = asyncio.create_task(
             _save_periodically(snapshots, settings.cache_snapshot_interval_s)
         )
+        descriptors = asyncio.create_task(watch_descriptors())
         try:
             yield
         finally:
+            descriptors.cancel()
             saver.cancel()
             await embeddings.close()
             await run_in_threadpool(snapshots.save)

@@ -13,12 +13,14 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+from app.server.launch import UVICORN_OPTIONS
+
 ROOT = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
 #: The admin token the bench's servers run with (DELETE /cache between phases).
 ADMIN_TOKEN = "bench-" + secrets.token_hex(16)
 _TICKS = os.sysconf("SC_CLK_TCK")
-UVICORN = (sys.executable, "-m", "uvicorn", "app.main:app")
+UVICORN = (sys.executable, "-m", "uvicorn", "app.main:app", *UVICORN_OPTIONS)
 
 
 def free_port() -> int:

@@ -20,9 +20,11 @@ from typing import Any
 import httpx
 import redis
 
+from app.server.launch import UVICORN_OPTIONS
+
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "test-admin-token"
-UVICORN = (sys.executable, "-m", "uvicorn", "app.main:app")
+UVICORN = (sys.executable, "-m", "uvicorn", "app.main:app", *UVICORN_OPTIONS)
 
 
 def free_port() -> int:
