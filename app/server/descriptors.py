@@ -9,6 +9,7 @@ Neither tells the operator, hence the watch.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import resource
@@ -35,8 +36,8 @@ def raise_open_files_limit(target: int) -> None:
             extra={"from": soft, "to": wanted, "hard": hard, "setting": "KP_OPEN_FILES_LIMIT"},
         )
         soft = wanted
-    if soft != resource.RLIM_INFINITY and soft < target:
-        log.warning(
+    elif soft != resource.RLIM_INFINITY and soft < target:
+        log.info(
             "file descriptor limit below KP_OPEN_FILES_LIMIT: the hard limit allows no more "
             "(raise it with `ulimit -n`, or docker run --ulimit nofile=N:N)",
             extra={"limit": soft, "hard": hard, "wanted": target},
@@ -47,9 +48,14 @@ def _can_count() -> bool:
     return _FD_DIR.is_dir()
 
 
-def _open_descriptors() -> int:
-    # The listing's own descriptor is among those listed.
-    return len(os.listdir(_FD_DIR)) - 1
+def _open_descriptors(limit: int) -> int:
+    try:
+        # The listing's own descriptor is among those listed.
+        return len(os.listdir(_FD_DIR)) - 1
+    except OSError as exc:
+        if exc.errno in (errno.EMFILE, errno.ENFILE):
+            return limit  # not one left to list them with
+        raise
 
 
 def _running_out(open_fds: int, limit: int) -> bool:
@@ -65,7 +71,7 @@ async def watch_descriptors(interval_s: float = WATCH_INTERVAL_S) -> None:
     low = False
     while True:
         limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        open_fds = _open_descriptors()
+        open_fds = _open_descriptors(limit)
         if limit != resource.RLIM_INFINITY:
             if not low and _running_out(open_fds, limit):
                 low = True
