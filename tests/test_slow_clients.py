@@ -21,7 +21,9 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
+import yaml
 
+from app.server.launch import HTTP_PROTOCOL
 from tests.factories import make_trace, step
 from tests.server import UVICORN, LiveServer, Server, running_server
 
@@ -333,3 +335,15 @@ def test_300_slow_clients_with_256_descriptors_no_longer_shut_out_healthz(
         for sock in slow:
             sock.close()
         live.stop()
+
+
+def test_every_way_to_start_the_service_uses_the_bounded_protocol() -> None:
+    """make run and the image name the protocol; the compose files run the image's command."""
+    root = Path(__file__).resolve().parent.parent
+    for name in ("Makefile", "Dockerfile"):
+        assert f"--http {HTTP_PROTOCOL}" in (root / name).read_text().replace('", "', " "), name
+    for name in ("docker-compose.yml", "docker-compose.scale.yml"):
+        service = yaml.safe_load((root / name).read_text())["services"]["kp-scoring"]
+        assert "command" not in service, name
+        assert service["ulimits"]["nofile"]["hard"] >= 65536, name
+    assert HTTP_PROTOCOL in UVICORN
