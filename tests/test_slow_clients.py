@@ -281,11 +281,21 @@ def test_a_slow_honest_client_is_served_with_the_default_bounds() -> None:
     assert 0 <= answer["score"] <= 1
 
 
-# Lowers the descriptor limit (soft and hard) of the server process, then runs it.
-_LOW_NOFILE = (
-    "import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256)); "
-    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
-)
+def _with_nofile(soft: int, hard: int) -> tuple[str, ...]:
+    """The server's command, started with these descriptor limits (as `ulimit -n` would)."""
+    wrapper = (
+        "import os, resource, sys; "
+        f"resource.setrlimit(resource.RLIMIT_NOFILE, ({soft}, {hard})); "
+        "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+    )
+    return (sys.executable, "-c", wrapper, *UVICORN[1:])
+
+
+def _metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=PATIENCE_S).text
+    found = re.search(rf"^{name} (\S+)$", text, re.M)
+    assert found, f"no {name} in /metrics"
+    return float(found.group(1))
 
 
 def _healthz(url: str) -> int | None:
@@ -299,8 +309,7 @@ def test_300_slow_clients_with_256_descriptors_no_longer_shut_out_healthz(
     tmp_path: Path,
 ) -> None:
     env = {"KP_EMBEDDER": "none", "KP_LOG_LEVEL": "info", "KP_HEADER_TIMEOUT_S": "3"}
-    command = (sys.executable, "-c", _LOW_NOFILE, *UVICORN[1:])
-    live = LiveServer(env, tmp_path / "server.log", command)
+    live = LiveServer(env, tmp_path / "server.log", _with_nofile(256, 256))
     server = Server(live.url, None)
     slow: list[socket.socket] = []
     dribbles: list[_Dribble] = []
@@ -324,16 +333,33 @@ def test_300_slow_clients_with_256_descriptors_no_longer_shut_out_healthz(
             time.sleep(0.5)
         alive = sum(d.is_alive() for d in dribbles)
         assert alive == 0, f"{alive} slow clients still connected long after the bound"
-        metrics = httpx.get(f"{live.url}/metrics", timeout=PATIENCE_S).text
-        exhausted = re.search(r"^kp_fd_exhausted_total (\S+)$", metrics, re.M)
-        assert exhausted
-        assert float(exhausted.group(1)) >= 1
+        assert _metric(live.url, "kp_fd_exhausted_total") >= 1
+        assert _metric(live.url, "process_max_fds") == 256
         assert live.log().count("out of file descriptors") == 1
     finally:
         for dribble in dribbles:
             dribble.stopped.set()
         for sock in slow:
             sock.close()
+        live.stop()
+
+
+def test_the_soft_descriptor_limit_is_raised_as_far_as_the_hard_limit_allows(
+    tmp_path: Path,
+) -> None:
+    env = {"KP_EMBEDDER": "none", "KP_LOG_LEVEL": "info", "KP_OPEN_FILES_LIMIT": "2048"}
+    live = LiveServer(env, tmp_path / "server.log", _with_nofile(512, 4096))
+    try:
+        assert _metric(live.url, "process_max_fds") == 2048
+        assert "file descriptor limit raised" in live.log()
+    finally:
+        live.stop()
+    live = LiveServer(
+        {**env, "KP_OPEN_FILES_LIMIT": "65536"}, tmp_path / "hard.log", _with_nofile(512, 4096)
+    )
+    try:
+        assert _metric(live.url, "process_max_fds") == 4096
+    finally:
         live.stop()
 
 
