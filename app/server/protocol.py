@@ -66,14 +66,15 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self.max_header_bytes = s.max_header_bytes
         self.max_header_count = s.max_header_count
         self._header_timer: asyncio.TimerHandle | None = None
+        self._header_deadline = 0.0
         self._body_timer: asyncio.TimerHandle | None = None
         self._body_cycle: RequestResponseCycle | None = None
+        self._running: RequestResponseCycle | None = None
         #: Between the connect (or the previous answer) and the end of the next headers.
         self._awaiting_headers = False
         #: Bytes received while awaiting headers: bounds what the parser buffers.
         self._raw_header_bytes = 0
-        #: The current request's request target and header lines, as parsed.
-        self._header_bytes = 0
+        #: The current request's header lines, as parsed.
         self._header_count = 0
         self._linger_timer: asyncio.TimerHandle | None = None
         self._linger_left = -1  # bytes still dropped after a refusal; -1: not lingering
@@ -87,8 +88,10 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def _await_headers(self) -> None:
         self._awaiting_headers = True
         self._raw_header_bytes = 0
-        self._cancel_header_timer()
-        self._header_timer = self.loop.call_later(self.header_timeout_s, self._header_timeout)
+        self._header_deadline = self.loop.time() + self.header_timeout_s
+        # One timer per connection, moved on when it fires early: no timer per request.
+        if self._header_timer is None:
+            self._header_timer = self.loop.call_at(self._header_deadline, self._header_timeout)
 
     def _cancel_header_timer(self) -> None:
         if self._header_timer is not None:
@@ -98,6 +101,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def _header_timeout(self) -> None:
         self._header_timer = None
         if self.transport.is_closing() or not self._awaiting_headers:
+            return  # armed again by the next _await_headers
+        if self.loop.time() < self._header_deadline:
+            self._header_timer = self.loop.call_at(self._header_deadline, self._header_timeout)
             return
         if self._raw_header_bytes == 0:
             CONNECTIONS.closed_by_limit.labels("idle").inc()
@@ -139,9 +145,12 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             else:
                 self._unsupported_upgrade_warning()
             return
-        if self._awaiting_headers and self._raw_header_bytes > self.max_header_bytes:
-            # One header line that never ends: refused before the parser buffers more of it.
-            self._refuse(self._too_large())
+        if self._awaiting_headers:
+            if self._raw_header_bytes > self.max_header_bytes:
+                # Header lines that never end: refused before the parser buffers more.
+                self._refuse(self._too_large())
+        else:
+            self._watch_body()
 
     def _invalid_request(self) -> None:
         msg = "Invalid HTTP request received."
@@ -152,14 +161,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self._header_bytes = 0
         self._header_count = 0
-
-    def on_url(self, url: bytes) -> None:
-        super().on_url(url)
-        self._header_bytes += len(url)
-        if self._header_bytes > self.max_header_bytes:
-            raise self._too_large()
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._header_count += 1
@@ -170,9 +172,6 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
                 ("header",),
                 f"more than {self.max_header_count} header lines (KP_MAX_HEADER_COUNT)",
             )
-        self._header_bytes += len(name) + len(value) + 4  # ": " and CRLF
-        if self._header_bytes > self.max_header_bytes:
-            raise self._too_large()
         super().on_header(name, value)
 
     def _too_large(self) -> _LimitError:
@@ -185,10 +184,15 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         )
 
     def on_headers_complete(self) -> None:
+        # Everything received since the deadline started is within the limit: so are the
+        # headers. Otherwise (the body came along, or a pipelined request) they are counted.
+        if not self._awaiting_headers or self._raw_header_bytes > self.max_header_bytes:
+            size = len(self.url) + sum(len(n) + len(v) + 4 for n, v in self.headers)
+            if size > self.max_header_bytes:
+                raise self._too_large()
         self._awaiting_headers = False
-        self._cancel_header_timer()
-        hosts = sum(1 for name, _ in self.headers if name == b"host")
-        if hosts > 1 or (hosts == 0 and self.parser.get_http_version() == "1.1"):
+        hosts = [value for name, value in self.headers if name == b"host"]
+        if len(hosts) > 1 or (not hosts and self.parser.get_http_version() == "1.1"):
             raise _LimitError(
                 400,
                 "host",
@@ -200,10 +204,20 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     # ── the body deadline ──
 
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
-        # Here, not at the end of the headers: a pipelined request's body is not read (the
-        # connection is paused) until its turn comes.
         super()._start_asgi_task(cycle, app)
-        if cycle.more_body:
+        self._running = cycle
+
+    def _watch_body(self) -> None:
+        """Starts the body deadline of the running request if its body is not all here: only
+        a body that spans reads has a timer. A pipelined request's starts with its turn."""
+        cycle = self._running
+        if (
+            cycle is not None
+            and cycle.more_body
+            and self._body_cycle is not cycle
+            and not cycle.response_complete
+            and not self.transport.is_closing()
+        ):
             self._cancel_body_timer()
             self._body_cycle = cycle
             self._body_timer = self.loop.call_later(self.body_timeout_s, self._body_timeout)
@@ -279,7 +293,11 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def on_response_complete(self) -> None:
         pipelined = bool(self.pipeline)
         super().on_response_complete()
-        if not pipelined and not self.transport.is_closing():
+        if self.transport.is_closing():
+            return
+        if pipelined:
+            self._watch_body()
+        else:
             self._await_headers()
 
     def connection_lost(self, exc: Exception | None) -> None:
