@@ -8,6 +8,7 @@ from fastapi import APIRouter, Query
 from fastapi.exceptions import RequestValidationError
 
 from app.api.deps import Services, ServicesDep
+from app.api.presenters import evaluation_out
 from app.schemas.limits import limit_errors
 from app.schemas.responses import BatchIn, BatchOut, EvaluationOut
 from app.schemas.trace import ReasoningTrace
@@ -50,7 +51,7 @@ async def evaluate(
     _check_limits(services, [trace], batch=False)
     (evaluation,) = await services.evaluator.evaluate([trace], dry_run=dry_run)
     _count(services, [evaluation])
-    return EvaluationOut.of(evaluation)
+    return evaluation_out(evaluation)
 
 
 @router.post("/evaluate/batch", summary="Score traces in order, as one step", responses=_NEXT)
@@ -60,7 +61,7 @@ async def evaluate_batch(
     _check_limits(services, batch.traces, batch=True)
     evaluations = await services.evaluator.evaluate(batch.traces, dry_run=dry_run)
     _count(services, evaluations)
-    return BatchOut(results=[EvaluationOut.of(e) for e in evaluations])
+    return BatchOut(results=[evaluation_out(e) for e in evaluations])
 
 
 def _check_limits(services: Services, traces: list[ReasoningTrace], *, batch: bool) -> None:
