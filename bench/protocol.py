@@ -1,12 +1,19 @@
-"""The HTTP protocol's own cost: uvicorn's httptools protocol against the one with bounds
-(app/server/protocol.py), per request, on one kept-alive connection, in process.
+"""The HTTP protocol's cost: uvicorn's httptools protocol against the one with bounds
+(app/server/protocol.py).
 
     python -m bench.protocol [--requests N] [--rounds N]
+    python -m bench.protocol --service none|model [--rounds N] [--seconds S]
 
-No sockets and no FastAPI: a trivial ASGI app behind each protocol, fed requests through an
-in-memory transport, so what differs is the protocol alone (timers, header counting, the Host
-check). Rounds alternate the two, so a busy machine slows both alike; the figures are CPU-bound
-microseconds per request, medians over rounds, on uvloop (uvicorn's loop when installed).
+By default in process: no sockets and no FastAPI, a trivial ASGI app behind each protocol,
+fed requests on one kept-alive connection through an in-memory transport, so what differs is
+the protocol alone (timers, header counting, the Host check); microseconds per request on
+uvloop (uvicorn's loop when installed).
+
+With --service: two services side by side, one with each protocol (`none`: KP_EMBEDDER=none,
+the HTTP path alone; `model`: the real model, preloaded), measured as the bench measures
+(closed loop, 1 and 16 clients): throughput, median latency and the server's CPU per request.
+
+Rounds alternate the two, so a busy machine slows both alike; figures are medians over rounds.
 """
 
 from __future__ import annotations
@@ -14,8 +21,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
+import sys
+import tempfile
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
+from pathlib import Path
 from typing import Any
 
 import uvloop
@@ -24,6 +34,11 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
 from app.server.protocol import LimitedHttpToolsProtocol
+from bench import corpus, load
+from bench.corpus import Item
+from bench.load import Phase
+from bench.server import UVICORN, Server
+from bench.stats import percentile
 
 Message = MutableMapping[str, Any]
 
@@ -90,13 +105,72 @@ async def _run(protocol_class: type[HttpToolsProtocol], requests: int) -> float:
     return elapsed / requests * 1e6
 
 
+STOCK_NAME = "httptools (uvicorn)"
+STOCK = (sys.executable, "-m", "uvicorn", "app.main:app", "--http", "httptools")
+COMMANDS = {STOCK_NAME: STOCK, "with bounds": UVICORN}
+
+
+def _service_phase(server: Server, items: list[Item], clients: int, seconds: float) -> Phase:
+    bodies = load.evaluate_requests([i.trace for i in items], server.port)
+
+    async def sequence() -> Phase:
+        await load.reset_cache(server.port)
+        await load.closed_loop(server.port, bodies[:32], clients)
+        return await load.closed_loop(
+            server.port, bodies * 40, clients, max_seconds=seconds, server_pid=server.pid
+        )
+
+    return load.run(sequence)
+
+
+def services(mode: str, rounds: int, seconds: float) -> None:
+    env = {"KP_EMBEDDER": "none"} if mode == "none" else {"KP_EMBEDDER_PRELOAD": "true"}
+    items = corpus.build("typical", 400, seed=7)
+    figures: dict[tuple[str, int], list[Phase]] = {
+        (name, c): [] for name in COMMANDS for c in (1, 16)
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        running = {
+            name: Server(env, Path(tmp) / f"{i}.log", timeout_s=180, command=command)
+            for i, (name, command) in enumerate(COMMANDS.items())
+        }
+        try:
+            for r in range(rounds):
+                names = list(running) if r % 2 == 0 else list(reversed(running))
+                for clients in (1, 16):
+                    for name in names:
+                        phase = _service_phase(running[name], items, clients, seconds)
+                        figures[(name, clients)].append(phase)
+        finally:
+            for server in running.values():
+                server.stop()
+    print(f"KP_EMBEDDER={'none' if mode == 'none' else 'onnx'}, {rounds} rounds of {seconds} s")
+    for clients in (1, 16):
+        base = statistics.median(p.throughput_rps for p in figures[(STOCK_NAME, clients)])
+        for name in COMMANDS:
+            phases = figures[(name, clients)]
+            rps = statistics.median(p.throughput_rps for p in phases)
+            p50 = statistics.median(percentile(p.latencies_ms, 50) for p in phases)
+            cpu = statistics.median(p.server_cpu_s / p.count * 1e6 for p in phases)
+            print(
+                f"  {clients:>2} clients, {name:<20} {rps:8.1f} req/s ({rps / base:.3f}x; runs "
+                f"{', '.join(f'{p.throughput_rps:.0f}' for p in phases)}), p50 {p50:.2f} ms, "
+                f"server CPU {cpu:.0f} us/request"
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=20_000)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--service", choices=("none", "model"))
+    parser.add_argument("--seconds", type=float, default=4.0)
     args = parser.parse_args()
+    if args.service:
+        services(args.service, args.rounds, args.seconds)
+        return
     classes: dict[str, type[HttpToolsProtocol]] = {
-        "httptools (uvicorn)": HttpToolsProtocol,
+        STOCK_NAME: HttpToolsProtocol,
         "with bounds": LimitedHttpToolsProtocol,
     }
     runs: dict[str, list[float]] = {name: [] for name in classes}
@@ -105,7 +179,7 @@ def main() -> None:
         for name in names:
             with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
                 runs[name].append(runner.run(_run(classes[name], args.requests)))
-    base = statistics.median(runs["httptools (uvicorn)"])
+    base = statistics.median(runs[STOCK_NAME])
     print(f"{args.requests} requests x {args.rounds} rounds, one kept-alive connection")
     for name, values in runs.items():
         median = statistics.median(values)
