@@ -256,6 +256,29 @@ def test_a_kept_alive_connection_is_served_past_the_header_deadline(bounded: Ser
     assert data.count(b"HTTP/1.1 200 OK\r\n") == 5
 
 
+def test_a_body_answered_before_it_is_read_is_not_taken_for_the_next_headers(
+    bounded: Server,
+) -> None:
+    """GET /healthz answers without reading the body; the rest of it, larger than
+    KP_MAX_HEADER_BYTES, still arrives before the next request, which is served."""
+    half = b"x" * MAX_HEADER_BYTES
+    with _connect(bounded) as sock:
+        sock.sendall(
+            b"GET /healthz HTTP/1.1\r\nHost: kp\r\nContent-Length: %d\r\n\r\n" % (2 * len(half) + 1)
+            + half
+        )
+        first = b""
+        while not first.endswith(b'{"status":"ok"}'):
+            first += sock.recv(65536)
+        sock.sendall(half + b"x")
+        time.sleep(0.2)  # the rest of the body, then (in another read) the next request
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: kp\r\nConnection: close\r\n\r\n")
+        rest, closed = _read_until_closed(sock)
+    assert closed
+    assert first.startswith(b"HTTP/1.1 200 ")
+    assert rest.startswith(b"HTTP/1.1 200 "), rest[:200]
+
+
 def _long_trace(size: int) -> bytes:
     """A valid trace of about `size` bytes (every string within KP_MAX_STRING_CHARS)."""
     steps = [step(i, "thought", "word " * 4000) for i in range(1, size // 20_000 + 2)]

@@ -224,8 +224,12 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
-        if self._body_cycle is self.cycle:
+        cycle = self.cycle
+        if self._body_cycle is cycle:
             self._cancel_body_timer()
+        if cycle is not None and cycle.response_complete and not self.transport.is_closing():
+            # Answered before its body was all read: the next request starts now.
+            self._await_headers()
 
     def _cancel_body_timer(self) -> None:
         if self._body_timer is not None:
@@ -297,8 +301,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             return
         if pipelined:
             self._watch_body()
-        else:
+        elif self._running is None or not self._running.more_body:
             self._await_headers()
+        # else: the rest of the body comes first (on_message_complete), under its deadline.
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_header_timer()
