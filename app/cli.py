@@ -317,11 +317,12 @@ def serve(
     reload: Annotated[bool, typer.Option(help="Restart on code changes (development).")] = False,
 ) -> None:
     """Run the service (one uvicorn process); settings come from KP_* variables."""
-    import uvicorn
-
-    from app.server.launch import HTTP_PROTOCOL
-
-    uvicorn.run("app.main:app", host=host, port=port, reload=reload, http=HTTP_PROTOCOL)
+    try:
+        from app.serve import run  # the server's dependencies: not in the client-only install
+    except ImportError as exc:
+        out.print(f"[red]{exc}[/red]: install the server with pip install 'kp-scoring[server]'")
+        raise typer.Exit(Code.INPUT_ERROR) from None
+    run(host, port, reload=reload)
 
 
 @cache_cli.command("stats")

@@ -37,7 +37,7 @@ from app.server.protocol import LimitedHttpToolsProtocol
 from bench import corpus, load
 from bench.corpus import Item
 from bench.load import Phase
-from bench.server import UVICORN, Server
+from bench.server import SERVE, Server
 from bench.stats import percentile
 
 Message = MutableMapping[str, Any]
@@ -106,8 +106,8 @@ async def _run(protocol_class: type[HttpToolsProtocol], requests: int) -> float:
 
 
 STOCK_NAME = "httptools (uvicorn)"
-STOCK = (sys.executable, "-m", "uvicorn", "app.main:app", "--http", "httptools")
-COMMANDS = {STOCK_NAME: STOCK, "with bounds": UVICORN}
+STOCK = (sys.executable, "-m", "uvicorn", "--factory", "app.main:create_app", "--http", "httptools")
+COMMANDS = {STOCK_NAME: STOCK, "with bounds": SERVE}
 
 
 def _service_phase(server: Server, items: list[Item], clients: int, seconds: float) -> Phase:

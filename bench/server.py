@@ -1,4 +1,4 @@
-"""The service as a user starts it: `python -m uvicorn app.main:app` on a free loopback port."""
+"""The service as a user starts it: `python -m app.serve` on a free loopback port."""
 
 from __future__ import annotations
 
@@ -14,14 +14,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
-from app.server.launch import UVICORN_OPTIONS
-
 ROOT = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
 #: The admin token the bench's servers run with (DELETE /cache between phases).
 ADMIN_TOKEN = "bench-" + secrets.token_hex(16)
 _TICKS = os.sysconf("SC_CLK_TCK")
-UVICORN = (sys.executable, "-m", "uvicorn", "app.main:app", *UVICORN_OPTIONS)
+#: How every server starts (app/serve.py), run by this interpreter.
+SERVE = (sys.executable, "-m", "app.serve")
 
 
 def free_port() -> int:
@@ -58,7 +57,7 @@ class Server:
         env: dict[str, str],
         log_path: Path,
         timeout_s: float = 60,
-        command: Sequence[str] = UVICORN,
+        command: Sequence[str] = SERVE,
     ) -> None:
         self.port = free_port()
         clean = {k: v for k, v in os.environ.items() if not k.startswith("KP_")}

@@ -21,11 +21,14 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
+import uvicorn
 import yaml
+from uvicorn.importer import import_from_string
 
-from app.server.launch import HTTP_PROTOCOL
+from app import serve
+from app.server.protocol import LimitedHttpToolsProtocol
 from tests.factories import make_trace, step
-from tests.server import UVICORN, LiveServer, Server, running_server
+from tests.server import SERVE, LiveServer, Server, running_server
 
 HEADER_TIMEOUT_S = 1.0
 BODY_TIMEOUT_S = 2.0
@@ -311,7 +314,7 @@ def _with_nofile(soft: int, hard: int) -> tuple[str, ...]:
         f"resource.setrlimit(resource.RLIMIT_NOFILE, ({soft}, {hard})); "
         "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
     )
-    return (sys.executable, "-c", wrapper, *UVICORN[1:])
+    return (sys.executable, "-c", wrapper, *SERVE[1:])
 
 
 def _metric(url: str, name: str) -> float:
@@ -386,13 +389,17 @@ def test_the_soft_descriptor_limit_is_raised_as_far_as_the_hard_limit_allows(
         live.stop()
 
 
-def test_every_way_to_start_the_service_uses_the_bounded_protocol() -> None:
-    """make run and the image name the protocol; the compose files run the image's command."""
+def test_the_launch_path_runs_the_bounded_protocol(monkeypatch: pytest.MonkeyPatch) -> None:
+    """app.serve (make run, the image, the tests' and the bench's servers, kp-scoring serve)
+    hands uvicorn the protocol; the compose files run the image's command with a descriptor
+    limit the service can raise its own to."""
+    calls: list[dict[str, Any]] = []
+    monkeypatch.setattr(uvicorn, "run", lambda *args, **kwargs: calls.append(kwargs))
+    serve.main(["--port", "8123"])
+    assert calls[0]["http"] == serve.HTTP_PROTOCOL
+    assert import_from_string(serve.HTTP_PROTOCOL) is LimitedHttpToolsProtocol
     root = Path(__file__).resolve().parent.parent
-    for name in ("Makefile", "Dockerfile"):
-        assert f"--http {HTTP_PROTOCOL}" in (root / name).read_text().replace('", "', " "), name
     for name in ("docker-compose.yml", "docker-compose.scale.yml"):
         service = yaml.safe_load((root / name).read_text())["services"]["kp-scoring"]
         assert "command" not in service, name
         assert service["ulimits"]["nofile"]["hard"] >= 65536, name
-    assert HTTP_PROTOCOL in UVICORN

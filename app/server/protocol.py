@@ -2,8 +2,8 @@
 one for the body (408, then close), limits on header size and count (431), and the HTTP/1.1
 rule that a request names exactly one Host (400).
 
-Selected by import string, `--http app.server.protocol:LimitedHttpToolsProtocol` (see
-app/server/launch.py); the bounds come from the KP_* settings (app/core/config.py). A
+app/serve.py hands it to uvicorn (`http=`, by import string); the bounds come from the KP_*
+settings (app/core/config.py), read when the first connection is made. A
 connection that sent nothing by the header deadline is closed without an answer: there is no
 request to answer. uvicorn's own keep-alive timeout still closes an idle connection between
 requests sooner.
