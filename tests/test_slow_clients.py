@@ -30,6 +30,9 @@ from app.server.protocol import LimitedHttpToolsProtocol
 from tests.factories import make_trace, step
 from tests.server import SERVE, LiveServer, Server, running_server
 
+# Live servers (the launch-path check at the end aside): left out of make test-fast.
+pytestmark = pytest.mark.server
+
 HEADER_TIMEOUT_S = 1.0
 BODY_TIMEOUT_S = 2.0
 MAX_HEADER_BYTES = 8192
@@ -331,6 +334,7 @@ def _healthz(url: str) -> int | None:
         return None
 
 
+@pytest.mark.slow
 def test_300_slow_clients_with_256_descriptors_no_longer_shut_out_healthz(
     tmp_path: Path,
 ) -> None:
