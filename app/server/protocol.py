@@ -3,10 +3,10 @@ one for the body (408, then close), limits on header size and count (431), and t
 rule that a request names exactly one Host (400).
 
 app/serve.py hands it to uvicorn (`http=`, by import string); the bounds come from the KP_*
-settings (app/core/config.py), read when the first connection is made. A
-connection that sent nothing by the header deadline is closed without an answer: there is no
-request to answer. uvicorn's own keep-alive timeout still closes an idle connection between
-requests sooner.
+settings (app/core/config.py), read when the first connection is made. Refusals have the API's
+error body (app/core/errors.py). A connection that sent nothing by the header deadline is
+closed without an answer: there is no request to answer. uvicorn's own keep-alive timeout
+still closes an idle connection between requests sooner.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from uvicorn.server import ServerState
 
 from app.core.config import Settings
 from app.core.connection_metrics import CONNECTIONS
+from app.core.errors import error_body, field_error
 
 log = logging.getLogger("app.server")
 
@@ -281,9 +282,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._linger_timer = self.loop.call_later(LINGER_S, self.transport.close)
 
     def _response(self, refusal: _LimitError) -> bytes:
-        body = orjson.dumps(
-            {"detail": [{"loc": list(refusal.loc), "msg": refusal.msg, "type": refusal.limit}]}
-        )
+        body = orjson.dumps(error_body([field_error(refusal.loc, refusal.msg, refusal.limit)]))
         phrase = http.HTTPStatus(refusal.status).phrase
         lines = [f"HTTP/1.1 {refusal.status} {phrase}".encode()]
         lines += [name + b": " + value for name, value in self.server_state.default_headers]
