@@ -173,6 +173,9 @@ def test_a_body_that_never_ends_gets_408_and_a_close(bounded: Server) -> None:
         "type": "body_timeout",
     }
     assert _closed_by(bounded, "body_timeout") > before
+    # The app, which saw the client go, counts the 408 it was answered with.
+    metrics = httpx.get(f"{bounded.url}/metrics", timeout=PATIENCE_S).text
+    assert re.search(r'^kp_http_requests_total{[^}]*status="408"[^}]*} [1-9]', metrics, re.M)
 
 
 @pytest.mark.parametrize("size", [100_000, 1_000_000])

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import http
 import logging
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import httptools
 import orjson
@@ -24,7 +24,7 @@ from uvicorn.server import ServerState
 
 from app.core.config import Settings
 from app.core.connection_metrics import CONNECTIONS
-from app.core.errors import error_body, field_error
+from app.core.errors import SERVER_REFUSAL, error_body, field_error
 
 log = logging.getLogger("app.server")
 
@@ -251,8 +251,10 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             f"the request body did not arrive within {self.body_timeout_s:g} s (KP_BODY_TIMEOUT_S)",
         )
         # The application waits for the rest of the body: it learns of the close at once, and
-        # nothing it sends from now on reaches the transport.
+        # nothing it sends from now on reaches the transport; what it logs is our answer.
         started = cycle.response_started
+        scope = cast("dict[str, Any]", cycle.scope)
+        scope[SERVER_REFUSAL] = (refusal.status, self._body(refusal))
         cycle.disconnected = True
         cycle.message_event.set()
         if started:
@@ -281,8 +283,12 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self.transport.write_eof()
         self._linger_timer = self.loop.call_later(LINGER_S, self.transport.close)
 
+    @staticmethod
+    def _body(refusal: _LimitError) -> dict[str, Any]:
+        return error_body([field_error(refusal.loc, refusal.msg, refusal.limit)])
+
     def _response(self, refusal: _LimitError) -> bytes:
-        body = orjson.dumps(error_body([field_error(refusal.loc, refusal.msg, refusal.limit)]))
+        body = orjson.dumps(self._body(refusal))
         phrase = http.HTTPStatus(refusal.status).phrase
         lines = [f"HTTP/1.1 {refusal.status} {phrase}".encode()]
         lines += [name + b": " + value for name, value in self.server_state.default_headers]
