@@ -28,7 +28,7 @@ import numpy as np
 
 from app.domain.vector_cache import VectorCache
 from app.embedding.int8_support import RELEVANT_FLAGS, CpuFeatures
-from bench import corpus, floor, load, megabyte, memory, shared
+from bench import corpus, floor, load, megabyte, memory, reference, shared
 from bench.corpus import WORDS, Item
 from bench.floor import Floor
 from bench.report import render, targets
@@ -369,6 +369,13 @@ def main(argv: list[str] | None = None) -> int:
         help="the memory phase's sizes (bench.memory: real MiniLM vectors, recall, latency); "
         "'off' to skip; --quick skips it",
     )
+    parser.add_argument(
+        "--reference",
+        choices=("auto", "only", "skip"),
+        default="auto",
+        help="the reference SDK side by side (bench/reference.py): when it is set up (auto), "
+        "alone (only), or not at all",
+    )
     args = parser.parse_args(argv)
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
@@ -393,6 +400,15 @@ def main(argv: list[str] | None = None) -> int:
         },
     }
     started = time.perf_counter()
+    where = reference.available() if args.reference != "skip" else "--reference skip"
+    if args.reference == "only":
+        if isinstance(where, str):
+            raise SystemExit(f"reference phase unavailable: {where}")
+        return reference.main(
+            ["--rounds", str(max(3, args.repeat))]
+            + (["--quick"] if args.quick else [])
+            + [f"--env={pair}" for pair in args.env]
+        )
     runs = []
     for i in range(args.repeat):
         print(f"run {i + 1} of {args.repeat} ...", file=sys.stderr, flush=True)
@@ -400,9 +416,20 @@ def main(argv: list[str] | None = None) -> int:
     doc["results"] = median_of_runs(runs)
     if args.repeat > 1:
         doc["runs"] = runs
+    if isinstance(where, Path):
+        # Its own interleaved rounds (at least 3), after the runs above, with no server of theirs up.
+        doc["reference"] = reference.measure(where, max(3, args.repeat), args.quick, env=env)
+    else:
+        doc["reference_skipped"] = where
+        print(f"reference phase skipped: {where}", file=sys.stderr)
     doc["loadavg_end"] = _loadavg()
     doc["duration_s"] = round(time.perf_counter() - started, 1)
     doc["targets"] = [t.as_json() for t in targets(doc["results"])]
+    if "reference" in doc:
+        doc["targets"] += [
+            {"target": n, "value": v, "pass": ok}
+            for n, v, ok in reference.targets(doc["reference"])
+        ]
     doc["notes"] = notes(doc)
     if not args.quick and args.memory != "off":
         print("memory phase ...", file=sys.stderr, flush=True)

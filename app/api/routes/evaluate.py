@@ -82,7 +82,7 @@ async def evaluate(
     dry_run: DryRun = False,
     idempotency_key: IdempotencyKey = None,
 ) -> EvaluationOut:
-    _check_limits(services, [trace], batch=False)
+    await _check_limits(services, request, [trace], batch=False)
     sent = await _sent_traces(services, request, batch=False)
     (evaluation,) = await services.evaluator.evaluate([trace], dry_run=dry_run)
     _count(services, [evaluation])
@@ -97,7 +97,7 @@ async def evaluate_batch(
     dry_run: DryRun = False,
     idempotency_key: IdempotencyKey = None,
 ) -> BatchOut:
-    _check_limits(services, batch.traces, batch=True)
+    await _check_limits(services, request, batch.traces, batch=True)
     sent = await _sent_traces(services, request, batch=True)
     evaluations = await services.evaluator.evaluate(batch.traces, dry_run=dry_run)
     _count(services, evaluations)
@@ -136,8 +136,12 @@ def _answer(
     return evaluation_out(evaluation, signature)
 
 
-def _check_limits(services: Services, traces: list[ReasoningTrace], *, batch: bool) -> None:
-    errors = limit_errors(traces, services.limits, batch=batch)
+async def _check_limits(
+    services: Services, request: Request, traces: list[ReasoningTrace], *, batch: bool
+) -> None:
+    # The body was read to parse it: this is its size, not a second read.
+    body_bytes = len(await request.body())
+    errors = limit_errors(traces, services.limits, batch=batch, body_bytes=body_bytes)
     if errors:
         raise RequestValidationError(errors)
 
