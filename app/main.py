@@ -13,6 +13,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi_offline import FastAPIOffline
 
 from app import __version__
+from app.api import mcp
 from app.api.deps import Services
 from app.api.errors import install_error_handlers
 from app.api.middleware import RequestGuard
@@ -176,6 +177,8 @@ def create_app(settings: Settings | None = None, *, cpu: CpuFeatures | None = No
                 "cache": backend.location or backend.kind,
             },
         )
+        app.state.mcp = mcp.McpTransport(app.state.services)
+        await app.state.mcp.start()
         saver = asyncio.create_task(
             _save_periodically(snapshots, settings.cache_snapshot_interval_s)
         )
@@ -183,6 +186,8 @@ def create_app(settings: Settings | None = None, *, cpu: CpuFeatures | None = No
             yield
         finally:
             saver.cancel()
+            await app.state.mcp.stop()
+            app.state.mcp = None
             await embeddings.close()
             await run_in_threadpool(snapshots.save)
             await memory.close()
@@ -198,6 +203,7 @@ def create_app(settings: Settings | None = None, *, cpu: CpuFeatures | None = No
     )
     for router in (evaluate.router, cache.router, health.router):
         app.include_router(router)
+    app.router.routes.append(mcp.route())
     install_error_handlers(app)
     app.add_middleware(
         RequestGuard,

@@ -8,10 +8,10 @@ from fastapi import APIRouter, Query
 from fastapi.exceptions import RequestValidationError
 
 from app.api.deps import Services, ServicesDep
-from app.schemas.limits import limit_errors
 from app.schemas.responses import BatchIn, BatchOut, EvaluationOut
 from app.schemas.trace import ReasoningTrace
 from app.services.evaluator import Evaluation
+from app.services.scoring_requests import TraceLimitError, score_traces
 
 router = APIRouter(
     tags=["evaluate"],
@@ -47,9 +47,7 @@ DryRun = Annotated[
 async def evaluate(
     trace: ReasoningTrace, services: ServicesDep, dry_run: DryRun = False
 ) -> EvaluationOut:
-    _check_limits(services, [trace], batch=False)
-    (evaluation,) = await services.evaluator.evaluate([trace], dry_run=dry_run)
-    _count(services, [evaluation])
+    (evaluation,) = await _score(services, [trace], dry_run=dry_run, batch=False)
     return EvaluationOut.of(evaluation)
 
 
@@ -57,24 +55,22 @@ async def evaluate(
 async def evaluate_batch(
     batch: BatchIn, services: ServicesDep, dry_run: DryRun = False
 ) -> BatchOut:
-    _check_limits(services, batch.traces, batch=True)
-    evaluations = await services.evaluator.evaluate(batch.traces, dry_run=dry_run)
-    _count(services, evaluations)
+    evaluations = await _score(services, batch.traces, dry_run=dry_run, batch=True)
     return BatchOut(results=[EvaluationOut.of(e) for e in evaluations])
 
 
-def _check_limits(services: Services, traces: list[ReasoningTrace], *, batch: bool) -> None:
-    errors = limit_errors(traces, services.limits, batch=batch)
-    if errors:
-        raise RequestValidationError(errors)
-
-
-def _count(services: Services, evaluations: list[Evaluation]) -> None:
-    m = services.metrics
-    for e in evaluations:
-        m.evaluations.labels(e.score.weights.name).inc()
-        m.score.observe(e.score.value)
-        for rule in e.score.overrides:
-            m.overrides.labels(rule).inc()
-        if not e.novelty.measured and e.novelty.reason is not None:
-            m.novelty_unmeasured.labels(e.novelty.reason).inc()
+async def _score(
+    services: Services, traces: list[ReasoningTrace], *, dry_run: bool, batch: bool
+) -> list[Evaluation]:
+    try:
+        return await score_traces(
+            services.evaluator,
+            services.limits,
+            services.metrics,
+            traces,
+            dry_run=dry_run,
+            batch=batch,
+            transport="rest",
+        )
+    except TraceLimitError as exc:
+        raise RequestValidationError(exc.errors) from None
