@@ -7,7 +7,7 @@ PYTHON ?= python3
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: run test lint unit openapi image-test bench bench-precision redis-server clean
+.PHONY: run test lint unit typescript openapi image-test bench bench-precision redis-server clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,8 +19,8 @@ $(BIN)/.installed: pyproject.toml
 run: $(BIN)/.installed
 	$(BIN)/uvicorn app.main:app --host $(HOST) --port $(PORT)
 
-## test: lint, type-check and run the whole test suite
-test: lint unit
+## test: lint, type-check and run the whole test suite (the TypeScript client's included)
+test: lint typescript unit
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check .
@@ -29,6 +29,11 @@ lint: $(BIN)/.installed
 
 unit: $(BIN)/.installed redis-server
 	$(BIN)/python -m pytest
+
+## typescript: install the TypeScript client's pinned dev packages (npm ci: node 20, npm) and
+## build it; tests/test_typescript_client.py runs its tests against a live server
+typescript:
+	cd clients/typescript && npm ci --no-audit --no-fund && npm run build
 
 ## redis-server: Debian's, for the shared-cache tests and bench (they start their own on free
 ## ports; nothing listens on 6379 for them). Installed with apt-get when missing (needs root).
