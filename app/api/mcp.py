@@ -25,7 +25,7 @@ from mcp.server.transport_security import TransportSecuritySettings
 from mcp.shared.exceptions import MCPError
 from pydantic import BaseModel, ValidationError
 from starlette.responses import JSONResponse
-from starlette.routing import Route
+from starlette.routing import Match, Route
 from starlette.types import Receive, Scope, Send
 
 from app import __version__
@@ -236,7 +236,16 @@ class McpEndpoint:
         await transport.manager.handle_request(scope, receive, send)
 
 
+class _McpRoute(Route):
+    def matches(self, scope: Scope) -> tuple[Match, Scope]:
+        # As FastAPI's routes do: the access log and the metrics name a request by its route.
+        match, child_scope = super().matches(scope)
+        if match is not Match.NONE:
+            child_scope["route"] = self
+        return match, child_scope
+
+
 def route() -> Route:
     """/mcp for the app's router. Streamable HTTP is POST; the stateless server answers GET
     (a stream of server messages) and DELETE (end a session) with 405."""
-    return Route(PATH, endpoint=McpEndpoint(), methods=["GET", "POST", "DELETE"])
+    return _McpRoute(PATH, endpoint=McpEndpoint(), methods=["GET", "POST", "DELETE"])
