@@ -201,9 +201,8 @@ def create_app(settings: Settings | None = None, *, cpu: CpuFeatures | None = No
         summary="KnowledgePulse trace scoring: is this reasoning trace worth sharing?",
         lifespan=lifespan,
     )
-    for router in (evaluate.router, cache.router, health.router):
+    for router in (evaluate.router, mcp.router, cache.router, health.router):
         app.include_router(router)
-    app.router.routes.append(mcp.route())
     install_error_handlers(app)
     app.add_middleware(
         RequestGuard,

@@ -284,3 +284,20 @@ def test_structured_content_is_json_the_rest_api_would_send(make_client: ClientF
     assert json.loads(json.dumps(result["structuredContent"])) | {"elapsed_ms": 0} == rest | {
         "elapsed_ms": 0
     }
+
+
+def test_only_post_is_served_and_bad_json_rpc_is_a_400(make_client: ClientFactory) -> None:
+    """Stateless: no session to DELETE, no server stream to GET (it would only hold a
+    connection open); a body that is not JSON-RPC gets the SDK's JSON-RPC error."""
+    client = make_client(embedder="none")
+    for method in ("GET", "DELETE"):
+        r = client.request(method, "/mcp", headers=HEADERS)
+        assert r.status_code == 405
+        assert r.headers["allow"] == "POST"
+    r = client.post("/mcp", content=b"{not json", headers=HEADERS | JSON)
+    assert r.status_code == 400
+    assert r.json()["error"]["code"] == -32700
+    assert client.post("/evaluate", json=make_trace()).status_code == 200  # nothing broke
+
+
+JSON = {"content-type": "application/json"}

@@ -19,13 +19,13 @@ from collections.abc import Sequence
 from typing import Any, Final
 
 import mcp_types as types
+from fastapi import APIRouter, Request
 from mcp.server.lowlevel import Server
 from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 from mcp.server.transport_security import TransportSecuritySettings
 from mcp.shared.exceptions import MCPError
 from pydantic import BaseModel, ValidationError
-from starlette.responses import JSONResponse
-from starlette.routing import Match, Route
+from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from app import __version__
@@ -224,28 +224,28 @@ class McpTransport:
         await self._stack.aclose()
 
 
-class McpEndpoint:
-    """The ASGI app at /mcp: hands each request to the running app's MCP transport."""
+class _Handover(Response):
+    """Hands the request, as it came, to the MCP transport, which answers it itself."""
+
+    def __init__(self, transport: McpTransport) -> None:
+        super().__init__()
+        self.transport = transport
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        transport: McpTransport | None = getattr(scope["app"].state, "mcp", None)
-        if transport is None:
-            response = JSONResponse({"detail": "starting"}, status_code=503)
-            await response(scope, receive, send)
-            return
-        await transport.manager.handle_request(scope, receive, send)
+        await self.transport.manager.handle_request(scope, receive, send)
 
 
-class _McpRoute(Route):
-    def matches(self, scope: Scope) -> tuple[Match, Scope]:
-        # As FastAPI's routes do: the access log and the metrics name a request by its route.
-        match, child_scope = super().matches(scope)
-        if match is not Match.NONE:
-            child_scope["route"] = self
-        return match, child_scope
+# A FastAPI route, not a mounted app: the router's dependencies (keys, scopes, limits) and
+# the error handlers apply to /mcp as to the REST routes, before the MCP server sees it.
+router = APIRouter()
 
 
-def route() -> Route:
-    """/mcp for the app's router. Streamable HTTP is POST; the stateless server answers GET
-    (a stream of server messages) and DELETE (end a session) with 405."""
-    return _McpRoute(PATH, endpoint=McpEndpoint(), methods=["GET", "POST", "DELETE"])
+# POST only: a stateless server has no session to end (DELETE) and never sends on a
+# standalone stream (GET), which would only hold a connection open; the spec lets both be 405.
+@router.post(PATH, include_in_schema=False)
+async def mcp_endpoint(request: Request) -> Response:
+    """Streamable HTTP: one JSON-RPC message in, its answer out (JSON)."""
+    transport: McpTransport | None = getattr(request.app.state, "mcp", None)
+    if transport is None:
+        return JSONResponse({"detail": "starting"}, status_code=503)
+    return _Handover(transport)
