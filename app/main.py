@@ -7,6 +7,7 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 from fastapi.concurrency import run_in_threadpool
@@ -21,16 +22,19 @@ from app.api.routes import cache, evaluate, health
 from app.core.config import Settings, redis_location
 from app.core.logging import configure_logging
 from app.core.metrics import Metrics
+from app.core.states import Precision
 from app.domain.vector_cache import VectorCache
 from app.embedding import model_files
 from app.embedding.int8_support import CpuFeatures, Int8Support, int8_support
-from app.embedding.onnx_embedder import ModelError, OnnxEmbedder, Precision
+from app.embedding.onnx_embedder import ModelError, OnnxEmbedder
 from app.schemas.limits import TraceLimits
 from app.services.embeddings import EmbeddingService
 from app.services.evaluator import Evaluator
 from app.services.snapshots import SnapshotStore
 from app.store.in_process import InProcessMemory
-from app.store.redis_shared import RedisSharedMemory
+
+if TYPE_CHECKING:
+    from app.store.redis_shared import RedisSharedMemory
 
 log = logging.getLogger("app")
 
@@ -106,6 +110,8 @@ def build_memory(
             model_id = model_files.identity(files, precision or "float32")
         except ModelError as exc:
             log.error("shared cache: model identity unknown", extra={"reason": str(exc)})
+    from app.store.redis_shared import RedisSharedMemory  # redis is slow to import; only here
+
     url = settings.redis_url.get_secret_value()
     return RedisSharedMemory(
         url,
@@ -148,6 +154,7 @@ def create_app(settings: Settings | None = None, *, cpu: CpuFeatures | None = No
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         embeddings, files = build_embeddings(settings, cpu)
+        embeddings.observe(metrics)
         memory = build_memory(settings, files, embeddings.precision)
         # Snapshots are the in-process memory's persistence; with Redis, Redis's (AOF), and
         # the settings refuse KP_CACHE_SNAPSHOT_PATH.

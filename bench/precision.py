@@ -31,10 +31,11 @@ from typing import Any
 
 import numpy as np
 
+from app.core.states import Precision
 from app.domain.vector_cache import VectorCache
 from app.embedding import model_files
 from app.embedding.int8_support import int8_support
-from app.embedding.onnx_embedder import OnnxEmbedder, Precision, TokenizedText
+from app.embedding.onnx_embedder import OnnxEmbedder, TokenizedText
 from app.schemas.trace import ReasoningTrace
 from app.services.embeddings import EmbeddingService
 from app.services.evaluator import Evaluator

@@ -82,14 +82,14 @@ def fail_embedding_on(
     monkeypatch: pytest.MonkeyPatch, embeddings: EmbeddingService, marker: str
 ) -> None:
     """Fault injection: the model run raises whenever one of its texts contains `marker`."""
-    real = embeddings._embed_now
+    real = embeddings.scheduler.backend
 
     def fragile(texts: list[str], one_core: bool = False) -> list[Embedding]:
         if any(marker in t for t in texts):
             raise RuntimeError("simulated onnxruntime failure")
         return real(texts, one_core)
 
-    monkeypatch.setattr(embeddings, "_embed_now", fragile)
+    monkeypatch.setattr(embeddings.scheduler, "backend", fragile)
 
 
 @pytest.fixture(scope="session")
@@ -104,13 +104,13 @@ def hold_runs(monkeypatch: pytest.MonkeyPatch, embeddings: EmbeddingService) -> 
     hold a run in progress, queue requests behind it, and let it go when it chooses, with no
     assumption about how fast this machine is."""
     gate = threading.Event()
-    real = embeddings._embed_now
+    real = embeddings.scheduler.backend
 
     def held(texts: list[str], one_core: bool = False) -> list[Embedding]:
         gate.wait()
         return real(texts, one_core)
 
-    monkeypatch.setattr(embeddings, "_embed_now", held)
+    monkeypatch.setattr(embeddings.scheduler, "backend", held)
     return gate
 
 

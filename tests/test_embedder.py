@@ -13,7 +13,7 @@ import pytest
 from app.core.config import ConfigError, Settings
 from app.embedding import model_files
 from app.embedding.onnx_embedder import MAX_TOKENS, ModelError, OnnxEmbedder
-from app.services.embeddings import length_groups
+from app.services.embeddings_backend import length_groups
 from tests.conftest import ClientFactory, fail_embedding_on
 from tests.factories import make_trace
 
@@ -200,3 +200,18 @@ def test_the_one_core_session_gives_the_same_vectors() -> None:
     np.testing.assert_array_equal(
         embedder.embed_tokenized(tokenized, one_core=True), embedder.embed_tokenized(tokenized)
     )
+
+
+def test_metrics_show_the_queue_wait_and_the_model_run_time(make_client: ClientFactory) -> None:
+    client = make_client(embedder_preload=True, embedder_workers=1)
+    client.post("/evaluate", json=make_trace(objective="a trace to time"))
+    counts = {
+        line.split()[0]: float(line.split()[1])
+        for line in client.get("/metrics").text.splitlines()
+        if line.startswith(("kp_embed_queue_wait_seconds_count", "kp_embed_run_seconds_count"))
+    }
+    # The three warm-up runs of the preload and the request's own, each alone in its run.
+    assert counts == {
+        "kp_embed_queue_wait_seconds_count": 4.0,
+        "kp_embed_run_seconds_count": 4.0,
+    }

@@ -30,6 +30,7 @@ from starlette.types import Receive, Scope, Send
 
 from app import __version__
 from app.api.deps import Services
+from app.api.presenters import evaluation_out
 from app.schemas.responses import BatchIn, BatchOut, EvaluationOut
 from app.schemas.trace import ReasoningTrace
 from app.services.embeddings import OverloadedError
@@ -173,7 +174,7 @@ class McpTools:
 
 
 def _result(evaluations: list[Evaluation], *, batch: bool) -> types.CallToolResult:
-    answers = [EvaluationOut.of(e) for e in evaluations]
+    answers = [evaluation_out(e) for e in evaluations]
     if batch:
         structured = BatchOut(results=answers).model_dump(mode="json")
         text = "\n".join(f"{a.trace_id}: {summary(a)}" for a in answers)

@@ -10,7 +10,6 @@ from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
-from redis.connection import parse_url
 
 ENV_PREFIX = "KP_"
 
@@ -134,6 +133,8 @@ def check_redis_url(url: str) -> None:
         raise ValueError("names no host (redis://host:6379/0)")
     if parts.path not in ("", "/") and not parts.path.lstrip("/").isdigit():
         raise ValueError("the path must be a database number (redis://host:6379/0)")
+    from redis.connection import parse_url  # only with KP_REDIS_URL: redis is slow to import
+
     parse: Callable[[str], object] = parse_url  # untyped in redis-py
     try:
         parse(url)

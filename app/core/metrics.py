@@ -5,6 +5,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+#: Up to KP_EMBED_MAX_WAIT_MS's default (10 s): past it a request is turned away.
+_QUEUE_WAIT_BUCKETS = (*_LATENCY_BUCKETS, 5.0, 10.0)
 
 
 class Metrics:
@@ -92,3 +94,22 @@ class Metrics:
             ["cores"],
             registry=r,
         )
+        self.embed_queue_wait = Histogram(
+            "kp_embed_queue_wait_seconds",
+            "Time a request waited in the queue before its model run started.",
+            buckets=_QUEUE_WAIT_BUCKETS,
+            registry=r,
+        )
+        self.embed_run = Histogram(
+            "kp_embed_run_seconds",
+            "Time of one model run (the texts of one or more requests).",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+
+    # The embedding service's observer (app/services/embeddings_types.EmbedObserver).
+    def queue_waited(self, seconds: float) -> None:
+        self.embed_queue_wait.observe(seconds)
+
+    def model_ran(self, seconds: float) -> None:
+        self.embed_run.observe(seconds)

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Final, Literal, Protocol
+from typing import Final, Protocol
+
+from app.core.states import OverrideName
 
 #: Novelty when it cannot be measured: no embedder, or nothing cached to compare with.
 NEUTRAL_NOVELTY: Final = 0.5
-
-OverrideName = Literal["single_thought", "error_recovery_bonus", "low_tool_diversity"]
 
 
 @dataclass(frozen=True, slots=True)

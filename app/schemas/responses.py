@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
 
-from app.embedding.onnx_embedder import Precision
+from app.core.states import (
+    BackendKind,
+    EmbedderState,
+    NoveltyReason,
+    OverrideName,
+    Precision,
+    SnapshotState,
+)
 from app.schemas.trace import ReasoningTrace
-from app.services.embeddings import EmbedderState
-from app.services.evaluator import Evaluation, NoveltyReason
-from app.services.snapshots import SnapshotState, SnapshotStatus
-from app.store.base import BackendInfo
 
 
 class DimensionsOut(BaseModel):
@@ -53,33 +55,9 @@ class EvaluationOut(BaseModel):
     score: Annotated[float, Field(ge=0, le=1)]
     dimensions: DimensionsOut
     weights: WeightsOut
-    overrides: list[Literal["single_thought", "error_recovery_bonus", "low_tool_diversity"]]
+    overrides: list[OverrideName]
     novelty: NoveltyOut
     elapsed_ms: float
-
-    @classmethod
-    def of(cls, evaluation: Evaluation) -> EvaluationOut:
-        s, n, w, d = (
-            evaluation.score,
-            evaluation.novelty,
-            evaluation.score.weights,
-            evaluation.score.dimensions,
-        )
-        return cls(
-            trace_id=evaluation.trace_id,
-            score=s.value,
-            dimensions=DimensionsOut.model_validate(d, from_attributes=True),
-            weights=WeightsOut(
-                profile=w.name,
-                complexity=w.complexity,
-                novelty=w.novelty,
-                tool_diversity=w.tool_diversity,
-                outcome_confidence=w.outcome_confidence,
-            ),
-            overrides=list(s.overrides),
-            novelty=NoveltyOut.model_validate(n, from_attributes=True),
-            elapsed_ms=round(evaluation.elapsed_ms, 3),
-        )
 
 
 class BatchIn(BaseModel):
@@ -105,7 +83,7 @@ class EmbedderOut(BaseModel):
 
 
 class CacheBackendOut(BaseModel):
-    kind: Literal["in_process", "redis"]
+    kind: BackendKind
     shared: bool = Field(
         description="True when every replica on the same Redis and prefix sees this cache."
     )
@@ -116,10 +94,6 @@ class CacheBackendOut(BaseModel):
     )
     reason: str | None = Field(description="Why the shared cache is unavailable.")
     outages_total: int = Field(description="Times Redis became unreachable since start.")
-
-    @classmethod
-    def of(cls, info: BackendInfo) -> CacheBackendOut:
-        return cls(**asdict(info))
 
 
 class CacheOut(BaseModel):
@@ -156,12 +130,6 @@ class SnapshotOut(BaseModel):
     last_save_error: str | None = Field(description="The latest save failure, until a save works.")
     saves_total: int
     save_errors_total: int
-
-    @classmethod
-    def of(cls, status: SnapshotStatus) -> SnapshotOut:
-        fields = asdict(status)
-        fields["path"] = str(status.path) if status.path else None
-        return cls(**fields)
 
 
 class ReadyOut(BaseModel):

@@ -11,16 +11,12 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
+from app.core.states import NoveltyReason
 from app.domain import scoring
 from app.schemas.trace import ReasoningTrace
 from app.services.embeddings import EmbedderUnavailableError, Embedding, EmbeddingService
 from app.store.base import Comparison, MemoryUnavailableError, NoveltyMemory
-
-NoveltyReason = Literal[
-    "embedder_unavailable", "embedding_failed", "cache_empty", "cache_unavailable"
-]
 
 
 @dataclass(frozen=True, slots=True)

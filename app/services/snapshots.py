@@ -19,11 +19,11 @@ import os
 import struct
 import time
 from dataclasses import dataclass
-from enum import StrEnum
 from pathlib import Path
 
 import numpy as np
 
+from app.core.states import SnapshotState
 from app.domain.vector_cache import CacheEntries, VectorCache
 
 log = logging.getLogger(__name__)
@@ -40,14 +40,6 @@ class SnapshotError(Exception):
     def __init__(self, kind: str, detail: str) -> None:
         super().__init__(detail)
         self.kind = kind
-
-
-class SnapshotState(StrEnum):
-    DISABLED = "disabled"
-    NONE = "none"  # no snapshot existed yet
-    LOADED = "loaded"
-    SET_ASIDE = "set_aside"  # unusable file renamed aside; the cache started empty
-    ERROR = "error"  # could not read or write; the cache works in memory
 
 
 @dataclass

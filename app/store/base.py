@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
 
+from app.core.states import BackendKind
 from app.domain.vector_cache import CacheStats
 
 Vector = npt.NDArray[np.float32]
@@ -31,7 +32,7 @@ class Comparison:
 class BackendInfo:
     """Where the memory is, for operators (/cache, /readyz, the log)."""
 
-    kind: Literal["in_process", "redis"]
+    kind: BackendKind
     shared: bool
     location: str | None  # the Redis URL without its password
     prefix: str | None

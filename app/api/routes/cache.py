@@ -8,7 +8,8 @@ from dataclasses import asdict
 from fastapi import APIRouter, HTTPException, status
 
 from app.api.deps import AdminDep, Services, ServicesDep
-from app.schemas.responses import CacheBackendOut, CacheOut, ClearedOut, EmbedderOut
+from app.api.presenters import backend_out
+from app.schemas.responses import CacheOut, ClearedOut, EmbedderOut
 from app.store.base import MemoryUnavailableError
 
 router = APIRouter(
@@ -39,7 +40,7 @@ async def cache_stats(services: ServicesDep) -> CacheOut:
     return CacheOut(
         **asdict(stats),
         embedder=embedder_out(services),
-        backend=CacheBackendOut.of(services.memory.backend),
+        backend=backend_out(services.memory.backend),
     )
 
 

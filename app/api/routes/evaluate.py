@@ -8,6 +8,7 @@ from fastapi import APIRouter, Query
 from fastapi.exceptions import RequestValidationError
 
 from app.api.deps import Services, ServicesDep
+from app.api.presenters import evaluation_out
 from app.schemas.responses import BatchIn, BatchOut, EvaluationOut
 from app.schemas.trace import ReasoningTrace
 from app.services.evaluator import Evaluation
@@ -48,7 +49,7 @@ async def evaluate(
     trace: ReasoningTrace, services: ServicesDep, dry_run: DryRun = False
 ) -> EvaluationOut:
     (evaluation,) = await _score(services, [trace], dry_run=dry_run, batch=False)
-    return EvaluationOut.of(evaluation)
+    return evaluation_out(evaluation)
 
 
 @router.post("/evaluate/batch", summary="Score traces in order, as one step", responses=_NEXT)
@@ -56,7 +57,7 @@ async def evaluate_batch(
     batch: BatchIn, services: ServicesDep, dry_run: DryRun = False
 ) -> BatchOut:
     evaluations = await _score(services, batch.traces, dry_run=dry_run, batch=True)
-    return BatchOut(results=[EvaluationOut.of(e) for e in evaluations])
+    return BatchOut(results=[evaluation_out(e) for e in evaluations])
 
 
 async def _score(

@@ -6,10 +6,10 @@ from fastapi import APIRouter, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from app.api.deps import ServicesDep
+from app.api.presenters import backend_out, snapshot_out
 from app.api.routes.cache import embedder_out
-from app.schemas.responses import CacheBackendOut, HealthOut, ReadyOut, SnapshotOut
-from app.services.embeddings import EmbedderState
-from app.services.snapshots import SnapshotState
+from app.core.states import EmbedderState, SnapshotState
+from app.schemas.responses import HealthOut, ReadyOut
 
 router = APIRouter(tags=["health"])
 
@@ -45,9 +45,9 @@ async def readyz(services: ServicesDep) -> ReadyOut:
         degraded=degraded,
         embedder=embedder_out(services),
         cache_size=services.memory.size,
-        cache_backend=CacheBackendOut.of(backend),
+        cache_backend=backend_out(backend),
         admin_auth=services.settings.admin_token is not None,
-        snapshot=SnapshotOut.of(snapshot),
+        snapshot=snapshot_out(snapshot),
         warnings=warnings,
     )
 

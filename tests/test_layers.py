@@ -1,0 +1,124 @@
+"""The layers point one way and the client stays light: read from the source with `ast`."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+APP = Path(__file__).resolve().parent.parent / "app"
+
+#: What each part of app/ may import from app/ (besides itself). Lower layers first:
+#: core (a leaf) <- domain <- embedding, store <- services <- api <- entry points.
+ALLOWED: dict[str, frozenset[str]] = {
+    "app": frozenset(),
+    "core": frozenset(),
+    "domain": frozenset({"core"}),
+    "embedding": frozenset({"core", "domain"}),
+    "store": frozenset({"core", "domain"}),
+    "schemas": frozenset({"core", "domain"}),
+    "services": frozenset({"core", "domain", "embedding", "store", "schemas"}),
+    "api": frozenset({"app", "core", "domain", "embedding", "store", "schemas", "services"}),
+    "client": frozenset({"app", "core", "schemas"}),
+}
+#: Entry points: they put the layers together, so they may import any of them.
+ENTRY_POINTS = frozenset({"app.main", "app.cli", "app.api.openapi_export"})
+#: What a process that only calls the service must not load.
+HEAVY = ("onnxruntime", "numpy", "tokenizers", "redis", "onnx")
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in APP.rglob("*.py"):
+        parts = path.relative_to(APP.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _imports(path: Path) -> set[str]:
+    """The app modules a file imports, at any depth of its code (lazy imports count)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return {name for name in names if name in MODULES}
+
+
+GRAPH = {name: _imports(path) - {name} for name, path in MODULES.items()}
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "app"
+
+
+def test_the_graph_is_read() -> None:
+    assert "app.services.embeddings" in GRAPH["app.api.deps"]
+    assert "app.core.states" in GRAPH["app.schemas.responses"]
+
+
+def test_no_module_imports_a_layer_above_it() -> None:
+    wrong = []
+    for module, imported in GRAPH.items():
+        if module in ENTRY_POINTS:
+            continue
+        layer = _layer(module)
+        for target in imported:
+            if _layer(target) != layer and _layer(target) not in ALLOWED[layer]:
+                wrong.append(f"{module} -> {target}")
+    assert not wrong
+
+
+def test_the_state_names_module_is_a_leaf() -> None:
+    assert GRAPH["app.core.states"] == set()
+
+
+def test_no_import_cycles_in_app() -> None:
+    cycles: list[list[str]] = []
+    done: set[str] = set()
+
+    def visit(module: str, path: list[str]) -> None:
+        if module in path:
+            cycles.append([*path[path.index(module) :], module])
+            return
+        if module in done:
+            return
+        for target in sorted(GRAPH[module]):
+            visit(target, [*path, module])
+        done.add(module)
+
+    for module in sorted(GRAPH):
+        visit(module, [])
+    assert not cycles
+
+
+def _loaded_by(statement: str) -> set[str]:
+    code = f"import sys; {statement}; print('\\n'.join(sys.modules))"
+    out = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=APP.parent,
+    )
+    return {line.split(".")[0] for line in out.stdout.split()}
+
+
+def test_the_client_loads_none_of_the_servers_libraries() -> None:
+    loaded = _loaded_by("import app.client")
+    assert "httpx" in loaded  # the check sees what the client does load
+    assert not loaded & set(HEAVY)
+
+
+def test_the_cli_loads_none_of_the_servers_libraries() -> None:
+    loaded = _loaded_by("import app.cli")
+    assert "typer" in loaded
+    assert not loaded & {*HEAVY, "fastapi", "uvicorn"}
