@@ -33,6 +33,9 @@ unit: $(BIN)/.installed redis-server
 ## typescript: install the TypeScript client's pinned dev packages (npm ci: node 20, npm) and
 ## build it; tests/test_typescript_client.py runs its tests against a live server
 typescript:
+	@node -e 'process.exit(+process.versions.node.split(".")[0] >= 20 ? 0 : 1)' 2>/dev/null || { \
+		echo "the TypeScript client's tests need node 20+ and npm (Debian 12's nodejs is 18: use NodeSource's)"; \
+		exit 1; }
 	cd clients/typescript && npm ci --no-audit --no-fund && npm run build
 
 ## redis-server: Debian's, for the shared-cache tests and bench (they start their own on free
