@@ -126,7 +126,16 @@ def test_the_embedder_sequence_scores_as_the_reference(onnx_server: Server) -> N
         answer = result.structured_content
         assert answer["score"] == pytest.approx(case["expected_score"], abs=SCORE_TOLERANCE)
         assert answer["novelty"]["cache_size"] == case["cache_size_before"]
-    assert any(r.structured_content["novelty"]["measured"] for r in results)
+    measured = [r for r in results if r.structured_content["novelty"]["measured"]]
+    assert measured
+    for r in measured:
+        novelty = r.structured_content["novelty"]
+        cosine = f"{novelty['max_cosine']:.4f}"
+        if novelty.get("nearest") is not None:
+            said = f"; nearest earlier trace {novelty['nearest']['trace_id']} (cosine {cosine})"
+        else:
+            said = f"; max cosine {cosine} with {novelty['cache_size']} earlier traces"
+        assert text_of(r).endswith(said)
     stats = httpx.get(
         f"{onnx_server.url}/cache", headers={"authorization": f"Bearer {onnx_server.token}"}
     ).json()

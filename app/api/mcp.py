@@ -112,14 +112,17 @@ def summary(answer: EvaluationOut) -> str:
     """One line an agent (or its model) reads: the score, the verdict, the nearest trace."""
     verdict = "meets" if answer.score >= SHARE_THRESHOLD else "is below"
     line = f"score {answer.score:.6g} {verdict} the {SHARE_THRESHOLD} sharing threshold"
-    nearest = getattr(answer.novelty, "nearest", None)
+    novelty = answer.novelty
+    nearest = getattr(novelty, "nearest", None)  # the stored trace with the largest cosine
     if nearest is not None:
-        trace_id = getattr(nearest, "trace_id", None) or nearest
-        line += f"; nearest earlier trace {trace_id}"
-        if answer.novelty.max_cosine is not None:
-            line += f" (cosine {answer.novelty.max_cosine:.4f})"
-    elif not answer.novelty.measured and answer.novelty.reason is not None:
-        line += f"; novelty not measured ({answer.novelty.reason})"
+        name = getattr(nearest, "trace_id", "") or "(stored without an id)"
+        line += f"; nearest earlier trace {name}"
+        if novelty.max_cosine is not None:
+            line += f" (cosine {novelty.max_cosine:.4f})"
+    elif novelty.measured and novelty.max_cosine is not None:
+        line += f"; max cosine {novelty.max_cosine:.4f} with {novelty.cache_size} earlier traces"
+    elif novelty.reason is not None:
+        line += f"; novelty not measured ({novelty.reason})"
     return line
 
 
