@@ -39,14 +39,16 @@ async def until(condition: Callable[[], bool]) -> None:
 
 
 @asynccontextmanager
-async def mcp_client(server: Server) -> AsyncIterator[Client]:
-    async with Client(f"{server.url}/mcp") as client:
+async def mcp_client(server: Server, mode: str = "auto") -> AsyncIterator[Client]:
+    """The official client; "auto" speaks the 2026-07-28 protocol (no handshake), "legacy"
+    the 2025-11-25 one (initialize first), as the TypeScript client does."""
+    async with Client(f"{server.url}/mcp", mode=mode) as client:
         yield client
 
 
-def call(server: Server, tool: str, arguments: dict[str, Any]) -> Any:
+def call(server: Server, tool: str, arguments: dict[str, Any], mode: str = "auto") -> Any:
     async def go() -> Any:
-        async with mcp_client(server) as client:
+        async with mcp_client(server, mode) as client:
             return await client.call_tool(tool, arguments)
 
     return asyncio.run(go())
@@ -58,9 +60,18 @@ def text_of(result: Any) -> str:
     return str(content.text)
 
 
-def test_the_tools_and_their_schemas_are_the_rest_apis(server: Server) -> None:
+PROTOCOLS = pytest.mark.parametrize(
+    ("mode", "version"), [("auto", "2026-07-28"), ("legacy", "2025-11-25")]
+)
+
+
+@PROTOCOLS
+def test_the_tools_and_their_schemas_are_the_rest_apis(
+    server: Server, mode: str, version: str
+) -> None:
     async def go() -> Any:
-        async with mcp_client(server) as client:
+        async with mcp_client(server, mode) as client:
+            assert client.session.protocol_version == version
             return (await client.list_tools()).tools
 
     one, batch = asyncio.run(go())
@@ -142,9 +153,10 @@ def test_the_embedder_sequence_scores_as_the_reference(onnx_server: Server) -> N
     assert stats["size"] == len(cases)
 
 
-def test_a_batch_is_scored_in_order_as_over_rest(server: Server) -> None:
+@PROTOCOLS
+def test_a_batch_is_scored_in_order_as_over_rest(server: Server, mode: str, version: str) -> None:
     traces = [c["trace"] for c in NO_EMBEDDER[:12]]
-    result = call(server, "kp_score_traces", {"traces": traces, "dry_run": True})
+    result = call(server, "kp_score_traces", {"traces": traces, "dry_run": True}, mode)
     assert not result.is_error
     rest = httpx.post(f"{server.url}/evaluate/batch?dry_run=true", json={"traces": traces}).json()
     got = [(r["trace_id"], r["score"]) for r in result.structured_content["results"]]
