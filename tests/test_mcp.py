@@ -322,3 +322,19 @@ def test_only_post_is_served_and_bad_json_rpc_is_a_400(make_client: ClientFactor
 
 
 JSON = {"content-type": "application/json"}
+
+
+def test_an_unexpected_error_is_an_internal_error_without_internals(
+    make_client: ClientFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client = make_client(embedder="none")
+    services = client.app.state.services  # type: ignore[attr-defined]
+
+    async def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("secret internals")
+
+    monkeypatch.setattr(services.evaluator, "evaluate", broken)
+    r = client.post("/mcp", json=rpc_body("kp_score_trace", make_trace()), headers=HEADERS)
+    assert r.status_code == 200
+    assert r.json()["error"] == {"code": -32603, "message": "internal error"}
+    assert "secret" not in r.text

@@ -25,8 +25,7 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 async def _overloaded(request: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, OverloadedError)
-    request.app.state.services.metrics.overloaded.labels(exc.reason).inc()
+    assert isinstance(exc, OverloadedError)  # counted where it is raised (score_traces)
     return JSONResponse(
         status_code=503,
         content={"detail": f"overloaded, try again shortly: {exc}"},

@@ -140,6 +140,16 @@ class McpTools:
     async def call_tool(
         self, ctx: Any, params: types.CallToolRequestParams
     ) -> types.CallToolResult:
+        try:
+            return await self._call(params)
+        except MCPError:
+            raise
+        except Exception:
+            # As the REST API's 500: logged here, no internals in the answer.
+            log.exception("mcp: unhandled error", extra={"tool": params.name})
+            raise MCPError(types.INTERNAL_ERROR, "internal error") from None
+
+    async def _call(self, params: types.CallToolRequestParams) -> types.CallToolResult:
         if params.name not in (SCORE_TRACE, SCORE_TRACES):
             raise MCPError(types.INVALID_PARAMS, f"unknown tool: {params.name}")
         arguments = dict(params.arguments or {})
@@ -170,8 +180,6 @@ class McpTools:
         except TraceLimitError as exc:
             return _invalid(exc.errors)
         except OverloadedError as exc:
-            s.metrics.overloaded.labels(exc.reason).inc()
-            log.warning("mcp: overloaded", extra={"reason": exc.reason})
             return _tool_error(f"overloaded, nothing was scored; retry in a second: {exc}")
         return _result(evaluations, batch=batch)
 

@@ -10,6 +10,7 @@ from typing import Any, Literal
 from app.core.metrics import Metrics
 from app.schemas.limits import TraceLimits, limit_errors
 from app.schemas.trace import ReasoningTrace
+from app.services.embeddings import OverloadedError
 from app.services.evaluator import Evaluation, Evaluator
 
 Transport = Literal["rest", "mcp"]
@@ -35,12 +36,16 @@ async def score_traces(
     transport: Transport,
 ) -> list[Evaluation]:
     """Score traces in order (one trace, or a batch as one step); raises TraceLimitError or
-    the embedding service's OverloadedError, in both cases having changed nothing."""
+    the embedding service's OverloadedError (counted), in both cases having changed nothing."""
     metrics.scoring_requests.labels(transport, "batch" if batch else "one").inc()
     errors = limit_errors(traces, limits, batch=batch)
     if errors:
         raise TraceLimitError(errors)
-    evaluations = await evaluator.evaluate(traces, dry_run=dry_run)
+    try:
+        evaluations = await evaluator.evaluate(traces, dry_run=dry_run)
+    except OverloadedError as exc:
+        metrics.overloaded.labels(exc.reason).inc()
+        raise
     for e in evaluations:
         metrics.evaluations.labels(e.score.weights.name).inc()
         metrics.score.observe(e.score.value)
