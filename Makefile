@@ -1,4 +1,4 @@
-# The two commands a newcomer needs: `make run` and `make test`.
+# The two commands a newcomer needs: `make run` and `make test` (`make test-fast` while working).
 # Both create ./.venv on first use and install the project into it (nothing else is needed).
 
 VENV ?= .venv
@@ -7,20 +7,24 @@ PYTHON ?= python3
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: run test lint unit typescript openapi image-test bench bench-precision redis-server clean
+.PHONY: run test test-fast lint unit typescript openapi image-test bench bench-precision redis-server clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet -e '.[server,test]'
 	touch $@
 
 ## run: start the service on http://$(HOST):$(PORT) (settings from KP_* variables)
 run: $(BIN)/.installed
-	$(BIN)/uvicorn app.main:app --host $(HOST) --port $(PORT)
+	$(BIN)/python -m app.serve --host $(HOST) --port $(PORT)
 
 ## test: lint, type-check and run the whole test suite (the TypeScript client's included)
 test: lint typescript unit
+
+## test-fast: the tests that need no live server, no redis-server and no long run
+test-fast: $(BIN)/.installed
+	$(BIN)/python -m pytest -m "not server and not redis and not slow"
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check .

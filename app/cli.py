@@ -317,9 +317,12 @@ def serve(
     reload: Annotated[bool, typer.Option(help="Restart on code changes (development).")] = False,
 ) -> None:
     """Run the service (one uvicorn process); settings come from KP_* variables."""
-    import uvicorn
-
-    uvicorn.run("app.main:app", host=host, port=port, reload=reload)
+    try:
+        from app.serve import run  # the server's dependencies: not in the client-only install
+    except ImportError as exc:
+        out.print(f"[red]{exc}[/red]: install the server with pip install 'kp-scoring[server]'")
+        raise typer.Exit(Code.INPUT_ERROR) from None
+    run(host, port, reload=reload)
 
 
 @cache_cli.command("stats")

@@ -2,7 +2,7 @@
 
     python -m bench [--quick] [--repeat N] [--out bench/results/latest.json] [--env KP_X=Y]
 
-Starts `python -m uvicorn app.main:app` on a free loopback port, as a user would, measures
+Starts `python -m app.serve` on a free loopback port, as a user would, measures
 latency and throughput on a fixed corpus, and, in the same run, the floor: the same texts
 tokenized and run through a bare onnxruntime session one at a time. Prints a table with
 absolute figures, service / floor ratios and the targets (PASS/FAIL), and writes the same
@@ -28,7 +28,7 @@ import numpy as np
 
 from app.domain.vector_cache import VectorCache
 from app.embedding.int8_support import RELEVANT_FLAGS, CpuFeatures
-from bench import corpus, load, megabyte, shared
+from bench import corpus, floor, load, megabyte, shared
 from bench.corpus import WORDS, Item
 from bench.floor import Floor
 from bench.report import render, targets
@@ -68,11 +68,11 @@ class Sizes:
 def measure_floor(
     sizes: Sizes, typical: list[Item], long: list[Item], warm: list[Item]
 ) -> dict[str, Any]:
-    floor = Floor()
+    bare = Floor()
     warmup = [i.text for i in warm]
     return {
-        "typical": floor.measure([i.text for i in typical], warmup),
-        "long": floor.measure([i.text for i in long], warmup[:5]),
+        "typical": bare.measure([i.text for i in typical], warmup),
+        "long": bare.measure([i.text for i in long], warmup[:5]),
     }
 
 
@@ -215,10 +215,11 @@ def measure(sizes: Sizes, env: dict[str, str], items: dict[str, list[Item]]) -> 
     typical, long, warm = items["typical"], items["long"], items["warm"]
     tmp = Path(tempfile.mkdtemp(prefix="kp-bench-"))
     r: dict[str, Any] = {}
-    # In process first, while no server runs.
-    r["floor"] = measure_floor(sizes, typical, long, warm)
+    # The floor runs in process while no server runs, between the service's phases.
+    floors = [measure_floor(sizes, typical, long, warm)]
     r["cache_scan"] = cache_scan(sizes.scans)
     r |= embedder_server(sizes, env, tmp, typical, long, warm)
+    floors.append(measure_floor(sizes, typical, long, warm))
     r["megabyte"] = megabyte.measure(
         env,
         tmp / "megabyte.log",
@@ -226,7 +227,10 @@ def measure(sizes: Sizes, env: dict[str, str], items: dict[str, list[Item]]) -> 
         {kind: items[f"megabyte_{kind}"] for kind in corpus.MEGABYTE_KINDS},
         sizes.megabyte_load_seconds,
     )
+    floors.append(measure_floor(sizes, typical, long, warm))
     r["no_embedder"] = no_embedder(sizes, tmp, typical)
+    floors.append(measure_floor(sizes, typical, long, warm))
+    r["floor"] = floor.combine(floors)
     r["shared"] = shared.measure(sizes.quick, env)
     cold = first_requests(env, tmp, items["cold"], "cold")
     r["cold"] = {"server_start_s": cold["server_start_s"], "first_request_ms": cold["times_ms"][0]}
@@ -297,7 +301,8 @@ def notes(doc: dict[str, Any]) -> list[str]:
         f"with the server: at 16 clients it used {100 * share:.1f}% of the CPU spent per request, so concurrent and "
         "no-embedder throughputs are lower than a separate client machine would see.",
         "The floor runs in the bench process with no server running; its throughput is one text at a time "
-        "(no batching), its latency includes tokenization and pooling.",
+        "(no batching), its latency includes tokenization and pooling. "
+        + _floor_spread(r["floor"]),
         "Cold start is a fresh process with a warm OS page cache (the model file was read before).",
         "Server settings: as a user runs it (log level info, one JSON access line a request), plus "
         + (", ".join(f"{k}={v}" for k, v in doc["settings"]["env"].items()) or "no KP_* overrides")
@@ -315,6 +320,20 @@ def notes(doc: dict[str, Any]) -> list[str]:
             f"WARNING: the machine was busy at the start (load {m['loadavg_start']}): figures are pessimistic."
         )
     return out
+
+
+def _floor_spread(f: dict[str, Any]) -> str:
+    """Results written before the floor was interleaved have one sample and no spread."""
+    if "spread" not in f:
+        return "It was measured once, before the service."
+    s = f["spread"]
+    p50, rps = s["typical"]["p50_ms"], s["typical"]["throughput_rps"]
+    return (
+        f"It was measured {s['samples']} times, alternating with the service's phases; the ratios use "
+        f"each figure's median. Typical p50 {p50['min']:.2f}-{p50['max']:.2f} ms (spread "
+        f"{p50['spread_pct']:.1f}%), throughput {rps['min']:.0f}-{rps['max']:.0f}/s "
+        f"(spread {rps['spread_pct']:.1f}%)."
+    )
 
 
 def parse_env(pairs: list[str]) -> dict[str, str]:

@@ -1,6 +1,6 @@
 """Cold start: a fresh service's first answer against the floor's own load and first run.
 
-Alternates N fresh service processes (uvicorn, lazy model load) with N fresh bare processes
+Alternates N fresh service processes (python -m app.serve, lazy model load) with N fresh bare processes
 (onnxruntime session + tokenizers, one run), so a host whose speed drifts skews both alike:
 
     python -m bench.cold_start [N]
@@ -20,7 +20,7 @@ import time
 import urllib.error
 import urllib.request
 
-from bench.server import HOST, ROOT, UVICORN, free_port
+from bench.server import HOST, ROOT, SERVE, free_port
 
 _FLOOR = """
 import time
@@ -75,7 +75,7 @@ def service_once() -> tuple[float, float]:
     base = f"http://{HOST}:{port}"
     started = time.perf_counter()
     proc = subprocess.Popen(
-        [*UVICORN, "--host", HOST, "--port", str(port), "--log-level", "warning"],
+        [*SERVE, "--host", HOST, "--port", str(port)],  # KP_LOG_LEVEL=warning: _env
         cwd=ROOT,
         env=_env(),
         stdout=subprocess.DEVNULL,

@@ -16,7 +16,7 @@ import onnxruntime as ort
 from tokenizers import Tokenizer
 
 from app.embedding import model_files
-from bench.stats import latency_summary
+from bench.stats import latency_summary, median_of_runs
 
 WINDOW = 512
 
@@ -58,3 +58,27 @@ class Floor:
             "throughput_rps": len(texts) / elapsed,
             "cpu_ms_per_text": cpu * 1000 / len(texts),
         }
+
+
+#: The figures whose spread over the floor's samples the report shows.
+SPREAD_FIGURES = ("p50_ms", "throughput_rps")
+
+
+def combine(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """The floor measured several times, alternating with the service's phases so that a host
+    whose speed moves during the run moves both sides of a ratio: each figure's median, and
+    `spread` (min, max, (max - min) / median in %) of the main ones."""
+    floor: dict[str, Any] = median_of_runs(samples)
+    spread: dict[str, Any] = {"samples": len(samples)}
+    for kind in ("typical", "long"):
+        spread[kind] = {}
+        for figure in SPREAD_FIGURES:
+            values = [s[kind][figure] for s in samples]
+            middle = floor[kind][figure]
+            spread[kind][figure] = {
+                "min": min(values),
+                "max": max(values),
+                "spread_pct": 100 * (max(values) - min(values)) / middle,
+            }
+    floor["spread"] = spread
+    return floor

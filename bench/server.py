@@ -1,4 +1,4 @@
-"""The service as a user starts it: `python -m uvicorn app.main:app` on a free loopback port."""
+"""The service as a user starts it: `python -m app.serve` on a free loopback port."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ HOST = "127.0.0.1"
 #: The admin token the bench's servers run with (DELETE /cache between phases).
 ADMIN_TOKEN = "bench-" + secrets.token_hex(16)
 _TICKS = os.sysconf("SC_CLK_TCK")
-UVICORN = (sys.executable, "-m", "uvicorn", "app.main:app")
+#: How every server starts (app/serve.py), run by this interpreter.
+SERVE = (sys.executable, "-m", "app.serve")
 
 
 def free_port() -> int:
@@ -57,7 +58,7 @@ class Server:
         self._log = log_path.open("ab")
         started = time.perf_counter()
         self.process = subprocess.Popen(
-            [*UVICORN, "--host", HOST, "--port", str(self.port)],
+            [*SERVE, "--host", HOST, "--port", str(self.port)],
             cwd=ROOT,
             env={**clean, "KP_ADMIN_TOKEN": ADMIN_TOKEN, **env},
             stdout=self._log,

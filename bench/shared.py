@@ -124,7 +124,7 @@ def fsync_ms(count: int = 200) -> dict[str, float]:
                         args=[*place, str(CAPACITY), "0", "bench-model", f"t{i}", vector],
                     )
                     times.append((time.perf_counter() - started) * 1000)
-                    place = [reply[0], reply[4][-1]]
+                    place = [reply[1], reply[5][-1]]  # after the 'ok' status
                 await client.aclose()
                 return times[20:]
 
@@ -156,10 +156,10 @@ def redis_throughput(replicas: int, seconds: float, appendfsync: str) -> dict[st
                         keys=keys,
                         args=[*place, str(CAPACITY), "0", "bench-model", f"r{n}-{i}", vector],
                     )
-                    place[0], place[1] = reply[0], reply[4][-1]
+                    place[0], place[1] = reply[1], reply[5][-1]  # after the 'ok' status
                     if measuring:
                         counts["exchanges"] += 1
-                        counts["entries_read"] += len(reply[3])
+                        counts["entries_read"] += len(reply[4])
                     i += 1
 
             # Warm-up: every replica past its first (full) read, the log at capacity.

@@ -294,6 +294,10 @@ svc = (compose.get("services") or {}).get("kp-scoring") or {}
 if svc.get("healthcheck", {}).get("test") != health:
     problems.append(f"docker-compose.yml's healthcheck differs from the image's: "
                     f"{svc.get('healthcheck', {}).get('test')!r} != {health!r}")
+if "command" in svc or "entrypoint" in svc:
+    problems.append("docker-compose.yml overrides the image's Cmd: every launch is app/serve.py")
+if cmd[:3] != ["python3", "-m", "app.serve"]:
+    problems.append(f"the Cmd is not python3 -m app.serve (the one launch path): {cmd!r}")
 cenv = svc.get("environment") or {}
 if cenv.get("KP_CACHE_SNAPSHOT_PATH") != "/data/cache.snapshot":
     problems.append("docker-compose.yml does not set KP_CACHE_SNAPSHOT_PATH=/data/cache.snapshot")

@@ -2,7 +2,7 @@
 
     python scripts/soak.py --seconds 180 --clients 8
 
-Starts `uvicorn app.main:app` on a free 127.0.0.1 port (real model, snapshots on), keeps
+Starts `python -m app.serve` on a free 127.0.0.1 port (real model, snapshots on), keeps
 `--clients` clients posting distinct traces (with a share of repeats, dry runs, batches,
 cache reads and bad payloads) until the time or `--max-requests` is reached, and reports
 errors, latency percentiles and the server's RSS over time. Exits 1 if any request got a 5xx

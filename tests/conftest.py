@@ -23,16 +23,38 @@ from tests.server import RedisServer, Server, running_server
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
-# Tests state their settings; a KP_* variable in the caller's shell must not leak in.
-for _name in [n for n in os.environ if n.startswith("KP_")]:
-    del os.environ[_name]
-
 ClientFactory = Callable[..., TestClient]
+
+#: Fixtures that start a process; a test that uses one gets its marker (make test-fast).
+_MARKED_FIXTURES = {
+    "server": "server",
+    "onnx_server": "server",
+    "live": "server",
+    "redis_server": "redis",
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        for name in getattr(item, "fixturenames", ()):
+            marker = _MARKED_FIXTURES.get(name)
+            if marker is not None:
+                item.add_marker(marker)
 
 
 def load_fixture(name: str) -> dict[str, Any]:
     data: dict[str, Any] = json.loads((FIXTURES / "reference" / name).read_text(encoding="utf-8"))
     return data
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_kp_settings_from_the_shell() -> Iterator[None]:
+    """Tests state their settings (Settings reads KP_* too): the caller's shell stays out,
+    for every fixture of every scope (this one is set up first)."""
+    with pytest.MonkeyPatch.context() as env:
+        for name in [n for n in os.environ if n.startswith("KP_")]:
+            env.delenv(name)
+        yield
 
 
 @pytest.fixture

@@ -22,7 +22,8 @@ import redis
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "test-admin-token"
-UVICORN = (sys.executable, "-m", "uvicorn", "app.main:app")
+#: How every server starts (app/serve.py), run by this interpreter.
+SERVE = (sys.executable, "-m", "app.serve")
 
 
 def free_port() -> int:
@@ -44,9 +45,7 @@ def entry_point() -> str:
 class LiveServer:
     """`command --host 127.0.0.1 --port <free>` with exactly the given KP_* settings."""
 
-    def __init__(
-        self, env: dict[str, str], log_path: Path, command: Sequence[str] = UVICORN
-    ) -> None:
+    def __init__(self, env: dict[str, str], log_path: Path, command: Sequence[str] = SERVE) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -105,7 +104,7 @@ def running_server(
     *,
     embedder: str = "none",
     token: str | None = TOKEN,
-    command: Sequence[str] = UVICORN,
+    command: Sequence[str] = SERVE,
     **settings: str,
 ) -> Iterator[Server]:
     """A LiveServer with the embedder off by default, quiet logs and an admin token."""

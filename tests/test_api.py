@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from fastapi.testclient import TestClient
 
+from app.core.config import ConfigError
 from tests.conftest import ClientFactory
 from tests.factories import make_trace, step
 
@@ -204,6 +207,40 @@ def test_metrics_count_requests_profiles_and_overrides(client_no_embedder: TestC
     assert 'kp_embedder_state{state="disabled"} 1.0' in text
     assert "kp_http_request_duration_seconds_bucket" in text
     assert "kp_cache_size 0.0" in text
+
+
+def test_running_totals_are_counters_named_total(client: TestClient) -> None:
+    client.post("/evaluate", json=make_trace())  # loads the model: warm-up runs and one more
+    text = client.get("/metrics").text
+    totals = ("kp_embed_runs", "kp_cache_evictions", "kp_cache_outages", "kp_snapshot_save_errors")
+    for name in totals:
+        assert re.search(rf"^# TYPE {name}(_total)? counter$", text, re.M), name
+        assert re.search(rf"^{name}_total(\{{[^}}]*\}})? \S+$", text, re.M), name
+    runs = re.findall(r'^kp_embed_runs_total\{cores="\w+"\} (\S+)$', text, re.M)
+    assert sum(float(n) for n in runs) >= 1
+    for gauge in ("kp_cache_size", "kp_cache_available", "kp_embed_queue_depth"):
+        assert f"# TYPE {gauge} gauge" in text, gauge
+
+
+def test_readyz_collects_every_part_s_warnings(client_no_embedder: TestClient) -> None:
+    body = client_no_embedder.get("/readyz").json()
+    assert body["degraded"] is True
+    assert body["status"] == "degraded"
+    warnings = body["warnings"]
+    assert any("KP_ADMIN_TOKEN" in w for w in warnings)  # the settings
+    assert any(w.startswith("novelty is not measured") for w in warnings)  # the embedder
+
+
+def test_the_factory_reads_the_settings_when_uvicorn_calls_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import app.main
+
+    assert not hasattr(app.main, "app")  # nothing is built at import
+    monkeypatch.setenv("KP_CACHE_CAPACITY", "-5")
+    with pytest.raises(ConfigError, match="KP_CACHE_CAPACITY"):
+        app.main.create_app()
+    # Built from the environment by the live-server tests (tests/server.py: kp-scoring serve).
 
 
 def test_request_id_is_echoed_when_given(client_no_embedder: TestClient) -> None:

@@ -274,6 +274,7 @@ def test_wrong_content_type_is_415(primed: TestClient) -> None:
     assert _state(primed) == before
 
 
+@pytest.mark.slow
 def test_body_over_the_limit_is_413(make_client: ClientFactory) -> None:
     client = make_client(embedder="none", max_body_bytes=4096)
     big = make_trace(objective="x" * 5000)

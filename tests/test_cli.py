@@ -321,6 +321,7 @@ def test_the_installed_script(server: Server, tmp_path: Path) -> None:
     assert "Traceback" not in down.stderr
 
 
+@pytest.mark.server
 def test_serve_runs_the_service() -> None:
     with running_server(command=[entry_point(), "serve"]) as s, KpScoringClient(s.url) as kp:
         assert kp.health()

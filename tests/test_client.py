@@ -172,6 +172,7 @@ def test_async_client_errors(server: Server) -> None:
     asyncio.run(scenario())
 
 
+@pytest.mark.server
 def test_async_overloaded_carries_retry_after() -> None:
     """With room for one text in the queue, concurrent requests are turned away with 503."""
     long_trace = make_trace(objective=" ".join(["overload"] * 600))

@@ -129,6 +129,7 @@ def test_concurrent_distinct_traces_equal_a_sequential_order(capacity: int) -> N
     run(scenario)
 
 
+@pytest.mark.slow
 def test_health_answers_while_traces_wait_for_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
     """The model runs off the event loop: with every run held in progress, /healthz answers
     before any of the traces does."""
@@ -204,6 +205,8 @@ def test_a_full_queue_turns_requests_away_at_once_and_changes_nothing(
     run(scenario)
 
 
+@pytest.mark.server
+@pytest.mark.slow
 def test_a_burst_of_64_and_16_clients_in_a_closed_loop_are_all_served() -> None:
     """With the default limits, a burst and a closed loop are load a machine carries, even a
     slow one: every answer is 200, none is turned away."""
@@ -339,6 +342,7 @@ def test_a_preloaded_service_is_warmed_up_before_it_reports_ready() -> None:
     run(scenario)
 
 
+@pytest.mark.slow
 def test_a_lazy_load_answers_first_and_warms_up_after() -> None:
     """Without preload, the first request waits for the least it needs (the main session);
     the one-core session and the warm-up runs come after its answer."""

@@ -16,6 +16,7 @@ from app.embedding.onnx_embedder import MAX_TOKENS, ModelError, OnnxEmbedder
 from app.services.embeddings_backend import length_groups
 from tests.conftest import ClientFactory, fail_embedding_on
 from tests.factories import make_trace
+from tests.server import SERVE, free_port
 
 CLS, SEP = 101, 102
 
@@ -159,9 +160,10 @@ def test_bad_settings_name_the_variable(
         Settings.from_env()
 
 
+@pytest.mark.server
 def test_bad_settings_stop_the_server_with_a_clear_message() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "uvicorn", "app.main:app", "--port", "0"],
+        [*SERVE, "--port", str(free_port())],
         env={"KP_CACHE_CAPACITY": "-5", "PATH": "/usr/bin:/bin"},
         capture_output=True,
         text=True,

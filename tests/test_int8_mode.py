@@ -61,6 +61,7 @@ def score_changes(client: TestClient) -> list[float]:
     return changes
 
 
+@pytest.mark.slow
 def test_the_promise_holds_on_this_cpu(make_client: ClientFactory) -> None:
     """int8 within 0.01 of the reference where this CPU multiplies exactly; elsewhere
     float32, which is the reference's scores."""
@@ -75,6 +76,7 @@ def test_the_promise_holds_on_this_cpu(make_client: ClientFactory) -> None:
         assert max(changes) <= 1e-6, f"largest score change {max(changes):.2e}"
 
 
+@pytest.mark.slow
 def test_without_vnni_the_weights_are_unsigned_and_scores_stay_within_001(
     make_client: ClientFactory,
 ) -> None:
@@ -88,9 +90,13 @@ def test_without_vnni_the_weights_are_unsigned_and_scores_stay_within_001(
 
 
 @pytest.fixture
-def app_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
-    """caplog for the service's logger (which does not propagate once logging is set up)."""
+def app_log(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[pytest.LogCaptureFixture]:
+    """caplog for the service's logger, each record once: the logger does not propagate once
+    the service sets logging up (app/core/logging.py), and here it never does."""
     logger = logging.getLogger("app")
+    monkeypatch.setattr(logger, "propagate", False)
     logger.addHandler(caplog.handler)
     yield caplog
     logger.removeHandler(caplog.handler)
@@ -116,6 +122,7 @@ def test_where_int8_cannot_hold_the_service_runs_float32_and_says_why(
     assert declined[0].levelno == logging.WARNING
 
 
+@pytest.mark.slow
 def test_declined_int8_scores_are_the_references(make_client: ClientFactory) -> None:
     client = make_client(embedder_precision="int8", cpu=DECLINING["arm64"])
     changes = score_changes(client)
@@ -148,6 +155,7 @@ def int8_embedder() -> OnnxEmbedder:
     return _int8_embedder(HERE.weights or "uint8")
 
 
+@pytest.mark.slow
 def test_int8_vectors_are_close_to_the_reference_but_not_float32(
     int8_embedder: OnnxEmbedder,
 ) -> None:
@@ -159,6 +167,7 @@ def test_int8_vectors_are_close_to_the_reference_but_not_float32(
     np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_unsigned_weights_give_the_vectors_of_exact_signed_products(
     int8_embedder: OnnxEmbedder,
 ) -> None:
@@ -210,6 +219,7 @@ def test_the_rewrite_uses_the_shipped_int8_weights(weights: Int8Weights) -> None
     assert len(table) == 30
 
 
+@pytest.mark.slow
 def test_the_channel_table_is_what_the_calibration_script_makes() -> None:
     script = Path(__file__).parents[1] / "scripts" / "calibrate_int8.py"
     proc = subprocess.run(

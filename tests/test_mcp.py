@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -20,7 +20,7 @@ from app.schemas.responses import BatchIn, BatchOut, EvaluationOut
 from app.schemas.trace import ReasoningTrace
 from tests.conftest import ClientFactory, hold_runs, load_fixture
 from tests.factories import make_trace
-from tests.server import Server, running_server
+from tests.server import Server
 
 SCORE_TOLERANCE = 1e-6
 NO_EMBEDDER = [c for c in load_fixture("no_embedder.json")["cases"] if c["expected_score"]]
@@ -117,12 +117,7 @@ def test_reference_traces_score_as_over_rest(server: Server) -> None:
     assert drop_time == [{**a, "elapsed_ms": 0} for a in via_rest]
 
 
-@pytest.fixture(scope="module")
-def onnx_server() -> Iterator[Server]:
-    with running_server(embedder="onnx") as s:
-        yield s
-
-
+@pytest.mark.slow
 def test_the_embedder_sequence_scores_as_the_reference(onnx_server: Server) -> None:
     """Novelty measured: the start of the reference sequence, in order, through the tool, with
     the real model (the whole sequence runs in process in test_reference.py)."""

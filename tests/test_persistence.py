@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import re
 import signal
 import threading
 import time
@@ -127,7 +128,12 @@ def test_unwritable_snapshot_location_keeps_serving(
     ready = client.get("/readyz").json()
     assert "Not a directory" in ready["snapshot"]["last_save_error"]
     assert any("not saved" in w for w in ready["warnings"])
-    assert "kp_snapshot_save_errors" in client.get("/metrics").text
+    errors = ready["snapshot"]["save_errors_total"]
+    metrics = client.get("/metrics").text
+    assert re.search(r"^# TYPE kp_snapshot_save_errors(_total)? counter$", metrics, re.M)
+    saved = re.search(r"^kp_snapshot_save_errors_total (\S+)$", metrics, re.M)
+    assert saved is not None
+    assert float(saved.group(1)) >= errors >= 1
     assert client.post("/evaluate", json=make_trace()).status_code == 200
 
 
@@ -152,6 +158,7 @@ def test_disk_full_keeps_the_old_snapshot(
     assert list(tmp_path.glob(".*.tmp")) == []
 
 
+@pytest.mark.server
 def test_sigterm_restart_keeps_the_cache(tmp_path: Path) -> None:
     env = {
         "KP_CACHE_SNAPSHOT_PATH": str(tmp_path / "cache.snapshot"),
@@ -174,6 +181,8 @@ def test_sigterm_restart_keeps_the_cache(tmp_path: Path) -> None:
         again.stop()
 
 
+@pytest.mark.server
+@pytest.mark.slow
 def test_kill_9_under_load_leaves_a_loadable_snapshot(tmp_path: Path) -> None:
     env = {
         "KP_CACHE_SNAPSHOT_PATH": str(tmp_path / "cache.snapshot"),

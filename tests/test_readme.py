@@ -5,8 +5,10 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
@@ -22,21 +24,33 @@ def blocks(language: str) -> list[str]:
     return re.findall(rf"```{language}\n(.*?)```", README, flags=re.DOTALL)
 
 
-def test_the_curl_example_answers_what_the_readme_shows(client: TestClient) -> None:
+def _same(got: Any, shown: Any) -> bool:
+    """Equal, floats within 1e-12: the README shows this machine's last bits of a float64,
+    another CPU's may differ there (README says so), any real change is far larger."""
+    if isinstance(shown, float) and isinstance(got, float):
+        return math.isclose(got, shown, rel_tol=0, abs_tol=1e-12)
+    if isinstance(shown, dict) and isinstance(got, dict):
+        return got.keys() == shown.keys() and all(_same(got[k], shown[k]) for k in shown)
+    if isinstance(shown, list) and isinstance(got, list):
+        return len(got) == len(shown) and all(map(_same, got, shown))
+    return bool(got == shown) and type(got) is type(shown)
+
+
+def test_the_curl_example_and_its_repeat_answer_what_the_readme_shows(
+    client: TestClient,
+) -> None:
     (curl,) = [b for b in blocks("console") if "curl" in b]
     assert "-d @examples/trace.json" in curl
     trace = json.loads((ROOT / "examples" / "trace.json").read_text())
-    shown = json.loads(blocks("json")[0])
-    got = client.post("/evaluate", json=trace).json()
-    assert {k: v for k, v in got.items() if k != "elapsed_ms"} == {
-        k: v for k, v in shown.items() if k != "elapsed_ms"
-    }
-    again = client.post("/evaluate", json=trace).json()
-    assert '"max_cosine": 1.0' in README
-    assert again["novelty"]["max_cosine"] == pytest.approx(1.0, abs=1e-6)
-    assert again["score"] == pytest.approx(0.40125, abs=1e-6)
+    first_shown, again_shown = (json.loads(b) for b in blocks("json")[:2])
+    for shown in (first_shown, again_shown):
+        got = client.post("/evaluate", json=trace).json()
+        got["elapsed_ms"] = shown["elapsed_ms"]  # a time, not a result
+        assert _same(got, shown), (got, shown)
+    assert again_shown["novelty"]["measured"] is True
 
 
+@pytest.mark.server
 def test_the_python_client_examples_run_as_written() -> None:
     sync_block, async_block = [b for b in blocks("python") if "app.client" in b]
     with running_server() as server:

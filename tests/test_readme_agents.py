@@ -58,6 +58,7 @@ def test_the_mcp_example(live: Server, monkeypatch: pytest.MonkeyPatch) -> None:
     assert out.getvalue().splitlines() == shown
 
 
+@pytest.mark.slow  # npm ci, tsc
 def test_the_typescript_example(live: Server) -> None:
     build()
     code = only_block("js")

@@ -256,6 +256,7 @@ class _Records(logging.Handler):
         self.messages.append(record.getMessage())
 
 
+@pytest.mark.redis
 def test_redis_down_at_start_then_back(tmp_path: Path) -> None:
     redis = RedisServer(tmp_path)
     redis.stop()
@@ -277,7 +278,8 @@ def test_redis_down_at_start_then_back(tmp_path: Path) -> None:
             assert await memory.compare(v, ["t"], add=True) == [Comparison(None, 0)]
             assert memory.backend.outages_total == 1
 
-    # The app's loggers do not propagate to the root (app/core/logging.py): listen directly.
+    # Once logging is set up the app's loggers do not propagate (app/core/logging.py): listen
+    # on the logger itself.
     logger, records = logging.getLogger("app.store.redis_shared"), _Records()
     logger.addHandler(records)
     try:
@@ -290,6 +292,7 @@ def test_redis_down_at_start_then_back(tmp_path: Path) -> None:
     assert sum(m.startswith("shared cache available again") for m in messages) == 1
 
 
+@pytest.mark.redis
 def test_a_redis_that_does_not_answer_costs_a_request_the_timeout_only(tmp_path: Path) -> None:
     """SIGSTOP: connections stay open and nothing answers, the worst case for a client."""
     redis = RedisServer(tmp_path)
@@ -322,6 +325,7 @@ def test_a_redis_that_does_not_answer_costs_a_request_the_timeout_only(tmp_path:
         redis.stop()
 
 
+@pytest.mark.redis
 def test_acknowledged_adds_survive_kill_9_of_redis(tmp_path: Path) -> None:
     redis = RedisServer(tmp_path)
     v = unit_vectors(20, seed=11)

@@ -93,6 +93,7 @@ def test_tokenization_equals_transformers_js(embedder: OnnxEmbedder, case: dict[
     assert tokens.truncated == (case["token_count"] > MAX_TOKENS)
 
 
+@pytest.mark.slow
 def test_vectors_equal_the_reference_to_float32_rounding(embedder: OnnxEmbedder) -> None:
     texts = [case["text"] for case in SEQUENCE]
     vectors = np.vstack([embedder.embed([text]) for text in texts])
@@ -103,6 +104,7 @@ def test_vectors_equal_the_reference_to_float32_rounding(embedder: OnnxEmbedder)
     assert cosines.min() > 1 - 1e-6
 
 
+@pytest.mark.slow
 def test_embedder_sequence_over_http_equals_the_reference(make_client: ClientFactory) -> None:
     """The whole sequence, in order, through the real service with the packaged int8 model."""
     client = make_client()

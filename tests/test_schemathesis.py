@@ -20,6 +20,8 @@ from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from tests.server import LiveServer
 
+pytestmark = [pytest.mark.server, pytest.mark.slow]
+
 # Per operation with parameters; 7 operations. CI runs well over 1,000 cases in all.
 EXAMPLES = int(os.environ.get("KP_TEST_SCHEMATHESIS_EXAMPLES", "300"))
 OPERATIONS = [

@@ -19,6 +19,8 @@ from tests.factories import TOPICS, make_trace, step
 from tests.server import TOKEN, LiveServer, RedisServer
 from tests.test_reference import SCORE_TOLERANCE, SEQUENCE
 
+pytestmark = [pytest.mark.server, pytest.mark.redis, pytest.mark.slow]
+
 PREFIX = "kp-replicas:"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from tests.server import TOKEN, running_server
 from tests.typescript import build, npm
+
+pytestmark = [pytest.mark.server, pytest.mark.slow]  # npm ci, tsc, node
 
 
 def test_the_typescript_clients_against_a_live_server() -> None:

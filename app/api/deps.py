@@ -14,6 +14,7 @@ from app.core.metrics import Metrics
 from app.schemas.limits import TraceLimits
 from app.services.embeddings import EmbeddingService
 from app.services.evaluator import Evaluator
+from app.services.runtime import Runtime
 from app.services.snapshots import SnapshotStore
 from app.store.base import NoveltyMemory
 
@@ -23,12 +24,25 @@ class Services:
     """Everything a request may need, built once per app in the lifespan."""
 
     settings: Settings
-    memory: NoveltyMemory
-    embeddings: EmbeddingService
-    evaluator: Evaluator
+    runtime: Runtime
     metrics: Metrics
-    snapshots: SnapshotStore
     limits: TraceLimits
+
+    @property
+    def memory(self) -> NoveltyMemory:
+        return self.runtime.memory
+
+    @property
+    def embeddings(self) -> EmbeddingService:
+        return self.runtime.embeddings
+
+    @property
+    def evaluator(self) -> Evaluator:
+        return self.runtime.evaluator
+
+    @property
+    def snapshots(self) -> SnapshotStore:
+        return self.runtime.snapshots
 
 
 # Dependencies are `async def`: FastAPI runs a plain `def` dependency on its thread pool, a

@@ -1,36 +1,55 @@
-"""Error answers: every client mistake is a 4xx naming the field, no error shows internals."""
+"""Error answers: every client mistake is a 4xx naming the field, no error shows internals.
+
+Typed errors the services raise map to a status in one table; the 503s (the service may
+answer after a short wait) carry Retry-After.
+"""
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
+from app.core.errors import error_body
 from app.services.embeddings import OverloadedError
+from app.store.base import MemoryUnavailableError
 
 log = logging.getLogger(__name__)
 
+#: Seconds a client waits before it retries a 503.
+RETRY_AFTER_S = 1
 
-def _clean(error: dict[str, Any]) -> dict[str, Any]:
-    # pydantic also echoes the offending input; a trace's text does not belong in error bodies.
-    return {"loc": list(error["loc"]), "msg": error["msg"], "type": error["type"]}
+
+@dataclass(frozen=True, slots=True)
+class ErrorKind:
+    status: int
+    #: Said before the error's own text.
+    prefix: str = ""
+
+
+ERRORS: dict[type[Exception], ErrorKind] = {
+    OverloadedError: ErrorKind(503, "overloaded, try again shortly: "),
+    MemoryUnavailableError: ErrorKind(503),
+}
+
+
+def error_response(status: int, detail: str) -> JSONResponse:
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
+    return JSONResponse(status_code=status, content={"detail": detail}, headers=headers)
 
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
-    return JSONResponse(status_code=422, content={"detail": [_clean(e) for e in exc.errors()]})
+    return JSONResponse(status_code=422, content=error_body(exc.errors()))
 
 
-async def _overloaded(request: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, OverloadedError)  # counted where it is raised (score_traces)
-    return JSONResponse(
-        status_code=503,
-        content={"detail": f"overloaded, try again shortly: {exc}"},
-        headers={"Retry-After": "1"},
-    )
+async def _typed_error(request: Request, exc: Exception) -> JSONResponse:
+    # An overload is counted where it is raised (services/scoring_requests.py).
+    kind = ERRORS[type(exc)]
+    return error_response(kind.status, f"{kind.prefix}{exc}")
 
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -40,5 +59,6 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
 
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_exception_handler(OverloadedError, _overloaded)
+    for error in ERRORS:
+        app.add_exception_handler(error, _typed_error)
     app.add_exception_handler(Exception, _unexpected)

@@ -16,6 +16,7 @@ from typing import Any
 
 import orjson
 
+from app.core.errors import error_body, field_error
 from app.core.metrics import Metrics
 from app.core.request_context import request_id_var
 from app.schemas.limits import json_depth_exceeds
@@ -122,7 +123,7 @@ class RequestGuard:
         if content_type is not None and not _JSON_TYPE.match(content_type):
             return _Refusal(
                 415,
-                _detail(
+                _refusal_body(
                     ("header", "content-type"),
                     f"must be application/json, got {content_type!r}",
                     "unsupported_media_type",
@@ -138,7 +139,7 @@ class RequestGuard:
             message = await receive()
             if message["type"] == "http.disconnect":
                 return _Refusal(
-                    400, _detail(("body",), "the client closed the connection", "disconnect")
+                    400, _refusal_body(("body",), "the client closed the connection", "disconnect")
                 ), receive
             chunk = message.get("body", b"")
             size += len(chunk)
@@ -151,7 +152,7 @@ class RequestGuard:
         if json_depth_exceeds(body, self.max_json_depth):
             # Checked before parsing: a deep body would exhaust the parser's recursion.
             msg = f"JSON nests deeper than {self.max_json_depth} levels (KP_MAX_JSON_DEPTH)"
-            return _Refusal(422, _detail(("body",), msg, "limit_exceeded")), receive
+            return _Refusal(422, _refusal_body(("body",), msg, "limit_exceeded")), receive
         replayed = False
 
         async def replay() -> Message:
@@ -166,7 +167,7 @@ class RequestGuard:
     def _too_large(self) -> _Refusal:
         return _Refusal(
             413,
-            _detail(
+            _refusal_body(
                 ("body",),
                 f"request body is larger than {self.max_body_bytes} bytes (KP_MAX_BODY_BYTES)",
                 "body_too_large",
@@ -209,8 +210,8 @@ class RequestGuard:
         return False
 
 
-def _detail(loc: tuple[str, ...], msg: str, kind: str) -> dict[str, Any]:
-    return {"detail": [{"loc": list(loc), "msg": msg, "type": kind}]}
+def _refusal_body(loc: tuple[str, ...], msg: str, kind: str) -> dict[str, Any]:
+    return error_body([field_error(loc, msg, kind)])
 
 
 async def _send_json(

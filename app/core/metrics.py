@@ -1,8 +1,11 @@
-"""Prometheus metrics, one registry per app so that several apps can live in one process."""
+"""Prometheus metrics, one registry per app so that several apps can live in one process.
+
+Counted here: what requests do. The running service's parts (cache, embedder, snapshots)
+expose their own figures through app.services.runtime.RuntimeCollector."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 #: Up to KP_EMBED_MAX_WAIT_MS's default (10 s): past it a request is turned away.
@@ -54,44 +57,11 @@ class Metrics:
         self.score = Histogram(
             "kp_score", "Scores given.", buckets=[i / 10 for i in range(1, 11)], registry=r
         )
-        self.cache_size = Gauge("kp_cache_size", "Vectors in the novelty cache.", registry=r)
-        self.cache_evictions = Gauge(
-            "kp_cache_evictions",
-            "Vectors evicted from the cache since start (oldest first).",
-            registry=r,
-        )
-        self.cache_available = Gauge(
-            "kp_cache_available",
-            "1 while the cache can be used; 0 while the shared cache's Redis is unreachable "
-            "(novelty not measured, reason cache_unavailable).",
-            registry=r,
-        )
-        self.cache_outages = Gauge(
-            "kp_cache_outages",
-            "Times the shared cache's Redis became unreachable since start.",
-            registry=r,
-        )
-        self.embedder_state = Gauge(
-            "kp_embedder_state", "1 for the embedder's current state.", ["state"], registry=r
-        )
-        self.queue_depth = Gauge("kp_embed_queue_depth", "Texts waiting for the model.", registry=r)
-        self.snapshot_save_errors = Gauge(
-            "kp_snapshot_save_errors",
-            "Failed cache snapshot saves since start.",
-            registry=r,
-        )
         self.overloaded = Counter(
             "kp_overloaded",
             "Requests turned away with 503, by limit: queue_limit (KP_EMBED_QUEUE_LIMIT) or "
             "waited_too_long (waited past KP_EMBED_MAX_WAIT_MS for the model).",
             ["reason"],
-            registry=r,
-        )
-        self.embed_runs = Gauge(
-            "kp_embed_runs",
-            "Model calls since start (three warm-ups at load): a request alone on all cores, "
-            "or side by side on one.",
-            ["cores"],
             registry=r,
         )
         self.embed_queue_wait = Histogram(

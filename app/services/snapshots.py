@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from app.core.health import Health
 from app.core.states import SnapshotState
 from app.domain.vector_cache import CacheEntries, VectorCache
 
@@ -147,6 +148,15 @@ class SnapshotStore:
     @property
     def path(self) -> Path | None:
         return self.status.path if self.status.state is not SnapshotState.DISABLED else None
+
+    def health(self) -> Health:
+        """Not degraded either way: the cache works in memory whatever happens to its file."""
+        warnings = []
+        if self.status.state in (SnapshotState.SET_ASIDE, SnapshotState.ERROR):
+            warnings.append(f"cache snapshot {self.status.state.value}: {self.status.detail}")
+        if self.status.last_save_error is not None:
+            warnings.append(f"cache snapshot not saved: {self.status.last_save_error}")
+        return Health(warnings=tuple(warnings))
 
     def restore(self) -> None:
         path = self.path

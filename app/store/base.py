@@ -9,8 +9,9 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
+from app.core.health import Health
 from app.core.states import BackendKind
-from app.domain.vector_cache import CacheStats
+from app.domain.vector_cache import CacheStats, VectorCache
 
 Vector = npt.NDArray[np.float32]
 
@@ -54,6 +55,14 @@ class NoveltyMemory(Protocol):
 
     @property
     def evictions_total(self) -> int: ...
+
+    @property
+    def local_cache(self) -> VectorCache:
+        """The vectors this process holds (the memory itself, or its mirror of the shared
+        one): what cache snapshots save and restore."""
+        ...
+
+    def health(self) -> Health: ...
 
     async def start(self) -> None: ...
 

@@ -7,9 +7,11 @@
 -- ARGV[3]  capacity   ARGV[4]  TTL in ms ('0': none)   ARGV[5]  model identity ('': none)
 -- ARGV[6..] trace id, vector (float32 bytes): one pair for each vector to append, in order
 --
--- Returns {epoch, now_ms, full, entries, appended_ids, adds_total, evictions_total}: the
+-- Returns {'ok', epoch, now_ms, full, entries, appended_ids, adds_total, evictions_total}: the
 -- entries added since ARGV[2] (every entry when `full` is 1: an epoch this replica does not
--- know), all of them before this run's own entries in the order.
+-- know), all of them before this run's own entries in the order. Or, changing nothing,
+-- {'settings_mismatch', why} when this replica's settings differ from the memory's (a reply,
+-- not an error, so Python tells it from Redis's own errors without reading the text).
 local log, meta = KEYS[1], KEYS[2]
 local capacity, ttl, model = tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
 local time = redis.call('TIME')
@@ -24,16 +26,16 @@ if not epoch then
   redis.call('HSET', meta, 'epoch', epoch, 'capacity', ARGV[3], 'ttl_ms', ARGV[4], 'model', model)
 else
   if tonumber(state[2]) ~= capacity or tonumber(state[3]) ~= ttl then
-    return redis.error_reply('KPCONFIG the shared cache has KP_CACHE_CAPACITY=' .. state[2] ..
+    return {'settings_mismatch', 'the shared cache has KP_CACHE_CAPACITY=' .. state[2] ..
       ' and KP_CACHE_TTL_MS=' .. state[3] .. ' (0: unset), this replica ' .. ARGV[3] ..
-      ' and ' .. ARGV[4])
+      ' and ' .. ARGV[4]}
   end
   if model ~= '' then
     if not state[4] or state[4] == '' then
       redis.call('HSET', meta, 'model', model)
     elseif state[4] ~= model then
-      return redis.error_reply('KPCONFIG the shared cache holds vectors of ' .. state[4] ..
-        ', this replica makes them with ' .. model)
+      return {'settings_mismatch', 'the shared cache holds vectors of ' .. state[4] ..
+        ', this replica makes them with ' .. model}
     end
   end
 end
@@ -67,4 +69,4 @@ if appending > 0 then
 end
 
 local counters = redis.call('HMGET', meta, 'adds', 'evictions')
-return {epoch, now, full, entries, ids, tonumber(counters[1] or 0), tonumber(counters[2] or 0)}
+return {'ok', epoch, now, full, entries, ids, tonumber(counters[1] or 0), tonumber(counters[2] or 0)}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from app.core.health import Health
 from app.domain.vector_cache import CacheStats, VectorCache
 from app.store.base import BackendInfo, Comparison, Vector
 
@@ -43,6 +44,13 @@ class InProcessMemory:
     @property
     def evictions_total(self) -> int:
         return self.cache.evictions_total
+
+    @property
+    def local_cache(self) -> VectorCache:
+        return self.cache
+
+    def health(self) -> Health:
+        return Health()
 
     async def start(self) -> None:
         return None

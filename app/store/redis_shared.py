@@ -49,6 +49,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 from redis.retry import Retry
 
+from app.core.health import UNMEASURED, Health
 from app.domain.vector_cache import CacheStats, VectorCache
 from app.store.base import BackendInfo, Comparison, MemoryUnavailableError, Vector
 from app.store.in_process import compare_in_order
@@ -61,6 +62,14 @@ RETRY_INTERVAL_S = 0.5
 GROUP_VECTORS = 256
 _WIRE = np.dtype("<f4")
 _T = TypeVar("_T")
+#: exchange.lua's first reply element: its run went through, or this replica's settings
+#: differ from the memory's (the second element says how).
+EXCHANGED = b"ok"
+SETTINGS_MISMATCH = b"settings_mismatch"
+
+
+class SettingsMismatchError(Exception):
+    """This replica's KP_CACHE_* or model differ from the shared memory's."""
 
 
 def script_text(name: str) -> str:
@@ -168,6 +177,18 @@ class RedisSharedMemory:
     def evictions_total(self) -> int:
         return self._evictions_total
 
+    @property
+    def local_cache(self) -> VectorCache:
+        return self.mirror
+
+    def health(self) -> Health:
+        if self._available:
+            return Health()
+        return Health(
+            degraded=True,
+            warnings=(UNMEASURED + self._unavailable_detail(),),
+        )
+
     # ── lifecycle ───────────────────────────────────────────────────────────
 
     async def start(self) -> None:
@@ -269,7 +290,7 @@ class RedisSharedMemory:
             async with asyncio.timeout(self._timeout_s):
                 reply = await self._exchange_script(keys=self._keys, args=args)
             results = self._apply(reply, group)
-        except (RedisError, OSError, TimeoutError, ValueError) as exc:
+        except (RedisError, OSError, TimeoutError, ValueError, SettingsMismatchError) as exc:
             self._went_down(exc)
             error = MemoryUnavailableError(self._unavailable_detail())
             for request in group:
@@ -285,7 +306,12 @@ class RedisSharedMemory:
     def _apply(self, reply: list[Any], group: list[_Exchange]) -> list[list[Comparison]]:
         """The log's new entries into the mirror, then this replica's own requests in order.
         Runs without awaiting: nothing else touches the mirror meanwhile."""
-        epoch, now_ms, full, entries, own_ids, adds_total, evictions_total = reply
+        status, *body = reply
+        if status == SETTINGS_MISMATCH:
+            raise SettingsMismatchError(body[0].decode())
+        if status != EXCHANGED:
+            raise ValueError(f"exchange.lua answered {status!r}: not this service's script")
+        epoch, now_ms, full, entries, own_ids, adds_total, evictions_total = body
         if full:
             self.mirror.clear()
             self._epoch, self._last_id = epoch, b"0-0"
@@ -389,8 +415,9 @@ def _describe(exc: BaseException) -> str:
     if isinstance(exc, TimeoutError):
         return "no answer within KP_REDIS_TIMEOUT_MS"
     text = str(exc)
-    if text.startswith("KPCONFIG "):  # exchange.lua: this replica's settings differ
-        return text.removeprefix("KPCONFIG ") + (
-            ": give every replica the same settings, or DELETE /cache from one with the new ones"
+    if isinstance(exc, SettingsMismatchError):
+        return (
+            f"{text}: give every replica the same settings, "
+            "or DELETE /cache from one with the new ones"
         )
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -5,12 +5,11 @@ from __future__ import annotations
 import logging
 from dataclasses import asdict
 
-from fastapi import APIRouter, HTTPException, status
+from fastapi import APIRouter
 
 from app.api.deps import AdminDep, Services, ServicesDep
 from app.api.presenters import backend_out
 from app.schemas.responses import CacheOut, ClearedOut, EmbedderOut
-from app.store.base import MemoryUnavailableError
 
 router = APIRouter(
     prefix="/cache",
@@ -59,13 +58,6 @@ async def cache_stats(services: ServicesDep) -> CacheOut:
     },
 )
 async def cache_clear(services: ServicesDep) -> ClearedOut:
-    try:
-        cleared = await services.memory.clear()
-    except MemoryUnavailableError as exc:
-        raise HTTPException(
-            status_code=status.HTTP_503_SERVICE_UNAVAILABLE,
-            detail=str(exc),
-            headers={"Retry-After": "1"},
-        ) from None
+    cleared = await services.memory.clear()  # MemoryUnavailableError: 503 (app.api.errors)
     log.info("cache cleared", extra={"cleared": cleared})
     return ClearedOut(cleared=cleared)

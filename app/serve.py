@@ -1,0 +1,32 @@
+"""The one way the service starts: `python -m app.serve` (make run, the image's CMD, the tests'
+and the bench's servers) and `kp-scoring serve` both call `run`, which has uvicorn build the
+app with its factory. No CLI framework is imported on this path: it is the cold start's."""
+
+from __future__ import annotations
+
+import argparse
+
+import uvicorn
+
+#: uvicorn imports this and calls it (`--factory`): the settings are read then, not at import.
+FACTORY = "app.main:create_app"
+
+
+def run(host: str = "127.0.0.1", port: int = 8000, *, reload: bool = False) -> None:
+    """One uvicorn process (the in-process cache lives in it): no workers, settings from KP_*."""
+    uvicorn.run(FACTORY, factory=True, host=host, port=port, reload=reload)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m app.serve", description="Run kp-scoring; settings from KP_* variables."
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+    parser.add_argument("--reload", action="store_true", help="restart on code changes")
+    args = parser.parse_args(argv)
+    run(args.host, args.port, reload=args.reload)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,253 @@
+"""The parts a running service holds (embeddings, novelty memory, snapshots, evaluator), built
+from Settings, started and stopped in order; what they report to /readyz and /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Iterator
+from functools import partial
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from app.core.config import Settings, redis_location
+from app.core.health import UNMEASURED, Health
+from app.core.states import EmbedderState, Precision
+from app.domain.vector_cache import VectorCache
+from app.embedding import model_files
+from app.embedding.int8_support import CpuFeatures, Int8Support, int8_support
+from app.embedding.onnx_embedder import ModelError, OnnxEmbedder
+from app.services.embeddings import EmbeddingService
+from app.services.embeddings_types import EmbedObserver
+from app.services.evaluator import Evaluator
+from app.services.snapshots import SnapshotStore
+from app.store.base import NoveltyMemory
+from app.store.in_process import InProcessMemory
+
+log = logging.getLogger("app")
+
+
+class Runtime:
+    """`cpu`: the CPU int8 mode decides on (default: this machine's); `observer`: where the
+    embedder's queue waits and model run times go (the metrics)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        cpu: CpuFeatures | None = None,
+        observer: EmbedObserver | None = None,
+    ) -> None:
+        self.settings = settings
+        self.embeddings, files = build_embeddings(settings, cpu)
+        if observer is not None:
+            self.embeddings.observe(observer)
+        # Vectors are comparable only with vectors of the same model and arithmetic: the
+        # shared memory and the snapshots both carry this identity.
+        needs_identity = settings.redis_url is not None or settings.cache_snapshot_path is not None
+        model_id = None
+        if needs_identity and files is not None:
+            model_id = _model_identity(files, self.embeddings.precision or "float32")
+        self.memory = build_memory(settings, model_id)
+        # Snapshots are the in-process memory's persistence; with Redis, Redis's own (AOF):
+        # the settings refuse KP_CACHE_SNAPSHOT_PATH there.
+        self.snapshots = SnapshotStore(
+            settings.cache_snapshot_path, self.memory.local_cache, model_id
+        )
+        self.evaluator = Evaluator(self.memory, self.embeddings)
+        self.collector = RuntimeCollector(self)
+        self._saver: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self.snapshots.restore)
+        await self.memory.start()
+        if self.settings.admin_token is None:
+            log.warning("KP_ADMIN_TOKEN is not set: GET and DELETE /cache are open to every caller")
+        if self.settings.embedder_preload:
+            await self.embeddings.preload()
+        backend = self.memory.backend
+        log.info(
+            "kp-scoring started",
+            extra={
+                "embedder": self.embeddings.state.value,
+                "cache_capacity": self.settings.cache_capacity,
+                "cache": backend.location or backend.kind,
+            },
+        )
+        self._saver = asyncio.create_task(self._save_periodically())
+
+    async def stop(self) -> None:
+        if self._saver is not None:
+            self._saver.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._saver
+        await self.embeddings.close()
+        await asyncio.to_thread(self.snapshots.save)
+        await self.memory.close()
+        log.info("kp-scoring stopped", extra={"cache_size": self.memory.size})
+
+    def health(self) -> Health:
+        """Every part's report, in one: degraded when any part is."""
+        parts = [self._settings_health(), _embedder_health(self.embeddings)]
+        parts += [self.memory.health(), self.snapshots.health()]
+        return Health(
+            degraded=any(p.degraded for p in parts),
+            warnings=tuple(w for p in parts for w in p.warnings),
+        )
+
+    def _settings_health(self) -> Health:
+        if self.settings.admin_token is not None:
+            return Health()
+        return Health(warnings=("KP_ADMIN_TOKEN is not set: /cache is open to every caller",))
+
+    async def _save_periodically(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.cache_snapshot_interval_s)
+            await asyncio.to_thread(self.snapshots.save)
+
+
+class RuntimeCollector(Collector):
+    """The parts' own figures, read at each scrape. The running totals live in the parts
+    (the shared memory's evictions even in Redis, counted by every replica), so they are
+    exposed as counters from there rather than mirrored into prometheus objects by hand."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+
+    def collect(self) -> Iterator[Metric]:
+        embeddings, memory = self.runtime.embeddings, self.runtime.memory
+        backend = memory.backend
+        yield GaugeMetricFamily("kp_cache_size", "Vectors in the novelty cache.", memory.size)
+        yield CounterMetricFamily(
+            "kp_cache_evictions",
+            "Vectors evicted from the cache (oldest first); shared: by every replica.",
+            memory.evictions_total,
+        )
+        yield GaugeMetricFamily(
+            "kp_cache_available",
+            "1 while the cache can be used; 0 while the shared cache's Redis is unreachable "
+            "(novelty not measured, reason cache_unavailable).",
+            1 if backend.available else 0,
+        )
+        yield CounterMetricFamily(
+            "kp_cache_outages",
+            "Times the shared cache's Redis became unreachable since start.",
+            backend.outages_total,
+        )
+        state = GaugeMetricFamily(
+            "kp_embedder_state", "1 for the embedder's current state.", labels=["state"]
+        )
+        for each in EmbedderState:
+            state.add_metric([each.value], 1 if embeddings.state is each else 0)
+        yield state
+        yield GaugeMetricFamily(
+            "kp_embed_queue_depth", "Texts waiting for the model.", embeddings.queue_depth
+        )
+        runs = CounterMetricFamily(
+            "kp_embed_runs",
+            "Model calls since start (three warm-ups at load): a request alone on all cores, "
+            "or side by side on one.",
+            labels=["cores"],
+        )
+        for cores, count in embeddings.runs_total.items():
+            runs.add_metric([cores], count)
+        yield runs
+        yield CounterMetricFamily(
+            "kp_snapshot_save_errors",
+            "Failed cache snapshot saves since start.",
+            self.runtime.snapshots.status.save_errors_total,
+        )
+
+
+def _embedder_health(embeddings: EmbeddingService) -> Health:
+    if not embeddings.degraded:
+        return Health()
+    return Health(degraded=True, warnings=(UNMEASURED + (embeddings.reason or ""),))
+
+
+def _model_identity(files: model_files.ModelFiles, precision: Precision) -> str | None:
+    """None (logged) when the files cannot be read: then nothing shares or saves vectors."""
+    try:
+        return model_files.identity(files, precision)
+    except ModelError as exc:
+        log.error(
+            "model identity unknown: no shared cache exchange or snapshot can be trusted",
+            extra={"reason": str(exc)},
+        )
+        return None
+
+
+def _load_embedder(
+    files: model_files.ModelFiles, settings: Settings, int8: Int8Support | None
+) -> OnnxEmbedder:
+    model_files.verify(files)
+    # The least a first answer needs: the embedding service finishes loading after it (or
+    # before the service reports ready, with KP_EMBEDDER_PRELOAD).
+    return OnnxEmbedder(
+        files.model,
+        files.tokenizer,
+        intra_op_threads=settings.embedder_threads,
+        concurrent_runs=settings.embedder_worker_count,
+        precision="float32" if int8 is None else int8.precision,
+        int8_weights=None if int8 is None else int8.weights,
+        defer=True,
+    )
+
+
+def _int8_support(settings: Settings, cpu: CpuFeatures | None) -> Int8Support | None:
+    """With KP_EMBEDDER_PRECISION=int8: whether this CPU keeps int8 mode's promise (logged)."""
+    if settings.embedder_precision != "int8":
+        return None
+    support = int8_support(cpu)
+    if support.weights is None:
+        log.warning(
+            "int8 mode declined: the embedder runs float32", extra={"reason": support.reason}
+        )
+    else:
+        log.info("int8 mode", extra={"weights": support.weights, "reason": support.reason})
+    return support
+
+
+def build_embeddings(
+    settings: Settings, cpu: CpuFeatures | None = None
+) -> tuple[EmbeddingService, model_files.ModelFiles | None]:
+    """The embedding service the settings ask for (its model loads later), and its files."""
+    if settings.embedder == "none":
+        return EmbeddingService(None, model_name=None), None
+    try:
+        files = model_files.resolve(settings.model_path, settings.tokenizer_path)
+    except ModelError as exc:
+        service = EmbeddingService(None, model_name=None)
+        service.mark_unavailable(str(exc))
+        return service, None
+    int8 = _int8_support(settings, cpu)
+    service = EmbeddingService(
+        partial(_load_embedder, files, settings, int8),
+        model_name=files.name,
+        precision="float32" if int8 is None else int8.precision,
+        precision_reason=None if int8 is None else int8.reason,
+        workers=settings.embedder_worker_count,
+        batch_size=settings.embed_batch_size,
+        queue_limit=settings.embed_queue_limit,
+        max_wait_ms=settings.embed_max_wait_ms,
+    )
+    return service, files
+
+
+def build_memory(settings: Settings, model_id: str | None) -> NoveltyMemory:
+    """This process's memory, or the one shared through KP_REDIS_URL (connected by start())."""
+    if settings.redis_url is None:
+        return InProcessMemory(VectorCache(settings.cache_capacity, ttl_ms=settings.cache_ttl_ms))
+    from app.store.redis_shared import RedisSharedMemory  # redis is slow to import; only here
+
+    url = settings.redis_url.get_secret_value()
+    return RedisSharedMemory(
+        url,
+        redis_location(url),
+        prefix=settings.redis_prefix,
+        capacity=settings.cache_capacity,
+        ttl_ms=settings.cache_ttl_ms,
+        timeout_ms=settings.redis_timeout_ms,
+        model=model_id,
+    )
