@@ -8,6 +8,7 @@ or unavailable.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,7 +23,15 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from app.client import DEFAULT_URL, KpScoringClient, KpScoringError, Unauthorized, Unreachable
+from app.client import (
+    DEFAULT_URL,
+    KpScoringClient,
+    KpScoringError,
+    SignatureInvalidError,
+    Unauthorized,
+    Unreachable,
+    verify_signature,
+)
 from app.schemas.responses import EvaluationOut
 
 # The reference SDK captures a trace when its score reaches this value.
@@ -66,10 +75,19 @@ Token = Annotated[
         "--token", envvar="KP_ADMIN_TOKEN", help="Admin token for /cache.", show_envvar=True
     ),
 ]
+ApiKey = Annotated[
+    str | None,
+    typer.Option(
+        "--api-key",
+        envvar="KP_API_KEY",
+        help="API key for scoring (when the service has KP_API_KEYS_FILE).",
+        show_envvar=True,
+    ),
+]
 AsJson = Annotated[bool, typer.Option("--json", help="Print the raw JSON answer.")]
 
 
-class InputError(Exception):
+class InputError(ValueError):
     """A trace file that cannot be read or parsed."""
 
 
@@ -79,8 +97,9 @@ def fail(message: str, code: Code) -> typer.Exit:
 
 
 @contextmanager
-def service_errors(token: str | None = None) -> Iterator[None]:
-    """Turns client errors into a plain message and the matching exit code."""
+def service_errors(token: str | None = None, *, api_key: bool = False) -> Iterator[None]:
+    """Turns client errors into a plain message and the matching exit code. `api_key`: the
+    request needed an API key (scoring) rather than the admin token."""
     try:
         yield
     except Unreachable as exc:
@@ -90,6 +109,12 @@ def service_errors(token: str | None = None) -> Iterator[None]:
             Code.UNREACHABLE,
         ) from None
     except Unauthorized:
+        if api_key:
+            raise fail(
+                f"the service {'refused the API key' if token else 'wants an API key'}: "
+                "pass --api-key or set KP_API_KEY",
+                Code.INPUT_ERROR,
+            ) from None
         problem = "refused the admin token" if token else "wants an admin token"
         raise fail(
             f"the service {problem}: pass --token or set KP_ADMIN_TOKEN", Code.INPUT_ERROR
@@ -98,12 +123,12 @@ def service_errors(token: str | None = None) -> Iterator[None]:
         raise fail(describe(exc), exit_code(exc)) from None
 
 
-def connect(url: str, token: str | None = None) -> KpScoringClient:
+def connect(url: str, token: str | None = None, api_key: str | None = None) -> KpScoringClient:
     if not url.startswith(("http://", "https://")):
         raise fail(
             f"--url (or KP_URL) must start with http:// or https://, got {url!r}", Code.INPUT_ERROR
         )
-    return KpScoringClient(url, admin_token=token)
+    return KpScoringClient(url, admin_token=token, api_key=api_key)
 
 
 def exit_code(exc: KpScoringError) -> Code:
@@ -211,12 +236,13 @@ def evaluate(
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Score without adding the traces to the cache.")
     ] = False,
+    api_key: ApiKey = None,
 ) -> None:
     """Score traces and print their breakdown.
 
     Exit code: 0 all scores >= threshold, 1 some below, 2 bad input, 3 service unreachable.
     """
-    with connect(url) as kp, service_errors():
+    with connect(url, api_key=api_key) as kp, service_errors(api_key, api_key=True):
         if path != "-" and Path(path).is_dir():
             results, failures = evaluate_directory(kp, Path(path), dry_run, threshold, as_json)
         else:
@@ -308,6 +334,75 @@ def print_summary(done: list[FileResult], threshold: float) -> None:
                 verdict(r.score, threshold),
             )
     out.print(table)
+
+
+@cli.command()
+def verify(
+    trace_path: Annotated[
+        str,
+        typer.Argument(
+            help="The trace as it was sent (a JSON file, '-' for stdin).", metavar="TRACE"
+        ),
+    ],
+    signature: Annotated[
+        str,
+        typer.Argument(
+            help="The answer's signature (a compact JWS), or a JSON file holding the answer.",
+            metavar="SIGNATURE",
+        ),
+    ],
+    jwks_path: Annotated[
+        Path | None,
+        typer.Option("--jwks", help="A JWKS file; default: the service's /.well-known/jwks.json."),
+    ] = None,
+    url: Url = DEFAULT_URL,
+    as_json: AsJson = False,
+) -> None:
+    """Check a signed score against the trace and the service's public keys.
+
+    Exit code: 0 the signature verifies and is about this trace, 1 it does not, 2 bad input,
+    3 service unreachable (when the JWKS is fetched from it).
+    """
+    try:
+        traces, many = load_traces(read_source(trace_path), trace_path)
+        if many:
+            raise InputError(f"{trace_path}: one trace, not an array: a signature is about one")
+        trace = traces[0]
+        token = _signature_of(signature)
+        jwks = json.loads(read_source(str(jwks_path))) if jwks_path is not None else None
+    except ValueError as exc:  # InputError, or a JWKS file that is not JSON
+        raise fail(str(exc), Code.INPUT_ERROR) from None
+    if jwks is None:
+        with connect(url) as kp, service_errors():
+            jwks = kp.jwks()
+    try:
+        claims = verify_signature(token, trace, jwks)
+    except SignatureInvalidError as exc:
+        raise fail(f"invalid: {exc}", Code.BELOW_THRESHOLD) from None
+    if as_json:
+        print_json(claims)
+        return
+    out.print(
+        f"valid: {escape(str(claims.get('trace_id')))} scored {claims.get('score')} "
+        f"by {escape(str(claims.get('iss')))}",
+    )
+
+
+_COMPACT_JWS = re.compile(r"[A-Za-z0-9_-]+\.[A-Za-z0-9_-]*\.[A-Za-z0-9_-]*")
+
+
+def _signature_of(value: str) -> str:
+    """A compact JWS as given, or the `signature` of an answer in a JSON file."""
+    if _COMPACT_JWS.fullmatch(value):
+        return value
+    try:
+        answer = json.loads(read_source(value))
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{value}: neither a compact JWS nor an answer's JSON: {exc}") from None
+    signature = answer.get("signature") if isinstance(answer, dict) else None
+    if not isinstance(signature, str):
+        raise InputError(f"{value}: the answer has no signature (the service signs nothing?)")
+    return signature
 
 
 @cli.command()

@@ -5,12 +5,15 @@
         print(result.score, result.dimensions.novelty)
 
 Every failure is a `KpScoringError`: `Unreachable` (no answer), `ValidationFailed` (422, with
-the field paths), `Unauthorized` (401), `Overloaded` (503, with `retry_after`), or the base
-class for any other error status.
+the field paths), `Unauthorized` (401), `Forbidden` (403), `RateLimited` (429, with
+`retry_after`), `Overloaded` (503, with `retry_after`), or the base class for any other error
+status. `api_key` (default: the KP_API_KEY variable) is sent with every scoring request.
+`verify_signature` checks a signed score against the trace and the service's JWKS.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
@@ -18,19 +21,28 @@ from typing import Any, Self
 
 import httpx
 
+from app.core.signatures import SignatureInvalidError, trace_sha256, verify
 from app.schemas.responses import BatchOut, CacheOut, ClearedOut, EvaluationOut, ReadyOut
 from app.schemas.trace import ReasoningTrace
+
+#: Checks a signed score: the claims, or SignatureInvalidError (see app.services.signing).
+verify_signature = verify
 
 __all__ = [
     "AsyncKpScoringClient",
     "FieldError",
+    "Forbidden",
     "KpScoringClient",
     "KpScoringError",
     "Overloaded",
+    "RateLimited",
+    "SignatureInvalidError",
     "TraceLike",
     "Unauthorized",
     "Unreachable",
     "ValidationFailed",
+    "trace_sha256",
+    "verify_signature",
 ]
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -77,7 +89,19 @@ class ValidationFailed(KpScoringError):  # noqa: N818
 
 
 class Unauthorized(KpScoringError):  # noqa: N818
-    """401: the admin token is missing or wrong."""
+    """401: the API key or admin token is missing or unknown."""
+
+
+class Forbidden(KpScoringError):  # noqa: N818
+    """403: the API key lacks the scope the request needs."""
+
+
+class RateLimited(KpScoringError):  # noqa: N818
+    """429: the API key is over its rate; nothing was scored; retry after `retry_after` s."""
+
+    def __init__(self, message: str, *, retry_after: float | None, detail: Any = None) -> None:
+        super().__init__(message, status_code=429, detail=detail)
+        self.retry_after = retry_after
 
 
 class Overloaded(KpScoringError):  # noqa: N818
@@ -127,6 +151,10 @@ def _check(response: httpx.Response) -> Any:
         raise ValidationFailed(message, status_code=status, detail=detail)
     if status == 401:
         raise Unauthorized(message, status_code=status, detail=detail)
+    if status == 403:
+        raise Forbidden(message, status_code=status, detail=detail)
+    if status == 429:
+        raise RateLimited(message, retry_after=_retry_after(response), detail=detail)
     if status == 503:
         raise Overloaded(message, retry_after=_retry_after(response), detail=detail)
     raise KpScoringError(message, status_code=status, detail=detail)
@@ -144,9 +172,18 @@ def _unreachable(base_url: httpx.URL, exc: httpx.TransportError) -> Unreachable:
 
 
 class _Base:
-    def __init__(self, base_url: str, admin_token: str | None) -> None:
-        self._headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+    def __init__(self, base_url: str, admin_token: str | None, api_key: str | None) -> None:
+        if api_key is None:
+            api_key = os.environ.get("KP_API_KEY") or None
+        admin = admin_token or api_key  # an API key with scope admin serves /cache too
+        self._headers = {"Authorization": f"Bearer {admin}"} if admin else {}
+        self._key_headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.base_url = base_url
+
+    def _scoring_headers(self, idempotency_key: str | None) -> dict[str, str]:
+        if idempotency_key is None:
+            return self._key_headers
+        return {**self._key_headers, "Idempotency-Key": idempotency_key}
 
     @staticmethod
     def _batch_body(traces: Iterable[TraceLike]) -> dict[str, Any]:
@@ -161,10 +198,11 @@ class KpScoringClient(_Base):
         base_url: str = DEFAULT_URL,
         *,
         admin_token: str | None = None,
+        api_key: str | None = None,
         timeout: float = 10.0,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
-        super().__init__(base_url, admin_token)
+        super().__init__(base_url, admin_token, api_key)
         self._http = httpx.Client(base_url=base_url, timeout=timeout, transport=transport)
 
     def _request(self, method: str, path: str, **kwargs: Any) -> Any:
@@ -174,17 +212,43 @@ class KpScoringClient(_Base):
             raise _unreachable(self._http.base_url, exc) from exc
         return _check(response)
 
-    def evaluate(self, trace: TraceLike, *, dry_run: bool = False) -> EvaluationOut:
-        body = self._request("POST", "/evaluate", json=_trace_json(trace), params=_params(dry_run))
+    def evaluate(
+        self, trace: TraceLike, *, dry_run: bool = False, idempotency_key: str | None = None
+    ) -> EvaluationOut:
+        body = self._request(
+            "POST",
+            "/evaluate",
+            json=_trace_json(trace),
+            params=_params(dry_run),
+            headers=self._scoring_headers(idempotency_key),
+        )
         return EvaluationOut.model_validate(body)
 
     def evaluate_batch(
-        self, traces: Iterable[TraceLike], *, dry_run: bool = False
+        self,
+        traces: Iterable[TraceLike],
+        *,
+        dry_run: bool = False,
+        idempotency_key: str | None = None,
     ) -> list[EvaluationOut]:
         body = self._request(
-            "POST", "/evaluate/batch", json=self._batch_body(traces), params=_params(dry_run)
+            "POST",
+            "/evaluate/batch",
+            json=self._batch_body(traces),
+            params=_params(dry_run),
+            headers=self._scoring_headers(idempotency_key),
         )
         return BatchOut.model_validate(body).results
+
+    def jwks(self) -> dict[str, Any]:
+        """The service's public signing keys (GET /.well-known/jwks.json)."""
+        keys: dict[str, Any] = self._request("GET", "/.well-known/jwks.json")
+        return keys
+
+    def verify(self, signature: str, trace: TraceLike) -> dict[str, Any]:
+        """The claims of a signed score about `trace` (as this client sent it), checked against
+        the service's JWKS; SignatureInvalidError if it does not verify."""
+        return verify(signature, _trace_json(trace), self.jwks())
 
     def cache_stats(self) -> CacheOut:
         return CacheOut.model_validate(self._request("GET", "/cache", headers=self._headers))
@@ -227,10 +291,11 @@ class AsyncKpScoringClient(_Base):
         base_url: str = DEFAULT_URL,
         *,
         admin_token: str | None = None,
+        api_key: str | None = None,
         timeout: float = 10.0,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        super().__init__(base_url, admin_token)
+        super().__init__(base_url, admin_token, api_key)
         self._http = httpx.AsyncClient(base_url=base_url, timeout=timeout, transport=transport)
 
     async def _request(self, method: str, path: str, **kwargs: Any) -> Any:
@@ -240,19 +305,42 @@ class AsyncKpScoringClient(_Base):
             raise _unreachable(self._http.base_url, exc) from exc
         return _check(response)
 
-    async def evaluate(self, trace: TraceLike, *, dry_run: bool = False) -> EvaluationOut:
+    async def evaluate(
+        self, trace: TraceLike, *, dry_run: bool = False, idempotency_key: str | None = None
+    ) -> EvaluationOut:
         body = await self._request(
-            "POST", "/evaluate", json=_trace_json(trace), params=_params(dry_run)
+            "POST",
+            "/evaluate",
+            json=_trace_json(trace),
+            params=_params(dry_run),
+            headers=self._scoring_headers(idempotency_key),
         )
         return EvaluationOut.model_validate(body)
 
     async def evaluate_batch(
-        self, traces: Iterable[TraceLike], *, dry_run: bool = False
+        self,
+        traces: Iterable[TraceLike],
+        *,
+        dry_run: bool = False,
+        idempotency_key: str | None = None,
     ) -> list[EvaluationOut]:
         body = await self._request(
-            "POST", "/evaluate/batch", json=self._batch_body(traces), params=_params(dry_run)
+            "POST",
+            "/evaluate/batch",
+            json=self._batch_body(traces),
+            params=_params(dry_run),
+            headers=self._scoring_headers(idempotency_key),
         )
         return BatchOut.model_validate(body).results
+
+    async def jwks(self) -> dict[str, Any]:
+        """The service's public signing keys (GET /.well-known/jwks.json)."""
+        keys: dict[str, Any] = await self._request("GET", "/.well-known/jwks.json")
+        return keys
+
+    async def verify(self, signature: str, trace: TraceLike) -> dict[str, Any]:
+        """As `KpScoringClient.verify`."""
+        return verify(signature, _trace_json(trace), await self.jwks())
 
     async def cache_stats(self) -> CacheOut:
         body = await self._request("GET", "/cache", headers=self._headers)

@@ -10,16 +10,17 @@ from fastapi_offline import FastAPIOffline
 
 from app import __version__
 from app.api import mcp
+from app.api.asgi import pipeline
 from app.api.deps import Services
 from app.api.errors import install_error_handlers
-from app.api.middleware import RequestGuard
-from app.api.routes import cache, evaluate, health
+from app.api.routes import cache, evaluate, health, jwks
 from app.core.config import Settings
 from app.core.logging import configure_logging
 from app.core.metrics import Metrics
 from app.embedding.int8_support import CpuFeatures
 from app.schemas.limits import TraceLimits
 from app.services.runtime import Runtime
+from app.services.trust import load_keys, load_signer
 
 
 def create_app(settings: Settings | None = None, *, cpu: CpuFeatures | None = None) -> FastAPI:
@@ -31,13 +32,16 @@ def create_app(settings: Settings | None = None, *, cpu: CpuFeatures | None = No
         configure_logging(settings.log_level)
     metrics = Metrics()
     limits = TraceLimits(settings.max_batch, settings.max_steps, settings.max_string_chars)
+    # Bad key files stop the start here, naming the variable, before anything is served.
+    keys = load_keys(settings)
+    signer = load_signer(settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         runtime = Runtime(settings, cpu, observer=metrics)
         await runtime.start()
         metrics.registry.register(runtime.collector)
-        app.state.services = Services(settings, runtime, metrics, limits)
+        app.state.services = Services(settings, runtime, metrics, limits, signer)
         app.state.mcp = mcp.McpTransport(app.state.services)
         await app.state.mcp.start()
         try:
@@ -55,13 +59,16 @@ def create_app(settings: Settings | None = None, *, cpu: CpuFeatures | None = No
         summary="KnowledgePulse trace scoring: is this reasoning trace worth sharing?",
         lifespan=lifespan,
     )
-    for router in (evaluate.router, mcp.router, cache.router, health.router):
+    for router in (evaluate.router, mcp.router, cache.router, health.router, jwks.router):
         app.include_router(router)
     install_error_handlers(app)
-    app.add_middleware(
-        RequestGuard,
+    chain = pipeline.pieces(
         metrics=metrics,
+        keys=keys,
+        evaluate_open=settings.scoring_open,
+        admin_open=settings.cache_open,
         max_body_bytes=settings.max_body_bytes,
         max_json_depth=settings.max_json_depth,
     )
+    pipeline.install(app, chain)
     return app

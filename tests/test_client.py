@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -175,12 +176,15 @@ def test_async_client_errors(server: Server) -> None:
 @pytest.mark.server
 def test_async_overloaded_carries_retry_after() -> None:
     """With room for one text in the queue, concurrent requests are turned away with 503."""
-    long_trace = make_trace(objective=" ".join(["overload"] * 600))
+
+    def long_trace(n: int) -> dict[str, Any]:
+        # Texts of their own: one text asked for at once is one model run (the vector memo).
+        return make_trace(objective=" ".join(["overload"] * 600) + f" {n}")
 
     async def scenario(url: str) -> Overloaded:
         async with AsyncKpScoringClient(url, timeout=30) as kp:
-            for _ in range(20):  # bounded: the first round almost always overloads
-                calls = [kp.evaluate(long_trace, dry_run=True) for _ in range(12)]
+            for round_ in range(20):  # bounded: the first round almost always overloads
+                calls = [kp.evaluate(long_trace(round_ * 12 + i), dry_run=True) for i in range(12)]
                 for outcome in await asyncio.gather(*calls, return_exceptions=True):
                     if isinstance(outcome, Overloaded):
                         return outcome

@@ -17,8 +17,11 @@ from typing import Any
 
 import pytest
 
-from app.api.middleware import DISCARD_BYTES, RequestGuard
-from app.core.metrics import Metrics
+from app.api.asgi.base import ASGIApp
+from app.api.asgi.body_limits import BodySize, JsonDepth
+from app.api.asgi.content_type import ContentType
+from app.api.asgi.lingering_close import DISCARD_BYTES, LingeringClose
+from app.api.asgi.pipeline import Piece, wrap
 from tests.factories import make_trace
 from tests.server import TOKEN, LiveServer
 
@@ -162,14 +165,24 @@ def test_the_server_logged_no_error(live: LiveServer) -> None:
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 
 
-def _guard(**settings: Any) -> RequestGuard:
+def _guard(max_body_bytes: int, **bounds: Any) -> ASGIApp:
+    """The pipeline's pieces that refuse bodies, as the service orders them."""
+
     async def app(scope: Any, receive: Any, send: Any) -> None:
         raise AssertionError("a refused request reached the app")
 
-    return RequestGuard(app, metrics=Metrics(), max_json_depth=32, **settings)
+    return wrap(
+        app,
+        [
+            Piece(LingeringClose, bounds),
+            Piece(ContentType, {}),
+            Piece(BodySize, {"max_body_bytes": max_body_bytes}),
+            Piece(JsonDepth, {"max_json_depth": 32}),
+        ],
+    )
 
 
-def _post(guard: RequestGuard, headers: dict[str, str], receive: Receive) -> list[dict[str, Any]]:
+def _post(guard: ASGIApp, headers: dict[str, str], receive: Receive) -> list[dict[str, Any]]:
     """Runs a POST through the guard; returns the messages it sent."""
     sent: list[dict[str, Any]] = []
 
@@ -230,8 +243,8 @@ def test_guard_stops_dropping_at_the_byte_bound() -> None:
 def test_guard_stops_dropping_at_the_time_bound() -> None:
     """A client that stops sending mid-body: the drop ends at the time bound."""
     client = Client(1000, 10, stall_s=60)
-    guard = _guard(max_body_bytes=4096, discard_bytes=10**9, discard_seconds=0.01)
-    assert asyncio.run(guard._discard_rest(client.receive)) is False  # cut off, not ended
+    lingering = LingeringClose(_guard(4096), discard_bytes=10**9, discard_seconds=0.01)
+    assert asyncio.run(lingering._discard(client.receive)) is False  # cut off, not ended
     assert client.reads == 11
 
 

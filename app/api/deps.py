@@ -1,12 +1,11 @@
-"""FastAPI dependencies: the service objects of the running app, and the admin check."""
+"""FastAPI dependencies: the service objects of the running app, and the bearer scheme."""
 
 from __future__ import annotations
 
-import secrets
 from dataclasses import dataclass
 from typing import Annotated
 
-from fastapi import Depends, HTTPException, Request, status
+from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from app.core.config import Settings
@@ -14,9 +13,12 @@ from app.core.metrics import Metrics
 from app.schemas.limits import TraceLimits
 from app.services.embeddings import EmbeddingService
 from app.services.evaluator import Evaluator
+from app.services.idempotency import Idempotency
 from app.services.runtime import Runtime
+from app.services.signing import Signer
 from app.services.snapshots import SnapshotStore
 from app.store.base import NoveltyMemory
+from app.store.rate_limit import RateLimiter
 
 
 @dataclass(slots=True)
@@ -27,6 +29,7 @@ class Services:
     runtime: Runtime
     metrics: Metrics
     limits: TraceLimits
+    signer: Signer | None
 
     @property
     def memory(self) -> NoveltyMemory:
@@ -44,6 +47,14 @@ class Services:
     def snapshots(self) -> SnapshotStore:
         return self.runtime.snapshots
 
+    @property
+    def rate_limiter(self) -> RateLimiter:
+        return self.runtime.trust.rate_limiter
+
+    @property
+    def idempotency(self) -> Idempotency:
+        return self.runtime.trust.idempotency
+
 
 # Dependencies are `async def`: FastAPI runs a plain `def` dependency on its thread pool, a
 # thread hop per request for what is an attribute lookup.
@@ -54,26 +65,18 @@ async def get_services(request: Request) -> Services:
 
 ServicesDep = Annotated[Services, Depends(get_services)]
 
-_bearer = HTTPBearer(auto_error=False, description="KP_ADMIN_TOKEN, when the operator set one.")
+_bearer = HTTPBearer(
+    auto_error=False,
+    description="An API key of KP_API_KEYS_FILE with the route's scope (evaluate, admin), or "
+    "KP_ADMIN_TOKEN for /cache. Checked before the body is read (app/api/asgi/api_keys.py).",
+)
 
 
-async def require_admin(
-    services: ServicesDep,
+async def bearer_documented(
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
 ) -> None:
-    """Open when KP_ADMIN_TOKEN is unset; otherwise the bearer token must match it."""
-    token = services.settings.admin_token
-    if token is None:
-        return
-    given = credentials.credentials if credentials is not None else ""
-    if credentials is None or not secrets.compare_digest(
-        given.encode(), token.get_secret_value().encode()
-    ):
-        raise HTTPException(
-            status_code=status.HTTP_401_UNAUTHORIZED,
-            detail="a valid admin token is required: Authorization: Bearer <KP_ADMIN_TOKEN>",
-            headers={"WWW-Authenticate": 'Bearer realm="kp-scoring"'},
-        )
+    """Declares the bearer scheme in the OpenAPI document; the ApiKeys piece of the request
+    pipeline checks the key, before a body is read."""
 
 
-AdminDep = Depends(require_admin)
+BearerDep = Depends(bearer_documented)

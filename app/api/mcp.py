@@ -31,10 +31,10 @@ from starlette.types import Receive, Scope, Send
 from app import __version__
 from app.api.deps import Services
 from app.api.presenters import evaluation_out
+from app.core.signatures import TraceNotCanonicalError, trace_sha256
 from app.schemas.responses import BatchIn, BatchOut, EvaluationOut
 from app.schemas.trace import ReasoningTrace
 from app.services.embeddings import OverloadedError
-from app.services.evaluator import Evaluation
 from app.services.scoring_requests import TraceLimitError, score_traces
 
 log = logging.getLogger(__name__)
@@ -166,6 +166,10 @@ class McpTools:
             )
         except ValidationError as exc:
             return _invalid(exc.errors(include_url=False, include_input=False))
+        sent = arguments["traces"] if batch else [arguments]
+        unsignable = _unsignable(sent, batch=batch) if self.services.signer else []
+        if unsignable:
+            return _invalid(unsignable)
         s = self.services
         try:
             evaluations = await score_traces(
@@ -181,11 +185,33 @@ class McpTools:
             return _invalid(exc.errors)
         except OverloadedError as exc:
             return _tool_error(f"overloaded, nothing was scored; retry in a second: {exc}")
-        return _result(evaluations, batch=batch)
+        signer = s.signer
+        answers = [
+            evaluation_out(e, None if signer is None else signer.sign(e, trace))
+            for e, trace in zip(evaluations, sent, strict=True)
+        ]
+        return _result(answers, batch=batch)
 
 
-def _result(evaluations: list[Evaluation], *, batch: bool) -> types.CallToolResult:
-    answers = [evaluation_out(e) for e in evaluations]
+def _unsignable(sent: list[Any], *, batch: bool) -> list[dict[str, Any]]:
+    """With signing on, as POST /evaluate: a trace RFC 8785 cannot make canonical (its hash is
+    what is signed) is refused before scoring."""
+    errors = []
+    for i, trace in enumerate(sent):
+        try:
+            trace_sha256(trace)
+        except TraceNotCanonicalError as exc:
+            errors.append(
+                {
+                    "loc": ["traces", i] if batch else [],
+                    "msg": f"cannot be signed: not I-JSON (RFC 8785): {exc}",
+                    "type": "not_canonicalizable",
+                }
+            )
+    return errors
+
+
+def _result(answers: list[EvaluationOut], *, batch: bool) -> types.CallToolResult:
     if batch:
         structured = BatchOut(results=answers).model_dump(mode="json")
         text = "\n".join(f"{a.trace_id}: {summary(a)}" for a in answers)

@@ -18,7 +18,7 @@ from app.services.snapshots import SnapshotStatus
 from app.store.base import BackendInfo
 
 
-def evaluation_out(evaluation: Evaluation) -> EvaluationOut:
+def evaluation_out(evaluation: Evaluation, signature: str | None = None) -> EvaluationOut:
     s, n, w, d = (
         evaluation.score,
         evaluation.novelty,
@@ -39,6 +39,7 @@ def evaluation_out(evaluation: Evaluation) -> EvaluationOut:
         overrides=list(s.overrides),
         novelty=NoveltyOut.model_validate(n, from_attributes=True),
         elapsed_ms=round(evaluation.elapsed_ms, 3),
+        signature=signature,
     )
 
 

@@ -38,6 +38,17 @@ class Settings(BaseSettings):
     cache_snapshot_interval_s: Annotated[float, Field(gt=0)] = 30.0
 
     admin_token: SecretStr | None = None
+    #: Set: scoring needs an API key of this JSON file with scope `evaluate`, /cache one with
+    #: `admin` (or KP_ADMIN_TOKEN); keys are stored as SHA-256 (app/core/api_keys.py).
+    api_keys_file: Path | None = None
+    #: Set: every 200 answer carries a JWS signed with this Ed25519 private key (PEM).
+    signing_key_file: Path | None = None
+    #: PEM public keys of earlier signing keys, still published in the JWKS after a rotation.
+    signing_previous_keys_file: Path | None = None
+    signing_issuer: Annotated[str, Field(min_length=1, max_length=200)] = "kp-scoring"
+    #: Vectors of recently embedded texts kept (by SHA-256 of the text), so that a commit after
+    #: a dry run or a retry runs no model; about 1.6 KiB each; 0: off.
+    embed_memo_capacity: Annotated[int, Field(ge=0, le=1_000_000)] = 4096
 
     #: Set: the novelty cache is shared, through this Redis, by every replica that uses it and
     #: the same prefix (SPEC 6). A secret: it may carry a password.
@@ -67,11 +78,28 @@ class Settings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     @property
+    def scoring_open(self) -> bool:
+        """Scoring needs no key: KP_API_KEYS_FILE is unset."""
+        return self.api_keys_file is None
+
+    @property
+    def cache_open(self) -> bool:
+        """/cache needs no key: neither KP_ADMIN_TOKEN nor KP_API_KEYS_FILE is set (a keys file
+        without an admin key closes /cache to all but KP_ADMIN_TOKEN)."""
+        return self.admin_token is None and self.api_keys_file is None
+
+    @property
     def embedder_worker_count(self) -> int:
         """KP_EMBEDDER_WORKERS, with 0 resolved to the cores this process may run on."""
         return self.embedder_workers or len(os.sched_getaffinity(0))
 
-    @field_validator("model_path", "tokenizer_path")
+    @field_validator(
+        "model_path",
+        "tokenizer_path",
+        "api_keys_file",
+        "signing_key_file",
+        "signing_previous_keys_file",
+    )
     @classmethod
     def _must_exist(cls, path: Path | None) -> Path | None:
         if path is not None and not path.is_file():
@@ -117,6 +145,11 @@ class Settings(BaseSettings):
                 for err in exc.errors()
             )
             raise ConfigError(f"kp-scoring: invalid configuration: {problems}") from None
+
+
+def config_error(variable: str, problem: str) -> ConfigError:
+    """The error that stops the start over one variable (`variable` without its prefix)."""
+    return ConfigError(f"kp-scoring: invalid configuration: {ENV_PREFIX}{variable}: {problem}")
 
 
 def check_redis_url(url: str) -> None:

@@ -76,6 +76,31 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.auth_refused = Counter(
+            "kp_auth_refused",
+            "Requests refused for their API key: missing, unknown_key (401), missing_scope (403).",
+            ["reason"],
+            registry=r,
+        )
+        # Key names come from KP_API_KEYS_FILE: their number is bounded by the operator.
+        self.key_requests = Counter(
+            "kp_api_key_requests",
+            "Requests with an API key, by key name and outcome (admitted, rate_limited).",
+            ["key", "outcome"],
+            registry=r,
+        )
+        self.rate_limit_unavailable = Counter(
+            "kp_rate_limit_unavailable",
+            "Requests let through unchecked because the shared rate limit's Redis did not answer.",
+            registry=r,
+        )
+        self.idempotency = Counter(
+            "kp_idempotency",
+            "Requests with an Idempotency-Key, by what happened: run, replay, mismatch (422), "
+            "in_progress (409).",
+            ["action"],
+            registry=r,
+        )
 
     # The embedding service's observer (app/services/embeddings_types.EmbedObserver).
     def queue_waited(self, seconds: float) -> None:

@@ -58,6 +58,13 @@ class EvaluationOut(BaseModel):
     overrides: list[OverrideName]
     novelty: NoveltyOut
     elapsed_ms: float
+    signature: str | None = Field(
+        default=None,
+        description="With KP_SIGNING_KEY_FILE: a compact JWS (alg EdDSA, kid) over iss, iat, "
+        "trace_id, trace_sha256 (SHA-256 of the trace's RFC 8785 canonical JSON), score, "
+        "dimensions, weights_profile and novelty_measured; its keys are at "
+        "/.well-known/jwks.json. null when the service signs nothing.",
+    )
 
 
 class BatchIn(BaseModel):
@@ -110,6 +117,22 @@ class CacheOut(BaseModel):
     backend: CacheBackendOut = Field(
         description="Where the cache lives. Shared: the figures are the shared cache's, "
         "memory_bytes this replica's copy; while unavailable, this replica's last view."
+    )
+
+
+class JwkOut(BaseModel):
+    kty: Literal["OKP"]
+    crv: Literal["Ed25519"]
+    x: str
+    kid: str
+    alg: Literal["EdDSA"]
+    use: Literal["sig"]
+
+
+class JwksOut(BaseModel):
+    keys: list[JwkOut] = Field(
+        description="The signing key first, then earlier ones (KP_SIGNING_PREVIOUS_KEYS_FILE); "
+        "empty when the service signs nothing."
     )
 
 

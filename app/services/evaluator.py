@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from app.core.states import NoveltyReason
 from app.domain import scoring
 from app.schemas.trace import ReasoningTrace
-from app.services.embeddings import EmbedderUnavailableError, Embedding, EmbeddingService
+from app.services.embedding_memo import Embedder
+from app.services.embeddings import EmbedderUnavailableError, Embedding
 from app.store.base import Comparison, MemoryUnavailableError, NoveltyMemory
 
 
@@ -39,7 +40,7 @@ class Evaluation:
 
 
 class Evaluator:
-    def __init__(self, memory: NoveltyMemory, embeddings: EmbeddingService) -> None:
+    def __init__(self, memory: NoveltyMemory, embeddings: Embedder) -> None:
         self.memory = memory
         self.embeddings = embeddings
 

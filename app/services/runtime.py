@@ -19,10 +19,12 @@ from app.domain.vector_cache import VectorCache
 from app.embedding import model_files
 from app.embedding.int8_support import CpuFeatures, Int8Support, int8_support
 from app.embedding.onnx_embedder import ModelError, OnnxEmbedder
+from app.services.embedding_memo import EmbeddingMemo
 from app.services.embeddings import EmbeddingService
 from app.services.embeddings_types import EmbedObserver
 from app.services.evaluator import Evaluator
 from app.services.snapshots import SnapshotStore
+from app.services.trust import build_trust_stores
 from app.store.base import NoveltyMemory
 from app.store.in_process import InProcessMemory
 
@@ -55,14 +57,18 @@ class Runtime:
         self.snapshots = SnapshotStore(
             settings.cache_snapshot_path, self.memory.local_cache, model_id
         )
-        self.evaluator = Evaluator(self.memory, self.embeddings)
+        self.memo = EmbeddingMemo(self.embeddings, settings.embed_memo_capacity)
+        self.evaluator = Evaluator(self.memory, self.memo)
+        self.trust = build_trust_stores(settings)
         self.collector = RuntimeCollector(self)
         self._saver: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         await asyncio.to_thread(self.snapshots.restore)
         await self.memory.start()
-        if self.settings.admin_token is None:
+        if self.settings.api_keys_file is not None:
+            log.info("API keys required", extra={"file": str(self.settings.api_keys_file)})
+        if self.settings.cache_open:
             log.warning("KP_ADMIN_TOKEN is not set: GET and DELETE /cache are open to every caller")
         if self.settings.embedder_preload:
             await self.embeddings.preload()
@@ -85,6 +91,7 @@ class Runtime:
         await self.embeddings.close()
         await asyncio.to_thread(self.snapshots.save)
         await self.memory.close()
+        await self.trust.close()
         log.info("kp-scoring stopped", extra={"cache_size": self.memory.size})
 
     def health(self) -> Health:
@@ -97,7 +104,7 @@ class Runtime:
         )
 
     def _settings_health(self) -> Health:
-        if self.settings.admin_token is not None:
+        if not self.settings.cache_open:
             return Health()
         return Health(warnings=("KP_ADMIN_TOKEN is not set: /cache is open to every caller",))
 
@@ -153,6 +160,14 @@ class RuntimeCollector(Collector):
         for cores, count in embeddings.runs_total.items():
             runs.add_metric([cores], count)
         yield runs
+        memo = CounterMetricFamily(
+            "kp_embed_memo",
+            "Texts looked up in the memo of recent vectors, by result (hit: no model run).",
+            labels=["result"],
+        )
+        memo.add_metric(["hit"], self.runtime.memo.hits_total)
+        memo.add_metric(["miss"], self.runtime.memo.misses_total)
+        yield memo
         yield CounterMetricFamily(
             "kp_snapshot_save_errors",
             "Failed cache snapshot saves since start.",

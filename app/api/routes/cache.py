@@ -7,16 +7,21 @@ from dataclasses import asdict
 
 from fastapi import APIRouter
 
-from app.api.deps import AdminDep, Services, ServicesDep
+from app.api.deps import BearerDep, Services, ServicesDep
 from app.api.presenters import backend_out
 from app.schemas.responses import CacheOut, ClearedOut, EmbedderOut
 
 router = APIRouter(
     prefix="/cache",
     tags=["cache"],
-    dependencies=[AdminDep],
+    dependencies=[BearerDep],
     responses={
-        401: {"description": "KP_ADMIN_TOKEN is set and the bearer token is missing or wrong."}
+        400: {"description": "A key in the query string instead of the Authorization header."},
+        401: {
+            "description": "KP_API_KEYS_FILE or KP_ADMIN_TOKEN is set and the bearer key is "
+            "missing or unknown."
+        },
+        403: {"description": "The key lacks the scope admin."},
     },
 )
 log = logging.getLogger(__name__)

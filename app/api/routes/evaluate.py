@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
 
-from app.api.deps import Services, ServicesDep
+from app.api.deps import BearerDep, Services, ServicesDep
 from app.api.presenters import evaluation_out
+from app.core.signatures import TraceNotCanonicalError, trace_sha256
 from app.schemas.responses import BatchIn, BatchOut, EvaluationOut
 from app.schemas.trace import ReasoningTrace
 from app.services.evaluator import Evaluation
@@ -16,10 +18,27 @@ from app.services.scoring_requests import TraceLimitError, score_traces
 
 router = APIRouter(
     tags=["evaluate"],
+    dependencies=[BearerDep],
     responses={
-        400: {"description": "A body that cannot be read as JSON text (not UTF-8)."},
+        400: {
+            "description": "A body that cannot be read as JSON text (not UTF-8), a malformed "
+            "Idempotency-Key, or an API key in the query string."
+        },
+        401: {"description": "KP_API_KEYS_FILE is set and the bearer key is missing or unknown."},
+        403: {"description": "The key lacks the scope evaluate."},
+        409: {
+            "description": "A request with this Idempotency-Key is still being answered after "
+            "a wait: retry after Retry-After."
+        },
+        429: {
+            "description": "The key is over its rate_per_minute: nothing was scored, retry "
+            "after Retry-After."
+        },
         413: {"description": "Body larger than KP_MAX_BODY_BYTES."},
         415: {"description": "Content-Type is not application/json."},
+        422: {
+            "description": "Invalid trace, or an Idempotency-Key already used for another request."
+        },
         503: {
             "description": "Overloaded: too many texts wait for the model (KP_EMBED_QUEUE_LIMIT) "
             "or this one waited too long (KP_EMBED_MAX_WAIT_MS); nothing changed, retry after "
@@ -42,22 +61,75 @@ _NEXT: dict[int | str, dict[str, Any]] = {
 DryRun = Annotated[
     bool, Query(description="Score without adding the trace's embedding to the cache.")
 ]
+IdempotencyKey = Annotated[
+    str | None,
+    Header(
+        alias="Idempotency-Key",
+        max_length=255,
+        description="The same key with the same request within 24 h gets the first answer "
+        "again, byte for byte (header Idempotent-Replayed: true), and adds nothing; with "
+        "another request, 422. Scoped to the API key. Handled before the route "
+        "(app/api/asgi/idempotency.py).",
+    ),
+]
 
 
 @router.post("/evaluate", summary="Score one reasoning trace", responses=_NEXT)
 async def evaluate(
-    trace: ReasoningTrace, services: ServicesDep, dry_run: DryRun = False
+    trace: ReasoningTrace,
+    services: ServicesDep,
+    request: Request,
+    dry_run: DryRun = False,
+    idempotency_key: IdempotencyKey = None,
 ) -> EvaluationOut:
+    sent = await _sent_traces(services, request, batch=False)
     (evaluation,) = await _score(services, [trace], dry_run=dry_run, batch=False)
-    return evaluation_out(evaluation)
+    return _answer(services, evaluation, sent, 0)
 
 
 @router.post("/evaluate/batch", summary="Score traces in order, as one step", responses=_NEXT)
 async def evaluate_batch(
-    batch: BatchIn, services: ServicesDep, dry_run: DryRun = False
+    batch: BatchIn,
+    services: ServicesDep,
+    request: Request,
+    dry_run: DryRun = False,
+    idempotency_key: IdempotencyKey = None,
 ) -> BatchOut:
+    sent = await _sent_traces(services, request, batch=True)
     evaluations = await _score(services, batch.traces, dry_run=dry_run, batch=True)
-    return BatchOut(results=[evaluation_out(e) for e in evaluations])
+    return BatchOut(results=[_answer(services, e, sent, i) for i, e in enumerate(evaluations)])
+
+
+async def _sent_traces(services: Services, request: Request, *, batch: bool) -> list[Any] | None:
+    """With signing on: the traces as the agent sent them (their hash is signed), parsed as
+    FastAPI parsed them; a trace RFC 8785 cannot make canonical is a 422, before scoring."""
+    if services.signer is None:
+        return None
+    body = json.loads(await request.body())
+    traces: list[Any] = body["traces"] if batch else [body]
+    for i, trace in enumerate(traces):
+        try:
+            trace_sha256(trace)
+        except TraceNotCanonicalError as exc:
+            loc: list[str | int] = ["body", "traces", i] if batch else ["body"]
+            raise RequestValidationError(
+                [
+                    {
+                        "loc": loc,
+                        "msg": f"cannot be signed: not I-JSON (RFC 8785): {exc}",
+                        "type": "not_canonicalizable",
+                    }
+                ]
+            ) from None
+    return traces
+
+
+def _answer(
+    services: Services, evaluation: Evaluation, sent: list[Any] | None, index: int
+) -> EvaluationOut:
+    signer = services.signer
+    signature = None if signer is None or sent is None else signer.sign(evaluation, sent[index])
+    return evaluation_out(evaluation, signature)
 
 
 async def _score(

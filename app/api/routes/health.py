@@ -27,7 +27,7 @@ async def readyz(services: ServicesDep) -> ReadyOut:
         embedder=embedder_out(services),
         cache_size=services.memory.size,
         cache_backend=backend_out(services.memory.backend),
-        admin_auth=services.settings.admin_token is not None,
+        admin_auth=not services.settings.cache_open,
         snapshot=snapshot_out(services.snapshots.status),
         warnings=list(health.warnings),
     )

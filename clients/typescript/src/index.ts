@@ -15,8 +15,13 @@ export type ReasoningTrace = Schemas["ReasoningTrace"];
 export type Evaluation = Schemas["EvaluationOut"];
 export type CacheStats = Schemas["CacheOut"];
 export type Readiness = Schemas["ReadyOut"];
-/** One field a 422 names: its path in the request body, the rule it broke. */
-export type FieldError = Schemas["ValidationError"];
+/** One field a 4xx names (FastAPI's shape): its path (`["body", "steps", 0, "type"]`, or
+ * `["header", "authorization"]`), what is wrong, the rule's name. */
+export interface FieldError {
+  loc: (string | number)[];
+  msg: string;
+  type: string;
+}
 
 export const DEFAULT_BASE_URL = "http://127.0.0.1:8000";
 

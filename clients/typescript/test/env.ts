@@ -5,7 +5,7 @@ import { fileURLToPath } from "node:url";
 
 import type { ReasoningTrace } from "../src/index.js";
 
-function required(name: string): string {
+export function required(name: string): string {
   const value = process.env[name];
   if (!value) {
     throw new Error(`${name} is not set: run these tests through tests/test_typescript_client.py`);

@@ -1,0 +1,51 @@
+"""Request metrics and the access log line, whatever answered (a route or a refusal)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from app.api.asgi.base import ASGIApp, Message, Receive, Scope, Send
+from app.core.metrics import Metrics
+
+log = logging.getLogger("app.access")
+
+
+class AccessLog:
+    def __init__(self, app: ASGIApp, *, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 500
+
+        async def send_seen(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_seen)
+        finally:
+            elapsed = time.perf_counter() - started
+            name = getattr(scope.get("route"), "path", "unmatched")
+            self.metrics.requests.labels(name, scope["method"], str(status)).inc()
+            self.metrics.latency.labels(name).observe(elapsed)
+            if status >= 400:
+                self.metrics.errors.labels(name, str(status)).inc()
+            key = scope.get("state", {}).get("api_key")
+            log.info(
+                "request",
+                extra={
+                    "method": scope["method"],
+                    "path": scope["path"],
+                    "status": status,
+                    "duration_ms": round(elapsed * 1000, 3),
+                    **({"api_key": key.name} if key is not None else {}),
+                },
+            )

@@ -1,0 +1,72 @@
+"""The body, read whole before any parsing: 413 past KP_MAX_BODY_BYTES (declared or sent),
+then 422 when its JSON nests past KP_MAX_JSON_DEPTH (checked before a parser could exhaust its
+recursion on it). Later pieces and the route get it replayed."""
+
+from __future__ import annotations
+
+from app.api.asgi.base import (
+    ASGIApp,
+    Receive,
+    Scope,
+    Send,
+    detail,
+    header,
+    replaying,
+    send_json,
+)
+from app.api.asgi.content_type import BODY_METHODS
+from app.schemas.limits import json_depth_exceeds
+
+
+class BodySize:
+    def __init__(self, app: ASGIApp, *, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in BODY_METHODS:
+            await self.app(scope, receive, send)
+            return
+        declared = header(scope, b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            await self._too_large(send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                refusal = detail(("body",), "the client closed the connection", "disconnect")
+                await send_json(send, 400, refusal)
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                await self._too_large(send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        await self.app(scope, replaying(b"".join(chunks), receive), send)
+
+    async def _too_large(self, send: Send) -> None:
+        msg = f"request body is larger than {self.max_body_bytes} bytes (KP_MAX_BODY_BYTES)"
+        await send_json(send, 413, detail(("body",), msg, "body_too_large"))
+
+
+class JsonDepth:
+    def __init__(self, app: ASGIApp, *, max_json_depth: int) -> None:
+        self.app = app
+        self.max_json_depth = max_json_depth
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in BODY_METHODS:
+            await self.app(scope, receive, send)
+            return
+        message = await receive()
+        body: bytes = message.get("body", b"")
+        if json_depth_exceeds(body, self.max_json_depth):
+            msg = f"JSON nests deeper than {self.max_json_depth} levels (KP_MAX_JSON_DEPTH)"
+            await send_json(send, 422, detail(("body",), msg, "limit_exceeded"))
+            return
+        await self.app(scope, replaying(body, receive), send)

@@ -1,0 +1,145 @@
+"""Signed scores: a compact JWS (EdDSA, Ed25519) over what a score says about which trace, so
+that anyone holding the service's public key (GET /.well-known/jwks.json) can tell a score this
+service gave from a typed one (app/core/signatures.py checks them). The keys are
+`cryptography`'s, the JWS `joserfc`'s.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import dsa, ec, ed448, rsa, x25519
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from joserfc import jws
+from joserfc.jwk import OKPKey
+
+from app.core.signatures import ALGORITHM, trace_sha256
+from app.services.evaluator import Evaluation
+
+DEFAULT_ISSUER = "kp-scoring"
+
+_PEM_BLOCK = re.compile(rb"-----BEGIN [A-Z ]+-----.+?-----END [A-Z ]+-----", re.DOTALL)
+
+
+class SigningKeyError(ValueError):
+    """A signing key file that cannot be used (the message says why, never the key)."""
+
+
+def _public_jwk(key: OKPKey) -> dict[str, Any]:
+    return {**key.as_dict(private=False), "kid": key.thumbprint(), "alg": ALGORITHM, "use": "sig"}
+
+
+@dataclass(frozen=True, slots=True)
+class Signer:
+    """Signs with `key`; publishes it and `previous` (public keys of earlier signing keys,
+    kept so that scores signed before a rotation still verify)."""
+
+    key: OKPKey
+    previous: tuple[OKPKey, ...]
+    issuer: str = DEFAULT_ISSUER
+
+    @property
+    def kid(self) -> str:
+        """RFC 7638 thumbprint of the public key: stable, and needs no naming scheme."""
+        kid: str = self.key.thumbprint()
+        return kid
+
+    def jwks(self) -> dict[str, list[dict[str, Any]]]:
+        keys = [_public_jwk(self.key)]
+        keys += [_public_jwk(k) for k in self.previous if k.thumbprint() != self.kid]
+        return {"keys": keys}
+
+    def sign(self, evaluation: Evaluation, trace: Any) -> str:
+        """The JWS for one answer; `trace` as the agent sent it (parsed JSON)."""
+        s = evaluation.score
+        claims = {
+            "iss": self.issuer,
+            "iat": int(time.time()),
+            "trace_id": evaluation.trace_id,
+            "trace_sha256": trace_sha256(trace),
+            "score": s.value,
+            "dimensions": {
+                "complexity": s.dimensions.complexity,
+                "novelty": s.dimensions.novelty,
+                "tool_diversity": s.dimensions.tool_diversity,
+                "outcome_confidence": s.dimensions.outcome_confidence,
+            },
+            "weights_profile": s.weights.name,
+            "novelty_measured": evaluation.novelty.measured,
+        }
+        header = {"alg": ALGORITHM, "kid": self.kid, "typ": "JWT"}
+        token: str = jws.serialize_compact(
+            header, orjson.dumps(claims), self.key, algorithms=[ALGORITHM]
+        )
+        return token
+
+
+_KINDS: tuple[tuple[type, str], ...] = (
+    (rsa.RSAPrivateKey, "an RSA key"),
+    (ec.EllipticCurvePrivateKey, "an EC (ECDSA) key"),
+    (ed448.Ed448PrivateKey, "an Ed448 key"),
+    (x25519.X25519PrivateKey, "an X25519 key (key exchange, not signatures)"),
+    (dsa.DSAPrivateKey, "a DSA key"),
+)
+
+
+def load_private_key(path: Path) -> OKPKey:
+    """The Ed25519 private key of a PEM file, or SigningKeyError saying why not."""
+    return OKPKey.import_key(_ed25519_private(path))
+
+
+def load_public_keys(path: Path) -> tuple[OKPKey, ...]:
+    """The Ed25519 public keys of a PEM file (one or more blocks), or SigningKeyError."""
+    return tuple(_ed25519_publics(path))
+
+
+def _ed25519_private(path: Path) -> bytes:
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise SigningKeyError(f"cannot read {path}: {exc.strerror}") from None
+    try:
+        key = serialization.load_pem_private_key(data, password=None)
+    except (ValueError, TypeError) as exc:
+        raise SigningKeyError(f"{path} is not an unencrypted PEM private key: {exc}") from None
+    if not isinstance(key, Ed25519PrivateKey):
+        kind = next((name for cls, name in _KINDS if isinstance(key, cls)), "another kind of key")
+        raise SigningKeyError(
+            f"{path} holds {kind}: an Ed25519 private key is needed "
+            "(openssl genpkey -algorithm ed25519)"
+        )
+    pem: bytes = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    return pem
+
+
+def _ed25519_publics(path: Path) -> list[OKPKey]:
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise SigningKeyError(f"cannot read {path}: {exc.strerror}") from None
+    blocks = _PEM_BLOCK.findall(data)
+    if not blocks:
+        raise SigningKeyError(f"{path} holds no PEM public key")
+    keys = []
+    for i, block in enumerate(blocks):
+        try:
+            key = serialization.load_pem_public_key(block)
+        except (ValueError, TypeError) as exc:
+            raise SigningKeyError(f"{path}, key {i + 1}: not a PEM public key: {exc}") from None
+        if not isinstance(key, Ed25519PublicKey):
+            raise SigningKeyError(f"{path}, key {i + 1}: not an Ed25519 public key")
+        pem = key.public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+        keys.append(OKPKey.import_key(pem))
+    return keys

@@ -1,0 +1,82 @@
+"""Who may score and what a caller is owed, built from Settings: the API keys (with
+KP_ADMIN_TOKEN), the signer of scores, the per-key rate limits and the idempotency records.
+A bad keys or signing key file stops the start with ConfigError naming the variable."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from joserfc.jwk import OKPKey
+
+from app.core.api_keys import KeyFileError, KeyRing, load_key_file
+from app.core.config import Settings, config_error
+from app.services.idempotency import Idempotency
+from app.services.signing import Signer, SigningKeyError, load_private_key, load_public_keys
+from app.store.idempotency import IdempotencyStore, InProcessIdempotencyStore
+from app.store.rate_limit import InProcessRateLimiter, RateLimiter
+
+if TYPE_CHECKING:
+    import redis.asyncio as aioredis
+
+
+def load_keys(settings: Settings) -> KeyRing:
+    """The keys file's keys and KP_ADMIN_TOKEN; a bad file stops the start naming the entry."""
+    entries = []
+    if settings.api_keys_file is not None:
+        try:
+            entries = load_key_file(settings.api_keys_file)
+        except KeyFileError as exc:
+            raise config_error("API_KEYS_FILE", str(exc)) from None
+    token = settings.admin_token
+    return KeyRing(entries, token.get_secret_value() if token is not None else None)
+
+
+def load_signer(settings: Settings) -> Signer | None:
+    if settings.signing_key_file is None:
+        if settings.signing_previous_keys_file is not None:
+            raise config_error("SIGNING_PREVIOUS_KEYS_FILE", "is set without KP_SIGNING_KEY_FILE")
+        return None
+    try:
+        key = load_private_key(settings.signing_key_file)
+    except SigningKeyError as exc:
+        raise config_error("SIGNING_KEY_FILE", str(exc)) from None
+    previous: tuple[OKPKey, ...] = ()
+    if settings.signing_previous_keys_file is not None:
+        try:
+            previous = load_public_keys(settings.signing_previous_keys_file)
+        except SigningKeyError as exc:
+            raise config_error("SIGNING_PREVIOUS_KEYS_FILE", str(exc)) from None
+    return Signer(key, previous, settings.signing_issuer)
+
+
+@dataclass(slots=True)
+class TrustStores:
+    rate_limiter: RateLimiter
+    idempotency: Idempotency
+    #: Their connection to the shared Redis, if any (closed by close()).
+    redis: aioredis.Redis | None = None
+
+    async def close(self) -> None:
+        if self.redis is not None:
+            await self.redis.aclose()
+
+
+def build_trust_stores(settings: Settings) -> TrustStores:
+    """Rate limits and idempotency records: in this process, or in the Redis the novelty
+    cache is shared through, so that every replica counts and replays alike."""
+    if settings.redis_url is None:
+        return TrustStores(InProcessRateLimiter(), Idempotency(InProcessIdempotencyStore()))
+    # redis is slow to import; only here.
+    import redis.asyncio as aioredis
+
+    from app.store.idempotency_redis import RedisIdempotencyStore
+    from app.store.rate_limit_redis import RedisRateLimiter
+
+    client = aioredis.Redis.from_url(
+        settings.redis_url.get_secret_value(),
+        socket_timeout=settings.redis_timeout_ms / 1000,
+        socket_connect_timeout=settings.redis_timeout_ms / 1000,
+    )
+    store: IdempotencyStore = RedisIdempotencyStore(client, settings.redis_prefix)
+    return TrustStores(RedisRateLimiter(client, settings.redis_prefix), Idempotency(store), client)

@@ -1,0 +1,45 @@
+"""Per-key token buckets (rate_per_minute of the keys file): in this process, or shared by
+every replica through Redis (KP_REDIS_URL), so the limit holds however requests are spread.
+
+The Redis buckets are in rate_limit_redis.py (redis is imported only with KP_REDIS_URL).
+A bucket holds `per_minute` tokens (a whole minute's worth may come at once) and refills at
+`per_minute` a minute; a request takes one or is told how long until one is there.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+
+class RateLimitUnavailableError(Exception):
+    """The shared buckets cannot be reached."""
+
+
+class RateLimiter(Protocol):
+    async def take(self, name: str, per_minute: int) -> float:
+        """0 when a request of `name` may go now, else the seconds until it may."""
+        ...
+
+
+class InProcessRateLimiter:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._buckets: dict[str, tuple[float, float]] = {}
+
+    async def take(self, name: str, per_minute: int) -> float:
+        now = self._clock()
+        tokens, at = self._buckets.get(name, (float(per_minute), now))
+        tokens = min(float(per_minute), tokens + (now - at) * per_minute / 60.0)
+        if tokens >= 1:
+            self._buckets[name] = (tokens - 1, now)
+            return 0.0
+        self._buckets[name] = (tokens, now)
+        return (1 - tokens) * 60.0 / per_minute
+
+
+def retry_after(seconds: float) -> int:
+    """Retry-After is whole seconds: rounded up, so a client that waits that long is served."""
+    return max(1, math.ceil(seconds))

@@ -1,0 +1,135 @@
+"""The request pipeline's order, with a scripted client: keys and limits answer before a byte
+of the body is read; the body's limits before the route; each piece does its one thing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+from typing import Any
+
+from app.api.asgi import pipeline
+from app.api.asgi.base import ASGIApp
+from app.core.api_keys import ApiKeyEntry, KeyRing
+from app.core.metrics import Metrics
+from app.services.idempotency import Idempotency
+from app.store.idempotency import InProcessIdempotencyStore
+from app.store.rate_limit import InProcessRateLimiter
+from tests.keys import AGENT_A, SLOW, sha256
+
+KEYS = KeyRing(
+    [
+        ApiKeyEntry(name="agent-a", sha256=sha256(AGENT_A), scopes=["evaluate"]),
+        ApiKeyEntry(name="slow", sha256=sha256(SLOW), scopes=["evaluate"], rate_per_minute=1),
+    ]
+)
+
+
+class Client:
+    """Sends a body in chunks and records when each was read, relative to the answer."""
+
+    def __init__(self, body: bytes, chunks: int = 4) -> None:
+        size = -(-len(body) // chunks)
+        self.parts = [body[i : i + size] for i in range(0, len(body), size)]
+        self.events: list[str] = []
+
+    async def receive(self) -> dict[str, Any]:
+        if not self.parts:
+            return {"type": "http.disconnect"}
+        part = self.parts.pop(0)
+        self.events.append("read")
+        return {"type": "http.request", "body": part, "more_body": bool(self.parts)}
+
+    async def send(self, message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            self.events.append(f"answer {message['status']}")
+
+
+def guarded() -> tuple[ASGIApp, list[bytes]]:
+    reached: list[bytes] = []
+
+    async def route(scope: Any, receive: Any, send: Any) -> None:
+        message = await receive()
+        reached.append(message["body"])
+        payload = b'{"ok": true}'
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": payload, "more_body": False})
+
+    chain = pipeline.pieces(
+        metrics=Metrics(),
+        keys=KEYS,
+        evaluate_open=False,
+        admin_open=False,
+        max_body_bytes=4096,
+        max_json_depth=8,
+    )
+    services = SimpleNamespace(
+        rate_limiter=InProcessRateLimiter(),
+        idempotency=Idempotency(InProcessIdempotencyStore()),
+    )
+    app = SimpleNamespace(state=SimpleNamespace(services=services))
+    inner = pipeline.wrap(route, chain)
+
+    async def with_app(scope: Any, receive: Any, send: Any) -> None:
+        await inner({**scope, "app": app}, receive, send)
+
+    return with_app, reached
+
+
+def post(app: ASGIApp, client: Client, headers: dict[str, str]) -> None:
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/evaluate",
+        "query_string": b"",
+        "headers": [(k.encode(), v.encode()) for k, v in headers.items()],
+    }
+    asyncio.run(app(scope, client.receive, client.send))
+
+
+BODY = json.dumps({"trace": "x" * 1000}).encode()
+JSON = {"content-type": "application/json", "content-length": str(len(BODY))}
+
+
+def test_a_missing_key_is_answered_before_the_body_is_read() -> None:
+    app, reached = guarded()
+    client = Client(BODY)
+    post(app, client, JSON)
+    # The answer first; the reads after it are the lingering close dropping the rest.
+    assert client.events == ["answer 401", "read", "read", "read", "read"]
+    assert reached == []
+
+
+def test_a_key_over_its_rate_is_answered_before_the_body_is_read() -> None:
+    app, reached = guarded()
+    first = Client(BODY)
+    post(app, first, {**JSON, "authorization": f"Bearer {SLOW}"})
+    assert first.events[-1] == "answer 200"
+    second = Client(BODY)
+    post(app, second, {**JSON, "authorization": f"Bearer {SLOW}"})
+    assert second.events[0] == "answer 429"
+    assert reached == [BODY]
+
+
+def test_the_body_limits_come_before_the_route() -> None:
+    app, reached = guarded()
+    deep = Client(b"[" * 20 + b"]" * 20)
+    post(app, deep, {"content-type": "application/json", "authorization": f"Bearer {AGENT_A}"})
+    assert deep.events[-1] == "answer 422"
+    large = Client(b"x" * 5000)
+    post(app, large, {"content-type": "application/json", "authorization": f"Bearer {AGENT_A}"})
+    assert "answer 413" in large.events
+    assert reached == []
+
+
+def test_the_idempotency_key_comes_after_the_key_and_before_the_route() -> None:
+    app, reached = guarded()
+    headers = {**JSON, "authorization": f"Bearer {AGENT_A}", "idempotency-key": "k1"}
+    for _ in range(2):
+        client = Client(BODY)
+        post(app, client, headers)
+        assert client.events[-1] == "answer 200"
+    assert reached == [BODY]  # the second was a replay
+    unauthorized = Client(BODY)
+    post(app, unauthorized, {**JSON, "idempotency-key": "k1"})
+    assert unauthorized.events[0] == "answer 401"
