@@ -139,3 +139,39 @@ test("a 503 is retried after Retry-After with the same Idempotency-Key; a 4xx is
     proxy.close();
   }
 });
+
+test("an answer lost on the way is retried under its Idempotency-Key and replayed", async () => {
+  // The stand-in forwards every request to the live server, but cuts the connection instead
+  // of passing on the first answer: the trace was scored, the client never heard.
+  const replayed: (string | null)[] = [];
+  const proxy = createServer(async (request, response) => {
+    const chunks: Buffer[] = [];
+    for await (const chunk of request) chunks.push(chunk as Buffer);
+    const upstream = await fetch(`${BASE_URL}${request.url}`, {
+      method: request.method,
+      headers: {
+        "content-type": "application/json",
+        "idempotency-key": String(request.headers["idempotency-key"]),
+      },
+      body: Buffer.concat(chunks),
+    });
+    replayed.push(upstream.headers.get("idempotent-replayed"));
+    if (replayed.length === 1) {
+      request.socket.destroy();
+      return;
+    }
+    response.writeHead(upstream.status, { "content-type": "application/json" });
+    response.end(await upstream.text());
+  });
+  await new Promise<void>((resolve) => proxy.listen(0, "127.0.0.1", resolve));
+  try {
+    const { port } = proxy.address() as AddressInfo;
+    const client = new KpScoringClient({ baseUrl: `http://127.0.0.1:${port}`, retryDelayMs: 1 });
+    const trace = { ...exampleTrace(), id: "kp:trace:lost-answer" };
+    const answer = await client.score(trace);
+    assert.equal(answer.trace_id, "kp:trace:lost-answer");
+    assert.deepEqual(replayed, [null, "true"]); // scored once; the retry got the first answer
+  } finally {
+    proxy.close();
+  }
+});
