@@ -28,7 +28,7 @@ import numpy as np
 
 from app.domain.vector_cache import VectorCache
 from app.embedding.int8_support import RELEVANT_FLAGS, CpuFeatures
-from bench import corpus, floor, load, megabyte, shared
+from bench import corpus, floor, load, megabyte, reference, shared
 from bench.corpus import WORDS, Item
 from bench.floor import Floor
 from bench.report import render, targets
@@ -362,6 +362,13 @@ def main(argv: list[str] | None = None) -> int:
         metavar="KP_NAME=VALUE",
         help="extra setting for the embedder servers",
     )
+    parser.add_argument(
+        "--reference",
+        choices=("auto", "only", "skip"),
+        default="auto",
+        help="the reference SDK side by side (bench/reference.py): when it is set up (auto), "
+        "alone (only), or not at all",
+    )
     args = parser.parse_args(argv)
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
@@ -386,6 +393,15 @@ def main(argv: list[str] | None = None) -> int:
         },
     }
     started = time.perf_counter()
+    where = reference.available() if args.reference != "skip" else "--reference skip"
+    if args.reference == "only":
+        if isinstance(where, str):
+            raise SystemExit(f"reference phase unavailable: {where}")
+        return reference.main(
+            ["--rounds", str(max(3, args.repeat))]
+            + (["--quick"] if args.quick else [])
+            + [f"--env={pair}" for pair in args.env]
+        )
     runs = []
     for i in range(args.repeat):
         print(f"run {i + 1} of {args.repeat} ...", file=sys.stderr, flush=True)
@@ -393,9 +409,20 @@ def main(argv: list[str] | None = None) -> int:
     doc["results"] = median_of_runs(runs)
     if args.repeat > 1:
         doc["runs"] = runs
+    if isinstance(where, Path):
+        # Its own interleaved rounds (at least 3), after the runs above, with no server of theirs up.
+        doc["reference"] = reference.measure(where, max(3, args.repeat), args.quick, env=env)
+    else:
+        doc["reference_skipped"] = where
+        print(f"reference phase skipped: {where}", file=sys.stderr)
     doc["loadavg_end"] = _loadavg()
     doc["duration_s"] = round(time.perf_counter() - started, 1)
     doc["targets"] = [t.as_json() for t in targets(doc["results"])]
+    if "reference" in doc:
+        doc["targets"] += [
+            {"target": n, "value": v, "pass": ok}
+            for n, v, ok in reference.targets(doc["reference"])
+        ]
     doc["notes"] = notes(doc)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=2) + "\n")

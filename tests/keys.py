@@ -6,7 +6,10 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tests.server import LiveServer
 
 AGENT_A = "kp-agent-a-7c1f0e9b2d"
 AGENT_B = "kp-agent-b-51d3aa04e6"
@@ -45,3 +48,24 @@ def standard_keys(path: Path) -> Path:
 
 def bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
+
+
+def keyed_env(keys: Path, **more: str) -> dict[str, str]:
+    """A preloaded one-thread service that reads its keys from `keys`."""
+    return {
+        "KP_EMBEDDER": "onnx",
+        "KP_EMBEDDER_PRELOAD": "true",
+        "KP_EMBEDDER_WORKERS": "1",
+        "KP_EMBEDDER_THREADS": "1",
+        "KP_LOG_LEVEL": "warning",
+        "KP_API_KEYS_FILE": str(keys),
+        **more,
+    }
+
+
+def adds(server: LiveServer) -> int:
+    """The memory's running count of added vectors, read with the admin key."""
+    r = server.client.get("/cache", headers=bearer(OPS))
+    assert r.status_code == 200, r.text
+    n: int = r.json()["adds_total"]
+    return n

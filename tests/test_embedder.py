@@ -204,6 +204,23 @@ def test_the_one_core_session_gives_the_same_vectors() -> None:
     )
 
 
+def test_spinning_off_reaches_the_session_and_keeps_the_vectors(
+    embedder: OnnxEmbedder, make_client: ClientFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    files = model_files.resolve(None, None)
+    sleeping = OnnxEmbedder(files.model, files.tokenizer, spinning=False)
+    options = sleeping._session.get_session_options()
+    assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    texts = ["short", "a somewhat longer sentence about ledgers", "word " * 300]
+    np.testing.assert_array_equal(sleeping.embed(texts), embedder.embed(texts))
+    # The setting is read from the environment like the others, and the service answers.
+    monkeypatch.setenv("KP_EMBEDDER_SPINNING", "false")
+    assert Settings.from_env().embedder_spinning is False
+    client = make_client(embedder_spinning=False)
+    r = client.post("/evaluate", json=make_trace())
+    assert r.status_code == 200
+
+
 def test_metrics_show_the_queue_wait_and_the_model_run_time(make_client: ClientFactory) -> None:
     client = make_client(embedder_preload=True, embedder_workers=1)
     client.post("/evaluate", json=make_trace(objective="a trace to time"))

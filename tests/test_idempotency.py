@@ -15,28 +15,10 @@ import orjson
 import pytest
 
 from tests.factories import make_trace
-from tests.keys import AGENT_A, AGENT_B, OPS, bearer, standard_keys
+from tests.keys import AGENT_A, AGENT_B, adds, bearer, keyed_env, standard_keys
 from tests.server import LiveServer, RedisServer
 
 pytestmark = [pytest.mark.server, pytest.mark.redis]
-
-
-def env(keys: Path, **more: str) -> dict[str, str]:
-    return {
-        "KP_EMBEDDER": "onnx",
-        "KP_EMBEDDER_PRELOAD": "true",
-        "KP_EMBEDDER_WORKERS": "1",
-        "KP_EMBEDDER_THREADS": "1",
-        "KP_LOG_LEVEL": "warning",
-        "KP_API_KEYS_FILE": str(keys),
-        "KP_EMBED_MAX_WAIT_MS": "60000",
-        **more,
-    }
-
-
-def adds(server: LiveServer) -> int:
-    n: int = server.client.get("/cache", headers=bearer(OPS)).json()["adds_total"]
-    return n
 
 
 def post(
@@ -55,6 +37,11 @@ def fresh(tag: str) -> dict[str, Any]:
     return make_trace(
         trace_id=f"kp:trace:{tag}", objective=f"Idempotency check {tag} {uuid.uuid4()}"
     )
+
+
+def env(keys: Path, **more: str) -> dict[str, str]:
+    """Requests here may wait on one another's model runs for long on a busy machine."""
+    return keyed_env(keys, KP_EMBED_MAX_WAIT_MS="60000", **more)
 
 
 @pytest.fixture(scope="module")

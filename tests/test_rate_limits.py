@@ -12,7 +12,18 @@ from pathlib import Path
 import pytest
 
 from tests.factories import make_trace
-from tests.keys import AGENT_A, AGENT_B, OPS, SLOW, bearer, entry, standard_keys, write_keys
+from tests.keys import (
+    AGENT_A,
+    AGENT_B,
+    OPS,
+    SLOW,
+    adds,
+    bearer,
+    entry,
+    keyed_env,
+    standard_keys,
+    write_keys,
+)
 from tests.server import LiveServer, RedisServer, free_port
 
 pytestmark = [pytest.mark.server, pytest.mark.redis]
@@ -20,29 +31,10 @@ pytestmark = [pytest.mark.server, pytest.mark.redis]
 PAIR = "kp-pair-8d0c55e1f2"
 
 
-def adds(server: LiveServer) -> int:
-    r = server.client.get("/cache", headers=bearer(OPS))
-    assert r.status_code == 200, r.text
-    n: int = r.json()["adds_total"]
-    return n
-
-
-def env(keys: Path, **more: str) -> dict[str, str]:
-    return {
-        "KP_EMBEDDER": "onnx",
-        "KP_EMBEDDER_PRELOAD": "true",
-        "KP_EMBEDDER_WORKERS": "1",
-        "KP_EMBEDDER_THREADS": "1",
-        "KP_LOG_LEVEL": "warning",
-        "KP_API_KEYS_FILE": str(keys),
-        **more,
-    }
-
-
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     directory = tmp_path_factory.mktemp("rate")
-    server = LiveServer(env(standard_keys(directory / "keys.json")), directory / "server.log")
+    server = LiveServer(keyed_env(standard_keys(directory / "keys.json")), directory / "server.log")
     yield server
     server.stop()
 
@@ -101,7 +93,7 @@ def test_a_refused_request_is_not_read(live: LiveServer) -> None:
 
 def test_a_whole_minute_may_come_at_once(tmp_path: Path) -> None:
     keys = write_keys(tmp_path / "keys.json", [entry("burst", PAIR, ["evaluate"], rate=5)])
-    server = LiveServer(env(keys, KP_EMBEDDER="none"), tmp_path / "server.log")
+    server = LiveServer(keyed_env(keys, KP_EMBEDDER="none"), tmp_path / "server.log")
     try:
         with ThreadPoolExecutor(8) as pool:
             codes = list(
@@ -128,7 +120,7 @@ def test_the_limit_holds_across_two_replicas_on_one_redis(
         tmp_path / "keys.json",
         [entry("pair", PAIR, ["evaluate"], rate=2), entry("ops", OPS, ["admin"])],
     )
-    shared = env(
+    shared = keyed_env(
         keys,
         KP_REDIS_URL=redis_server.url,
         KP_REDIS_PREFIX=redis_prefix,
@@ -164,7 +156,7 @@ def test_without_redis_limits_go_unchecked_visibly_and_idempotency_is_a_503(
     keys = standard_keys(tmp_path / "keys.json")
     nowhere = f"redis://127.0.0.1:{free_port()}/0"
     server = LiveServer(
-        env(keys, KP_EMBEDDER="none", KP_REDIS_URL=nowhere, KP_LOG_LEVEL="info"),
+        keyed_env(keys, KP_EMBEDDER="none", KP_REDIS_URL=nowhere, KP_LOG_LEVEL="info"),
         tmp_path / "server.log",
     )
     try:

@@ -66,19 +66,21 @@ class OnnxEmbedder:
         precision: Precision = "float32",
         defer: bool = False,
         int8_weights: Int8Weights | None = None,
+        spinning: bool = True,
     ) -> None:
         """`defer`: open only what a first answer needs (the main session, not yet run once);
         `finish_loading` then opens the one-core session, builds what long texts need to be
         cut (token_window) and warms both sessions up. `int8_weights`:
         in int8 mode, the weights' type int8_support() chose for the CPU (None: ask it now;
-        ModelError where int8 mode declines)."""
+        ModelError where int8 mode declines). `spinning`: whether the main session's idle
+        pool threads spin (onnxruntime's default) or sleep."""
         self._window = TokenWindow(load_tokenizer(tokenizer_path), MAX_TOKENS)
         # The PyPI wheel ships with telemetry on; a scoring service does not phone home.
         ort.disable_telemetry_events()
         self.precision: Final = precision
         self._model_path = model_path
         model = _read_model(model_path, precision, int8_weights)
-        self._session = _open_session(model, model_path, intra_op_threads)
+        self._session = _open_session(model, model_path, intra_op_threads, spinning)
         # Until the one-core session is open, runs side by side share the main one.
         self._one_core_session = self._session
         #: Kept until the one-core session is opened from it.
@@ -163,13 +165,20 @@ def _read_model(model_path: Path, precision: Precision, int8_weights: Int8Weight
         raise ModelError(f"model {model_path}: int8 mode unavailable: {exc}") from exc
 
 
-def _open_session(model: bytes, model_path: Path, intra_op_threads: int) -> ort.InferenceSession:
+def _open_session(
+    model: bytes, model_path: Path, intra_op_threads: int, spinning: bool = True
+) -> ort.InferenceSession:
     options = ort.SessionOptions()
-    # BASIC (constant folding, redundant nodes removed), not ALL: ALL's layout and fusion passes
-    # do not pay for this small model (bench/), and at BASIC the vectors stay the reference's.
+    # BASIC (constant folding, redundant nodes removed), not ALL (the reference's): ALL's fusions
+    # cost 5-10% more CPU per text on one thread here (bench/session_options.py); both keep the
+    # vectors within 2e-7 of the reference's.
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     options.intra_op_num_threads = intra_op_threads
     options.log_severity_level = 3
+    if not spinning:
+        # Idle pool threads sleep instead of spinning: on a host whose cores are busy with other
+        # work a spinning thread takes a core from the one doing the run (README, Performance).
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     # No `session.x64quantprecision` for int8 mode: its weight rewrite runs at the EXTENDED
     # level only. The weights' type does that work (int8_support.py).
     try:

@@ -44,10 +44,17 @@ def json_depth_exceeds(body: bytes, limit: int) -> bool:
 
 
 def limit_errors(
-    traces: Sequence[ReasoningTrace], limits: TraceLimits, *, batch: bool
+    traces: Sequence[ReasoningTrace],
+    limits: TraceLimits,
+    *,
+    batch: bool,
+    body_bytes: int | None = None,
 ) -> list[dict[str, Any]]:
-    """Validation errors in FastAPI's shape, one per field over a limit."""
+    """Validation errors in FastAPI's shape, one per field over a limit. `body_bytes`: the
+    JSON body's size, when known: every character of a string takes at least one byte of it,
+    so a body no larger than the string limit needs no walk through its strings."""
     errors = []
+    strings_fit = body_bytes is not None and body_bytes <= limits.max_string_chars
     if batch and len(traces) > limits.max_batch:
         errors.append(
             _over_limit(
@@ -66,7 +73,7 @@ def limit_errors(
                 )
             )
         # Fields are named (a slower walk) only when some string is over the limit.
-        if _longest_string(trace) <= limits.max_string_chars:
+        if strings_fit or _longest_string(trace) <= limits.max_string_chars:
             continue
         for path, text in _strings(trace, loc):
             if len(text) > limits.max_string_chars:

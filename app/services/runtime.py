@@ -203,6 +203,7 @@ def _load_embedder(
         files.model,
         files.tokenizer,
         intra_op_threads=settings.embedder_threads,
+        spinning=settings.embedder_spinning,
         concurrent_runs=settings.embedder_worker_count,
         precision="float32" if int8 is None else int8.precision,
         int8_weights=None if int8 is None else int8.weights,

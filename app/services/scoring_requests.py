@@ -34,11 +34,13 @@ async def score_traces(
     dry_run: bool,
     batch: bool,
     transport: Transport,
+    body_bytes: int | None = None,
 ) -> list[Evaluation]:
     """Score traces in order (one trace, or a batch as one step); raises TraceLimitError or
-    the embedding service's OverloadedError (counted), in both cases having changed nothing."""
+    the embedding service's OverloadedError (counted), in both cases having changed nothing.
+    `body_bytes`: the request body's size when known (it spares the limits a walk)."""
     metrics.scoring_requests.labels(transport, "batch" if batch else "one").inc()
-    errors = limit_errors(traces, limits, batch=batch)
+    errors = limit_errors(traces, limits, batch=batch, body_bytes=body_bytes)
     if errors:
         raise TraceLimitError(errors)
     try:

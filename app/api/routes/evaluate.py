@@ -83,7 +83,7 @@ async def evaluate(
     idempotency_key: IdempotencyKey = None,
 ) -> EvaluationOut:
     sent = await _sent_traces(services, request, batch=False)
-    (evaluation,) = await _score(services, [trace], dry_run=dry_run, batch=False)
+    (evaluation,) = await _score(services, request, [trace], dry_run=dry_run, batch=False)
     return _answer(services, evaluation, sent, 0)
 
 
@@ -96,7 +96,7 @@ async def evaluate_batch(
     idempotency_key: IdempotencyKey = None,
 ) -> BatchOut:
     sent = await _sent_traces(services, request, batch=True)
-    evaluations = await _score(services, batch.traces, dry_run=dry_run, batch=True)
+    evaluations = await _score(services, request, batch.traces, dry_run=dry_run, batch=True)
     return BatchOut(results=[_answer(services, e, sent, i) for i, e in enumerate(evaluations)])
 
 
@@ -133,8 +133,15 @@ def _answer(
 
 
 async def _score(
-    services: Services, traces: list[ReasoningTrace], *, dry_run: bool, batch: bool
+    services: Services,
+    request: Request,
+    traces: list[ReasoningTrace],
+    *,
+    dry_run: bool,
+    batch: bool,
 ) -> list[Evaluation]:
+    # The body was read to parse it: this is its size, not a second read.
+    body_bytes = len(await request.body())
     try:
         return await score_traces(
             services.evaluator,
@@ -144,6 +151,7 @@ async def _score(
             dry_run=dry_run,
             batch=batch,
             transport="rest",
+            body_bytes=body_bytes,
         )
     except TraceLimitError as exc:
         raise RequestValidationError(exc.errors) from None
