@@ -205,11 +205,21 @@ def novelty_line(r: EvaluationOut) -> str:
     n = r.novelty
     if n.measured:
         line = f"novelty: measured, max cosine {n.max_cosine:.3f} against a cache of {n.cache_size}"
+        if n.nearest is not None:
+            line += f", nearest {nearest_text(r)}"
     else:
         line = f"novelty: not measured ({n.reason}{': ' + n.detail if n.detail else ''})"
     if n.tokens is not None:
         line += f"; {n.tokens} tokens read" + (", the rest past the window" if n.truncated else "")
     return line
+
+
+def nearest_text(r: EvaluationOut) -> str:
+    """The stored trace this one resembles most: its id and how long ago it was stored."""
+    nearest = r.novelty.nearest
+    if nearest is None:
+        return "-"
+    return f"{nearest.trace_id or '?'} ({nearest.cosine:.3f}, {nearest.age_ms / 1000:.1f} s ago)"
 
 
 def print_json(data: Any) -> None:
@@ -317,11 +327,14 @@ def evaluate_directory(
 
 def print_summary(done: list[FileResult], threshold: float) -> None:
     table = Table()
-    for name in ("file", "trace", "score", "weights", "overrides", "novelty", "result"):
+    # The nearest stored trace gets a column when novelty was measured for any trace.
+    nearest = any(r.novelty.nearest is not None for f in done for r in f.results)
+    names = ("file", "trace", "score", "weights", "overrides", "novelty")
+    for name in (*names, *(["nearest"] if nearest else []), "result"):
         table.add_column(name, overflow="fold")
     for f in done:
         if f.error:
-            table.add_row(escape(f.file), "", "", "", "", "", "[red]error[/]")
+            table.add_row(escape(f.file), *[""] * (len(table.columns) - 2), "[red]error[/]")
         for r in f.results:
             novelty = "measured" if r.novelty.measured else str(r.novelty.reason)
             table.add_row(
@@ -331,6 +344,7 @@ def print_summary(done: list[FileResult], threshold: float) -> None:
                 r.weights.profile,
                 ", ".join(r.overrides) or "-",
                 novelty,
+                *([escape(nearest_text(r))] if nearest else []),
                 verdict(r.score, threshold),
             )
     out.print(table)

@@ -3,6 +3,8 @@
     with KpScoringClient("http://127.0.0.1:8000") as kp:
         result = kp.evaluate(trace)          # a dict or a ReasoningTrace
         print(result.score, result.dimensions.novelty)
+        if result.novelty.nearest:           # the stored trace it resembles most
+            print(result.novelty.nearest.trace_id, result.novelty.nearest.age_ms)
 
 Every failure is a `KpScoringError`: `Unreachable` (no answer), `ValidationFailed` (422, with
 the field paths), `Unauthorized` (401), `Forbidden` (403), `RateLimited` (429, with

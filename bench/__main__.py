@@ -28,7 +28,7 @@ import numpy as np
 
 from app.domain.vector_cache import VectorCache
 from app.embedding.int8_support import RELEVANT_FLAGS, CpuFeatures
-from bench import corpus, floor, load, megabyte, reference, shared
+from bench import corpus, floor, load, megabyte, memory, reference, shared
 from bench.corpus import WORDS, Item
 from bench.floor import Floor
 from bench.report import render, targets
@@ -363,6 +363,13 @@ def main(argv: list[str] | None = None) -> int:
         help="extra setting for the embedder servers",
     )
     parser.add_argument(
+        "--memory",
+        default="100000,1000000",
+        metavar="SIZES",
+        help="the memory phase's sizes (bench.memory: real MiniLM vectors, recall, latency); "
+        "'off' to skip; --quick skips it",
+    )
+    parser.add_argument(
         "--reference",
         choices=("auto", "only", "skip"),
         default="auto",
@@ -424,9 +431,16 @@ def main(argv: list[str] | None = None) -> int:
             for n, v, ok in reference.targets(doc["reference"])
         ]
     doc["notes"] = notes(doc)
+    if not args.quick and args.memory != "off":
+        print("memory phase ...", file=sys.stderr, flush=True)
+        sizes_of_memory = [int(n) for n in args.memory.split(",")]
+        doc["memory"] = memory.run(sizes_of_memory, 500, service=True, threshold=20_000)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=2) + "\n")
     print(render(doc))
+    if "memory" in doc:
+        print()
+        print(memory.render(doc["memory"]))
     print(f"\n{doc['duration_s']} s; written: {args.out}")
     return 0
 

@@ -40,6 +40,7 @@ def test_evaluate_answers_the_spec_example_without_embedder(client_no_embedder: 
         "cache_size": 0,
         "tokens": None,
         "truncated": None,
+        "nearest": None,
     }
     assert body["elapsed_ms"] >= 0
     assert r.headers["x-request-id"]
@@ -50,9 +51,14 @@ def test_novelty_is_measured_from_the_second_trace_on(client: TestClient) -> Non
     assert first["novelty"]["reason"] == "cache_empty"
     assert first["novelty"]["tokens"] > 5
     assert first["dimensions"]["novelty"] == 0.5
-    repeat = client.post("/evaluate", json=make_trace()).json()
+    assert first["novelty"]["nearest"] is None
+    repeat = client.post("/evaluate", json=make_trace(trace_id="kp:trace:again")).json()
     assert repeat["novelty"]["measured"] is True
     assert repeat["novelty"]["max_cosine"] == pytest.approx(1.0, abs=1e-6)
+    nearest = repeat["novelty"]["nearest"]
+    assert nearest["trace_id"] == first["trace_id"] != repeat["trace_id"]
+    assert nearest["cosine"] == repeat["novelty"]["max_cosine"]
+    assert nearest["age_ms"] >= 0
     assert repeat["dimensions"]["novelty"] == pytest.approx(0.0, abs=1e-6)
     bread = [step(0, "thought", "Feed the rye starter"), step(1, "observation", "It doubled")]
     other = client.post(

@@ -269,6 +269,14 @@ def test_cache_reset_and_dry_run(onnx_server: Server, tmp_path: Path) -> None:
     assert size() == 0
     assert run(["evaluate", path], onnx_server.url).exit_code == 1
     assert size() == 1
+    # Its twin is measured against it, and the answer names it: breakdown and table.
+    again = run(["evaluate", path, "--dry-run"], onnx_server.url)
+    assert "nearest kp:trace:test-0001 (1.000, " in " ".join(again.stdout.split())
+    (tmp_path / "two").mkdir()
+    write(tmp_path / "two" / "t.json", make_trace(trace_id="kp:trace:twin"))
+    table = run(["evaluate", str(tmp_path / "two"), "--dry-run"], onnx_server.url, COLUMNS="200")
+    assert "nearest" in table.stdout
+    assert "kp:trace:test-0001" in table.stdout
     reset = run(["cache", "reset"], onnx_server.url, KP_ADMIN_TOKEN=TOKEN)
     assert reset.exit_code == 0
     assert reset.stdout.strip() == "cleared 1 cached vectors"

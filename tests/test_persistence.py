@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import errno
+import hashlib
+import json
 import re
 import signal
+import struct
 import threading
 import time
 from pathlib import Path
@@ -25,7 +28,9 @@ MODEL = "test-model"
 def entries(n: int, dims: int = 384) -> CacheEntries:
     rng = np.random.default_rng(n)
     return CacheEntries(
-        rng.standard_normal((n, dims)).astype(np.float32), np.arange(n, dtype=np.float64) + 1e12
+        rng.standard_normal((n, dims)).astype(np.float32),
+        np.arange(n, dtype=np.float64) + 1e12,
+        [f"kp:trace:{i}" for i in range(n)],
     )
 
 
@@ -36,7 +41,29 @@ def test_snapshot_round_trip(tmp_path: Path) -> None:
     loaded = read_snapshot(path, MODEL, 384)
     np.testing.assert_array_equal(loaded.vectors, original.vectors)
     np.testing.assert_array_equal(loaded.added_at_ms, original.added_at_ms)
+    assert list(loaded.trace_ids) == list(original.trace_ids)
     assert list(tmp_path.iterdir()) == [path]  # no temporary file left behind
+
+
+def test_a_format_1_snapshot_still_loads_without_trace_ids(tmp_path: Path) -> None:
+    """Written as the previous version did: no trace ids after the times."""
+    original = entries(4)
+    payload = original.vectors.astype("<f4").tobytes() + original.added_at_ms.tobytes()
+    header = json.dumps(
+        {
+            "version": 1,
+            "model": MODEL,
+            "dimensions": 384,
+            "count": 4,
+            "saved_at_ms": 0.0,
+            "payload_sha256": hashlib.sha256(payload).hexdigest(),
+        }
+    ).encode()
+    path = tmp_path / "old.snapshot"
+    path.write_bytes(b"KPCACHE1" + struct.pack("<I", len(header)) + header + payload)
+    loaded = read_snapshot(path, MODEL, 384)
+    np.testing.assert_array_equal(loaded.vectors, original.vectors)
+    assert list(loaded.ids()) == [""] * 4
 
 
 @pytest.mark.parametrize(
@@ -225,3 +252,30 @@ def test_kill_9_under_load_leaves_a_loadable_snapshot(tmp_path: Path) -> None:
         assert list(tmp_path.glob(".*.tmp")) == []
     finally:
         again.stop()
+
+
+def test_a_large_cache_is_saved_in_chunks_and_restored_with_its_trace_ids(
+    tmp_path: Path,
+) -> None:
+    """Written from the cache's chunks (never one joined copy); an empty cache saves too."""
+    from app.domain.vector_cache import VectorCache
+    from app.services.snapshots import SnapshotStore
+
+    cache = VectorCache(capacity=20_000, search="exact")
+    original = entries(10_000)
+    cache.load(original)
+    assert len(list(cache.chunks())) > 1
+    store = SnapshotStore(tmp_path / "big.snapshot", cache, MODEL)
+    assert store.save(force=True)
+    restored = VectorCache(capacity=20_000, search="exact")
+    SnapshotStore(tmp_path / "big.snapshot", restored, MODEL).restore()
+    again = restored.entries()
+    np.testing.assert_array_equal(again.vectors, original.vectors)
+    assert list(again.trace_ids) == list(original.trace_ids)
+    cache.clear()
+    assert store.save()
+    empty = VectorCache(capacity=20_000)
+    loader = SnapshotStore(tmp_path / "big.snapshot", empty, MODEL)
+    loader.restore()
+    assert loader.status.state.value == "loaded"
+    assert empty.size == 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -15,10 +16,10 @@ import numpy as np
 import pytest
 
 from app.core.config import ConfigError, Settings, redis_location
-from app.domain.vector_cache import VectorCache
+from app.domain.vector_cache import CacheEntries, VectorCache
 from app.store.base import Comparison, MemoryUnavailableError, Vector
 from app.store.in_process import compare_in_order
-from app.store.redis_shared import RedisSharedMemory
+from app.store.redis_shared import PAGE, RedisSharedMemory
 from tests.conftest import ClientFactory
 from tests.factories import make_trace
 from tests.server import RedisServer, free_port
@@ -59,6 +60,11 @@ async def replicas(
     finally:
         for m in memories:
             await m.close()
+
+
+def summary(c: Comparison) -> tuple[float | None, int, str | None]:
+    """A comparison without the nearest entry's age (the replay has no clock of its own)."""
+    return c.max_cosine, c.size, None if c.nearest is None else c.nearest.trace_id
 
 
 def log_entries(redis: RedisServer, prefix: str) -> list[tuple[str, Vector]]:
@@ -133,9 +139,10 @@ def test_concurrent_requests_over_replicas_equal_the_order_of_the_log(
             assert not set(trace_ids) & set(position)  # a dry run adds nothing
             start = answer[0].size  # the length of the log it saw
         replay = VectorCache(1000)
-        for _, vector in log[:start]:
-            replay.add(vector)
-        assert compare_in_order(replay, vectors, add=True) == answer
+        for trace_id, vector in log[:start]:
+            replay.add(vector, trace_id=trace_id)
+        expected = compare_in_order(replay, vectors, trace_ids, add=True)
+        assert [summary(c) for c in expected] == [summary(c) for c in answer]
 
 
 def test_capacity_and_eviction_are_the_shared_memory_s(
@@ -432,3 +439,55 @@ def test_redis_unreachable_at_start_scores_on_with_cache_unavailable(
     assert (stats["size"], stats["backend"]["available"]) == (0, False)
     for path in ("/cache", "/readyz", "/metrics"):
         assert "hunter2" not in client.get(path).text
+
+
+def test_a_replica_catches_up_with_a_large_log_a_page_at_a_time(
+    redis_server: RedisServer, redis_prefix: str
+) -> None:
+    """A new replica meets a log far longer than a page: its start returns after the first
+    page, it says warming (with progress) and refuses to score until it has every entry,
+    then answers from all of them, naming the planted one."""
+    count = 6 * PAGE + 123
+    rng = np.random.default_rng(12)
+    v = rng.standard_normal((count, 384)).astype(np.float32)
+    v /= np.linalg.norm(v, axis=1, keepdims=True)
+    now = time.time() * 1000
+
+    async def scenario() -> None:
+        async with replicas(redis_server, redis_prefix, count=1, capacity=50_000) as (writer,):
+            entries = CacheEntries(v, np.full(count, now), [f"e{i}" for i in range(count)])
+            assert await writer.import_entries(entries) == (count, 0)
+        late = RedisSharedMemory(
+            redis_server.url,
+            redis_location(redis_server.url),
+            prefix=redis_prefix,
+            capacity=50_000,
+            ttl_ms=None,
+            timeout_ms=TIMEOUT_MS,
+            model=MODEL,
+            index_threshold=5_000,
+        )
+        await late.start()
+        try:
+            loading = late.warming
+            assert loading is not None
+            assert loading == (PAGE, count)
+            status = late.index_status()
+            assert status.warming
+            assert status.progress == pytest.approx(PAGE / count)
+            with pytest.raises(MemoryUnavailableError, match="cache_warming"):
+                await late.compare([v[0]], ["x"], add=True)
+            for _ in range(200):
+                if late.warming is None:
+                    break
+                await asyncio.sleep(0.05)
+            assert late.warming is None
+            assert late.size == count
+            (answer,) = await late.compare([v[count - 7]], ["probe"], add=False)
+            assert answer.nearest is not None
+            assert answer.nearest.trace_id == f"e{count - 7}"
+            assert answer.max_cosine == pytest.approx(1.0, abs=1e-6)
+        finally:
+            await late.close()
+
+    run(scenario)

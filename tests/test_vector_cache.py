@@ -184,3 +184,25 @@ def test_concurrent_adds_and_queries_keep_the_cache_consistent() -> None:
     assert errors == []
     stats = cache.stats()
     assert (stats.size, stats.adds_total, stats.evictions_total) == (50, 1600, 1550)
+
+
+@pytest.mark.parametrize(("capacity", "before", "batch"), [(5, 3, 4), (10, 0, 25), (64, 64, 1)])
+def test_extend_equals_adding_one_by_one(capacity: int, before: int, batch: int) -> None:
+    """What a replica reading a page of the shared log does, in one copy."""
+    rng = np.random.default_rng(capacity)
+    vectors = rng.standard_normal((before + batch, 384)).astype(np.float32)
+    times = np.sort(rng.uniform(0, 1e6, before + batch))
+    times[2:4] = times[1]  # equal times stay in order
+    one, many = VectorCache(capacity), VectorCache(capacity)
+    for i in range(before + batch):
+        one.add(vectors[i], times[i], f"t{i}")
+    for i in range(before):
+        many.add(vectors[i], times[i], f"t{i}")
+    many.extend(vectors[before:], times[before:], [f"t{i}" for i in range(before, before + batch)])
+    a, b = one.entries(), many.entries()
+    np.testing.assert_array_equal(a.vectors, b.vectors)
+    np.testing.assert_array_equal(a.added_at_ms, b.added_at_ms)
+    assert list(a.ids()) == list(b.ids())
+    assert (one.adds_total, one.evictions_total) == (many.adds_total, many.evictions_total)
+    query = rng.standard_normal(384).astype(np.float32)
+    assert one.nearest(query) == many.nearest(query)

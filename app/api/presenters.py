@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
+from app.domain.vector_cache import IndexStatus
 from app.schemas.responses import (
     CacheBackendOut,
+    CacheIndexOut,
     DimensionsOut,
     EvaluationOut,
     NoveltyOut,
@@ -51,3 +53,7 @@ def snapshot_out(status: SnapshotStatus) -> SnapshotOut:
     fields = asdict(status)
     fields["path"] = str(status.path) if status.path else None
     return SnapshotOut(**fields)
+
+
+def index_out(status: IndexStatus) -> CacheIndexOut:
+    return CacheIndexOut(**asdict(status))

@@ -36,6 +36,14 @@ class Settings(BaseSettings):
 
     cache_capacity: Annotated[int, Field(ge=1)] = 1000
     cache_ttl_ms: Annotated[float, Field(gt=0)] | None = None
+    #: exact: the exact scan at any size (operators check the index with it); auto: an
+    #: approximate index proposes candidates, rescored exactly, from KP_CACHE_INDEX_THRESHOLD
+    #: entries on (README, "A large memory").
+    cache_search: Literal["exact", "auto"] = "auto"
+    cache_index_threshold: Annotated[int, Field(ge=1_000)] = 20_000
+    #: Largest POST /cache/import body (NDJSON, about 2.1 kB a 384-float entry); the lines
+    #: are checked before any is added, so a request's entries are held until its end.
+    cache_import_max_bytes: Annotated[int, Field(ge=1_048_576)] = 64 * 1_048_576
     cache_snapshot_path: Path | None = None
     cache_snapshot_interval_s: Annotated[float, Field(gt=0)] = 30.0
 

@@ -1,29 +1,71 @@
 """The process-wide vector cache that novelty is measured against (SPEC section 6).
 
-A ring buffer of float32 rows: adding never moves data, eviction is oldest first, and the scan
-is one matrix-vector product. Cosines are then recomputed in float64 for the few rows that can
-be the maximum, so the result equals the reference's double-precision loop, not just nearly.
+A ring buffer of float32 rows: adding never moves data, eviction is oldest first. Every entry
+has a sequence number (its place in the order since the cache was made) and a trace id, so an
+answer names the stored trace it resembles most (ties: the newest).
+
+Below `index_threshold` entries, or with search="exact", the search is one matrix-vector
+product over every row; cosines are then recomputed in float64 for the few rows that can be
+the maximum, so the result equals the reference's double-precision loop, not just nearly.
+
+At or above the threshold (search="auto") an approximate index (app.domain.ann_index) proposes
+candidates and the same float64 rescoring picks among them, so `max_cosine` is always a true
+cosine with a stored vector. The index is built in a background thread (the exact scan answers
+meanwhile); the newest entries wait in a short tail, scanned exactly, and join the index in
+batches; evicted and expired entries are excluded from every search at once and deleted from
+the index in bulk.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
 
+from app.domain.ann_index import AnnIndex, IndexParams
+
 Vector = npt.NDArray[np.float32]
+SearchMode = Literal["exact", "auto"]
+IndexState = Literal["off", "building", "ready"]
 
 # float32 dot products of unit vectors are within ~1e-6 of the exact value; every row this close
 # to the float32 maximum is rescored exactly.
 _RESCORE_MARGIN = 1e-4
+#: Below this many entries the exact scan is about as fast as the index (about 1 ms a query on
+#: one core), so the index is not built.
+DEFAULT_INDEX_THRESHOLD = 20_000
+#: The newest entries are scanned exactly until this many wait, then join the index together
+#: (one batched assignment instead of one per add).
+TAIL_BATCH = 512
+#: Rows the background work copies or scans under the lock at a time, so a request never
+#: waits for more than about a millisecond of it.
+_CHUNK = 4_096
+#: One index query in this many is rerun exactly in the background (the self-check).
+AUDIT_EVERY = 100
+#: The index is trained again (in the background) when the memory has grown this many times
+#: past the entries its cells were trained on, up to a sample of _SAMPLE.
+RETRAIN_GROWTH = 4
+_SAMPLE = 131_072
+_AUDIT_QUEUE = 64
 
 
 def wall_clock_ms() -> float:
     return time.time() * 1000.0
+
+
+@dataclass(frozen=True, slots=True)
+class Nearest:
+    """The stored entry with the largest cosine to a query (ties: the newest)."""
+
+    cosine: float
+    trace_id: str
+    added_at_ms: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,15 +82,34 @@ class CacheStats:
 
 
 @dataclass(frozen=True, slots=True)
+class IndexStatus:
+    """The approximate index, for operators (/cache, /readyz, metrics)."""
+
+    search: SearchMode
+    threshold: int
+    state: IndexState
+    indexed: int  # entries in the index (the rest are in the exactly-scanned tail)
+    progress: float | None  # while building: the share of entries indexed so far
+    warming: bool  # the first build since the cache was filled (restart, catch-up) runs
+    audits_total: int  # index answers rerun exactly
+    audit_agreements_total: int  # ... that found the same maximum
+
+
+@dataclass(frozen=True, slots=True)
 class CacheEntries:
-    """The cached vectors oldest first, with the wall-clock time (ms) each was added."""
+    """The cached vectors oldest first, with the wall-clock time (ms) each was added and the
+    trace id it came from ('' when unknown)."""
 
     vectors: npt.NDArray[np.float32]
     added_at_ms: npt.NDArray[np.float64]
+    trace_ids: Sequence[str] = ()
+
+    def ids(self) -> Sequence[str]:
+        return self.trace_ids if len(self.trace_ids) else [""] * len(self.vectors)
 
 
 class VectorCache:
-    """Bounded, thread-safe store of unit vectors with exact maximum-cosine search."""
+    """Bounded, thread-safe store of vectors with maximum-cosine search (module docstring)."""
 
     def __init__(
         self,
@@ -56,6 +117,10 @@ class VectorCache:
         dimensions: int = 384,
         ttl_ms: float | None = None,
         clock_ms: Callable[[], float] = wall_clock_ms,
+        *,
+        search: SearchMode = "auto",
+        index_threshold: int = DEFAULT_INDEX_THRESHOLD,
+        background: bool = True,
     ) -> None:
         if capacity < 1:
             raise ValueError("capacity must be at least 1")
@@ -63,20 +128,42 @@ class VectorCache:
             raise ValueError("dimensions must be at least 1")
         if ttl_ms is not None and ttl_ms <= 0:
             raise ValueError("ttl_ms must be positive")
+        if index_threshold < 1:
+            raise ValueError("index_threshold must be at least 1")
         self.capacity = capacity
         self.dimensions = dimensions
         self.ttl_ms = ttl_ms
+        self.search = search
+        self.index_threshold = index_threshold
+        self._background = background
         self._clock_ms = clock_ms
         self._lock = threading.RLock()
         # Rows are allocated as the cache grows, so a large capacity costs nothing up front.
         self._vectors = np.empty((0, dimensions), dtype=np.float32)
         self._norms = np.empty(0, dtype=np.float64)
         self._added_at = np.empty(0, dtype=np.float64)
-        self._head = 0  # index of the oldest entry
+        self._trace_ids = np.empty(0, dtype=object)
+        self._head = 0  # slot of the oldest entry
         self._size = 0
+        self._first_seq = 0  # sequence number of the oldest entry
         self.adds_total = 0
         self.evictions_total = 0
         self.clears_total = 0
+        # The index: entries with first_seq <= seq < _indexed_upto are in it.
+        self._index: AnnIndex | None = None
+        self._indexed_upto = 0
+        self._purged_upto = 0
+        self._building: threading.Thread | None = None
+        self._build_progress = 0.0
+        self._generation = 0  # changes with clear/load: a build of an older one is dropped
+        # Set once an index has served: later builds (after a clear, past the threshold
+        # again) happen while the exact scan answers and do not make the service unready.
+        self._ever_indexed = False
+        self._trained_on = 0  # entries the index's cells were trained on
+        self._queries = 0
+        self._audit_queue: deque[tuple[Vector, float, int]] = deque(maxlen=_AUDIT_QUEUE)
+        self.audits_total = 0
+        self.audit_agreements_total = 0
 
     # ── queries ─────────────────────────────────────────────────────────────
 
@@ -88,49 +175,125 @@ class VectorCache:
 
     def max_cosine_similarity(self, query: npt.ArrayLike) -> float:
         """The largest cosine between `query` and a cached vector; 0.0 when the cache is empty."""
+        found = self.nearest(query)
+        return 0.0 if found is None else found.cosine
+
+    def nearest(self, query: npt.ArrayLike, skip_oldest: int = 0) -> Nearest | None:
+        """The entry with the largest cosine to `query` (ties: the newest); None when empty.
+        `skip_oldest`: leave out that many of the oldest entries (those a dry run's earlier
+        traces would have evicted)."""
         q = self._as_vector(query)
         with self._lock:
             self._drop_expired()
-            if self._size == 0:
-                return 0.0
-            segments = self._segments()
-            partial = [self._vectors[start:stop] @ q for start, stop in segments]
-            best = max(float(p.max()) for p in partial)
-            candidates = np.concatenate(
-                [
-                    start + np.flatnonzero(p >= best - _RESCORE_MARGIN)
-                    for (start, _), p in zip(segments, partial, strict=True)
-                ]
-            )
-            return self._exact_max_cosine(q, candidates)
+            first = self._first_seq + max(0, skip_oldest)
+            next_seq = self._first_seq + self._size
+            if first >= next_seq:
+                return None
+            if self._index is None:
+                return self._best(q, self._exact_candidates(q, first, next_seq))
+            tail_from = max(first, self._indexed_upto)
+            proposed = self._index.search(_unit(q), first)
+            candidates = np.concatenate([proposed, self._exact_candidates(q, tail_from, next_seq)])
+            if len(candidates) == 0:  # the probed cells held no live entry
+                candidates = self._exact_candidates(q, first, next_seq)
+            found = self._best(q, candidates)
+            self._queries += 1
+            if self._queries % AUDIT_EVERY == 0:
+                self._audit_queue.append((q.copy(), found.cosine, next_seq))
+            return found
+
+    def now_ms(self) -> float:
+        """The cache's clock (ages are measured on it)."""
+        return self._clock_ms()
 
     def stats(self) -> CacheStats:
         with self._lock:
             self._drop_expired()
             now = self._clock_ms()
-            times = self._live_times()
+            times = (
+                self._added_at[self._slots(self._first_seq, self._first_seq + self._size)[[0, -1]]]
+                if self._size
+                else np.empty(0)
+            )
+            index_bytes = self._index.memory_bytes if self._index is not None else 0
             return CacheStats(
                 size=self._size,
                 capacity=self.capacity,
                 dimensions=self.dimensions,
                 ttl_ms=self.ttl_ms,
-                memory_bytes=int(self._vectors.nbytes + self._norms.nbytes + self._added_at.nbytes),
+                memory_bytes=int(
+                    self._vectors.nbytes
+                    + self._norms.nbytes
+                    + self._added_at.nbytes
+                    + self._trace_ids.nbytes
+                    + index_bytes
+                ),
                 oldest_age_ms=float(now - times[0]) if self._size else None,
                 newest_age_ms=float(now - times[-1]) if self._size else None,
                 adds_total=self.adds_total,
                 evictions_total=self.evictions_total,
             )
 
+    def index_status(self) -> IndexStatus:
+        with self._lock:
+            building = self._building is not None and self._building.is_alive()
+            state: IndexState = (
+                "building" if building else "ready" if self._index is not None else "off"
+            )
+            indexed = 0
+            if self._index is not None:
+                indexed = max(0, self._indexed_upto - self._first_seq)
+            return IndexStatus(
+                search=self.search,
+                threshold=self.index_threshold,
+                state=state,
+                indexed=min(indexed, self._size),
+                progress=self._build_progress if building else None,
+                warming=building and not self._ever_indexed,
+                audits_total=self.audits_total,
+                audit_agreements_total=self.audit_agreements_total,
+            )
+
     def entries(self) -> CacheEntries:
         """A copy of the live entries, oldest first (for snapshots)."""
         with self._lock:
             self._drop_expired()
-            order = self._ordered_indices()
-            return CacheEntries(self._vectors[order].copy(), self._added_at[order].copy())
+            first, size = self._first_seq, self._size
+        return self.entries_between(first, first + size)
+
+    def entries_between(self, start_seq: int, stop_seq: int) -> CacheEntries:
+        """A copy of the live entries with start_seq <= seq < stop_seq, oldest first, taken
+        a chunk at a time so that a large copy does not hold up queries."""
+        vectors, times, ids = [], [], []
+        seq = start_seq
+        while True:
+            with self._lock:
+                self._drop_expired()
+                seq = max(seq, self._first_seq)
+                stop = min(stop_seq, self._first_seq + self._size, seq + _CHUNK)
+                if seq >= stop:
+                    break
+                slots = self._slots(seq, stop)
+                vectors.append(self._vectors[slots])
+                times.append(self._added_at[slots])
+                ids.extend(self._trace_ids[slots].tolist())
+                seq = stop
+        if not vectors:
+            return CacheEntries(np.empty((0, self.dimensions), dtype=np.float32), np.empty(0), [])
+        return CacheEntries(np.concatenate(vectors), np.concatenate(times), ids)
+
+    @property
+    def sequence_range(self) -> tuple[int, int]:
+        """(first, next): the live entries' sequence numbers are first <= seq < next."""
+        with self._lock:
+            self._drop_expired()
+            return self._first_seq, self._first_seq + self._size
 
     # ── updates ─────────────────────────────────────────────────────────────
 
-    def add(self, vector: npt.ArrayLike, added_at_ms: float | None = None) -> None:
+    def add(
+        self, vector: npt.ArrayLike, added_at_ms: float | None = None, trace_id: str = ""
+    ) -> None:
         """Append a vector; the oldest entry goes when the cache is over capacity."""
         v = self._as_vector(vector)
         with self._lock:
@@ -141,20 +304,101 @@ class VectorCache:
             if self._size == self.capacity:
                 self._head = (self._head + 1) % self.capacity
                 self._size -= 1
+                self._first_seq += 1
                 self.evictions_total += 1
             elif self._size == len(self._vectors):
                 self._grow()
             slot = (self._head + self._size) % len(self._vectors)
             self._vectors[slot] = v
-            self._norms[slot] = np.sqrt(np.dot(v.astype(np.float64), v.astype(np.float64)))
+            self._norms[slot] = _norm64(v)
             self._added_at[slot] = now
+            self._trace_ids[slot] = trace_id
             self._size += 1
             self.adds_total += 1
+            self._maintain_index()
+
+    def extend(
+        self,
+        vectors: npt.NDArray[np.float32],
+        added_at_ms: npt.NDArray[np.float64],
+        trace_ids: Sequence[str],
+    ) -> None:
+        """`add` for many vectors at once (a replica reading the shared log): the same
+        entries, times, evictions and counts as adding them one by one, in one copy."""
+        n = len(vectors)
+        if n == 0:
+            return
+        v = np.asarray(vectors, dtype=np.float32)
+        if v.ndim != 2 or v.shape[1] != self.dimensions or not np.isfinite(v).all():
+            raise ValueError(f"expected finite vectors of {self.dimensions} dimensions")
+        times = np.asarray(added_at_ms, dtype=np.float64)
+        ids = np.empty(n, dtype=object)
+        ids[:] = list(trace_ids)
+        with self._lock:
+            if self._size:
+                newest = float(self._added_at[self._tail_index()])
+                times = np.maximum.accumulate(np.concatenate([[newest], times]))[1:]
+            else:
+                times = np.maximum.accumulate(times)
+            skipped = max(0, n - self.capacity)  # added and evicted within this call
+            if skipped:
+                self._first_seq += self._size + skipped
+                self.evictions_total += self._size + skipped
+                self._head, self._size = 0, 0
+                v, times, ids = v[skipped:], times[skipped:], ids[skipped:]
+            evicted = max(0, self._size + len(v) - self.capacity)
+            if evicted:
+                self._head = (self._head + evicted) % len(self._vectors)
+                self._size -= evicted
+                self._first_seq += evicted
+                self.evictions_total += evicted
+            while len(self._vectors) < min(self.capacity, self._size + len(v)):
+                self._grow()
+            slots = (self._head + self._size + np.arange(len(v))) % len(self._vectors)
+            wide = v.astype(np.float64)
+            self._vectors[slots] = v
+            self._norms[slots] = np.sqrt((wide * wide).sum(axis=1))
+            self._added_at[slots] = times
+            self._trace_ids[slots] = ids
+            self._size += len(v)
+            self.adds_total += n
+            self._maintain_index()
+
+    def append(self, entries: CacheEntries) -> tuple[int, int]:
+        """Adds `entries` (oldest first) as the newest entries, each keeping its time where
+        the order allows (raised to the newest entry's, lowered to now); an entry already
+        past the TTL is skipped. Returns (added, skipped)."""
+        added = skipped = 0
+        with self._lock:
+            now = self._clock_ms()
+            for vector, added_at, trace_id in zip(
+                entries.vectors, entries.added_at_ms, entries.ids(), strict=True
+            ):
+                if self.ttl_ms is not None and added_at <= now - self.ttl_ms:
+                    skipped += 1
+                    continue
+                self.add(vector, min(float(added_at), now), trace_id)
+                added += 1
+        return added, skipped
+
+    def chunks(self, size: int = _CHUNK) -> Iterator[CacheEntries]:
+        """The live entries oldest first, a copy of `size` at a time (for exports); entries
+        evicted meanwhile are left out, entries added meanwhile are not included."""
+        first, stop = self.sequence_range
+        seq = first
+        while seq < stop:
+            chunk = self.entries_between(seq, min(stop, seq + size))
+            seq += size
+            if len(chunk.vectors):
+                yield chunk
 
     def copy(self) -> VectorCache:
-        """An independent cache with the same entries, settings and clock."""
+        """An independent cache with the same entries and settings, searched exactly (it
+        lives for one dry run: an index would not pay for itself)."""
         with self._lock:
-            other = VectorCache(self.capacity, self.dimensions, self.ttl_ms, self._clock_ms)
+            other = VectorCache(
+                self.capacity, self.dimensions, self.ttl_ms, self._clock_ms, search="exact"
+            )
             other.load(self.entries())
             return other
 
@@ -166,28 +410,160 @@ class VectorCache:
             raise ValueError(
                 f"expected vectors of {self.dimensions} dimensions, got {vectors.shape}"
             )
-        if added_at.shape != (len(vectors),) or not np.isfinite(vectors).all():
+        trace_ids = list(entries.ids())
+        if (
+            added_at.shape != (len(vectors),)
+            or len(trace_ids) != len(vectors)
+            or not np.isfinite(vectors).all()
+        ):
             raise ValueError("entries are inconsistent or not finite")
         vectors, added_at = (
             vectors[-self.capacity :],
             np.maximum.accumulate(added_at[-self.capacity :]),
         )
+        ids = np.empty(len(vectors), dtype=object)
+        ids[:] = trace_ids[len(trace_ids) - len(vectors) :]
         with self._lock:
+            self._first_seq += self._size  # the new entries are numbered after the old ones
             self._vectors = vectors.copy()
-            wide = self._vectors.astype(np.float64)
-            self._norms = np.sqrt((wide * wide).sum(axis=1))
+            self._norms = _row_norms(self._vectors)
             self._added_at = added_at.copy()
+            self._trace_ids = ids
             self._head = 0
             self._size = len(vectors)
+            self._reset_index()
+            self._maintain_index()
 
     def clear(self) -> int:
         """Empty the cache; returns how many vectors were dropped."""
         with self._lock:
             dropped = self._size
+            self._first_seq += self._size
             self._head = 0
             self._size = 0
             self.clears_total += 1
+            self._reset_index()
             return dropped
+
+    # ── the index and the self-check ────────────────────────────────────────
+
+    def wait_for_index(self, timeout_s: float | None = None) -> bool:
+        """Waits for a background build; True when none is running any more."""
+        with self._lock:
+            thread = self._building
+        if thread is not None:
+            thread.join(timeout_s)
+            return not thread.is_alive()
+        return True
+
+    def run_audit(self, limit: int = 4) -> int:
+        """Reruns up to `limit` sampled index answers with the exact scan (chunk by chunk, so
+        queries go on meanwhile); counts the agreements. Returns how many were checked."""
+        checked = 0
+        while checked < limit:
+            with self._lock:
+                if not self._audit_queue:
+                    break
+                q, answered, next_seq = self._audit_queue.popleft()
+                first = self._first_seq
+            best = self._chunked_exact_max(q, first, next_seq)
+            if best is None or best < answered - 1e-12:
+                continue  # the answer's entry has left since: nothing to compare
+            with self._lock:
+                self.audits_total += 1
+                if best <= answered + 1e-12:
+                    self.audit_agreements_total += 1
+            checked += 1
+        return checked
+
+    def _chunked_exact_max(self, q: Vector, first: int, stop: int) -> float | None:
+        best: float | None = None
+        seq = first
+        while seq < stop:
+            with self._lock:
+                seq = max(seq, self._first_seq)
+                end = min(stop, seq + _CHUNK, self._first_seq + self._size)
+                if seq >= end:
+                    break
+                found = self._best(q, self._exact_candidates(q, seq, end))
+            best = found.cosine if best is None else max(best, found.cosine)
+            seq = end
+        return best
+
+    def _maintain_index(self) -> None:
+        """After a change: start the index once the cache is large enough, move a full tail
+        into it, delete the evicted prefix from it in bulk."""
+        if self.search == "exact":
+            return
+        idle = self._building is None or not self._building.is_alive()
+        if self._index is None:
+            if self._size >= self.index_threshold and idle:
+                self._start_build()
+            return
+        grown = self._size >= RETRAIN_GROWTH * self._trained_on
+        if idle and grown and self._trained_on < _SAMPLE:
+            # Cells trained on the first entries fit a grown memory less well: train again
+            # on a larger sample, in the background, while this index serves.
+            self._trained_on = self._size
+            self._start_build()
+        next_seq = self._first_seq + self._size
+        start = max(self._indexed_upto, self._first_seq)
+        if next_seq - start >= TAIL_BATCH:
+            slots = self._slots(start, next_seq)
+            self._index.add(_unit_rows(self._vectors[slots], self._norms[slots]), start)
+            self._indexed_upto = next_seq
+        if self._first_seq - self._purged_upto >= max(TAIL_BATCH, self.capacity // 8):
+            self._index.remove_below(self._first_seq)
+            self._purged_upto = self._first_seq
+
+    def _start_build(self) -> None:
+        generation = self._generation
+        self._build_progress = 0.0
+        if not self._background:
+            self._build(generation)
+            return
+        self._building = threading.Thread(
+            target=self._build, args=(generation,), name="kp-cache-index", daemon=True
+        )
+        self._building.start()
+
+    def _build(self, generation: int) -> None:
+        """Trains the index on a sample of the live entries, then adds every entry, a chunk
+        at a time, outside the lock; the index is swapped in once it has caught up."""
+        with self._lock:
+            first, stop = self._first_seq, self._first_seq + self._size
+        sample = self.entries_between(max(first, stop - _SAMPLE), stop)
+        self._trained_on = max(self._trained_on, len(sample.vectors))
+        params = IndexParams.for_capacity(self.capacity, len(sample.vectors))
+        index = AnnIndex(self.dimensions, params)
+        index.train(_unit_rows(sample.vectors, None))
+        seq = first
+        while True:
+            with self._lock:
+                if generation != self._generation:
+                    return
+                seq = max(seq, self._first_seq)
+                next_seq = self._first_seq + self._size
+                if next_seq - seq < TAIL_BATCH:
+                    # Caught up: what is left stays in the tail.
+                    self._index, self._indexed_upto = index, seq
+                    self._ever_indexed = True
+                    self._purged_upto = first
+                    self._build_progress = 1.0
+                    return
+                end = min(next_seq, seq + _CHUNK)
+                slots = self._slots(seq, end)
+                rows = _unit_rows(self._vectors[slots], self._norms[slots])
+                self._build_progress = (seq - self._first_seq) / max(1, self._size)
+            index.add(rows, seq)
+            seq = end
+
+    def _reset_index(self) -> None:
+        self._generation += 1
+        self._trained_on = 0
+        self._index = None
+        self._indexed_upto = self._purged_upto = self._first_seq
+        self._audit_queue.clear()
 
     # ── internals ───────────────────────────────────────────────────────────
 
@@ -201,15 +577,52 @@ class VectorCache:
             raise ValueError("vector has non-finite values")
         return v
 
-    def _exact_max_cosine(self, q: Vector, rows: npt.NDArray[np.intp]) -> float:
+    def _slots(self, start_seq: int, stop_seq: int) -> npt.NDArray[np.intp]:
+        offsets = np.arange(start_seq - self._first_seq, stop_seq - self._first_seq)
+        return (self._head + offsets) % max(1, len(self._vectors))
+
+    def _exact_candidates(self, q: Vector, start_seq: int, stop_seq: int) -> npt.NDArray[np.int64]:
+        """Sequence numbers in [start, stop) whose float32 cosine can be the maximum."""
+        if start_seq >= stop_seq:
+            return np.empty(0, dtype=np.int64)
+        parts = []
+        for seq, row_start, row_stop in self._runs(start_seq, stop_seq):
+            parts.append((seq, self._vectors[row_start:row_stop] @ q))
+        best = max(float(p.max()) for _, p in parts)
+        return np.concatenate(
+            [seq + np.flatnonzero(p >= best - _RESCORE_MARGIN) for seq, p in parts]
+        ).astype(np.int64)
+
+    def _runs(self, start_seq: int, stop_seq: int) -> list[tuple[int, int, int]]:
+        """[start, stop) as at most two contiguous runs of rows: (first seq, row start, stop)."""
+        length = len(self._vectors)
+        row = (self._head + start_seq - self._first_seq) % length
+        count = stop_seq - start_seq
+        if row + count <= length:
+            return [(start_seq, row, row + count)]
+        first = length - row
+        return [(start_seq, row, length), (start_seq + first, 0, count - first)]
+
+    def _best(self, q: Vector, seqs: npt.NDArray[np.int64]) -> Nearest:
+        """The exact (float64) best of the given entries; ties go to the newest."""
+        seqs = np.unique(seqs)  # sorted: the newest last
+        slots = (self._head + (seqs - self._first_seq)) % len(self._vectors)
         q64 = q.astype(np.float64)
-        q_norm = float(np.sqrt(np.dot(q64, q64)))
-        dots = self._vectors[rows].astype(np.float64) @ q64
-        denominators = self._norms[rows] * q_norm
+        q_norm = _norm64(q)
+        # Row by row in the same summation order as exact_cosine, whatever the row count.
+        dots = (self._vectors[slots].astype(np.float64) * q64).sum(axis=1)
+        denominators = self._norms[slots] * q_norm
         with np.errstate(divide="ignore", invalid="ignore"):
             cosines = np.where(denominators == 0, 0.0, dots / denominators)
+        # The newest of the maximal ones: the last index of the maximum.
+        at = len(cosines) - 1 - int(np.argmax(cosines[::-1]))
+        slot = int(slots[at])
         # The reference starts its running maximum at -1.
-        return max(-1.0, float(cosines.max()))
+        return Nearest(
+            max(-1.0, float(cosines[at])),
+            str(self._trace_ids[slot]),
+            float(self._added_at[slot]),
+        )
 
     def _grow(self) -> None:
         new_len = min(self.capacity, max(64, 2 * len(self._vectors)))
@@ -217,10 +630,12 @@ class VectorCache:
         vectors = np.empty((new_len, self.dimensions), dtype=np.float32)
         norms = np.empty(new_len, dtype=np.float64)
         added = np.empty(new_len, dtype=np.float64)
+        ids = np.empty(new_len, dtype=object)
         vectors[: self._size] = self._vectors[order]
         norms[: self._size] = self._norms[order]
         added[: self._size] = self._added_at[order]
-        self._vectors, self._norms, self._added_at = vectors, norms, added
+        ids[: self._size] = self._trace_ids[order]
+        self._vectors, self._norms, self._added_at, self._trace_ids = vectors, norms, added, ids
         self._head = 0
 
     def _tail_index(self) -> int:
@@ -229,16 +644,6 @@ class VectorCache:
     def _ordered_indices(self) -> npt.NDArray[np.intp]:
         return (self._head + np.arange(self._size)) % max(1, len(self._vectors))
 
-    def _segments(self) -> list[tuple[int, int]]:
-        """The live rows as at most two contiguous slices of the ring, oldest first."""
-        end = self._head + self._size
-        if end <= len(self._vectors):
-            return [(self._head, end)]
-        return [(self._head, len(self._vectors)), (0, end - len(self._vectors))]
-
-    def _live_times(self) -> npt.NDArray[np.float64]:
-        return self._added_at[self._ordered_indices()]
-
     def _drop_expired(self) -> None:
         if self.ttl_ms is None or self._size == 0:
             return
@@ -246,8 +651,50 @@ class VectorCache:
         if self._added_at[self._head] > cutoff:
             return
         # The reference keeps entries with addedAt > cutoff; times are ordered, so the expired
-        # ones are a prefix.
-        expired = int(np.searchsorted(self._live_times(), cutoff, side="right"))
+        # ones are a prefix (found run by run: no copy of a large ring).
+        expired = 0
+        for _, start, stop in self._runs(self._first_seq, self._first_seq + self._size):
+            run = int(np.searchsorted(self._added_at[start:stop], cutoff, side="right"))
+            expired += run
+            if run < stop - start:
+                break
         if expired:
             self._head = (self._head + expired) % len(self._vectors)
             self._size -= expired
+            self._first_seq += expired
+            self._maintain_index()
+
+
+def exact_cosine(a: Vector, b: Vector) -> float:
+    """The cosine of two vectors in float64, as the cache rescores (0 for a zero vector)."""
+    denominator = _norm64(b) * _norm64(a)
+    dot = float((b.astype(np.float64) * a.astype(np.float64)).sum())
+    return 0.0 if denominator == 0 else max(-1.0, dot / denominator)
+
+
+def _row_norms(rows: npt.NDArray[np.float32]) -> npt.NDArray[np.float64]:
+    """Each row's norm as _norm64 computes it, a block at a time (no float64 copy of all)."""
+    out = np.empty(len(rows), dtype=np.float64)
+    for start in range(0, len(rows), _CHUNK):
+        wide = rows[start : start + _CHUNK].astype(np.float64)
+        out[start : start + _CHUNK] = np.sqrt((wide * wide).sum(axis=1))
+    return out
+
+
+def _norm64(v: Vector) -> float:
+    wide = v.astype(np.float64)
+    return float(np.sqrt((wide * wide).sum()))
+
+
+def _unit(v: Vector) -> Vector:
+    norm = float(np.linalg.norm(v))
+    return v if norm == 0 else (v / norm).astype(np.float32)
+
+
+def _unit_rows(
+    rows: npt.NDArray[np.float32], norms: npt.NDArray[np.float64] | None
+) -> npt.NDArray[np.float32]:
+    if norms is None:
+        norms = np.linalg.norm(rows.astype(np.float64), axis=1)
+    safe = np.where(norms == 0, 1.0, norms)
+    return (rows / safe[:, None]).astype(np.float32)

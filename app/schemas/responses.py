@@ -32,6 +32,12 @@ class WeightsOut(BaseModel):
     outcome_confidence: float
 
 
+class NearestOut(BaseModel):
+    trace_id: str = Field(description="The id of the stored trace ('' if it was stored without).")
+    cosine: float = Field(description="Its cosine with this trace: max_cosine.")
+    age_ms: float = Field(description="How long before this trace it was stored, in ms.")
+
+
 class NoveltyOut(BaseModel):
     measured: bool = Field(description="True only when novelty came from a cosine comparison.")
     reason: NoveltyReason | None = Field(description="Why novelty was not measured.")
@@ -47,6 +53,11 @@ class NoveltyOut(BaseModel):
     )
     truncated: bool | None = Field(
         description="Whether the text went past the 512-token window (its tail did not count)."
+    )
+    nearest: NearestOut | None = Field(
+        default=None,
+        description="When novelty is measured: the stored trace with the largest cosine "
+        "(ties: the newest); null otherwise.",
     )
 
 
@@ -140,6 +151,12 @@ class ClearedOut(BaseModel):
     cleared: int
 
 
+class ImportedOut(BaseModel):
+    imported: int = Field(description="Entries added, in order, as the newest.")
+    expired: int = Field(description="Entries skipped: already past KP_CACHE_TTL_MS.")
+    lines: int = Field(description="Lines read (blank ones included).")
+
+
 class HealthOut(BaseModel):
     status: Literal["ok"]
 
@@ -155,8 +172,27 @@ class SnapshotOut(BaseModel):
     save_errors_total: int
 
 
+class CacheIndexOut(BaseModel):
+    search: Literal["exact", "auto"] = Field(description="KP_CACHE_SEARCH.")
+    threshold: int = Field(
+        description="KP_CACHE_INDEX_THRESHOLD: entries from which the "
+        "index answers (with KP_CACHE_SEARCH=auto)."
+    )
+    state: Literal["off", "building", "ready"]
+    indexed: int = Field(description="Entries in the index.")
+    progress: float | None = Field(description="While building: the share indexed so far.")
+    warming: bool = Field(
+        description="The first build since start (or catch-up) runs: not ready yet."
+    )
+    audits_total: int = Field(description="Index answers rerun exactly (the self-check).")
+    audit_agreements_total: int = Field(description="Of those, answers equal to the exact one.")
+
+
 class ReadyOut(BaseModel):
-    status: Literal["ready", "degraded"]
+    status: Literal["ready", "degraded", "warming"] = Field(
+        description="warming: the cache's index is being built after a start (cache_warming "
+        "in warnings, with progress); scoring works meanwhile, on the exact scan."
+    )
     degraded: bool = Field(
         description="True when novelty is not measured (N fixed at 0.5): no embedder, or the "
         "shared cache unreachable."
@@ -164,6 +200,7 @@ class ReadyOut(BaseModel):
     embedder: EmbedderOut
     cache_size: int
     cache_backend: CacheBackendOut
+    cache_index: CacheIndexOut
     admin_auth: bool = Field(description="Whether /cache needs a bearer token.")
     snapshot: SnapshotOut
     warnings: list[str]

@@ -17,7 +17,7 @@ from app.domain import scoring
 from app.schemas.trace import ReasoningTrace
 from app.services.embedding_memo import Embedder
 from app.services.embeddings import EmbedderUnavailableError, Embedding
-from app.store.base import Comparison, MemoryUnavailableError, NoveltyMemory
+from app.store.base import Comparison, MemoryUnavailableError, NearestTrace, NoveltyMemory
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +29,7 @@ class NoveltyReport:
     cache_size: int
     tokens: int | None
     truncated: bool | None
+    nearest: NearestTrace | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,4 +105,5 @@ def _report(comparison: Comparison, embedding: Embedding) -> NoveltyReport:
         comparison.size,
         embedding.token_count,
         embedding.truncated,
+        comparison.nearest,
     )

@@ -6,7 +6,12 @@ checksum over the payload catches damage; a snapshot made by another model (or d
 set aside rather than loaded, since its vectors would not be comparable.
 
 Layout: 8-byte magic, 4-byte little-endian header length, JSON header, then the payload:
-`count x dimensions` float32 vectors followed by `count` float64 insertion times (ms).
+`count x dimensions` float32 vectors, `count` float64 insertion times (ms), then (format 2)
+the trace ids as one JSON array of strings (`trace_ids_bytes` long). Format 1 files, without
+trace ids, still load (their entries name no trace).
+
+A large cache is copied a chunk at a time (queries go on between chunks), hashed and written
+from those copies in a worker thread, without joining them into one more buffer.
 """
 
 from __future__ import annotations
@@ -18,10 +23,12 @@ import logging
 import os
 import struct
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import orjson
 
 from app.core.health import Health
 from app.core.states import SnapshotState
@@ -30,7 +37,8 @@ from app.domain.vector_cache import CacheEntries, VectorCache
 log = logging.getLogger(__name__)
 
 MAGIC = b"KPCACHE1"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+_READABLE_VERSIONS = (1, 2)
 _HEADER_LEN = struct.Struct("<I")
 _MAX_HEADER = 64 * 1024
 
@@ -55,26 +63,41 @@ class SnapshotStatus:
     save_errors_total: int = 0
 
 
-def write_snapshot(path: Path, entries: CacheEntries, model_id: str) -> None:
-    """Atomically replace `path` with a snapshot of `entries`."""
-    vectors = np.ascontiguousarray(entries.vectors, dtype="<f4")
-    times = np.ascontiguousarray(entries.added_at_ms, dtype="<f8")
-    payload = vectors.tobytes() + times.tobytes()
+def write_snapshot(
+    path: Path, entries: CacheEntries | Sequence[CacheEntries], model_id: str
+) -> None:
+    """Atomically replace `path` with a snapshot of `entries` (one copy, or the chunks of
+    one, oldest first: written one after the other, never joined)."""
+    chunks = [entries] if isinstance(entries, CacheEntries) else list(entries)
+    vectors = [np.ascontiguousarray(c.vectors, dtype="<f4") for c in chunks]
+    times = [np.ascontiguousarray(c.added_at_ms, dtype="<f8") for c in chunks]
+    ids = orjson.dumps([trace_id for c in chunks for trace_id in c.ids()])
+    parts = [
+        *(v.view(np.uint8).reshape(-1).data for v in vectors),
+        *(t.view(np.uint8).data for t in times),
+        memoryview(ids),
+    ]
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(part)
+    dimensions = vectors[0].shape[1] if vectors else 0
     header = json.dumps(
         {
             "version": FORMAT_VERSION,
             "model": model_id,
-            "dimensions": int(vectors.shape[1]),
-            "count": int(vectors.shape[0]),
+            "dimensions": int(dimensions),
+            "count": sum(len(v) for v in vectors),
+            "trace_ids_bytes": len(ids),
             "saved_at_ms": time.time() * 1000.0,
-            "payload_sha256": hashlib.sha256(payload).hexdigest(),
+            "payload_sha256": digest.hexdigest(),
         }
     ).encode()
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with tmp.open("wb") as f:
             f.write(MAGIC + _HEADER_LEN.pack(len(header)) + header)
-            f.write(payload)
+            for part in parts:
+                f.write(part)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -99,9 +122,10 @@ def read_snapshot(path: Path, model_id: str, dimensions: int) -> CacheEntries:
         count, dims = int(header["count"]), int(header["dimensions"])
         version, snapshot_model = header["version"], str(header["model"])
         checksum = str(header["payload_sha256"])
+        ids_len = int(header.get("trace_ids_bytes", 0))
     except (ValueError, KeyError, TypeError) as exc:
         raise SnapshotError("corrupt", f"unreadable snapshot header: {exc}") from None
-    if version != FORMAT_VERSION:
+    if version not in _READABLE_VERSIONS:
         raise SnapshotError("corrupt", f"unknown snapshot format version {version!r}")
     if snapshot_model != model_id or dims != dimensions:
         raise SnapshotError(
@@ -110,7 +134,7 @@ def read_snapshot(path: Path, model_id: str, dimensions: int) -> CacheEntries:
             f"this service runs {model_id} ({dimensions} dimensions)",
         )
     payload = data[start + header_len :]
-    if count < 0 or len(payload) != count * dims * 4 + count * 8:
+    if count < 0 or ids_len < 0 or len(payload) != count * dims * 4 + count * 8 + ids_len:
         raise SnapshotError("corrupt", "snapshot payload is truncated or too long")
     if hashlib.sha256(payload).hexdigest() != checksum:
         raise SnapshotError("corrupt", "snapshot checksum does not match its payload")
@@ -118,7 +142,15 @@ def read_snapshot(path: Path, model_id: str, dimensions: int) -> CacheEntries:
     times = np.frombuffer(payload, dtype="<f8", offset=count * dims * 4, count=count)
     if not (np.isfinite(vectors).all() and np.isfinite(times).all()):
         raise SnapshotError("corrupt", "snapshot holds non-finite values")
-    return CacheEntries(vectors.astype(np.float32), times.astype(np.float64))
+    trace_ids: list[str] = [""] * count
+    if ids_len:
+        try:
+            trace_ids = orjson.loads(payload[count * dims * 4 + count * 8 :])
+        except orjson.JSONDecodeError as exc:
+            raise SnapshotError("corrupt", f"unreadable trace ids: {exc}") from None
+        if not isinstance(trace_ids, list) or len(trace_ids) != count:
+            raise SnapshotError("corrupt", "the trace ids do not match the vectors")
+    return CacheEntries(vectors.astype(np.float32), times.astype(np.float64), trace_ids)
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -198,7 +230,8 @@ class SnapshotStore:
         if not force and version == self._saved_version:
             return False
         try:
-            write_snapshot(path, self.cache.entries(), self.model_id)
+            chunks = list(self.cache.chunks()) or [self.cache.entries()]  # empty: its shape
+            write_snapshot(path, chunks, self.model_id)
         except OSError as exc:
             self.status.save_errors_total += 1
             self.status.last_save_error = f"{exc.strerror or exc} ({path})"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -11,7 +11,7 @@ import numpy.typing as npt
 
 from app.core.health import Health
 from app.core.states import BackendKind
-from app.domain.vector_cache import CacheStats, VectorCache
+from app.domain.vector_cache import CacheEntries, CacheStats, IndexStatus, VectorCache
 
 Vector = npt.NDArray[np.float32]
 
@@ -22,11 +22,22 @@ class MemoryUnavailableError(Exception):
 
 
 @dataclass(frozen=True, slots=True)
+class NearestTrace:
+    """The stored trace with the largest cosine (ties: the newest), and how long ago it was
+    stored, as of this trace's turn."""
+
+    trace_id: str
+    cosine: float
+    age_ms: float
+
+
+@dataclass(frozen=True, slots=True)
 class Comparison:
     """One trace against the memory as it stood just before that trace's turn."""
 
     max_cosine: float | None  # None: the memory was empty
     size: int  # vectors compared against
+    nearest: NearestTrace | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +65,18 @@ class NoveltyMemory(Protocol):
         ...
 
     @property
+    def dimensions(self) -> int: ...
+
+    @property
     def evictions_total(self) -> int: ...
+
+    def index_status(self) -> IndexStatus:
+        """The approximate index of this process's copy of the memory."""
+        ...
+
+    def run_audit(self, limit: int) -> int:
+        """Reruns sampled index answers exactly (blocking: call from a worker thread)."""
+        ...
 
     @property
     def local_cache(self) -> VectorCache:
@@ -81,4 +103,13 @@ class NoveltyMemory(Protocol):
 
     async def clear(self) -> int:
         """Empty the memory (for every replica); how many vectors were dropped."""
+        ...
+
+    def export_chunks(self) -> AsyncIterator[CacheEntries]:
+        """Every entry, oldest first, a chunk at a time."""
+        ...
+
+    async def import_entries(self, entries: CacheEntries) -> tuple[int, int]:
+        """Appends `entries` in order as the newest (capacity and TTL apply); returns
+        (added, skipped as expired). MemoryUnavailableError when it cannot be reached."""
         ...

@@ -2,27 +2,51 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+
+import numpy as np
 
 from app.core.health import Health
-from app.domain.vector_cache import CacheStats, VectorCache
-from app.store.base import BackendInfo, Comparison, Vector
+from app.domain.vector_cache import (
+    CacheEntries,
+    CacheStats,
+    IndexStatus,
+    Nearest,
+    VectorCache,
+    exact_cosine,
+)
+from app.store.base import BackendInfo, Comparison, NearestTrace, Vector
 
 
 def compare_in_order(
-    cache: VectorCache, vectors: Sequence[Vector], *, add: bool
+    cache: VectorCache, vectors: Sequence[Vector], trace_ids: Sequence[str], *, add: bool
 ) -> list[Comparison]:
     """Each vector against `cache`, then added to it when `add`. Without `add` (a dry run)
-    several vectors still see the ones before them, on a copy that is dropped afterwards."""
-    if not add and len(vectors) > 1:
-        cache, add = cache.copy(), True
+    several vectors still see the ones before them: the cache is left as it is, and each is
+    compared with it less the oldest entries the earlier ones would have evicted, and with
+    the earlier ones themselves (newer than any cached entry, so they win ties)."""
     results = []
-    for vector in vectors:
+    pending: list[tuple[Vector, str]] = []
+    for vector, trace_id in zip(vectors, trace_ids, strict=True):
+        now = cache.now_ms()
         size = cache.size
-        best = cache.max_cosine_similarity(vector) if size else None
-        results.append(Comparison(best, size))
+        evicted = max(0, size + len(pending) - cache.capacity)
+        found = cache.nearest(vector, skip_oldest=evicted)
+        for earlier, earlier_id in pending:
+            cosine = exact_cosine(np.asarray(vector, dtype=np.float32), earlier)
+            if found is None or cosine >= found.cosine:
+                found = Nearest(cosine, earlier_id, now)
+        seen = min(cache.capacity, size + len(pending))
+        if found is None:
+            results.append(Comparison(None, 0))
+        else:
+            nearest = NearestTrace(found.trace_id, found.cosine, max(0.0, now - found.added_at_ms))
+            results.append(Comparison(found.cosine, seen, nearest))
         if add:
-            cache.add(vector)
+            cache.add(vector, trace_id=trace_id)
+        else:
+            pending.append((np.asarray(vector, dtype=np.float32), trace_id))
     return results
 
 
@@ -40,6 +64,16 @@ class InProcessMemory:
     @property
     def size(self) -> int:
         return self.cache.size
+
+    def index_status(self) -> IndexStatus:
+        return self.cache.index_status()
+
+    def run_audit(self, limit: int) -> int:
+        return self.cache.run_audit(limit)
+
+    @property
+    def dimensions(self) -> int:
+        return self.cache.dimensions
 
     @property
     def evictions_total(self) -> int:
@@ -61,10 +95,19 @@ class InProcessMemory:
     async def compare(
         self, vectors: Sequence[Vector], trace_ids: Sequence[str], *, add: bool
     ) -> list[Comparison]:
-        return compare_in_order(self.cache, vectors, add=add)
+        return compare_in_order(self.cache, vectors, trace_ids, add=add)
 
     async def stats(self) -> CacheStats:
         return self.cache.stats()
 
     async def clear(self) -> int:
         return self.cache.clear()
+
+    async def export_chunks(self) -> AsyncIterator[CacheEntries]:
+        for chunk in self.cache.chunks():
+            yield chunk
+            await asyncio.sleep(0)  # other requests go on between chunks
+
+    async def import_entries(self, entries: CacheEntries) -> tuple[int, int]:
+        # No await: the whole request is one step of the order.
+        return self.cache.append(entries)

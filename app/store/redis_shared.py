@@ -38,7 +38,7 @@ import dataclasses
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any, TypeVar
@@ -50,7 +50,14 @@ from redis.exceptions import RedisError
 from redis.retry import Retry
 
 from app.core.health import UNMEASURED, Health
-from app.domain.vector_cache import CacheStats, VectorCache
+from app.domain.vector_cache import (
+    DEFAULT_INDEX_THRESHOLD,
+    CacheEntries,
+    CacheStats,
+    IndexStatus,
+    SearchMode,
+    VectorCache,
+)
 from app.store.base import BackendInfo, Comparison, MemoryUnavailableError, Vector
 from app.store.in_process import compare_in_order
 
@@ -60,6 +67,12 @@ RETRY_INTERVAL_S = 0.5
 #: Vectors one exchange appends at most when it carries several requests (a larger batch
 #: still goes whole, alone).
 GROUP_VECTORS = 256
+#: Entries one run of import.lua appends (about 1.5 MB of vectors).
+IMPORT_BATCH = 1000
+#: Log entries one exchange returns at most: a replica far behind (a start against a large
+#: memory, a long outage) catches up a page at a time, each well within KP_REDIS_TIMEOUT_MS,
+#: and Redis serves the other replicas between pages.
+PAGE = 2000
 _WIRE = np.dtype("<f4")
 _T = TypeVar("_T")
 #: exchange.lua's first reply element: its run went through, or this replica's settings
@@ -121,6 +134,8 @@ class RedisSharedMemory:
         timeout_ms: float,
         model: str | None,
         dimensions: int = 384,
+        search: SearchMode = "auto",
+        index_threshold: int = DEFAULT_INDEX_THRESHOLD,
     ) -> None:
         self.location = location
         self.prefix = prefix
@@ -139,9 +154,17 @@ class RedisSharedMemory:
         )
         self._exchange_script = self._client.register_script(script_text("exchange.lua"))
         self._reset_script = self._client.register_script(script_text("reset.lua"))
+        self._import_script = self._client.register_script(script_text("import.lua"))
         self._keys = [f"{prefix}novelty:log", f"{prefix}novelty:meta"]
         self._now_ms = 0.0  # Redis's clock as of the step being applied
-        self.mirror = VectorCache(capacity, dimensions, ttl_ms, clock_ms=lambda: self._now_ms)
+        self.mirror = VectorCache(
+            capacity,
+            dimensions,
+            ttl_ms,
+            clock_ms=lambda: self._now_ms,
+            search=search,
+            index_threshold=index_threshold,
+        )
         self._epoch = b""
         self._last_id = b"0-0"
         self._adds_total = 0
@@ -149,6 +172,12 @@ class RedisSharedMemory:
         self._queue: deque[_Exchange | _Reset] = deque()
         self._flusher: asyncio.Task[None] | None = None
         self._probe: asyncio.Task[None] | None = None
+        self._warmer: asyncio.Task[None] | None = None
+        self._followers: set[asyncio.Task[None]] = set()
+        self._caught_up = False
+        self._first_page = asyncio.Event()
+        self._log_length = 0
+        self._closed = False
         self._available = True  # until an exchange says otherwise
         self._reason: str | None = None
         self._outages_total = 0
@@ -173,6 +202,22 @@ class RedisSharedMemory:
     def size(self) -> int:
         return self.mirror.size
 
+    def index_status(self) -> IndexStatus:
+        """The mirror's index; while the first catch-up runs, warming with its progress."""
+        status = self.mirror.index_status()
+        loading = self.warming
+        if loading is None:
+            return status
+        loaded, total = loading
+        return dataclasses.replace(status, warming=True, progress=loaded / total if total else 0.0)
+
+    def run_audit(self, limit: int) -> int:
+        return self.mirror.run_audit(limit)
+
+    @property
+    def dimensions(self) -> int:
+        return self.mirror.dimensions
+
     @property
     def evictions_total(self) -> int:
         return self._evictions_total
@@ -192,12 +237,37 @@ class RedisSharedMemory:
     # ── lifecycle ───────────────────────────────────────────────────────────
 
     async def start(self) -> None:
-        """One exchange, to load the mirror; Redis down is reported, not fatal."""
+        """Loads the mirror: the first page now (a new memory takes this replica's
+        settings), the rest in the background (the service answers /healthz meanwhile, and
+        /readyz says warming); Redis down is reported, not fatal."""
+        self._warmer = asyncio.create_task(self._warm())
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self._first_page.wait()), self._timeout_s)
+
+    async def _warm(self) -> None:
+        await self._follow()
+        self._caught_up = True
+        self._first_page.set()
+
+    async def _follow(self) -> None:
+        """Reads the log up to its end, without a timeout: as many pages as it holds."""
+        request = _Exchange([], [], add=False)
+        self._queue.append(request)
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.create_task(self._flush())
         with contextlib.suppress(MemoryUnavailableError):
-            await self._sync()
+            await request.future
+
+    @property
+    def warming(self) -> tuple[int, int] | None:
+        """(entries loaded, entries in the log) while the first catch-up runs, else None."""
+        if self._caught_up:
+            return None
+        return self.mirror.size, max(self._log_length, self.mirror.size)
 
     async def close(self) -> None:
-        for task in (self._probe, self._flusher):
+        self._closed = True
+        for task in (self._probe, self._flusher, self._warmer, *self._followers):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -212,7 +282,15 @@ class RedisSharedMemory:
     ) -> list[Comparison]:
         if not self._available:
             self._unmeasured_in_outage += len(vectors)
+            self._ensure_probe()
             raise MemoryUnavailableError(self._unavailable_detail())
+        loading = self.warming
+        if loading is not None and loading[1] > PAGE:
+            # A large log is still being loaded: an answer now would wait for all of it.
+            raise MemoryUnavailableError(
+                f"the shared cache at {self.location} is loading (cache_warming): "
+                f"{loading[0]} of {loading[1]} entries"
+            )
         request = _Exchange(vectors, trace_ids, add)
         return await self._submit(request, request.future)
 
@@ -233,6 +311,48 @@ class RedisSharedMemory:
         # settings when the replicas' KP_CACHE_* disagree with it.
         reset = _Reset()
         return await self._submit(reset, reset.future)
+
+    async def export_chunks(self) -> AsyncIterator[CacheEntries]:
+        """The shared memory, brought up to date, from this replica's mirror of it."""
+        await self._sync()
+        for chunk in self.mirror.chunks():
+            yield chunk
+            await asyncio.sleep(0)
+
+    async def import_entries(self, entries: CacheEntries) -> tuple[int, int]:
+        """Appended by import.lua, IMPORT_BATCH entries a run (Redis serves others between
+        runs); the replicas' mirrors, this one's too, read them from the log as usual."""
+        if not self._available:
+            raise MemoryUnavailableError(self._unavailable_detail())
+        added = skipped = 0
+        settings = [str(self.capacity), _number(self.ttl_ms), self.model]
+        ids = entries.ids()
+        for start in range(0, len(entries.vectors), IMPORT_BATCH):
+            args: list[bytes | str] = list(settings)
+            for i in range(start, min(start + IMPORT_BATCH, len(entries.vectors))):
+                args += [
+                    ids[i],
+                    repr(float(entries.added_at_ms[i])),
+                    np.asarray(entries.vectors[i], dtype=_WIRE).tobytes(),
+                ]
+            try:
+                async with asyncio.timeout(self._timeout_s):
+                    status, *body = await self._import_script(keys=self._keys, args=args)
+                if status == SETTINGS_MISMATCH:
+                    raise SettingsMismatchError(body[0].decode())
+                appended, expired = body
+            except (RedisError, OSError, TimeoutError, SettingsMismatchError) as exc:
+                self._went_down(exc)
+                raise MemoryUnavailableError(
+                    f"{self._unavailable_detail()} ({added} entries of this import were "
+                    "added before it failed)"
+                ) from None
+            added, skipped = added + int(appended), skipped + int(expired)
+        # The mirror reads them in the background, a page at a time (a request meanwhile
+        # waits behind those pages).
+        self._followers.add(task := asyncio.create_task(self._follow()))
+        task.add_done_callback(self._followers.discard)
+        return added, skipped
 
     # ── one exchange at a time ──────────────────────────────────────────────
 
@@ -281,6 +401,7 @@ class RedisSharedMemory:
             str(self.capacity),
             _number(self.ttl_ms),
             self.model,
+            str(PAGE),
         ]
         for request in group:
             if request.add:
@@ -290,6 +411,11 @@ class RedisSharedMemory:
             async with asyncio.timeout(self._timeout_s):
                 reply = await self._exchange_script(keys=self._keys, args=args)
             results = self._apply(reply, group)
+            if results is None:
+                # Not caught up: the log's next page first, then these requests again.
+                self._queue.extendleft(reversed(group))
+                self._went_up()
+                return
         except (RedisError, OSError, TimeoutError, ValueError, SettingsMismatchError) as exc:
             self._went_down(exc)
             error = MemoryUnavailableError(self._unavailable_detail())
@@ -303,49 +429,62 @@ class RedisSharedMemory:
             if not request.future.done():
                 request.future.set_result(result)
 
-    def _apply(self, reply: list[Any], group: list[_Exchange]) -> list[list[Comparison]]:
-        """The log's new entries into the mirror, then this replica's own requests in order.
-        Runs without awaiting: nothing else touches the mirror meanwhile."""
+    def _apply(self, reply: list[Any], group: list[_Exchange]) -> list[list[Comparison]] | None:
+        """The log's new entries into the mirror, then this replica's own requests in order
+        (None: a page of the log only, more waits). Runs without awaiting: nothing else
+        touches the mirror meanwhile."""
         status, *body = reply
         if status == SETTINGS_MISMATCH:
             raise SettingsMismatchError(body[0].decode())
         if status != EXCHANGED:
             raise ValueError(f"exchange.lua answered {status!r}: not this service's script")
-        epoch, now_ms, full, entries, own_ids, adds_total, evictions_total = body
+        epoch, now_ms, full, entries, own_ids, adds_total, evictions_total, more, length = body
+        self._log_length = int(length)
+        self._first_page.set()
         if full:
             self.mirror.clear()
             self._epoch, self._last_id = epoch, b"0-0"
-        for entry_id, fields in entries:
-            vector = self._vector_of(fields)
-            self._now_ms = _ms_of(entry_id)
-            self.mirror.add(vector, added_at_ms=self._now_ms)
-            self._last_id = entry_id
+        if entries:
+            read = [self._entry_of(fields) for _, fields in entries]
+            times = np.array([_ms_of(entry_id) for entry_id, _ in entries], dtype=np.float64)
+            self.mirror.extend(
+                np.stack([vector for vector, _ in read]), times, [t for _, t in read]
+            )
+            self._now_ms = float(times[-1])
+            self._last_id = entries[-1][0]
+        self._adds_total, self._evictions_total = int(adds_total), int(evictions_total)
+        if more:
+            return None
+        self._caught_up = True
         own = iter(own_ids)
         results = []
         for request in group:
             if request.add:
                 compared = []
-                for vector in request.vectors:
+                for vector, trace_id in zip(request.vectors, request.trace_ids, strict=True):
                     entry_id = next(own)
                     self._now_ms = _ms_of(entry_id)  # the mirror's clock: the entry's time
-                    (comparison,) = compare_in_order(self.mirror, [vector], add=True)
+                    (comparison,) = compare_in_order(self.mirror, [vector], [trace_id], add=True)
                     self._last_id = entry_id
                     compared.append(comparison)
                 results.append(compared)
             else:
                 self._now_ms = max(self._now_ms, float(now_ms))
-                results.append(compare_in_order(self.mirror, request.vectors, add=False))
-        self._adds_total, self._evictions_total = int(adds_total), int(evictions_total)
+                results.append(
+                    compare_in_order(self.mirror, request.vectors, request.trace_ids, add=False)
+                )
         return results
 
-    def _vector_of(self, fields: list[bytes]) -> Vector:
-        data = dict(zip(fields[::2], fields[1::2], strict=True)).get(b"v", b"")
+    def _entry_of(self, fields: list[bytes]) -> tuple[Vector, str]:
+        named = dict(zip(fields[::2], fields[1::2], strict=True))
+        data = named.get(b"v", b"")
         if len(data) != self.mirror.dimensions * _WIRE.itemsize:
             raise ValueError(
                 f"a log entry holds {len(data)} bytes, not a {self.mirror.dimensions}-float "
                 "vector: another kind of service writes under this KP_REDIS_PREFIX"
             )
-        return np.frombuffer(data, dtype=_WIRE).astype(np.float32)
+        trace_id = named.get(b"trace", b"").decode("utf-8", "replace")
+        return np.frombuffer(data, dtype=_WIRE).astype(np.float32), trace_id
 
     async def _run_reset(self, item: _Reset) -> None:
         try:
@@ -389,7 +528,7 @@ class RedisSharedMemory:
             "until Redis answers again",
             extra={"redis": self.location, "prefix": self.prefix, "reason": self._reason},
         )
-        self._probe = asyncio.create_task(self._reconnect())
+        self._ensure_probe()
 
     def _went_up(self) -> None:
         if self._available:
@@ -404,11 +543,22 @@ class RedisSharedMemory:
             },
         )
 
+    def _ensure_probe(self) -> None:
+        """A probe runs while the memory is unavailable: it is what notices that Redis is
+        back, or that a reset elsewhere gave the shared memory this replica's settings."""
+        if not self._closed and (self._probe is None or self._probe.done()):
+            self._probe = asyncio.create_task(self._reconnect())
+
     async def _reconnect(self) -> None:
         while not self._available:
             await asyncio.sleep(RETRY_INTERVAL_S)
-            with contextlib.suppress(MemoryUnavailableError):
+            try:
                 await self._sync()
+            except MemoryUnavailableError:
+                pass
+            except Exception:
+                # The probe must outlive any surprise, or the replica stays refused for good.
+                log.exception("shared cache probe failed; retrying")
 
 
 def _describe(exc: BaseException) -> str:

@@ -14,7 +14,7 @@ from app.api.asgi.base import (
     replaying,
     send_json,
 )
-from app.api.asgi.content_type import BODY_METHODS
+from app.api.asgi.content_type import has_json_body
 from app.core.errors import SERVER_REFUSAL
 from app.schemas.limits import json_depth_exceeds
 
@@ -25,7 +25,7 @@ class BodySize:
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] not in BODY_METHODS:
+        if scope["type"] != "http" or not has_json_body(scope):
             await self.app(scope, receive, send)
             return
         declared = header(scope, b"content-length")
@@ -64,7 +64,7 @@ class JsonDepth:
         self.max_json_depth = max_json_depth
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] not in BODY_METHODS:
+        if scope["type"] != "http" or not has_json_body(scope):
             await self.app(scope, receive, send)
             return
         message = await receive()

@@ -6,7 +6,7 @@ from fastapi import APIRouter, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from app.api.deps import ServicesDep
-from app.api.presenters import backend_out, snapshot_out
+from app.api.presenters import backend_out, index_out, snapshot_out
 from app.api.routes.cache import embedder_out
 from app.schemas.responses import HealthOut, ReadyOut
 
@@ -21,12 +21,14 @@ async def healthz() -> HealthOut:
 @router.get("/readyz", summary="Readiness, with the embedder's and the cache's state")
 async def readyz(services: ServicesDep) -> ReadyOut:
     health = services.runtime.health()
+    index = services.memory.index_status()
     return ReadyOut(
-        status="degraded" if health.degraded else "ready",
+        status="degraded" if health.degraded else "warming" if index.warming else "ready",
         degraded=health.degraded,
         embedder=embedder_out(services),
         cache_size=services.memory.size,
         cache_backend=backend_out(services.memory.backend),
+        cache_index=index_out(index),
         admin_auth=not services.settings.cache_open,
         snapshot=snapshot_out(services.snapshots.status),
         warnings=list(health.warnings),

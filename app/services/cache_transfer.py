@@ -1,0 +1,162 @@
+"""GET /cache/export and POST /cache/import: the memory as NDJSON lines, oldest first.
+
+One line a line: `{"trace_id": "kp:trace:...", "added_at_ms": 1732400000000.0, "vector":
+"<base64 of the little-endian float32 values>"}`. Exports go out a chunk of entries at a time
+and imports are read a network chunk at a time, so a million entries are never one document.
+An import is all or nothing: every line is checked before any is added, and the first bad one
+is named by its line number (1-based).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import math
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+
+import numpy as np
+import orjson
+
+from app.domain.vector_cache import CacheEntries
+
+_WIRE = np.dtype("<f4")
+#: A trace id is at most this long (SPEC 2 caps strings; ids are far shorter).
+MAX_TRACE_ID = 1024
+
+
+class ImportLineError(ValueError):
+    """A line that is not an entry; nothing of the request is imported."""
+
+    def __init__(self, line: int, problem: str) -> None:
+        super().__init__(f"line {line}: {problem}")
+        self.line = line
+        self.problem = problem
+
+
+@dataclass(frozen=True, slots=True)
+class ImportResult:
+    imported: int  # added as the newest entries
+    expired: int  # skipped: past the TTL already
+    received: int  # lines read
+
+
+def export_lines(chunks: Iterable[CacheEntries]) -> Iterable[bytes]:
+    """NDJSON, a chunk of lines at a time."""
+    for chunk in chunks:
+        vectors = np.ascontiguousarray(chunk.vectors, dtype=_WIRE)
+        lines = [
+            orjson.dumps(
+                {
+                    "trace_id": trace_id,
+                    "added_at_ms": float(added_at),
+                    "vector": base64.b64encode(vector.tobytes()).decode("ascii"),
+                }
+            )
+            for trace_id, added_at, vector in zip(
+                chunk.ids(), chunk.added_at_ms, vectors, strict=True
+            )
+        ]
+        if lines:
+            yield b"\n".join(lines) + b"\n"
+
+
+class LineReader:
+    """Parses an NDJSON body as it arrives; `entries()` once it has all been fed."""
+
+    def __init__(self, dimensions: int) -> None:
+        self.dimensions = dimensions
+        self._rest = b""
+        self._line = 0
+        self._vectors: list[np.ndarray] = []
+        self._times: list[float] = []
+        self._ids: list[str] = []
+
+    @property
+    def lines(self) -> int:
+        return self._line
+
+    def feed(self, data: bytes) -> None:
+        data = self._rest + data
+        *complete, self._rest = data.split(b"\n")
+        for raw in complete:
+            self._parse(raw)
+
+    def finish(self) -> CacheEntries:
+        if self._rest.strip():
+            self._parse(self._rest)
+        self._rest = b""
+        vectors = (
+            np.stack(self._vectors)
+            if self._vectors
+            else np.empty((0, self.dimensions), dtype=np.float32)
+        )
+        return CacheEntries(vectors, np.asarray(self._times, dtype=np.float64), self._ids)
+
+    def _parse(self, raw: bytes) -> None:
+        self._line += 1
+        if not raw.strip():
+            return  # blank lines (a trailing newline, CRLF leftovers) carry nothing
+        try:
+            item = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise ImportLineError(self._line, f"not JSON: {exc}") from None
+        if not isinstance(item, dict):
+            raise ImportLineError(self._line, "must be a JSON object")
+        missing = {"trace_id", "added_at_ms", "vector"} - item.keys()
+        if missing:
+            raise ImportLineError(self._line, f"missing {', '.join(sorted(missing))}")
+        trace_id, added_at, encoded = item["trace_id"], item["added_at_ms"], item["vector"]
+        if not isinstance(trace_id, str) or len(trace_id) > MAX_TRACE_ID:
+            raise ImportLineError(
+                self._line, f"trace_id must be a string of at most {MAX_TRACE_ID} characters"
+            )
+        if (
+            isinstance(added_at, bool)
+            or not isinstance(added_at, int | float)
+            or not math.isfinite(added_at)
+            or added_at < 0
+        ):
+            raise ImportLineError(self._line, "added_at_ms must be a finite number >= 0")
+        if not isinstance(encoded, str):
+            raise ImportLineError(self._line, "vector must be a base64 string")
+        try:
+            data = base64.b64decode(encoded, validate=True)
+        except (binascii.Error, ValueError):
+            raise ImportLineError(self._line, "vector is not valid base64") from None
+        if len(data) != self.dimensions * _WIRE.itemsize:
+            raise ImportLineError(
+                self._line,
+                f"vector holds {len(data)} bytes, not {self.dimensions} float32 "
+                f"({self.dimensions * _WIRE.itemsize} bytes)",
+            )
+        vector = np.frombuffer(data, dtype=_WIRE).astype(np.float32)
+        if not np.isfinite(vector).all():
+            raise ImportLineError(self._line, "vector has non-finite values")
+        self._vectors.append(vector)
+        self._times.append(float(added_at))
+        self._ids.append(trace_id)
+
+
+async def read_body(
+    stream: AsyncIterator[bytes], dimensions: int, max_bytes: int
+) -> tuple[CacheEntries, int]:
+    """Every entry of an NDJSON body and the lines read; ImportLineError on the first bad
+    line, BodyTooLargeError past `max_bytes`."""
+    reader = LineReader(dimensions)
+    size = 0
+    async for chunk in stream:
+        size += len(chunk)
+        if size > max_bytes:
+            raise BodyTooLargeError(max_bytes)
+        reader.feed(chunk)
+    entries = reader.finish()
+    return entries, reader.lines
+
+
+class BodyTooLargeError(ValueError):
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(
+            f"the import is larger than {max_bytes} bytes (KP_CACHE_IMPORT_MAX_BYTES): "
+            "send the lines in several requests"
+        )

@@ -1,0 +1,363 @@
+"""The memory phase: the novelty memory at 100,000 real MiniLM vectors and at 1,000,000.
+
+    python -m bench.memory [--sizes 100000,1000000] [--queries 500] [--no-service]
+
+Vectors (bench.memory_corpus): paragraphs of the docstrings and changelogs Debian's packages
+ship, embedded once by the service's own model (float32) and cached in ~/.cache/kp-scoring.
+The 100,000-entry memory holds 100,000 of them (when fewer are embedded yet, as many as there
+are, and derived ones for the rest: the report says how many are real). The 1,000,000-entry
+one holds those and derived ones: each mixes two random real vectors (weights 1 and 0.5) with
+10 % Gaussian noise, renormalised, so it lies among the real ones rather than in empty space.
+
+Queries, each against the memory's answer and the exact maximum (float64 over every entry):
+- near-duplicates: edits of stored texts (about 15 % of their words dropped at random),
+  embedded by the model; counted among near-duplicates when the exact maximum is >= 0.9;
+- fresh: real paragraphs that are not stored.
+
+Figures: how often the answer's max_cosine equals the exact one (both groups, and all), the
+worst difference, query p50/p99 on one core, the add rate (every add, index upkeep included),
+bytes per entry, the process's resident memory, PASS/FAIL against the issue's targets. With
+the service part (default), a snapshot of the 1,000,000 entries is written, a service is
+started on it (restart time to /healthz and to ready, the index built), and the dry-run
+latency of typical traces is compared with a service holding 1,000, requests interleaved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import faiss
+import numpy as np
+import numpy.typing as npt
+
+from app.domain.vector_cache import VectorCache
+from bench import memory_corpus
+from bench.server import rss_mb
+from bench.stats import percentile
+
+Matrix = npt.NDArray[np.float32]
+TARGETS = {
+    "near_duplicate_recall": 1.0,  # every near-duplicate (exact >= 0.9) found exactly
+    "recall_all": 0.99,
+    "worst_difference": 0.01,
+    "query_p99_ms": 1.0,  # at 1,000,000
+    "add_ms_mean": 0.1,
+    "request_ratio": 1.25,
+}
+REAL_VECTORS = 100_000
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "memory.json"
+
+
+def derived(real: Matrix, count: int, seed: int) -> Matrix:
+    rng = np.random.default_rng(seed)
+    out = np.empty((count, real.shape[1]), dtype=np.float32)
+    for start in range(0, count, 50_000):
+        n = min(50_000, count - start)
+        a = real[rng.integers(0, len(real), n)]
+        b = real[rng.integers(0, len(real), n)]
+        noise = rng.standard_normal((n, real.shape[1])).astype(np.float32)
+        v = a + 0.5 * b + 0.1 * noise / np.sqrt(real.shape[1])
+        out[start : start + n] = v / np.linalg.norm(v, axis=1, keepdims=True)
+    return out
+
+
+def edited(text: str, rng: random.Random) -> str:
+    words = text.split()
+    kept = [w for w in words if rng.random() > 0.15]
+    return " ".join(kept or words[:1])
+
+
+def embed(texts: list[str]) -> Matrix:
+    from app.embedding import model_files
+    from app.embedding.onnx_embedder import OnnxEmbedder
+
+    files = model_files.resolve(None, None)
+    embedder = OnnxEmbedder(files.model, files.tokenizer, intra_op_threads=1)
+    return np.concatenate([embedder.embed(texts[i : i + 32]) for i in range(0, len(texts), 32)])
+
+
+def exact_max(stored: Matrix, queries: Matrix) -> npt.NDArray[np.float64]:
+    """The exact maximum cosine of each query over every stored vector, in float64."""
+    best = np.full(len(queries), -1.0)
+    q64 = queries.astype(np.float64)
+    q64 /= np.linalg.norm(q64, axis=1, keepdims=True)
+    for start in range(0, len(stored), 100_000):
+        block = stored[start : start + 100_000].astype(np.float64)
+        block /= np.linalg.norm(block, axis=1, keepdims=True)
+        best = np.maximum(best, (block @ q64.T).max(axis=0))
+    return best
+
+
+def measure_size(stored: Matrix, near: Matrix, fresh: Matrix, threshold: int) -> dict[str, Any]:
+    n = len(stored)
+    rss_before = rss_mb(os.getpid())
+    # As the service runs it: index builds in a background thread (the adds measured are the
+    # foreground's), waited for before the queries.
+    cache = VectorCache(capacity=n, index_threshold=threshold)
+    add_ms: list[float] = []
+    started = time.perf_counter()
+    for i, v in enumerate(stored):
+        t = time.perf_counter()
+        cache.add(v, trace_id=f"kp:trace:{i}")
+        add_ms.append((time.perf_counter() - t) * 1000)
+    fill_s = time.perf_counter() - started
+    while not cache.wait_for_index(600) or cache.index_status().state != "ready":
+        time.sleep(0.1)
+    ready_s = time.perf_counter() - started
+    status = cache.index_status()
+    stats = cache.stats()
+    result: dict[str, Any] = {
+        "entries": n,
+        "index": {"state": status.state, "indexed": status.indexed},
+        "fill_s": round(fill_s, 1),
+        "index_ready_s": round(ready_s, 1),
+        "add_ms_mean": float(np.mean(add_ms)),
+        "add_ms_p99": percentile(add_ms, 99),
+        "adds_per_s": n / fill_s,
+        "bytes_per_entry": stats.memory_bytes / n,
+        "rss_mb": rss_mb(os.getpid()),
+        "rss_growth_mb": rss_mb(os.getpid()) - rss_before,
+    }
+    for name, queries in (("near_duplicates", near), ("fresh", fresh)):
+        truth = exact_max(stored, queries)
+        answers, times = [], []
+        for q in queries:
+            t = time.perf_counter()
+            found = cache.nearest(q)
+            times.append((time.perf_counter() - t) * 1000)
+            assert found is not None
+            answers.append(found.cosine)
+        got = np.asarray(answers)
+        diff = truth - got
+        if name == "near_duplicates":
+            mask = truth >= 0.9
+            result["near_duplicate_count"] = int(mask.sum())
+            result["near_duplicate_recall"] = float((np.abs(diff[mask]) <= 1e-9).mean())
+        result[name] = {
+            "queries": len(queries),
+            "recall": float((np.abs(diff) <= 1e-9).mean()),
+            "worst_difference": float(diff.max()),
+            "query_p50_ms": percentile(times, 50),
+            "query_p99_ms": percentile(times, 99),
+            "exact_max_median": float(np.median(truth)),
+        }
+    both = result["near_duplicates"], result["fresh"]
+    result["recall_all"] = float(np.mean([b["recall"] for b in both]))
+    result["worst_difference"] = max(b["worst_difference"] for b in both)
+    result["query_p50_ms"] = max(b["query_p50_ms"] for b in both)
+    result["query_p99_ms"] = max(b["query_p99_ms"] for b in both)
+    # The exact scan at this size, for comparison (a few queries: it is the slow path).
+    exact = VectorCache(capacity=n, search="exact")
+    exact.load(cache.entries())
+    t = time.perf_counter()
+    for q in fresh[:20]:
+        exact.nearest(q)
+    result["exact_scan_ms"] = (time.perf_counter() - t) * 1000 / 20
+    del exact
+    return result
+
+
+def checks(result: dict[str, Any], large: bool) -> list[dict[str, Any]]:
+    rows = [
+        ("near_duplicate_recall", result["near_duplicate_recall"], ">=", 1.0),
+        ("recall_all", result["recall_all"], ">=", TARGETS["recall_all"]),
+        ("worst_difference", result["worst_difference"], "<=", TARGETS["worst_difference"]),
+        ("add_ms_mean", result["add_ms_mean"], "<=", TARGETS["add_ms_mean"]),
+    ]
+    if large:
+        rows.append(("query_p99_ms", result["query_p99_ms"], "<=", TARGETS["query_p99_ms"]))
+    return [
+        {
+            "size": result["entries"],
+            "figure": name,
+            "value": value,
+            "target": f"{op} {target}",
+            "pass": value >= target if op == ">=" else value <= target,
+        }
+        for name, value, op, target in rows
+    ]
+
+
+def service_phase(stored: Matrix, workdir: Path) -> dict[str, Any]:
+    """Restart on a snapshot of every entry; dry-run latency against a 1,000-entry service."""
+    from app.domain.vector_cache import CacheEntries
+    from app.embedding import model_files
+    from app.services.snapshots import write_snapshot
+    from bench import corpus
+    from bench.server import Server
+
+    files = model_files.resolve(None, None)
+    model_id = model_files.identity(files, "float32")
+    now = time.time() * 1000
+    big, small = workdir / "big.snapshot", workdir / "small.snapshot"
+    n = len(stored)
+    times = (now - 1000.0 + np.arange(n) * (1000.0 / n)).astype(np.float64)
+    ids = [f"kp:trace:{i}" for i in range(n)]
+    t = time.perf_counter()
+    write_snapshot(big, CacheEntries(stored, times, ids), model_id)
+    write_s = time.perf_counter() - t
+    write_snapshot(small, CacheEntries(stored[-1000:], times[-1000:], ids[-1000:]), model_id)
+    common = {
+        "KP_EMBEDDER_PRELOAD": "true",
+        "KP_EMBEDDER_WORKERS": "1",
+        "KP_LOG_LEVEL": "warning",
+        "KP_CACHE_SNAPSHOT_INTERVAL_S": "100000",
+    }
+    out: dict[str, Any] = {"snapshot_write_s": round(write_s, 1), "entries": n}
+    started = time.perf_counter()
+    large = Server(
+        common | {"KP_CACHE_CAPACITY": str(n), "KP_CACHE_SNAPSHOT_PATH": str(big)},
+        workdir / "large.log",
+        timeout_s=600,
+    )
+    out["restart_to_healthz_s"] = round(time.perf_counter() - started, 1)
+    import httpx
+
+    with httpx.Client(base_url=f"http://127.0.0.1:{large.port}", timeout=60) as c:
+        while c.get("/readyz").json()["status"] != "ready":
+            time.sleep(0.2)
+    out["restart_to_ready_s"] = round(time.perf_counter() - started, 1)
+    out["service_rss_mb"] = rss_mb(large.pid)
+    smaller = Server(
+        common | {"KP_CACHE_CAPACITY": "1000", "KP_CACHE_SNAPSHOT_PATH": str(small)},
+        workdir / "small.log",
+    )
+    items = corpus.build("typical", 200, seed=11)
+    lat: dict[str, list[float]] = {"large": [], "small": []}
+    with (
+        httpx.Client(base_url=f"http://127.0.0.1:{large.port}", timeout=60) as cl,
+        httpx.Client(base_url=f"http://127.0.0.1:{smaller.port}", timeout=60) as cs,
+    ):
+        for item in items[:10]:  # warm both
+            for client in (cl, cs):
+                client.post("/evaluate", params={"dry_run": "true"}, json=item.trace)
+        for i, item in enumerate(items):
+            order = (("large", cl), ("small", cs)) if i % 2 else (("small", cs), ("large", cl))
+            for name, client in order:
+                t = time.perf_counter()
+                r = client.post("/evaluate", params={"dry_run": "true"}, json=item.trace)
+                lat[name].append((time.perf_counter() - t) * 1000)
+                assert r.status_code == 200, r.text
+                assert r.json()["novelty"]["measured"], r.text
+    large.stop()
+    smaller.stop()
+    for name, values in lat.items():
+        out[f"{name}_p50_ms"] = percentile(values, 50)
+        out[f"{name}_p99_ms"] = percentile(values, 99)
+    out["request_ratio"] = out["large_p50_ms"] / out["small_p50_ms"]
+    return out
+
+
+def run(sizes: list[int], queries: int, service: bool, threshold: int) -> dict[str, Any]:
+    faiss.omp_set_num_threads(1)  # one core, as the issue's budget is stated
+    real_count = REAL_VECTORS  # the same corpus (and cache) whatever the sizes
+    texts, vectors = memory_corpus.available(real_count)
+    if not len(vectors):
+        texts, vectors = memory_corpus.vectors(real_count)
+    # Fresh: paragraphs past every one that is (or will be) embedded for the memory.
+    stored_texts = set(texts)
+    extra = [t for t in memory_corpus.texts(real_count + 4 * queries) if t not in stored_texts][
+        :queries
+    ]
+    rng = random.Random(5)
+    picks = rng.sample(range(len(texts)), queries)
+    print(f"embedding {queries} edits and {len(extra)} fresh paragraphs", file=sys.stderr)
+    near = embed([edited(texts[i], rng) for i in picks])
+    fresh = embed(extra)
+    doc: dict[str, Any] = {
+        "source": "docstrings of /usr/lib/python3.11 and /usr/lib/python3/dist-packages, "
+        "then /usr/share/doc changelog items (bench/memory_corpus.py)",
+        "real_vectors": len(vectors),
+        "cache": str(memory_corpus.CACHE_DIR),
+        "threshold": threshold,
+        "sizes": [],
+        "checks": [],
+    }
+    for size in sizes:
+        # Past the real vectors embedded so far: derived ones (the module docstring).
+        stored = (
+            vectors
+            if size <= len(vectors)
+            else np.concatenate([vectors, derived(vectors, size - len(vectors), seed=size)])
+        )
+        stored = stored[:size]
+        print(f"memory of {size} entries ...", file=sys.stderr, flush=True)
+        result = measure_size(stored, near, fresh, threshold)
+        doc["sizes"].append(result)
+        doc["checks"] += checks(result, large=size >= 1_000_000)
+        if service and size == max(sizes):
+            with tempfile.TemporaryDirectory() as tmp:
+                doc["service"] = service_phase(stored, Path(tmp))
+            doc["checks"].append(
+                {
+                    "size": size,
+                    "figure": "request_ratio",
+                    "value": doc["service"]["request_ratio"],
+                    "target": f"<= {TARGETS['request_ratio']}",
+                    "pass": doc["service"]["request_ratio"] <= TARGETS["request_ratio"],
+                }
+            )
+        del stored
+    return doc
+
+
+def render(doc: dict[str, Any]) -> str:
+    lines = [
+        f"memory phase: real vectors {doc['real_vectors']} ({doc['source']}); "
+        f"index from {doc['threshold']} entries",
+        "entries   | near-dup recall (n) | fresh recall | all   | worst diff | query p50/p99 ms | exact scan ms | add ms mean/p99 | adds/s  | B/entry | RSS MB",
+    ]
+    for r in doc["sizes"]:
+        lines.append(
+            f"{r['entries']:>9} | {r['near_duplicate_recall']:.4f} ({r['near_duplicate_count']:>3})"
+            f"     | {r['fresh']['recall']:.4f}       | {r['recall_all']:.4f}"
+            f" | {r['worst_difference']:.2e}   | {r['query_p50_ms']:.3f} / {r['query_p99_ms']:.3f}"
+            f"    | {r['exact_scan_ms']:.1f}"
+            f"          | {r['add_ms_mean']:.4f} / {r['add_ms_p99']:.3f}  | {r['adds_per_s']:>7.0f}"
+            f" | {r['bytes_per_entry']:>7.0f} | {r['rss_mb']:.0f}"
+        )
+    if "service" in doc:
+        s = doc["service"]
+        lines.append(
+            f"service at {s['entries']}: snapshot written in {s['snapshot_write_s']} s; restart "
+            f"to /healthz {s['restart_to_healthz_s']} s, to ready (index built) "
+            f"{s['restart_to_ready_s']} s; RSS {s['service_rss_mb']:.0f} MB; dry-run p50 "
+            f"{s['large_p50_ms']:.2f} ms vs {s['small_p50_ms']:.2f} ms with 1,000 "
+            f"(ratio {s['request_ratio']:.2f}); p99 {s['large_p99_ms']:.2f} vs {s['small_p99_ms']:.2f}"
+        )
+    for c in doc["checks"]:
+        lines.append(
+            f"  {'PASS' if c['pass'] else 'FAIL'}  {c['size']:>9} {c['figure']:<22} "
+            f"{c['value']:.4g} (target {c['target']})"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.memory", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--sizes", default="100000,1000000")
+    parser.add_argument("--queries", type=int, default=500)
+    parser.add_argument("--threshold", type=int, default=20_000)
+    parser.add_argument("--no-service", action="store_true", help="skip the service part")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = parser.parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    doc = run(sizes, args.queries, not args.no_service, args.threshold)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=2) + "\n")
+    print(render(doc))
+    return 0 if all(c["pass"] for c in doc["checks"]) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
