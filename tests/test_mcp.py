@@ -134,13 +134,13 @@ def test_the_embedder_sequence_scores_as_the_reference(onnx_server: Server) -> N
         assert answer["novelty"]["cache_size"] == case["cache_size_before"]
     measured = [r for r in results if r.structured_content["novelty"]["measured"]]
     assert measured
+    ids = [c["trace"]["id"] for c in cases]
     for r in measured:
         novelty = r.structured_content["novelty"]
-        cosine = f"{novelty['max_cosine']:.4f}"
-        if novelty.get("nearest") is not None:
-            said = f"; nearest earlier trace {novelty['nearest']['trace_id']} (cosine {cosine})"
-        else:
-            said = f"; max cosine {cosine} with {novelty['cache_size']} earlier traces"
+        nearest = novelty["nearest"]
+        assert nearest["trace_id"] in ids
+        cosine = f"{nearest['cosine']:.4f}"
+        said = f"; nearest earlier trace {nearest['trace_id']} (cosine {cosine})"
         assert text_of(r).endswith(said)
     stats = httpx.get(
         f"{onnx_server.url}/cache", headers={"authorization": f"Bearer {onnx_server.token}"}

@@ -113,12 +113,10 @@ def summary(answer: EvaluationOut) -> str:
     verdict = "meets" if answer.score >= SHARE_THRESHOLD else "is below"
     line = f"score {answer.score:.6g} {verdict} the {SHARE_THRESHOLD} sharing threshold"
     novelty = answer.novelty
-    nearest = getattr(novelty, "nearest", None)  # the stored trace with the largest cosine
+    nearest = novelty.nearest  # the stored trace with the largest cosine
     if nearest is not None:
-        name = getattr(nearest, "trace_id", "") or "(stored without an id)"
-        line += f"; nearest earlier trace {name}"
-        if novelty.max_cosine is not None:
-            line += f" (cosine {novelty.max_cosine:.4f})"
+        name = nearest.trace_id or "(stored without an id)"
+        line += f"; nearest earlier trace {name} (cosine {nearest.cosine:.4f})"
     elif novelty.measured and novelty.max_cosine is not None:
         line += f"; max cosine {novelty.max_cosine:.4f} with {novelty.cache_size} earlier traces"
     elif novelty.reason is not None:
