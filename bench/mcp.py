@@ -2,7 +2,8 @@
 
 One client, one keep-alive connection, the same typical traces sent as POST /evaluate and as an
 MCP tools/call of kp_score_trace on POST /mcp, interleaved request by request (so both see the
-same machine load), with dry_run (the cache stays as it was). Twice: with the embedder off
+same machine load), with dry_run (the cache stays as it was) and the memo of recent vectors
+off (each request runs the model). Twice: with the embedder off
 (the transport's cost alone) and with the real model (what an agent sees). Prints p50/p90 of
 each and the ratios MCP / REST; compare ratios, not absolute times, on a shared machine.
 """
@@ -71,7 +72,12 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for embedder in ("none", "onnx"):
-            env = {"KP_EMBEDDER": embedder, "KP_LOG_LEVEL": "warning"}
+            # No memo of recent vectors: the second of the pair would find the first's vector.
+            env = {
+                "KP_EMBEDDER": embedder,
+                "KP_LOG_LEVEL": "warning",
+                "KP_EMBED_MEMO_CAPACITY": "0",
+            }
             r = measure(env, args.n, Path(tmp) / f"{embedder}.log")
             rest, mcp = r["rest"], r["mcp"]
             print(
