@@ -7,7 +7,7 @@ PYTHON ?= python3
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: run test test-fast lint unit openapi image-test bench bench-precision redis-server clean
+.PHONY: run test test-fast lint unit typescript openapi image-test bench bench-precision redis-server clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,8 +19,8 @@ $(BIN)/.installed: pyproject.toml
 run: $(BIN)/.installed
 	$(BIN)/python -m app.serve --host $(HOST) --port $(PORT)
 
-## test: lint, type-check and run the whole test suite
-test: lint unit
+## test: lint, type-check and run the whole test suite (the TypeScript client's included)
+test: lint typescript unit
 
 ## test-fast: the tests that need no live server, no redis-server and no long run
 test-fast: $(BIN)/.installed
@@ -33,6 +33,14 @@ lint: $(BIN)/.installed
 
 unit: $(BIN)/.installed redis-server
 	$(BIN)/python -m pytest
+
+## typescript: install the TypeScript client's pinned dev packages (npm ci: node 20, npm) and
+## build it; tests/test_typescript_client.py runs its tests against a live server
+typescript:
+	@node -e 'process.exit(+process.versions.node.split(".")[0] >= 20 ? 0 : 1)' 2>/dev/null || { \
+		echo "the TypeScript client's tests need node 20+ and npm (Debian 12's nodejs is 18: use NodeSource's)"; \
+		exit 1; }
+	cd clients/typescript && npm ci --no-audit --no-fund && npm run build
 
 ## redis-server: Debian's, for the shared-cache tests and bench (they start their own on free
 ## ports; nothing listens on 6379 for them). Installed with apt-get when missing (needs root).

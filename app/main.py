@@ -10,6 +10,7 @@ from fastapi import FastAPI
 from fastapi_offline import FastAPIOffline
 
 from app import __version__
+from app.api import mcp
 from app.api.asgi import pipeline
 from app.api.deps import Services
 from app.api.errors import install_error_handlers
@@ -44,11 +45,15 @@ def create_app(settings: Settings | None = None, *, cpu: CpuFeatures | None = No
         await runtime.start()
         metrics.registry.register(runtime.collector)
         app.state.services = Services(settings, runtime, metrics, limits, signer)
+        app.state.mcp = mcp.McpTransport(app.state.services)
+        await app.state.mcp.start()
         descriptors = asyncio.create_task(watch_descriptors())
         try:
             yield
         finally:
             descriptors.cancel()
+            await app.state.mcp.stop()
+            app.state.mcp = None
             metrics.registry.unregister(runtime.collector)
             await runtime.stop()
 
@@ -59,7 +64,7 @@ def create_app(settings: Settings | None = None, *, cpu: CpuFeatures | None = No
         summary="KnowledgePulse trace scoring: is this reasoning trace worth sharing?",
         lifespan=lifespan,
     )
-    for router in (evaluate.router, cache.router, health.router, jwks.router):
+    for router in (evaluate.router, mcp.router, cache.router, health.router, jwks.router):
         app.include_router(router)
     install_error_handlers(app)
     chain = pipeline.pieces(

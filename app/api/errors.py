@@ -47,9 +47,8 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 async def _typed_error(request: Request, exc: Exception) -> JSONResponse:
+    # An overload is counted where it is raised (services/scoring_requests.py).
     kind = ERRORS[type(exc)]
-    if isinstance(exc, OverloadedError):
-        request.app.state.services.metrics.overloaded.labels(exc.reason).inc()
     return error_response(kind.status, f"{kind.prefix}{exc}")
 
 

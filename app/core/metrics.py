@@ -38,6 +38,13 @@ class Metrics:
             ["route", "status"],
             registry=r,
         )
+        self.scoring_requests = Counter(
+            "kp_scoring_requests",
+            "Scoring requests (one trace, or a batch) by transport (rest: POST /evaluate*, "
+            "mcp: the /mcp tools) and kind (one, batch), refused ones included.",
+            ["transport", "kind"],
+            registry=r,
+        )
         self.evaluations = Counter(
             "kp_evaluations", "Traces scored, by weight profile.", ["profile"], registry=r
         )

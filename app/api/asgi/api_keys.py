@@ -15,7 +15,7 @@ _KEY_PARAMS = ("api_key", "apikey", "key", "token", "access_token")
 
 
 def required_scope(path: str) -> KeyScope | None:
-    if path in ("/evaluate", "/evaluate/batch"):
+    if path in ("/evaluate", "/evaluate/batch", "/mcp"):  # /mcp: the scoring tools
         return "evaluate"
     if path == "/cache" or path.startswith("/cache/"):
         return "admin"

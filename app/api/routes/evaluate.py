@@ -11,10 +11,10 @@ from fastapi.exceptions import RequestValidationError
 from app.api.deps import BearerDep, Services, ServicesDep
 from app.api.presenters import evaluation_out
 from app.core.signatures import TraceNotCanonicalError, trace_sha256
-from app.schemas.limits import limit_errors
 from app.schemas.responses import BatchIn, BatchOut, EvaluationOut
 from app.schemas.trace import ReasoningTrace
 from app.services.evaluator import Evaluation
+from app.services.scoring_requests import TraceLimitError, score_traces
 
 router = APIRouter(
     tags=["evaluate"],
@@ -82,10 +82,8 @@ async def evaluate(
     dry_run: DryRun = False,
     idempotency_key: IdempotencyKey = None,
 ) -> EvaluationOut:
-    await _check_limits(services, request, [trace], batch=False)
     sent = await _sent_traces(services, request, batch=False)
-    (evaluation,) = await services.evaluator.evaluate([trace], dry_run=dry_run)
-    _count(services, [evaluation])
+    (evaluation,) = await _score(services, request, [trace], dry_run=dry_run, batch=False)
     return _answer(services, evaluation, sent, 0)
 
 
@@ -97,10 +95,8 @@ async def evaluate_batch(
     dry_run: DryRun = False,
     idempotency_key: IdempotencyKey = None,
 ) -> BatchOut:
-    await _check_limits(services, request, batch.traces, batch=True)
     sent = await _sent_traces(services, request, batch=True)
-    evaluations = await services.evaluator.evaluate(batch.traces, dry_run=dry_run)
-    _count(services, evaluations)
+    evaluations = await _score(services, request, batch.traces, dry_run=dry_run, batch=True)
     return BatchOut(results=[_answer(services, e, sent, i) for i, e in enumerate(evaluations)])
 
 
@@ -136,22 +132,26 @@ def _answer(
     return evaluation_out(evaluation, signature)
 
 
-async def _check_limits(
-    services: Services, request: Request, traces: list[ReasoningTrace], *, batch: bool
-) -> None:
+async def _score(
+    services: Services,
+    request: Request,
+    traces: list[ReasoningTrace],
+    *,
+    dry_run: bool,
+    batch: bool,
+) -> list[Evaluation]:
     # The body was read to parse it: this is its size, not a second read.
     body_bytes = len(await request.body())
-    errors = limit_errors(traces, services.limits, batch=batch, body_bytes=body_bytes)
-    if errors:
-        raise RequestValidationError(errors)
-
-
-def _count(services: Services, evaluations: list[Evaluation]) -> None:
-    m = services.metrics
-    for e in evaluations:
-        m.evaluations.labels(e.score.weights.name).inc()
-        m.score.observe(e.score.value)
-        for rule in e.score.overrides:
-            m.overrides.labels(rule).inc()
-        if not e.novelty.measured and e.novelty.reason is not None:
-            m.novelty_unmeasured.labels(e.novelty.reason).inc()
+    try:
+        return await score_traces(
+            services.evaluator,
+            services.limits,
+            services.metrics,
+            traces,
+            dry_run=dry_run,
+            batch=batch,
+            transport="rest",
+            body_bytes=body_bytes,
+        )
+    except TraceLimitError as exc:
+        raise RequestValidationError(exc.errors) from None

@@ -1,0 +1,58 @@
+"""One scoring request, whichever way it came in (REST or MCP): the size limits, the
+evaluation, and what the metrics count of it. Routes and MCP tools translate the errors into
+their own shapes (a 422 or a tool error) and the evaluations into their answers."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from app.core.metrics import Metrics
+from app.schemas.limits import TraceLimits, limit_errors
+from app.schemas.trace import ReasoningTrace
+from app.services.embeddings import OverloadedError
+from app.services.evaluator import Evaluation, Evaluator
+
+Transport = Literal["rest", "mcp"]
+
+
+class TraceLimitError(Exception):
+    """Traces over KP_MAX_BATCH, KP_MAX_STEPS or KP_MAX_STRING_CHARS: errors in FastAPI's
+    shape, each naming a field by its path (from "body", as a request body's fields)."""
+
+    def __init__(self, errors: list[dict[str, Any]]) -> None:
+        super().__init__(f"{len(errors)} limit(s) exceeded")
+        self.errors = errors
+
+
+async def score_traces(
+    evaluator: Evaluator,
+    limits: TraceLimits,
+    metrics: Metrics,
+    traces: Sequence[ReasoningTrace],
+    *,
+    dry_run: bool,
+    batch: bool,
+    transport: Transport,
+    body_bytes: int | None = None,
+) -> list[Evaluation]:
+    """Score traces in order (one trace, or a batch as one step); raises TraceLimitError or
+    the embedding service's OverloadedError (counted), in both cases having changed nothing.
+    `body_bytes`: the request body's size when known (it spares the limits a walk)."""
+    metrics.scoring_requests.labels(transport, "batch" if batch else "one").inc()
+    errors = limit_errors(traces, limits, batch=batch, body_bytes=body_bytes)
+    if errors:
+        raise TraceLimitError(errors)
+    try:
+        evaluations = await evaluator.evaluate(traces, dry_run=dry_run)
+    except OverloadedError as exc:
+        metrics.overloaded.labels(exc.reason).inc()
+        raise
+    for e in evaluations:
+        metrics.evaluations.labels(e.score.weights.name).inc()
+        metrics.score.observe(e.score.value)
+        for rule in e.score.overrides:
+            metrics.overrides.labels(rule).inc()
+        if not e.novelty.measured and e.novelty.reason is not None:
+            metrics.novelty_unmeasured.labels(e.novelty.reason).inc()
+    return evaluations
