@@ -75,6 +75,7 @@ def test_the_index_finds_planted_near_duplicates_among_distractors(
         assert found.trace_id == f"t{i}"
 
 
+@pytest.mark.slow  # seconds of index work: make test runs it, make test-fast does not
 def test_answers_are_true_cosines_and_nearly_always_the_exact_maximum(
     stored: npt.NDArray[np.float32], indexed: VectorCache, exact: VectorCache
 ) -> None:
@@ -120,6 +121,7 @@ def test_ties_name_the_newest(indexed: VectorCache) -> None:
     assert found.trace_id == "new"
 
 
+@pytest.mark.slow  # seconds of index work: make test runs it, make test-fast does not
 def test_eviction_and_expiry_keep_the_index_flat_and_its_recall() -> None:
     """Eight times the capacity goes through the cache; the index never holds much more than
     the capacity, its memory stops growing, and near-duplicates of the live entries are
