@@ -19,6 +19,7 @@ from app.embedding.int8_support import CpuFeatures
 from app.embedding.onnx_embedder import OnnxEmbedder
 from app.main import create_app
 from app.services.embeddings import Embedding, EmbeddingService
+from tests.keys import standard_keys
 from tests.server import RedisServer, Server, running_server
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -30,6 +31,7 @@ _MARKED_FIXTURES = {
     "server": "server",
     "onnx_server": "server",
     "live": "server",
+    "keyed": "server",
     "redis_server": "redis",
 }
 
@@ -91,6 +93,14 @@ def server() -> Iterator[Server]:
     """A live server with no embedder (deterministic scores) and an admin token."""
     with running_server() as s:
         yield s
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A live server with no embedder whose API keys are tests/keys.py's standard ones."""
+    keys = standard_keys(tmp_path_factory.mktemp("keys") / "keys.json")
+    with running_server(api_keys_file=str(keys)) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,17 +18,10 @@ from app.client import Forbidden, KpScoringClient, Unauthorized
 from app.core.config import ConfigError, Settings
 from app.main import create_app
 from tests.factories import make_trace
-from tests.keys import AGENT_A, OPS, bearer, entry, sha256, standard_keys, write_keys
+from tests.keys import AGENT_A, OPS, bearer, entry, sha256, write_keys
 from tests.server import TOKEN, LiveServer, Server, running_server
 
 pytestmark = pytest.mark.server
-
-
-@pytest.fixture(scope="module")
-def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    keys = standard_keys(tmp_path_factory.mktemp("keys") / "keys.json")
-    with running_server(api_keys_file=str(keys)) as server:
-        yield server
 
 
 def post(server: Server, headers: dict[str, str] | None = None, **kw: Any) -> httpx.Response:

@@ -17,19 +17,12 @@ from mcp.shared._httpx_utils import create_mcp_http_client
 
 from app.core.signatures import verify
 from tests.factories import make_trace
-from tests.keys import AGENT_A, OPS, SLOW, bearer, standard_keys
+from tests.keys import AGENT_A, OPS, SLOW, bearer
 from tests.server import Server, running_server
 from tests.test_mcp import HEADERS, rpc_body
 from tests.test_signatures import pem
 
 pytestmark = pytest.mark.server
-
-
-@pytest.fixture(scope="module")
-def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    keys = standard_keys(tmp_path_factory.mktemp("keys") / "keys.json")
-    with running_server(api_keys_file=str(keys)) as server:
-        yield server
 
 
 def score_with(server: Server, key: str | None) -> Any:
