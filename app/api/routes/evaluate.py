@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query, Request
@@ -105,7 +104,8 @@ async def _sent_traces(services: Services, request: Request, *, batch: bool) -> 
     FastAPI parsed them; a trace RFC 8785 cannot make canonical is a 422, before scoring."""
     if services.signer is None:
         return None
-    body = json.loads(await request.body())
+    # FastAPI parsed the body with request.json(), which keeps the result: no second parse.
+    body = await request.json()
     traces: list[Any] = body["traces"] if batch else [body]
     for i, trace in enumerate(traces):
         try:
