@@ -4,6 +4,9 @@ figures at 100,000 and 1,000,000 real vectors are bench.memory's."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import numpy as np
 import numpy.typing as npt
 import pytest
@@ -233,3 +236,53 @@ def test_a_background_build_answers_exactly_meanwhile(stored: npt.NDArray[np.flo
     found = cache.nearest(stored[7_999])
     assert found is not None
     assert found.trace_id == "t7999"
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float = 120.0) -> bool:
+    """Polls until `condition` holds (a liveness deadline, not a timing assertion)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_the_feeder_indexes_new_entries_without_another_add(
+    stored: npt.NDArray[np.float32],
+) -> None:
+    """Entries added after the build wait in the exactly-scanned tail only until the feeder
+    thread has inserted them: no further add (or request) is needed."""
+    cache = VectorCache(capacity=20_000, index_threshold=5_000)
+    for i, v in enumerate(stored[:6_000]):
+        cache.add(v, trace_id=f"t{i}")
+    assert cache.wait_for_index(120)
+    for i, v in enumerate(stored[6_000:6_100]):  # fewer than TAIL_BATCH
+        cache.add(v, trace_id=f"t{6_000 + i}")
+    assert wait_until(lambda: cache.index_status().indexed == 6_100)
+    index = cache._index
+    assert index is not None
+    assert index.count == 6_100  # each entry once, in order
+    found = cache.nearest(stored[6_050])
+    assert found is not None
+    assert (found.trace_id, found.cosine) == ("t6050", pytest.approx(1.0))
+
+
+def test_a_build_outgrown_while_it_runs_trains_again_without_another_add(
+    stored: npt.NDArray[np.float32],
+) -> None:
+    """A build starts at the threshold; the memory then grows far past the sample its codes
+    were trained on. The graph that ends up serving is trained on the grown memory, without
+    waiting for an add after the build (the old caveat of a start: trained on the first
+    entries forever)."""
+    cache = VectorCache(capacity=len(stored), index_threshold=5_000)
+    for i, v in enumerate(stored[:5_000]):
+        cache.add(v, trace_id=f"t{i}")
+    rest = stored[5_000:]
+    cache.extend(
+        rest, np.full(len(rest), cache.now_ms()), [f"t{5_000 + i}" for i in range(len(rest))]
+    )
+    assert cache.wait_for_index(300)
+    assert cache.index_status().state == "ready"
+    assert cache._trained_on >= len(stored) // 2
+    assert wait_until(lambda: cache.index_status().indexed == len(stored))
