@@ -558,6 +558,14 @@ class VectorCache:
     def _feed(self) -> None:
         """The feeder thread: inserts the tail into the serving graph, FEED_BATCH entries per
         hold of the lock (no search runs on the graph meanwhile); ends when idle a while."""
+        try:
+            self._feed_until_idle()
+        except BaseException:
+            with self._lock:  # the next change starts a new feeder
+                self._feeding = False
+            raise
+
+    def _feed_until_idle(self) -> None:
         faiss.omp_set_num_threads(1)  # one core for background work, the rest for requests
         while True:
             with self._lock:
@@ -566,7 +574,7 @@ class VectorCache:
                     notified = self._feed_wake.wait(_FEED_LINGER_S)
                     index = self._feedable()
                     if index is None and not notified:
-                        self._feeding = False
+                        self._feeding = False  # under the lock: the next change starts one
                         return
                 start = index.stop_id
                 stop = min(self._first_seq + self._size, start + FEED_BATCH)
@@ -585,6 +593,14 @@ class VectorCache:
         self._building.start()
 
     def _build(self, generation: int) -> None:
+        try:
+            self._build_graph(generation)
+        finally:
+            with self._lock:  # also after an error: the next change may start a build
+                if self._building is threading.current_thread():
+                    self._building = None
+
+    def _build_graph(self, generation: int) -> None:
         """Trains a new graph's codes on a sample of the newest entries, then inserts every
         live entry, a chunk at a time, outside the lock (the graph is private until done); it
         replaces the serving one once it has caught up, and the triggers are checked again."""
