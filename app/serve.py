@@ -6,14 +6,19 @@ from __future__ import annotations
 
 import argparse
 
-import uvicorn
-
 #: uvicorn imports this and calls it (`--factory`): the settings are read then, not at import.
 FACTORY = "app.main:create_app"
 
 
 def run(host: str = "127.0.0.1", port: int = 8000, *, reload: bool = False) -> None:
     """One uvicorn process (the in-process cache lives in it): no workers, settings from KP_*."""
+    if not reload:  # with reload the app lives in a child process, which loads its own
+        from app.services import early_load
+
+        # First, so that the model loads while the web stack is imported and started.
+        early_load.start()
+    import uvicorn
+
     uvicorn.run(FACTORY, factory=True, host=host, port=port, reload=reload)
 
 
