@@ -23,7 +23,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "client": frozenset({"app", "core", "schemas"}),
 }
 #: Entry points: they put the layers together, so they may import any of them.
-ENTRY_POINTS = frozenset({"app.main", "app.cli", "app.api.openapi_export"})
+ENTRY_POINTS = frozenset({"app.main", "app.serve", "app.cli", "app.api.openapi_export"})
 #: What a process that only calls the service must not load.
 HEAVY = ("onnxruntime", "numpy", "tokenizers", "redis", "onnx")
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -15,10 +15,12 @@ from app.services.embeddings import EmbeddingService
 from app.services.evaluator import Evaluator
 from app.services.idempotency import Idempotency
 from app.services.runtime import Runtime
-from app.services.signing import Signer
 from app.services.snapshots import SnapshotStore
 from app.store.base import NoveltyMemory
 from app.store.rate_limit import RateLimiter
+
+if TYPE_CHECKING:
+    from app.services.signing import Signer
 
 
 @dataclass(slots=True)

@@ -13,10 +13,6 @@ import warnings
 from typing import Any
 
 import rfc8785
-from joserfc import jws
-from joserfc.errors import JoseError
-from joserfc.jwk import KeySet
-from joserfc.util import to_bytes
 
 ALGORITHM = "EdDSA"
 # RFC 9864 prefers the fully specified "Ed25519"; the registry and the issue ask for "EdDSA",
@@ -44,6 +40,13 @@ def trace_sha256(trace: Any) -> str:
 def verify(signature: str, trace: Any, jwks: dict[str, Any]) -> dict[str, Any]:
     """The claims of `signature` if it verifies against a key of `jwks` (by its kid) and is
     about `trace` (parsed JSON, any key order); else SignatureInvalidError saying why."""
+    # joserfc (and cryptography under it) only where a signature is checked: not on the
+    # service's start, where most deployments sign nothing.
+    from joserfc import jws
+    from joserfc.errors import JoseError
+    from joserfc.jwk import KeySet
+    from joserfc.util import to_bytes
+
     try:
         keys = KeySet.import_key_set(jwks)  # type: ignore[arg-type]  # joserfc checks it
         found = jws.deserialize_compact(to_bytes(signature), keys, algorithms=[ALGORITHM])

@@ -7,17 +7,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from joserfc.jwk import OKPKey
-
 from app.core.api_keys import KeyFileError, KeyRing, load_key_file
 from app.core.config import Settings, config_error
 from app.services.idempotency import Idempotency
-from app.services.signing import Signer, SigningKeyError, load_private_key, load_public_keys
 from app.store.idempotency import IdempotencyStore, InProcessIdempotencyStore
 from app.store.rate_limit import InProcessRateLimiter, RateLimiter
 
 if TYPE_CHECKING:
     import redis.asyncio as aioredis
+    from joserfc.jwk import OKPKey
+
+    from app.services.signing import Signer
 
 
 def load_keys(settings: Settings) -> KeyRing:
@@ -37,6 +37,9 @@ def load_signer(settings: Settings) -> Signer | None:
         if settings.signing_previous_keys_file is not None:
             raise config_error("SIGNING_PREVIOUS_KEYS_FILE", "is set without KP_SIGNING_KEY_FILE")
         return None
+    # joserfc and cryptography load only when the service signs (they are slow to import).
+    from app.services.signing import Signer, SigningKeyError, load_private_key, load_public_keys
+
     try:
         key = load_private_key(settings.signing_key_file)
     except SigningKeyError as exc:
