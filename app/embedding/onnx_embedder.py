@@ -12,7 +12,6 @@ true`, the reference SDK's embedder:
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -198,10 +197,9 @@ def _open_session(
 def load_tokenizer(path: Path) -> Tokenizer:
     """The WordPiece tokenizer of tokenizer.json, set up to match transformers.js."""
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
+        tokenizer = Tokenizer.from_file(str(path))
         # Normalisation is done the JavaScript way in js_bert_normalizer, before this tokenizer.
-        config["normalizer"] = None
-        tokenizer = Tokenizer.from_str(json.dumps(config))
+        tokenizer.normalizer = None
     except Exception as exc:
         raise ModelError(f"tokenizer {path} cannot be loaded: {exc}") from exc
     # tokenizer.json carries sentence-transformers' 128-token settings; transformers.js ignores
