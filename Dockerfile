@@ -69,8 +69,17 @@ EXPOSE 8000
 HEALTHCHECK --interval=30s --timeout=5s --start-period=60s --retries=3 \
     CMD ["python3", "-c", "import sys, urllib.request; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:8000/healthz', timeout=4).status == 200 else 1)"]
 
+# Descriptors: each open connection holds one. Docker starts a container with a soft limit of
+# 1024 (hard: 524288 or more); at start the service raises the soft limit to
+# KP_OPEN_FILES_LIMIT, as far as the hard limit allows, and logs it. A limit below it needs
+# `docker run --ulimit nofile=65536:65536` (the compose files set it). Slow clients cannot
+# hold them: KP_HEADER_TIMEOUT_S and KP_BODY_TIMEOUT_S close them (README, "Slow and hostile
+# clients").
+ENV KP_OPEN_FILES_LIMIT=65536
+
 # One process: the in-process cache lives in it (no --workers); to scale, run more containers
-# on one Redis (KP_REDIS_URL), where the cache is shared.
+# on one Redis (KP_REDIS_URL), where the cache is shared. app.serve runs uvicorn with the
+# protocol that bounds slow clients and header sizes (app/server/protocol.py).
 CMD ["python3", "-m", "app.serve", "--host", "0.0.0.0", "--port", "8000"]
 
 # Last, so that a new revision or date does not invalidate the cached layers above.

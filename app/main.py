@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -18,6 +19,7 @@ from app.core.logging import configure_logging
 from app.core.metrics import Metrics
 from app.embedding.int8_support import CpuFeatures
 from app.schemas.limits import TraceLimits
+from app.server.descriptors import raise_open_files_limit, watch_descriptors
 from app.services.runtime import Runtime
 from app.services.trust import load_keys, load_signer
 
@@ -37,13 +39,16 @@ def create_app(settings: Settings | None = None, *, cpu: CpuFeatures | None = No
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        raise_open_files_limit(settings.open_files_limit)
         runtime = Runtime(settings, cpu, observer=metrics)
         await runtime.start()
         metrics.registry.register(runtime.collector)
         app.state.services = Services(settings, runtime, metrics, limits, signer)
+        descriptors = asyncio.create_task(watch_descriptors())
         try:
             yield
         finally:
+            descriptors.cancel()
             metrics.registry.unregister(runtime.collector)
             await runtime.stop()
 

@@ -8,6 +8,8 @@ import argparse
 
 #: uvicorn imports this and calls it (`--factory`): the settings are read then, not at import.
 FACTORY = "app.main:create_app"
+#: uvicorn's httptools protocol with header and body deadlines and header limits (KP_*).
+HTTP_PROTOCOL = "app.server.protocol:LimitedHttpToolsProtocol"
 
 
 def run(host: str = "127.0.0.1", port: int = 8000, *, reload: bool = False) -> None:
@@ -19,7 +21,7 @@ def run(host: str = "127.0.0.1", port: int = 8000, *, reload: bool = False) -> N
         early_load.start()
     import uvicorn
 
-    uvicorn.run(FACTORY, factory=True, host=host, port=port, reload=reload)
+    uvicorn.run(FACTORY, factory=True, host=host, port=port, reload=reload, http=HTTP_PROTOCOL)
 
 
 def main(argv: list[str] | None = None) -> None:

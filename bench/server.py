@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -51,14 +52,20 @@ class Server:
     """A uvicorn process with exactly the given KP_* settings (others from the environment
     are dropped), logging to `log_path`. `started_s` is the time until /healthz answered."""
 
-    def __init__(self, env: dict[str, str], log_path: Path, timeout_s: float = 60) -> None:
+    def __init__(
+        self,
+        env: dict[str, str],
+        log_path: Path,
+        timeout_s: float = 60,
+        command: Sequence[str] = SERVE,
+    ) -> None:
         self.port = free_port()
         clean = {k: v for k, v in os.environ.items() if not k.startswith("KP_")}
         self.log_path = log_path
         self._log = log_path.open("ab")
         started = time.perf_counter()
         self.process = subprocess.Popen(
-            [*SERVE, "--host", HOST, "--port", str(self.port)],
+            [*command, "--host", HOST, "--port", str(self.port)],
             cwd=ROOT,
             env={**clean, "KP_ADMIN_TOKEN": ADMIN_TOKEN, **env},
             stdout=self._log,

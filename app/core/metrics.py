@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from app.core.connection_metrics import register_connection_metrics
+
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 #: Up to KP_EMBED_MAX_WAIT_MS's default (10 s): past it a request is turned away.
 _QUEUE_WAIT_BUCKETS = (*_LATENCY_BUCKETS, 5.0, 10.0)
@@ -16,6 +18,7 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        register_connection_metrics(r)
         self.requests = Counter(
             "kp_http_requests",
             "HTTP requests by route and status.",

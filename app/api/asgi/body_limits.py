@@ -15,6 +15,7 @@ from app.api.asgi.base import (
     send_json,
 )
 from app.api.asgi.content_type import BODY_METHODS
+from app.core.errors import SERVER_REFUSAL
 from app.schemas.limits import json_depth_exceeds
 
 
@@ -36,8 +37,11 @@ class BodySize:
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                refusal = detail(("body",), "the client closed the connection", "disconnect")
-                await send_json(send, 400, refusal)
+                status, refusal = scope.get(SERVER_REFUSAL) or (
+                    400,
+                    detail(("body",), "the client closed the connection", "disconnect"),
+                )
+                await send_json(send, status, refusal)
                 return
             chunk = message.get("body", b"")
             size += len(chunk)

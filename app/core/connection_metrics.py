@@ -1,0 +1,68 @@
+"""Process-wide metrics of the HTTP connections: what the server's protocol and the
+descriptor watch count. One server runs per process, whereas apps (each with its own
+registry, app/core/metrics.py) may be several: every app's /metrics shows these too."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.core import Metric
+from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import Collector
+
+#: The bound that closed a connection (label `limit` of kp_http_closed_by_limit).
+LIMITS = (
+    "idle",  # connected, sent nothing within KP_HEADER_TIMEOUT_S: closed without an answer
+    "header_timeout",  # headers incomplete at KP_HEADER_TIMEOUT_S: 408
+    "body_timeout",  # body incomplete at KP_BODY_TIMEOUT_S: 408 (or a close, once answered)
+    "header_bytes",  # past KP_MAX_HEADER_BYTES: 431
+    "header_count",  # past KP_MAX_HEADER_COUNT: 431
+    "host",  # HTTP/1.1 without Host, or several Host lines: 400
+)
+
+
+class ConnectionMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.closed_by_limit = Counter(
+            "kp_http_closed_by_limit",
+            "Connections closed by a bound on slow or oversized requests, by limit: idle, "
+            "header_timeout, body_timeout (KP_HEADER_TIMEOUT_S, KP_BODY_TIMEOUT_S), "
+            "header_bytes, header_count (KP_MAX_HEADER_BYTES, KP_MAX_HEADER_COUNT), host.",
+            ["limit"],
+            registry=r,
+        )
+        for limit in LIMITS:
+            self.closed_by_limit.labels(limit)
+        self.descriptors_exhausted = Counter(
+            "kp_fd_exhausted",
+            "Times the open file descriptors came within 2% of the process's limit "
+            "(process_max_fds): new connections are refused while it lasts.",
+            registry=r,
+        )
+        self.descriptors_low = Gauge(
+            "kp_fd_low",
+            "1 while the open file descriptors are within 2% of the process's limit.",
+            registry=r,
+        )
+        # process_open_fds, process_max_fds, memory and CPU of this process.
+        ProcessCollector(registry=r)
+
+
+class _Forward(Collector):
+    def __init__(self, source: CollectorRegistry) -> None:
+        self.source = source
+
+    def collect(self) -> Iterable[Metric]:
+        return self.source.collect()
+
+
+#: The one set of connection metrics of this process.
+CONNECTIONS = ConnectionMetrics()
+
+
+def register_connection_metrics(registry: CollectorRegistry) -> None:
+    """Makes `registry` (an app's) expose this process's connection metrics too."""
+    registry.register(_Forward(CONNECTIONS.registry))
