@@ -148,3 +148,17 @@ def test_the_runtime_takes_over_a_load_only_for_its_own_settings(
     loaded.finish_loading()
     texts = ["Review PR #42 for security issues", "a second, longer text " * 20]
     np.testing.assert_array_equal(loaded.embed(texts), embedder.embed(texts))
+
+
+def test_with_preload_readiness_still_waits_for_the_early_load(
+    tmp_path: Path, servers: list[LiveServer]
+) -> None:
+    env = {"KP_EMBEDDER_PRELOAD": "true", "KP_LOG_LEVEL": "info"}
+    live = LiveServer(env, tmp_path / "server.log", SERVE)  # /healthz answers after the start
+    servers.append(live)
+    ready = live.client.get("/readyz").json()
+    assert ready["embedder"]["state"] == "ready"
+    log = live.log()
+    # Loaded and warmed up before the start completed, as a preload without the early load.
+    assert log.index('"embedder warmed up"') < log.index('"kp-scoring started"')
+    assert live.post("/evaluate", make_trace()).json()["novelty"]["reason"] == "cache_empty"
