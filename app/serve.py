@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import argparse
 
-import uvicorn
-
 #: uvicorn imports this and calls it (`--factory`): the settings are read then, not at import.
 FACTORY = "app.main:create_app"
 #: uvicorn's httptools protocol with header and body deadlines and header limits (KP_*).
@@ -16,6 +14,13 @@ HTTP_PROTOCOL = "app.server.protocol:LimitedHttpToolsProtocol"
 
 def run(host: str = "127.0.0.1", port: int = 8000, *, reload: bool = False) -> None:
     """One uvicorn process (the in-process cache lives in it): no workers, settings from KP_*."""
+    if not reload:  # with reload the app lives in a child process, which loads its own
+        from app.services import early_load
+
+        # First, so that the model loads while the web stack is imported and started.
+        early_load.start()
+    import uvicorn
+
     uvicorn.run(FACTORY, factory=True, host=host, port=port, reload=reload, http=HTTP_PROTOCOL)
 
 
