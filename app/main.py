@@ -45,8 +45,9 @@ def create_app(settings: Settings | None = None, *, cpu: CpuFeatures | None = No
         await runtime.start()
         metrics.registry.register(runtime.collector)
         app.state.services = Services(settings, runtime, metrics, limits, signer)
-        app.state.mcp = mcp.McpTransport(app.state.services)
-        await app.state.mcp.start()
+        app.state.mcp = mcp.McpHost(app.state.services)
+        if settings.embedder_preload:
+            await app.state.mcp.transport()
         descriptors = asyncio.create_task(watch_descriptors())
         try:
             yield
