@@ -381,3 +381,18 @@ print("ok")
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
     )
     assert done.returncode == 0, done.stderr
+
+
+def test_an_mcp_server_that_cannot_load_is_a_503_and_rest_serves_on(
+    make_client: ClientFactory, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from app.api import mcp as mcp_endpoint
+
+    monkeypatch.setattr(mcp_endpoint, "_SERVER_MODULE", "app.api.no_such_mcp_server")
+    client = make_client(embedder="none")
+    body = {"jsonrpc": "2.0", "id": 1, "method": "tools/list"}
+    r = client.post("/mcp", json=body, headers=HEADERS)
+    assert r.status_code == 503
+    assert r.json() == {"detail": "the MCP server could not start"}
+    assert "mcp: the MCP server could not start" in caplog.text
+    assert client.post("/evaluate", json=make_trace()).status_code == 200
