@@ -29,7 +29,8 @@ from pydantic import BaseModel, ValidationError
 from app import __version__
 from app.api.deps import Services
 from app.api.presenters import evaluation_out
-from app.core.signatures import TraceNotCanonicalError, trace_sha256
+from app.core.errors import Loc
+from app.core.signatures import unsignable_errors
 from app.schemas.responses import BatchIn, BatchOut, EvaluationOut
 from app.schemas.trace import ReasoningTrace
 from app.services.embeddings import OverloadedError
@@ -162,7 +163,8 @@ class McpTools:
         except ValidationError as exc:
             return _invalid(exc.errors(include_url=False, include_input=False))
         sent = arguments["traces"] if batch else [arguments]
-        unsignable = _unsignable(sent, batch=batch) if self.services.signer else []
+        locs: list[Loc] = [("traces", i) if batch else () for i in range(len(sent))]
+        unsignable = unsignable_errors(sent, locs) if self.services.signer else []
         if unsignable:
             return _invalid(unsignable)
         s = self.services
@@ -186,24 +188,6 @@ class McpTools:
             for e, trace in zip(evaluations, sent, strict=True)
         ]
         return _result(answers, batch=batch)
-
-
-def _unsignable(sent: list[Any], *, batch: bool) -> list[dict[str, Any]]:
-    """With signing on, as POST /evaluate: a trace RFC 8785 cannot make canonical (its hash is
-    what is signed) is refused before scoring."""
-    errors = []
-    for i, trace in enumerate(sent):
-        try:
-            trace_sha256(trace)
-        except TraceNotCanonicalError as exc:
-            errors.append(
-                {
-                    "loc": ["traces", i] if batch else [],
-                    "msg": f"cannot be signed: not I-JSON (RFC 8785): {exc}",
-                    "type": "not_canonicalizable",
-                }
-            )
-    return errors
 
 
 def _result(answers: list[EvaluationOut], *, batch: bool) -> types.CallToolResult:
