@@ -395,4 +395,6 @@ def test_an_mcp_server_that_cannot_load_is_a_503_and_rest_serves_on(
     assert r.status_code == 503
     assert r.json() == {"detail": "the MCP server could not start"}
     assert "mcp: the MCP server could not start" in caplog.text
+    ready = client.get("/readyz").json()
+    assert any(w.startswith("mcp_unavailable: ") for w in ready["warnings"]), ready
     assert client.post("/evaluate", json=make_trace()).status_code == 200

@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from app.api.deps import Services
+from app.core.health import Health
 
 if TYPE_CHECKING:
     from app.api.mcp_server import McpTransport
@@ -39,6 +40,14 @@ class McpHost:
         self._ready: asyncio.Future[McpTransport] | None = None
         self._stopping = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._failure: str | None = None
+
+    def health(self) -> Health:
+        """A warning in /readyz once the server failed to start (REST is not affected)."""
+        if self._failure is None:
+            return Health()
+        why = f"mcp_unavailable: the MCP server could not start ({self._failure}); /mcp answers 503"
+        return Health(warnings=(why,))
 
     async def transport(self) -> McpTransport:
         """The running transport, started on the first call (concurrent callers share it)."""
@@ -57,6 +66,7 @@ class McpHost:
                 await self._stopping.wait()
         except Exception as exc:
             log.exception("mcp: the MCP server could not start")
+            self._failure = f"{type(exc).__name__}: {exc}"
             if not ready.done():
                 ready.set_exception(exc)
 
