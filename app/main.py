@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -49,6 +50,11 @@ def create_app(settings: Settings | None = None, *, cpu: CpuFeatures | None = No
         if settings.embedder_preload:
             await app.state.mcp.transport()
         descriptors = asyncio.create_task(watch_descriptors())
+        if not gc.isenabled():  # app/serve.py stopped the collector for the start
+            # What the start made lives as long as the process: out of the collector's way
+            # (fewer, shorter collections while serving), then the collector on again.
+            gc.freeze()
+            gc.enable()
         try:
             yield
         finally:

@@ -4,6 +4,7 @@ back by it, and a load that fails degrades exactly as a failed lazy load does.""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -162,3 +163,32 @@ def test_with_preload_readiness_still_waits_for_the_early_load(
     # Loaded and warmed up before the start completed, as a preload without the early load.
     assert log.index('"embedder warmed up"') < log.index('"kp-scoring started"')
     assert live.post("/evaluate", make_trace()).json()["novelty"]["reason"] == "cache_empty"
+
+
+@pytest.mark.parametrize("paused", [True, False])
+def test_the_collector_paused_for_the_start_is_on_again_once_the_app_has_started(
+    paused: bool,
+) -> None:
+    """app/serve.py stops the cyclic collector for the start (imports make ~140k lasting
+    objects); the lifespan freezes what the start made and turns it back on. An app started
+    another way (tests, another server) finds it on and leaves it alone."""
+    code = f"""
+import gc
+from fastapi.testclient import TestClient
+from app.core.config import Settings
+from app.main import create_app
+
+if {paused}:
+    gc.disable()
+with TestClient(create_app(Settings(embedder="none"))) as client:
+    assert gc.isenabled()
+    frozen = gc.get_freeze_count()
+    assert (frozen > 10_000) if {paused} else (frozen == 0), frozen
+    assert client.get("/healthz").status_code == 200
+print("ok")
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
