@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -45,9 +46,15 @@ def create_app(settings: Settings | None = None, *, cpu: CpuFeatures | None = No
         await runtime.start()
         metrics.registry.register(runtime.collector)
         app.state.services = Services(settings, runtime, metrics, limits, signer)
-        app.state.mcp = mcp.McpTransport(app.state.services)
-        await app.state.mcp.start()
+        app.state.mcp = mcp.McpHost(app.state.services)
+        if settings.embedder_preload:
+            await app.state.mcp.transport()
         descriptors = asyncio.create_task(watch_descriptors())
+        if not gc.isenabled():  # app/serve.py stopped the collector for the start
+            # What the start made lives as long as the process: out of the collector's way
+            # (fewer, shorter collections while serving), then the collector on again.
+            gc.freeze()
+            gc.enable()
         try:
             yield
         finally:

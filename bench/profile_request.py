@@ -55,6 +55,8 @@ class InProcess:
 
     def __init__(self) -> None:
         os.environ["KP_EMBEDDER_PRELOAD"] = "true"
+        # The paths send the same texts in turn: with the memo only the first would run the model.
+        os.environ["KP_EMBED_MEMO_CAPACITY"] = "0"
         os.environ.setdefault("KP_LOG_LEVEL", "info")
         from app.core.config import Settings
         from app.core.logging import configure_logging
@@ -210,7 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     items = corpus.build("typical", 30 if args.quick else 80, seed=51)
     tmp = Path(tempfile.mkdtemp(prefix="kp-profile-"))
-    with Server({"KP_EMBEDDER_PRELOAD": "true"}, tmp / "server.log") as server:
+    with Server(
+        {"KP_EMBEDDER_PRELOAD": "true", "KP_EMBED_MEMO_CAPACITY": "0"}, tmp / "server.log"
+    ) as server:
         times, cpu, server_cpu = load.run(
             lambda: measure(items, args.rounds, server.port, server.pid)
         )

@@ -186,7 +186,9 @@ def measure(
     env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """`env`: KP_* settings for the service (its preloaded server and its cold starts)."""
-    env = env or {}
+    # Every round sends the same traces: the service's embedding memo would answer rounds 2
+    # and on without the model, which the reference cannot do. Off, unless `env` says.
+    env = {"KP_EMBED_MEMO_CAPACITY": "0", **(env or {})}
     sizes = Sizes.of(quick)
     typical = corpus.build("typical", sizes.typical, seed=21)
     long = corpus.build("long", sizes.long, seed=22)

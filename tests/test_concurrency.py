@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+from fastapi import FastAPI
 
 from app.core.config import Settings
 from app.core.states import EmbedderState
@@ -28,12 +29,19 @@ from tests.server import running_server
 
 
 @asynccontextmanager
-async def service(**settings: Any) -> AsyncIterator[httpx.AsyncClient]:
+async def served(**settings: Any) -> AsyncIterator[tuple[httpx.AsyncClient, FastAPI]]:
+    """A started app and a client of it (the app for the tests that reach its services)."""
     app = create_app(Settings(**settings))
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://kp") as client:
-            yield client
+            yield client, app
+
+
+@asynccontextmanager
+async def service(**settings: Any) -> AsyncIterator[httpx.AsyncClient]:
+    async with served(**settings) as (client, _):
+        yield client
 
 
 def run(test: Callable[[], Awaitable[None]]) -> None:
@@ -136,8 +144,8 @@ def test_health_answers_while_traces_wait_for_the_model(monkeypatch: pytest.Monk
     long_trace = make_trace(steps=[step(0, "thought", "word " * 600)])
 
     async def scenario() -> None:
-        async with service(embedder_preload=True) as client:
-            embeddings = client._transport.app.state.services.embeddings  # type: ignore[attr-defined]
+        async with served(embedder_preload=True) as (client, app):
+            embeddings = app.state.services.embeddings
             gate = hold_runs(monkeypatch, embeddings)
             # Should the loop ever block on a run, this lets the test end (and fail).
             safety = threading.Timer(60, gate.set)
@@ -162,8 +170,7 @@ def test_one_failing_input_among_concurrent_requests_fails_alone(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     async def scenario() -> None:
-        async with service(embedder_preload=True) as client:
-            app = client._transport.app  # type: ignore[attr-defined]
+        async with served(embedder_preload=True) as (client, app):
             fail_embedding_on(monkeypatch, app.state.services.embeddings, "KABOOM")
             traces = [make_trace(objective=t) for t in (*TOPICS[:6], "KABOOM", *TOPICS[6:])]
             responses = await asyncio.gather(*(client.post("/evaluate", json=t) for t in traces))
@@ -183,15 +190,15 @@ def test_a_full_queue_turns_requests_away_at_once_and_changes_nothing(
     traces = [make_trace(objective=f"{topic} (queued)") for topic in TOPICS[:6]]
 
     async def scenario() -> None:
-        async with service(embedder_preload=True, embed_queue_limit=2) as client:
-            embeddings = client._transport.app.state.services.embeddings  # type: ignore[attr-defined]
+        async with served(embedder_preload=True, embed_queue_limit=2) as (client, app):
+            embeddings = app.state.services.embeddings
             gate = hold_runs(monkeypatch, embeddings)
             queued = [asyncio.create_task(client.post("/evaluate", json=t)) for t in traces[:2]]
             await until(lambda: embeddings.queue_depth == 2)
             turned_away = [await client.post("/evaluate", json=t) for t in traces[2:]]
             gate.set()
-            served = await asyncio.gather(*queued)
-            assert [r.status_code for r in served] == [200, 200]
+            answered = await asyncio.gather(*queued)
+            assert [r.status_code for r in answered] == [200, 200]
             for r in turned_away:
                 assert r.status_code == 503
                 assert r.headers["retry-after"] == "1"
@@ -241,7 +248,7 @@ def test_runs_side_by_side_give_the_vectors_of_runs_alone() -> None:
     probes = [make_trace(objective=f"How would you {topic.lower()}?") for topic in TOPICS]
 
     async def scenario() -> None:
-        async with service(embedder_preload=True, embedder_workers=2) as client:
+        async with served(embedder_preload=True, embedder_workers=2) as (client, app):
             for trace in known:
                 assert (await client.post("/evaluate", json=trace)).status_code == 200
             dry = {"dry_run": "true"}
@@ -249,7 +256,6 @@ def test_runs_side_by_side_give_the_vectors_of_runs_alone() -> None:
                 *(client.post("/evaluate", json=t, params=dry) for t in probes)
             )
             alone = [await client.post("/evaluate", json=t, params=dry) for t in probes]
-            app = client._transport.app  # type: ignore[attr-defined]
             embeddings = app.state.services.embeddings
             assert embeddings.workers == 2
             assert embeddings.runs_total["one_core"] > 0  # the burst did run side by side

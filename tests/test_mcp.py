@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -333,3 +335,66 @@ def test_an_unexpected_error_is_an_internal_error_without_internals(
     assert r.status_code == 200
     assert r.json()["error"] == {"code": -32603, "message": "internal error"}
     assert "secret" not in r.text
+
+
+def test_the_mcp_sdk_loads_on_the_first_mcp_request_not_at_start() -> None:
+    """A start does not pay for the MCP SDK's import (the cold start); the first /mcp request
+    loads it, and REST answers before and after. In a fresh interpreter: this one has it."""
+    code = f"""
+import sys
+from fastapi.testclient import TestClient
+from app.core.config import Settings
+from app.main import create_app
+from tests.factories import make_trace
+
+with TestClient(create_app(Settings(embedder="none"))) as client:
+    assert client.post("/evaluate", json=make_trace()).status_code == 200
+    assert "mcp" not in sys.modules, "the MCP SDK was imported at start"
+    body = {{"jsonrpc": "2.0", "id": 1, "method": "tools/list"}}
+    r = client.post("/mcp", json=body, headers={HEADERS!r})
+    assert r.status_code == 200, r.text
+    names = [t["name"] for t in r.json()["result"]["tools"]]
+    assert names == ["kp_score_trace", "kp_score_traces"], names
+    assert "mcp" in sys.modules
+    assert client.post("/evaluate", json=make_trace()).status_code == 200
+print("ok")
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
+
+
+def test_preload_starts_the_mcp_server_with_the_service() -> None:
+    code = """
+import sys
+from fastapi.testclient import TestClient
+from app.core.config import Settings
+from app.main import create_app
+
+with TestClient(create_app(Settings(embedder="none", embedder_preload=True))):
+    assert "app.api.mcp_server" in sys.modules
+print("ok")
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def test_an_mcp_server_that_cannot_load_is_a_503_and_rest_serves_on(
+    make_client: ClientFactory, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from app.api import mcp as mcp_endpoint
+
+    monkeypatch.setattr(mcp_endpoint, "_SERVER_MODULE", "app.api.no_such_mcp_server")
+    client = make_client(embedder="none")
+    body = {"jsonrpc": "2.0", "id": 1, "method": "tools/list"}
+    r = client.post("/mcp", json=body, headers=HEADERS)
+    assert r.status_code == 503
+    assert r.json() == {"detail": "the MCP server could not start"}
+    assert "mcp: the MCP server could not start" in caplog.text
+    ready = client.get("/readyz").json()
+    assert any(w.startswith("mcp_unavailable: ") for w in ready["warnings"]), ready
+    assert client.post("/evaluate", json=make_trace()).status_code == 200

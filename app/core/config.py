@@ -25,6 +25,9 @@ class Settings(BaseSettings):
     model_path: Path | None = None
     tokenizer_path: Path | None = None
     embedder_preload: bool = False
+    #: With `python -m app.serve`: the model starts loading when the process starts, beside
+    #: the imports and uvicorn's start-up, without holding readiness back (the preload does).
+    embedder_early_load: bool = True
     embedder_threads: Annotated[int, Field(ge=0)] = 0  # 0: onnxruntime's choice (all cores)
     #: false: the intra-op threads sleep when idle instead of spinning (hosts with busy cores).
     embedder_spinning: bool = True

@@ -10,9 +10,12 @@ from __future__ import annotations
 import hashlib
 import json
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import rfc8785
+
+from app.core.errors import Loc, field_error
 
 ALGORITHM = "EdDSA"
 # RFC 9864 prefers the fully specified "Ed25519"; the registry and the issue ask for "EdDSA",
@@ -35,6 +38,19 @@ def trace_sha256(trace: Any) -> str:
     except (rfc8785.CanonicalizationError, UnicodeError) as exc:
         raise TraceNotCanonicalError(str(exc)) from None
     return hashlib.sha256(canonical).hexdigest()
+
+
+def unsignable_errors(traces: Sequence[Any], locs: Sequence[Loc]) -> list[dict[str, Any]]:
+    """With signing on, a trace RFC 8785 cannot make canonical (its hash is what is signed) is
+    refused before scoring: an error entry (at `locs[i]`) for each such trace."""
+    errors = []
+    for trace, loc in zip(traces, locs, strict=True):
+        try:
+            trace_sha256(trace)
+        except TraceNotCanonicalError as exc:
+            msg = f"cannot be signed: not I-JSON (RFC 8785): {exc}"
+            errors.append(field_error(loc, msg, "not_canonicalizable"))
+    return errors
 
 
 def verify(signature: str, trace: Any, jwks: dict[str, Any]) -> dict[str, Any]:

@@ -9,7 +9,8 @@ from fastapi.exceptions import RequestValidationError
 
 from app.api.deps import BearerDep, Services, ServicesDep
 from app.api.presenters import evaluation_out
-from app.core.signatures import TraceNotCanonicalError, trace_sha256
+from app.core.errors import Loc
+from app.core.signatures import unsignable_errors
 from app.schemas.responses import BatchIn, BatchOut, EvaluationOut
 from app.schemas.trace import ReasoningTrace
 from app.services.evaluator import Evaluation
@@ -107,20 +108,10 @@ async def _sent_traces(services: Services, request: Request, *, batch: bool) -> 
     # FastAPI parsed the body with request.json(), which keeps the result: no second parse.
     body = await request.json()
     traces: list[Any] = body["traces"] if batch else [body]
-    for i, trace in enumerate(traces):
-        try:
-            trace_sha256(trace)
-        except TraceNotCanonicalError as exc:
-            loc: list[str | int] = ["body", "traces", i] if batch else ["body"]
-            raise RequestValidationError(
-                [
-                    {
-                        "loc": loc,
-                        "msg": f"cannot be signed: not I-JSON (RFC 8785): {exc}",
-                        "type": "not_canonicalizable",
-                    }
-                ]
-            ) from None
+    locs: list[Loc] = [("body", "traces", i) if batch else ("body",) for i in range(len(traces))]
+    errors = unsignable_errors(traces, locs)
+    if errors:
+        raise RequestValidationError(errors)
     return traces
 
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from app.api.deps import ServicesDep
+from app.api.mcp import McpHost
 from app.api.presenters import backend_out, index_out, snapshot_out
 from app.api.routes.cache import embedder_out
 from app.schemas.responses import HealthOut, ReadyOut
@@ -19,8 +20,10 @@ async def healthz() -> HealthOut:
 
 
 @router.get("/readyz", summary="Readiness, with the embedder's and the cache's state")
-async def readyz(services: ServicesDep) -> ReadyOut:
+async def readyz(services: ServicesDep, request: Request) -> ReadyOut:
     health = services.runtime.health()
+    mcp: McpHost | None = getattr(request.app.state, "mcp", None)
+    mcp_warnings = mcp.health().warnings if mcp is not None else ()
     index = services.memory.index_status()
     return ReadyOut(
         status="degraded" if health.degraded else "warming" if index.warming else "ready",
@@ -31,7 +34,7 @@ async def readyz(services: ServicesDep) -> ReadyOut:
         cache_index=index_out(index),
         admin_auth=not services.settings.cache_open,
         snapshot=snapshot_out(services.snapshots.status),
-        warnings=list(health.warnings),
+        warnings=[*health.warnings, *mcp_warnings],
     )
 
 

@@ -1,0 +1,234 @@
+"""The MCP server behind /mcp (streamable HTTP), for agents that speak MCP (app/api/mcp.py
+loads this module on the first /mcp request: the MCP SDK takes longer to import than the rest
+of the service, and most starts never serve MCP).
+
+Built on the official MCP Python SDK's low-level server, in the same app and process as the
+REST API: the tools call the same scoring function the routes call (one memory, one queue,
+the same limits and metrics). The server is stateless and answers in JSON, so any replica can
+answer any request (no session to pin to one process) and nothing is held between requests.
+
+The tools' input schemas are the JSON Schemas of the models that validate POST /evaluate and
+POST /evaluate/batch (the trace's own fields at the top, plus `dry_run`), and their output
+schemas those of the REST answers: an agent sends the trace it would POST and gets the answer
+the REST API would give.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any, Final
+
+import mcp_types as types
+from mcp.server.lowlevel import Server
+from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
+from mcp.server.transport_security import TransportSecuritySettings
+from mcp.shared.exceptions import MCPError
+from pydantic import BaseModel, ValidationError
+
+from app import __version__
+from app.api.deps import Services
+from app.api.presenters import evaluation_out
+from app.core.errors import Loc
+from app.core.signatures import unsignable_errors
+from app.schemas.responses import BatchIn, BatchOut, EvaluationOut
+from app.schemas.trace import ReasoningTrace
+from app.services.embeddings import OverloadedError
+from app.services.scoring_requests import TraceLimitError, score_traces
+
+log = logging.getLogger(__name__)
+
+SCORE_TRACE: Final = "kp_score_trace"
+SCORE_TRACES: Final = "kp_score_traces"
+#: The reference SDK's KPCapture contributes a trace whose score reaches this (valueThreshold).
+SHARE_THRESHOLD: Final = 0.75
+
+_DRY_RUN_SCHEMA: Final[dict[str, Any]] = {
+    "type": "boolean",
+    "default": False,
+    "description": "Score without adding the trace's embedding to the novelty cache.",
+}
+
+
+def _input_schema(model: type[BaseModel]) -> dict[str, Any]:
+    schema = model.model_json_schema(by_alias=True)
+    schema["properties"] = {**schema["properties"], "dry_run": _DRY_RUN_SCHEMA}
+    return schema
+
+
+def _tools() -> list[types.Tool]:
+    # Not read-only: without dry_run the trace joins the novelty cache; nothing is deleted.
+    annotations = types.ToolAnnotations(read_only_hint=False, destructive_hint=False)
+    return [
+        types.Tool(
+            name=SCORE_TRACE,
+            title="Score a reasoning trace",
+            description=(
+                "Score one KnowledgePulse ReasoningTrace as POST /evaluate does: the arguments "
+                "are the trace's own fields plus dry_run; the answer is the value score in "
+                f"[0, 1] with its breakdown. A trace scoring {SHARE_THRESHOLD} or more is worth "
+                "contributing (the SDK's default threshold). dry_run=true leaves the novelty "
+                "cache untouched."
+            ),
+            input_schema=_input_schema(ReasoningTrace),
+            output_schema=EvaluationOut.model_json_schema(),
+            annotations=annotations,
+        ),
+        types.Tool(
+            name=SCORE_TRACES,
+            title="Score reasoning traces in order",
+            description=(
+                "Score traces in order, as one step, as POST /evaluate/batch does: later traces "
+                "are compared with earlier ones. Arguments: traces (1 to KP_MAX_BATCH) and "
+                "dry_run."
+            ),
+            input_schema=_input_schema(BatchIn),
+            output_schema=BatchOut.model_json_schema(),
+            annotations=annotations,
+        ),
+    ]
+
+
+def _field(loc: Sequence[str | int]) -> str:
+    path = [str(part) for part in loc]
+    if path[:1] == ["body"]:  # the limit errors name fields as REST body fields
+        path = path[1:]
+    return ".".join(path) or "(arguments)"
+
+
+def _tool_error(text: str) -> types.CallToolResult:
+    return types.CallToolResult(content=[types.TextContent(text=text)], is_error=True)
+
+
+def _invalid(errors: Sequence[Any]) -> types.CallToolResult:
+    # Field paths and messages only: like the REST 422, never the input itself.
+    fields = "; ".join(f"{_field(e['loc'])}: {e['msg']} ({e['type']})" for e in errors)
+    return _tool_error(f"invalid arguments, nothing was scored: {fields}")
+
+
+def summary(answer: EvaluationOut) -> str:
+    """One line an agent (or its model) reads: the score, the verdict, the nearest trace."""
+    verdict = "meets" if answer.score >= SHARE_THRESHOLD else "is below"
+    line = f"score {answer.score:.6g} {verdict} the {SHARE_THRESHOLD} sharing threshold"
+    novelty = answer.novelty
+    nearest = novelty.nearest  # the stored trace with the largest cosine
+    if nearest is not None:
+        name = nearest.trace_id or "(stored without an id)"
+        line += f"; nearest earlier trace {name} (cosine {nearest.cosine:.4f})"
+    elif novelty.measured and novelty.max_cosine is not None:
+        line += f"; max cosine {novelty.max_cosine:.4f} with {novelty.cache_size} earlier traces"
+    elif novelty.reason is not None:
+        line += f"; novelty not measured ({novelty.reason})"
+    return line
+
+
+class McpTools:
+    """The tools, over the running app's services."""
+
+    def __init__(self, services: Services) -> None:
+        self.services = services
+
+    async def list_tools(
+        self, ctx: Any, params: types.PaginatedRequestParams | None
+    ) -> types.ListToolsResult:
+        return types.ListToolsResult(tools=_TOOLS)
+
+    async def call_tool(
+        self, ctx: Any, params: types.CallToolRequestParams
+    ) -> types.CallToolResult:
+        try:
+            return await self._call(params)
+        except MCPError:
+            raise
+        except Exception:
+            # As the REST API's 500: logged here, no internals in the answer.
+            log.exception("mcp: unhandled error", extra={"tool": params.name})
+            raise MCPError(types.INTERNAL_ERROR, "internal error") from None
+
+    async def _call(self, params: types.CallToolRequestParams) -> types.CallToolResult:
+        if params.name not in (SCORE_TRACE, SCORE_TRACES):
+            raise MCPError(types.INVALID_PARAMS, f"unknown tool: {params.name}")
+        arguments = dict(params.arguments or {})
+        dry_run = arguments.pop("dry_run", False)
+        if not isinstance(dry_run, bool):
+            not_bool = {"loc": ["dry_run"], "msg": "should be a boolean", "type": "bool_type"}
+            return _invalid([not_bool])
+        batch = params.name == SCORE_TRACES
+        try:
+            traces = (
+                BatchIn.model_validate(arguments).traces
+                if batch
+                else [ReasoningTrace.model_validate(arguments)]
+            )
+        except ValidationError as exc:
+            return _invalid(exc.errors(include_url=False, include_input=False))
+        sent = arguments["traces"] if batch else [arguments]
+        locs: list[Loc] = [("traces", i) if batch else () for i in range(len(sent))]
+        unsignable = unsignable_errors(sent, locs) if self.services.signer else []
+        if unsignable:
+            return _invalid(unsignable)
+        s = self.services
+        try:
+            evaluations = await score_traces(
+                s.evaluator,
+                s.limits,
+                s.metrics,
+                traces,
+                dry_run=dry_run,
+                batch=batch,
+                transport="mcp",
+            )
+        except TraceLimitError as exc:
+            return _invalid(exc.errors)
+        except OverloadedError as exc:
+            return _tool_error(f"overloaded, nothing was scored; retry in a second: {exc}")
+        signer = s.signer
+        answers = [
+            evaluation_out(e, None if signer is None else signer.sign(e, trace))
+            for e, trace in zip(evaluations, sent, strict=True)
+        ]
+        return _result(answers, batch=batch)
+
+
+def _result(answers: list[EvaluationOut], *, batch: bool) -> types.CallToolResult:
+    if batch:
+        structured = BatchOut(results=answers).model_dump(mode="json")
+        text = "\n".join(f"{a.trace_id}: {summary(a)}" for a in answers)
+    else:
+        (answer,) = answers
+        structured = answer.model_dump(mode="json")
+        text = summary(answer)
+    return types.CallToolResult(
+        content=[types.TextContent(text=text)], structured_content=structured
+    )
+
+
+_TOOLS: Final = _tools()
+
+
+class McpTransport:
+    """The MCP server and its streamable-HTTP session manager, for one run of the app (run by
+    app.api.mcp.McpHost: the manager runs a task group for the requests)."""
+
+    def __init__(self, services: Services) -> None:
+        tools = McpTools(services)
+        server: Server[Any] = Server(
+            "kp-scoring",
+            version=__version__,
+            title="KnowledgePulse trace scoring",
+            instructions=(
+                f"Call {SCORE_TRACE} with a ReasoningTrace before contributing it: a score of "
+                f"{SHARE_THRESHOLD} or more is worth sharing."
+            ),
+            on_list_tools=tools.list_tools,
+            on_call_tool=tools.call_tool,
+        )
+        self.manager = StreamableHTTPSessionManager(
+            server,
+            json_response=True,
+            stateless=True,
+            # The REST API does not check Host or Origin either; a deployment behind a proxy
+            # sees its own host names.
+            security_settings=TransportSecuritySettings(enable_dns_rebinding_protection=False),
+            max_request_body_size=services.settings.max_body_bytes,
+        )
