@@ -4,6 +4,7 @@ figures at 100,000 and 1,000,000 real vectors are bench.memory's."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 
@@ -286,3 +287,56 @@ def test_a_build_outgrown_while_it_runs_trains_again_without_another_add(
     assert cache.index_status().state == "ready"
     assert cache._trained_on >= len(stored) // 2
     assert wait_until(lambda: cache.index_status().indexed == len(stored))
+
+
+@pytest.mark.slow  # seconds of index work: make test runs it, make test-fast does not
+def test_queries_during_background_feeding_and_rebuilds_stay_true() -> None:
+    """The background threads at work while queries run: once a graph serves, a writer adds
+    three capacities' worth, paced like traffic (the feeder inserting, graphs replaced as
+    entries are evicted), while the main thread asks for copies of live entries. Every answer
+    is a true cosine; nearly all find the copy; at the end the graph holds the live entries
+    and few evicted ones."""
+    capacity = 4_000
+    cache = VectorCache(capacity=capacity, index_threshold=2_000)
+    vectors = clustered(4 * capacity, seed=31)
+    for i, v in enumerate(vectors[:capacity]):
+        cache.add(v, trace_id=f"w{i}")
+    assert cache.wait_for_index(120)
+    first_graph = cache._index
+    done = threading.Event()
+
+    def writer() -> None:
+        for i in range(capacity, len(vectors)):
+            cache.add(vectors[i], trace_id=f"w{i}")
+            time.sleep(0.0002)
+        done.set()
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    rng = np.random.default_rng(5)
+    asked = found_copy = 0
+    while not done.is_set() or asked < 200:
+        first, stop = cache.sequence_range
+        if stop - first < 100:
+            continue
+        # A copy of an entry among the live ones (sequence numbers are the add order here).
+        seq = int(rng.integers(max(first, stop - capacity // 2), stop))
+        answer = cache.nearest(vectors[seq])
+        assert answer is not None
+        assert -1.0 <= answer.cosine <= 1.0 + 1e-12
+        stored = vectors[int(answer.trace_id[1:])].astype(np.float64)
+        q = vectors[seq].astype(np.float64)
+        assert answer.cosine == pytest.approx(
+            float(stored @ q / np.linalg.norm(stored) / np.linalg.norm(q)), abs=1e-12
+        )
+        asked += 1
+        found_copy += answer.cosine >= 1.0 - 1e-9
+    thread.join()
+    assert found_copy >= 0.99 * asked
+    assert cache.wait_for_index(120)
+    assert wait_until(lambda: cache.index_status().indexed == capacity)
+    index = cache._index
+    assert index is not None
+    assert index is not first_graph  # replaced as entries were evicted
+    assert index.first_id > 0
+    assert index.count <= capacity * (1 + DEAD_PER_LIVE) + TAIL_BATCH
