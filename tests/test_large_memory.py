@@ -12,7 +12,11 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
+from app.core.config import Settings
+from app.domain.ann_index import DEFAULT_PARAMS
 from app.domain.vector_cache import DEAD_PER_LIVE, TAIL_BATCH, VectorCache
+from app.services.runtime import build_memory
+from app.store.in_process import InProcessMemory
 
 DIMS = 384
 
@@ -340,3 +344,22 @@ def test_queries_during_background_feeding_and_rebuilds_stay_true() -> None:
     assert index is not first_graph  # replaced as entries were evicted
     assert index.first_id > 0
     assert index.count <= capacity * (1 + DEAD_PER_LIVE) + TAIL_BATCH
+
+
+@pytest.mark.slow  # two graphs of 30,000: make test runs it, make test-fast does not
+def test_the_search_breadth_setting_reaches_the_graph_and_widens_the_search(
+    stored: npt.NDArray[np.float32], exact: VectorCache
+) -> None:
+    """KP_CACHE_INDEX_EF_SEARCH: the service's cache gets it, and a wider search finds the
+    exact maximum of far queries (the graph's weak case) more often than a narrow one."""
+    memory = build_memory(Settings(cache_index_ef_search=512), None)
+    assert isinstance(memory, InProcessMemory)
+    assert memory.cache._index_params.ef_search == 512
+    assert Settings().cache_index_ef_search == DEFAULT_PARAMS.ef_search
+    far = clustered(150, seed=77)
+    shares = []
+    for ef in (16, 512):
+        cache = filled(stored, index_threshold=5_000, index_ef_search=ef)
+        shares.append(agreement(stored, cache, exact, far)[0])
+    narrow, wide = shares
+    assert wide > narrow

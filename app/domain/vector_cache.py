@@ -25,14 +25,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import faiss
 import numpy as np
 import numpy.typing as npt
 
-from app.domain.ann_index import AnnIndex
+from app.domain.ann_index import DEFAULT_PARAMS, AnnIndex
 
 Vector = npt.NDArray[np.float32]
 SearchMode = Literal["exact", "auto"]
@@ -132,6 +132,7 @@ class VectorCache:
         *,
         search: SearchMode = "auto",
         index_threshold: int = DEFAULT_INDEX_THRESHOLD,
+        index_ef_search: int = DEFAULT_PARAMS.ef_search,
         background: bool = True,
     ) -> None:
         if capacity < 1:
@@ -142,11 +143,14 @@ class VectorCache:
             raise ValueError("ttl_ms must be positive")
         if index_threshold < 1:
             raise ValueError("index_threshold must be at least 1")
+        if index_ef_search < 1:
+            raise ValueError("index_ef_search must be at least 1")
         self.capacity = capacity
         self.dimensions = dimensions
         self.ttl_ms = ttl_ms
         self.search = search
         self.index_threshold = index_threshold
+        self._index_params = replace(DEFAULT_PARAMS, ef_search=index_ef_search)
         self._background = background
         self._clock_ms = clock_ms
         self._lock = threading.RLock()
@@ -641,7 +645,7 @@ class VectorCache:
                     sample = self.entries_between(max(first, stop - _SAMPLE), stop)
                     with self._lock:
                         self._trained_on = max(self._trained_on, len(sample.vectors))
-                index = AnnIndex(self.dimensions, first)
+                index = AnnIndex(self.dimensions, first, self._index_params)
                 index.train(_unit_rows(sample.vectors, None))
                 continue
             index.add(rows)
