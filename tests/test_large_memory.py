@@ -133,8 +133,8 @@ def test_far_queries_get_true_cosines_and_mostly_the_maximum(
     nearly equal) are a graph's weak case (README, "A large memory"): the answers are still
     true cosines and close to the maximum."""
     share, worst = agreement(stored, indexed, exact, clustered(400, seed=99))
-    assert share >= 0.5
-    assert worst < 0.15
+    assert share >= 0.7  # 0.83 in a run here
+    assert worst < 0.1  # 0.06
 
 
 def test_exact_search_at_size_equals_the_plain_scan(
