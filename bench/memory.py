@@ -111,6 +111,9 @@ def measure_size(stored: Matrix, near: Matrix, fresh: Matrix, threshold: int) ->
     fill_s = time.perf_counter() - started
     while not cache.wait_for_index(600) or cache.index_status().state != "ready":
         time.sleep(0.1)
+    # The last entries are inserted by the feeder thread once the graph serves.
+    while cache.index_status().indexed < n:
+        time.sleep(0.01)
     ready_s = time.perf_counter() - started
     status = cache.index_status()
     stats = cache.stats()

@@ -4,19 +4,33 @@ figures at 100,000 and 1,000,000 real vectors are bench.memory's."""
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Callable
+
 import numpy as np
 import numpy.typing as npt
 import pytest
 
-from app.domain.vector_cache import TAIL_BATCH, VectorCache
+from app.core.config import Settings
+from app.domain.ann_index import DEFAULT_PARAMS
+from app.domain.vector_cache import DEAD_PER_LIVE, TAIL_BATCH, VectorCache
+from app.services.runtime import build_memory
+from app.store.in_process import InProcessMemory
 
 DIMS = 384
 
 
-def clustered(n: int, seed: int, clusters: int = 200) -> npt.NDArray[np.float32]:
-    """Unit vectors in clusters, as text embeddings are (random ones would all be orthogonal)."""
+def clustered(
+    n: int, seed: int, clusters: int = 200, topics: int | None = None
+) -> npt.NDArray[np.float32]:
+    """Unit vectors in clusters, as text embeddings are (random ones would all be orthogonal).
+    `topics`: the seed of the cluster centres, when not `seed`'s own (new points of the same
+    clusters as an earlier call's)."""
     rng = np.random.default_rng(seed)
     centres = rng.standard_normal((clusters, DIMS))
+    if topics is not None:
+        centres = np.random.default_rng(topics).standard_normal((clusters, DIMS))
     v = centres[rng.integers(0, clusters, n)] + 0.6 * rng.standard_normal((n, DIMS))
     return (v / np.linalg.norm(v, axis=1, keepdims=True)).astype(np.float32)
 
@@ -75,14 +89,17 @@ def test_the_index_finds_planted_near_duplicates_among_distractors(
         assert found.trace_id == f"t{i}"
 
 
-@pytest.mark.slow  # seconds of index work: make test runs it, make test-fast does not
-def test_answers_are_true_cosines_and_nearly_always_the_exact_maximum(
-    stored: npt.NDArray[np.float32], indexed: VectorCache, exact: VectorCache
-) -> None:
-    fresh = clustered(400, seed=99)
+def agreement(
+    stored: npt.NDArray[np.float32],
+    indexed: VectorCache,
+    exact: VectorCache,
+    queries: npt.NDArray[np.float32],
+) -> tuple[float, float]:
+    """(share of queries answered with the exact maximum, worst difference); every answer is
+    checked to be the true cosine with the entry it names, never above the maximum."""
     rows = {f"t{i}": stored[i].astype(np.float64) for i in range(len(stored))}
-    agree = 0
-    for query in fresh:
+    agree, worst = 0, 0.0
+    for query in queries:
         found, truth = indexed.nearest(query), exact.nearest(query)
         assert found is not None
         assert truth is not None
@@ -93,9 +110,31 @@ def test_answers_are_true_cosines_and_nearly_always_the_exact_maximum(
             float(row @ q / np.linalg.norm(row) / np.linalg.norm(q)), abs=1e-12
         )
         assert found.cosine <= truth.cosine + 1e-12
-        assert truth.cosine - found.cosine < 0.05
+        worst = max(worst, truth.cosine - found.cosine)
         agree += found.cosine == truth.cosine
-    assert agree >= 0.95 * len(fresh)
+    return agree / len(queries), worst
+
+
+@pytest.mark.slow  # seconds of index work: make test runs it, make test-fast does not
+def test_answers_are_true_cosines_and_nearly_always_the_exact_maximum(
+    stored: npt.NDArray[np.float32], indexed: VectorCache, exact: VectorCache
+) -> None:
+    # Fresh traces on the stored topics (new points of the same clusters).
+    share, worst = agreement(stored, indexed, exact, clustered(400, seed=99, topics=1))
+    assert share >= 0.95
+    assert worst < 0.05
+
+
+@pytest.mark.slow  # seconds of index work: make test runs it, make test-fast does not
+def test_far_queries_get_true_cosines_and_mostly_the_maximum(
+    stored: npt.NDArray[np.float32], indexed: VectorCache, exact: VectorCache
+) -> None:
+    """Queries far from every stored vector (new clusters: the best cosine is about 0.2, all
+    nearly equal) are a graph's weak case (README, "A large memory"): the answers are still
+    true cosines and close to the maximum."""
+    share, worst = agreement(stored, indexed, exact, clustered(400, seed=99))
+    assert share >= 0.7  # 0.83 in a run here
+    assert worst < 0.1  # 0.06
 
 
 def test_exact_search_at_size_equals_the_plain_scan(
@@ -150,7 +189,8 @@ def test_eviction_and_expiry_keep_the_index_flat_and_its_recall() -> None:
         held.append(index.count)
         memory.append(cache.stats().memory_bytes)
         assert cache.size == capacity
-        assert index.count <= capacity + max(TAIL_BATCH, capacity // 8) + TAIL_BATCH
+        # Evicted entries stay in a graph only until a new one replaces it whole.
+        assert index.count <= capacity * (1 + DEAD_PER_LIVE) + TAIL_BATCH
         # Near-duplicates of the newest entries are found by the index.
         for offset in rng.choice(capacity, 20, replace=False):
             found = cache.nearest(edit(batch[offset], rng, 0.3))
@@ -180,7 +220,7 @@ def test_a_cleared_cache_drops_its_index_and_builds_it_again(
 
 
 def test_the_self_check_reruns_sampled_answers_exactly(indexed: VectorCache) -> None:
-    for query in clustered(500, seed=21):
+    for query in clustered(500, seed=21, topics=1):
         indexed.nearest(query)
     checked = indexed.run_audit(limit=1_000)
     status = indexed.index_status()
@@ -201,3 +241,125 @@ def test_a_background_build_answers_exactly_meanwhile(stored: npt.NDArray[np.flo
     found = cache.nearest(stored[7_999])
     assert found is not None
     assert found.trace_id == "t7999"
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float = 120.0) -> bool:
+    """Polls until `condition` holds (a liveness deadline, not a timing assertion)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_the_feeder_indexes_new_entries_without_another_add(
+    stored: npt.NDArray[np.float32],
+) -> None:
+    """Entries added after the build wait in the exactly-scanned tail only until the feeder
+    thread has inserted them: no further add (or request) is needed."""
+    cache = VectorCache(capacity=20_000, index_threshold=5_000)
+    for i, v in enumerate(stored[:6_000]):
+        cache.add(v, trace_id=f"t{i}")
+    assert cache.wait_for_index(120)
+    for i, v in enumerate(stored[6_000:6_100]):  # fewer than TAIL_BATCH
+        cache.add(v, trace_id=f"t{6_000 + i}")
+    assert wait_until(lambda: cache.index_status().indexed == 6_100)
+    index = cache._index
+    assert index is not None
+    assert index.count == 6_100  # each entry once, in order
+    found = cache.nearest(stored[6_050])
+    assert found is not None
+    assert (found.trace_id, found.cosine) == ("t6050", pytest.approx(1.0))
+
+
+def test_a_build_outgrown_while_it_runs_trains_again_without_another_add(
+    stored: npt.NDArray[np.float32],
+) -> None:
+    """A build starts at the threshold; the memory then grows far past the sample its codes
+    were trained on. The graph that ends up serving is trained on the grown memory, without
+    waiting for an add after the build (the old caveat of a start: trained on the first
+    entries forever)."""
+    cache = VectorCache(capacity=len(stored), index_threshold=5_000)
+    for i, v in enumerate(stored[:5_000]):
+        cache.add(v, trace_id=f"t{i}")
+    rest = stored[5_000:]
+    cache.extend(
+        rest, np.full(len(rest), cache.now_ms()), [f"t{5_000 + i}" for i in range(len(rest))]
+    )
+    assert cache.wait_for_index(300)
+    assert cache.index_status().state == "ready"
+    assert cache._trained_on >= len(stored) // 2
+    assert wait_until(lambda: cache.index_status().indexed == len(stored))
+
+
+@pytest.mark.slow  # seconds of index work: make test runs it, make test-fast does not
+def test_queries_during_background_feeding_and_rebuilds_stay_true() -> None:
+    """The background threads at work while queries run: once a graph serves, a writer adds
+    three capacities' worth, paced like traffic (the feeder inserting, graphs replaced as
+    entries are evicted), while the main thread asks for copies of live entries. Every answer
+    is a true cosine; nearly all find the copy; at the end the graph holds the live entries
+    and few evicted ones."""
+    capacity = 4_000
+    cache = VectorCache(capacity=capacity, index_threshold=2_000)
+    vectors = clustered(4 * capacity, seed=31)
+    for i, v in enumerate(vectors[:capacity]):
+        cache.add(v, trace_id=f"w{i}")
+    assert cache.wait_for_index(120)
+    first_graph = cache._index
+    done = threading.Event()
+
+    def writer() -> None:
+        for i in range(capacity, len(vectors)):
+            cache.add(vectors[i], trace_id=f"w{i}")
+            time.sleep(0.0002)
+        done.set()
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    rng = np.random.default_rng(5)
+    asked = found_copy = 0
+    while not done.is_set() or asked < 200:
+        first, stop = cache.sequence_range
+        if stop - first < 100:
+            continue
+        # A copy of an entry among the live ones (sequence numbers are the add order here).
+        seq = int(rng.integers(max(first, stop - capacity // 2), stop))
+        answer = cache.nearest(vectors[seq])
+        assert answer is not None
+        assert -1.0 <= answer.cosine <= 1.0 + 1e-12
+        stored = vectors[int(answer.trace_id[1:])].astype(np.float64)
+        q = vectors[seq].astype(np.float64)
+        assert answer.cosine == pytest.approx(
+            float(stored @ q / np.linalg.norm(stored) / np.linalg.norm(q)), abs=1e-12
+        )
+        asked += 1
+        found_copy += answer.cosine >= 1.0 - 1e-9
+    thread.join()
+    assert found_copy >= 0.99 * asked
+    assert cache.wait_for_index(120)
+    assert wait_until(lambda: cache.index_status().indexed == capacity)
+    index = cache._index
+    assert index is not None
+    assert index is not first_graph  # replaced as entries were evicted
+    assert index.first_id > 0
+    assert index.count <= capacity * (1 + DEAD_PER_LIVE) + TAIL_BATCH
+
+
+@pytest.mark.slow  # two graphs of 30,000: make test runs it, make test-fast does not
+def test_the_search_breadth_setting_reaches_the_graph_and_widens_the_search(
+    stored: npt.NDArray[np.float32], exact: VectorCache
+) -> None:
+    """KP_CACHE_INDEX_EF_SEARCH: the service's cache gets it, and a wider search finds the
+    exact maximum of far queries (the graph's weak case) more often than a narrow one."""
+    memory = build_memory(Settings(cache_index_ef_search=512), None)
+    assert isinstance(memory, InProcessMemory)
+    assert memory.cache._index_params.ef_search == 512
+    assert Settings().cache_index_ef_search == DEFAULT_PARAMS.ef_search
+    far = clustered(150, seed=77)
+    shares = []
+    for ef in (16, 512):
+        cache = filled(stored, index_threshold=5_000, index_ef_search=ef)
+        shares.append(agreement(stored, cache, exact, far)[0])
+    narrow, wide = shares
+    assert wide > narrow

@@ -44,6 +44,9 @@ class Settings(BaseSettings):
     #: entries on (README, "A large memory").
     cache_search: Literal["exact", "auto"] = "auto"
     cache_index_threshold: Annotated[int, Field(ge=1_000)] = 20_000
+    #: The graph's search breadth (faiss efSearch): higher finds the exact maximum more often,
+    #: for more time a query (README, "The memory at size").
+    cache_index_ef_search: Annotated[int, Field(ge=16, le=4_096)] = 128
     #: Largest POST /cache/import body (NDJSON, about 2.1 kB a 384-float entry); the lines
     #: are checked before any is added, so a request's entries are held until its end.
     cache_import_max_bytes: Annotated[int, Field(ge=1_048_576)] = 64 * 1_048_576

@@ -8,12 +8,15 @@ Below `index_threshold` entries, or with search="exact", the search is one matri
 product over every row; cosines are then recomputed in float64 for the few rows that can be
 the maximum, so the result equals the reference's double-precision loop, not just nearly.
 
-At or above the threshold (search="auto") an approximate index (app.domain.ann_index) proposes
+At or above the threshold (search="auto") an HNSW graph (app.domain.ann_index) proposes
 candidates and the same float64 rescoring picks among them, so `max_cosine` is always a true
-cosine with a stored vector. The index is built in a background thread (the exact scan answers
-meanwhile); the newest entries wait in a short tail, scanned exactly, and join the index in
-batches; evicted and expired entries are excluded from every search at once and deleted from
-the index in bulk.
+cosine with a stored vector. No graph insert is on the request path: the graph is built in a
+background thread on a copy of the rows (the exact scan answers meanwhile), and the newest
+entries wait in a tail, scanned exactly, until a second background thread (the feeder) inserts
+them a few at a time under the lock, so no search ever runs on a graph being added to. Evicted
+and expired entries are excluded from every search at once by the id range; once they are a
+third of the graph, a new graph is built on the live entries in the background and replaces
+the old one whole.
 """
 
 from __future__ import annotations
@@ -22,13 +25,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
+import faiss
 import numpy as np
 import numpy.typing as npt
 
-from app.domain.ann_index import AnnIndex, IndexParams
+from app.domain.ann_index import DEFAULT_PARAMS, AnnIndex
 
 Vector = npt.NDArray[np.float32]
 SearchMode = Literal["exact", "auto"]
@@ -40,16 +44,24 @@ _RESCORE_MARGIN = 1e-4
 #: Below this many entries the exact scan is about as fast as the index (about 1 ms a query on
 #: one core), so the index is not built.
 DEFAULT_INDEX_THRESHOLD = 20_000
-#: The newest entries are scanned exactly until this many wait, then join the index together
-#: (one batched assignment instead of one per add).
+#: A build has caught up (and swaps its graph in) when fewer than this many entries wait;
+#: without background threads, the tail joins the graph when it reaches this many.
 TAIL_BATCH = 512
+#: Graph inserts the feeder makes per hold of the lock (about half a millisecond each at a
+#: million entries), so a query waits for at most about a millisecond of them.
+FEED_BATCH = 2
+#: An idle feeder waits this long for new entries before its thread ends.
+_FEED_LINGER_S = 5.0
+#: A new graph replaces the serving one when the evicted entries it still holds reach this
+#: share of its live ones (the graph's memory stays under 1.5 x the capacity's).
+DEAD_PER_LIVE = 0.5
 #: Rows the background work copies or scans under the lock at a time, so a request never
 #: waits for more than about a millisecond of it.
 _CHUNK = 4_096
 #: One index query in this many is rerun exactly in the background (the self-check).
 AUDIT_EVERY = 100
-#: The index is trained again (in the background) when the memory has grown this many times
-#: past the entries its cells were trained on, up to a sample of _SAMPLE.
+#: The graph is built again (in the background) when the memory has grown this many times past
+#: the sample its codes were trained on, up to a sample of _SAMPLE.
 RETRAIN_GROWTH = 4
 _SAMPLE = 131_072
 _AUDIT_QUEUE = 64
@@ -120,6 +132,7 @@ class VectorCache:
         *,
         search: SearchMode = "auto",
         index_threshold: int = DEFAULT_INDEX_THRESHOLD,
+        index_ef_search: int = DEFAULT_PARAMS.ef_search,
         background: bool = True,
     ) -> None:
         if capacity < 1:
@@ -130,11 +143,14 @@ class VectorCache:
             raise ValueError("ttl_ms must be positive")
         if index_threshold < 1:
             raise ValueError("index_threshold must be at least 1")
+        if index_ef_search < 1:
+            raise ValueError("index_ef_search must be at least 1")
         self.capacity = capacity
         self.dimensions = dimensions
         self.ttl_ms = ttl_ms
         self.search = search
         self.index_threshold = index_threshold
+        self._index_params = replace(DEFAULT_PARAMS, ef_search=index_ef_search)
         self._background = background
         self._clock_ms = clock_ms
         self._lock = threading.RLock()
@@ -149,17 +165,17 @@ class VectorCache:
         self.adds_total = 0
         self.evictions_total = 0
         self.clears_total = 0
-        # The index: entries with first_seq <= seq < _indexed_upto are in it.
+        # The serving graph: the live entries with seq < _index.stop_id are in it.
         self._index: AnnIndex | None = None
-        self._indexed_upto = 0
-        self._purged_upto = 0
         self._building: threading.Thread | None = None
+        self._feeding = False  # the feeder thread runs
+        self._feed_wake = threading.Condition(self._lock)
         self._build_progress = 0.0
         self._generation = 0  # changes with clear/load: a build of an older one is dropped
         # Set once an index has served: later builds (after a clear, past the threshold
         # again) happen while the exact scan answers and do not make the service unready.
         self._ever_indexed = False
-        self._trained_on = 0  # entries the index's cells were trained on
+        self._trained_on = 0  # the sample the graph's codes were trained on
         self._queries = 0
         self._audit_queue: deque[tuple[Vector, float, int]] = deque(maxlen=_AUDIT_QUEUE)
         self.audits_total = 0
@@ -191,10 +207,10 @@ class VectorCache:
                 return None
             if self._index is None:
                 return self._best(q, self._exact_candidates(q, first, next_seq))
-            tail_from = max(first, self._indexed_upto)
+            tail_from = max(first, self._index.stop_id)
             proposed = self._index.search(_unit(q), first)
             candidates = np.concatenate([proposed, self._exact_candidates(q, tail_from, next_seq)])
-            if len(candidates) == 0:  # the probed cells held no live entry
+            if len(candidates) == 0:  # the graph held no live entry it could reach
                 candidates = self._exact_candidates(q, first, next_seq)
             found = self._best(q, candidates)
             self._queries += 1
@@ -242,7 +258,7 @@ class VectorCache:
             )
             indexed = 0
             if self._index is not None:
-                indexed = max(0, self._indexed_upto - self._first_seq)
+                indexed = max(0, self._index.stop_id - self._first_seq)
             return IndexStatus(
                 search=self.search,
                 threshold=self.index_threshold,
@@ -448,13 +464,17 @@ class VectorCache:
     # ── the index and the self-check ────────────────────────────────────────
 
     def wait_for_index(self, timeout_s: float | None = None) -> bool:
-        """Waits for a background build; True when none is running any more."""
-        with self._lock:
-            thread = self._building
-        if thread is not None:
-            thread.join(timeout_s)
-            return not thread.is_alive()
-        return True
+        """Waits for background builds (one may start another); True when none runs any more."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                thread = self._building
+            if thread is None:
+                return True
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            thread.join(remaining)
+            if thread.is_alive():
+                return False
 
     def run_audit(self, limit: int = 4) -> int:
         """Reruns up to `limit` sampled index answers with the exact scan (chunk by chunk, so
@@ -491,30 +511,79 @@ class VectorCache:
         return best
 
     def _maintain_index(self) -> None:
-        """After a change: start the index once the cache is large enough, move a full tail
-        into it, delete the evicted prefix from it in bulk."""
+        """After a change (under the lock): start a build when the memory is large enough, has
+        outgrown the graph's sample, or the graph holds too many evicted entries; hand the
+        tail to the feeder."""
         if self.search == "exact":
             return
-        idle = self._building is None or not self._building.is_alive()
-        if self._index is None:
+        idle = self._building is None
+        index = self._index
+        if index is None:
             if self._size >= self.index_threshold and idle:
                 self._start_build()
             return
-        grown = self._size >= RETRAIN_GROWTH * self._trained_on
-        if idle and grown and self._trained_on < _SAMPLE:
-            # Cells trained on the first entries fit a grown memory less well: train again
-            # on a larger sample, in the background, while this index serves.
-            self._trained_on = self._size
+        live = index.stop_id - self._first_seq
+        if live <= 0 and index.stop_id < self._first_seq + self._size:
+            # Every entry of the graph left before the feeder reached the next ones: it can
+            # never be extended again (its ids are contiguous).
+            self._index = None
+            self._maintain_index()
+            return
+        dead = self._first_seq - index.first_id
+        if idle and dead >= max(TAIL_BATCH, DEAD_PER_LIVE * live):
+            if self._size < self.index_threshold:
+                self._index = None  # small again: the exact scan serves
+            else:
+                self._start_build()
+            return
+        if idle and self._trained_on < _SAMPLE and self._size >= RETRAIN_GROWTH * self._trained_on:
             self._start_build()
+            return
+        waiting = self._first_seq + self._size - index.stop_id
+        if waiting <= 0:
+            return
+        if not self._background:
+            if waiting >= TAIL_BATCH:
+                index.add(self._unit_rows_between(index.stop_id, index.stop_id + waiting))
+            return
+        if self._feeding:
+            self._feed_wake.notify()
+        else:
+            self._feeding = True
+            threading.Thread(target=self._feed, name="kp-cache-feed", daemon=True).start()
+
+    def _feedable(self) -> AnnIndex | None:
+        index = self._index
+        if index is None:
+            return None
         next_seq = self._first_seq + self._size
-        start = max(self._indexed_upto, self._first_seq)
-        if next_seq - start >= TAIL_BATCH:
-            slots = self._slots(start, next_seq)
-            self._index.add(_unit_rows(self._vectors[slots], self._norms[slots]), start)
-            self._indexed_upto = next_seq
-        if self._first_seq - self._purged_upto >= max(TAIL_BATCH, self.capacity // 8):
-            self._index.remove_below(self._first_seq)
-            self._purged_upto = self._first_seq
+        return index if self._first_seq <= index.stop_id < next_seq else None
+
+    def _feed(self) -> None:
+        """The feeder thread: inserts the tail into the serving graph, FEED_BATCH entries per
+        hold of the lock (no search runs on the graph meanwhile); ends when idle a while."""
+        try:
+            self._feed_until_idle()
+        except BaseException:
+            with self._lock:  # the next change starts a new feeder
+                self._feeding = False
+            raise
+
+    def _feed_until_idle(self) -> None:
+        faiss.omp_set_num_threads(1)  # one core for background work, the rest for requests
+        while True:
+            with self._lock:
+                index = self._feedable()
+                while index is None:
+                    notified = self._feed_wake.wait(_FEED_LINGER_S)
+                    index = self._feedable()
+                    if index is None and not notified:
+                        self._feeding = False  # under the lock: the next change starts one
+                        return
+                start = index.stop_id
+                stop = min(self._first_seq + self._size, start + FEED_BATCH)
+                index.add(self._unit_rows_between(start, stop))
+            time.sleep(0)  # let a waiting request take the lock first
 
     def _start_build(self) -> None:
         generation = self._generation
@@ -528,41 +597,68 @@ class VectorCache:
         self._building.start()
 
     def _build(self, generation: int) -> None:
-        """Trains the index on a sample of the live entries, then adds every entry, a chunk
-        at a time, outside the lock; the index is swapped in once it has caught up."""
-        with self._lock:
-            first, stop = self._first_seq, self._first_seq + self._size
-        sample = self.entries_between(max(first, stop - _SAMPLE), stop)
-        self._trained_on = max(self._trained_on, len(sample.vectors))
-        params = IndexParams.for_capacity(self.capacity, len(sample.vectors))
-        index = AnnIndex(self.dimensions, params)
-        index.train(_unit_rows(sample.vectors, None))
-        seq = first
+        try:
+            self._build_graph(generation)
+        finally:
+            with self._lock:  # also after an error: the next change may start a build
+                if self._building is threading.current_thread():
+                    self._building = None
+
+    def _build_graph(self, generation: int) -> None:
+        """Trains a new graph's codes on a sample of the newest entries, then inserts every
+        live entry, a chunk at a time, outside the lock (the graph is private until done); it
+        replaces the serving one once it has caught up, and the triggers are checked again."""
+        if self._ever_indexed:
+            # A rebuild while a graph serves: one core, the others stay for requests. The
+            # first build (a start, warming, not ready) uses every core.
+            faiss.omp_set_num_threads(1)
+        index: AnnIndex | None = None
+        sample: CacheEntries | None = None
         while True:
             with self._lock:
                 if generation != self._generation:
                     return
-                seq = max(seq, self._first_seq)
-                next_seq = self._first_seq + self._size
-                if next_seq - seq < TAIL_BATCH:
-                    # Caught up: what is left stays in the tail.
-                    self._index, self._indexed_upto = index, seq
-                    self._ever_indexed = True
-                    self._purged_upto = first
-                    self._build_progress = 1.0
-                    return
-                end = min(next_seq, seq + _CHUNK)
-                slots = self._slots(seq, end)
-                rows = _unit_rows(self._vectors[slots], self._norms[slots])
-                self._build_progress = (seq - self._first_seq) / max(1, self._size)
-            index.add(rows, seq)
-            seq = end
+                first, stop = self._first_seq, self._first_seq + self._size
+                outgrown = sample is not None and (
+                    len(sample.vectors) < _SAMPLE
+                    and self._size >= RETRAIN_GROWTH * len(sample.vectors)
+                )
+                if index is None or outgrown or index.stop_id < first:
+                    # A new graph: the first, or the memory outgrew the sample (train on a
+                    # larger one), or every entry it holds was evicted meanwhile.
+                    index = None
+                else:
+                    seq = index.stop_id
+                    if stop - seq < TAIL_BATCH:  # caught up: the rest goes to the feeder
+                        self._index = index
+                        self._ever_indexed = True
+                        self._build_progress = 1.0
+                        if self._building is threading.current_thread():
+                            self._building = None
+                        self._maintain_index()
+                        return
+                    end = min(stop, seq + _CHUNK)
+                    rows = self._unit_rows_between(seq, end)
+                    self._build_progress = (seq - first) / max(1, self._size)
+            if index is None:
+                if sample is None or outgrown:
+                    sample = self.entries_between(max(first, stop - _SAMPLE), stop)
+                    with self._lock:
+                        self._trained_on = max(self._trained_on, len(sample.vectors))
+                index = AnnIndex(self.dimensions, first, self._index_params)
+                index.train(_unit_rows(sample.vectors, None))
+                continue
+            index.add(rows)
+
+    def _unit_rows_between(self, start_seq: int, stop_seq: int) -> npt.NDArray[np.float32]:
+        slots = self._slots(start_seq, stop_seq)
+        return _unit_rows(self._vectors[slots], self._norms[slots])
 
     def _reset_index(self) -> None:
         self._generation += 1
         self._trained_on = 0
         self._index = None
-        self._indexed_upto = self._purged_upto = self._first_seq
+        self._building = None  # a build of the old generation ends at its next chunk
         self._audit_queue.clear()
 
     # ── internals ───────────────────────────────────────────────────────────

@@ -298,6 +298,7 @@ def build_memory(settings: Settings, model_id: str | None) -> NoveltyMemory:
                 ttl_ms=settings.cache_ttl_ms,
                 search=settings.cache_search,
                 index_threshold=settings.cache_index_threshold,
+                index_ef_search=settings.cache_index_ef_search,
             )
         )
     from app.store.redis_shared import RedisSharedMemory  # redis is slow to import; only here
@@ -313,4 +314,5 @@ def build_memory(settings: Settings, model_id: str | None) -> NoveltyMemory:
         model=model_id,
         search=settings.cache_search,
         index_threshold=settings.cache_index_threshold,
+        index_ef_search=settings.cache_index_ef_search,
     )

@@ -50,6 +50,7 @@ from redis.exceptions import RedisError
 from redis.retry import Retry
 
 from app.core.health import UNMEASURED, Health
+from app.domain.ann_index import DEFAULT_PARAMS
 from app.domain.vector_cache import (
     DEFAULT_INDEX_THRESHOLD,
     CacheEntries,
@@ -136,6 +137,7 @@ class RedisSharedMemory:
         dimensions: int = 384,
         search: SearchMode = "auto",
         index_threshold: int = DEFAULT_INDEX_THRESHOLD,
+        index_ef_search: int = DEFAULT_PARAMS.ef_search,
     ) -> None:
         self.location = location
         self.prefix = prefix
@@ -164,6 +166,7 @@ class RedisSharedMemory:
             clock_ms=lambda: self._now_ms,
             search=search,
             index_threshold=index_threshold,
+            index_ef_search=index_ef_search,
         )
         self._epoch = b""
         self._last_id = b"0-0"
