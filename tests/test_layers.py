@@ -124,3 +124,15 @@ def test_the_cli_loads_none_of_the_servers_libraries() -> None:
     loaded = _loaded_by("import app.cli")
     assert "typer" in loaded
     assert not loaded & {*HEAVY, "fastapi", "uvicorn"}
+
+
+def test_the_app_loads_no_library_its_default_start_does_not_use() -> None:
+    """What a start imports, its first answer waits for (the cold start): the MCP SDK loads
+    on the first /mcp request, faiss once the memory passes the index threshold, joserfc and
+    cryptography when something is signed or checked."""
+    loaded = _loaded_by(
+        "import app.serve, app.main; from app.core.config import Settings; "
+        "app.main.create_app(Settings())"
+    )
+    assert {"fastapi", "onnxruntime", "numpy"} <= loaded  # the check sees what it does load
+    assert not loaded & {"mcp", "faiss", "joserfc", "cryptography"}

@@ -17,13 +17,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import faiss
 import numpy as np
 import numpy.typing as npt
 
-# faiss's bundled type hints lack most of its HNSW API (SearchParametersHNSW, the graph's
-# arrays) and mistype IndexHNSWSQ's arguments.
-_faiss: Any = faiss
+
+def _faiss() -> Any:
+    """faiss, imported on first use: its import is about 30 ms of every start otherwise, and
+    only a memory past the threshold needs it. Any: faiss's bundled type hints lack most of
+    its HNSW API (SearchParametersHNSW, the graph's arrays) and mistype IndexHNSWSQ's
+    arguments."""
+    import faiss
+
+    return faiss
+
+
+def one_core_for_this_thread() -> None:
+    """faiss's OpenMP work started from the calling thread runs on one core."""
+    _faiss().omp_set_num_threads(1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +65,8 @@ class AnnIndex:
         self.dimensions = dimensions
         self.first_id = first_id
         self.params = params
-        self._index: Any = _faiss.IndexHNSWSQ(
+        faiss = _faiss()
+        self._index: Any = faiss.IndexHNSWSQ(
             dimensions, faiss.ScalarQuantizer.QT_8bit, params.m, faiss.METRIC_INNER_PRODUCT
         )
         self._index.hnsw.efConstruction = params.ef_construction
@@ -81,10 +92,10 @@ class AnnIndex:
         """Ids (>= min_id) of the entries the graph finds closest; fewer when it finds fewer."""
         if min_id >= self.stop_id:
             return np.empty(0, dtype=np.int64)
-        params = _faiss.SearchParametersHNSW()
+        params = _faiss().SearchParametersHNSW()
         params.efSearch = self.params.ef_search
         if min_id > self.first_id:
-            selector = faiss.IDSelectorRange(min_id - self.first_id, self.count)
+            selector = _faiss().IDSelectorRange(min_id - self.first_id, self.count)
             params.sel = selector
         _, ids = self._index.search(
             unit_query.reshape(1, -1), self.params.candidates, params=params
@@ -97,7 +108,7 @@ class AnnIndex:
         # Codes, then the graph: neighbour lists (int32), levels (int32) and offsets (uint64).
         hnsw = self._index.hnsw
         return int(
-            self.count * _faiss.downcast_index(self._index.storage).code_size
+            self.count * _faiss().downcast_index(self._index.storage).code_size
             + 4 * hnsw.neighbors.size()
             + 4 * hnsw.levels.size()
             + 8 * hnsw.offsets.size()

@@ -28,11 +28,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
-import faiss
 import numpy as np
 import numpy.typing as npt
 
-from app.domain.ann_index import DEFAULT_PARAMS, AnnIndex
+from app.domain.ann_index import DEFAULT_PARAMS, AnnIndex, one_core_for_this_thread
 
 Vector = npt.NDArray[np.float32]
 SearchMode = Literal["exact", "auto"]
@@ -570,7 +569,7 @@ class VectorCache:
             raise
 
     def _feed_until_idle(self) -> None:
-        faiss.omp_set_num_threads(1)  # one core for background work, the rest for requests
+        one_core_for_this_thread()  # one core for background work, the rest for requests
         while True:
             with self._lock:
                 index = self._feedable()
@@ -611,7 +610,7 @@ class VectorCache:
         if self._ever_indexed:
             # A rebuild while a graph serves: one core, the others stay for requests. The
             # first build (a start, warming, not ready) uses every core.
-            faiss.omp_set_num_threads(1)
+            one_core_for_this_thread()
         index: AnnIndex | None = None
         sample: CacheEntries | None = None
         while True:
