@@ -16,7 +16,10 @@ $(BIN)/.installed: pyproject.toml
 	touch $@
 
 ## run: start the service on http://$(HOST):$(PORT) (settings from KP_* variables)
+# compileall: the bytecode an installed service has (an editable install writes none, and where
+# PYTHONDONTWRITEBYTECODE is set every start would compile every module); changed files only.
 run: $(BIN)/.installed
+	$(BIN)/python -m compileall -q app
 	$(BIN)/python -m app.serve --host $(HOST) --port $(PORT)
 
 ## test: lint, type-check and run the whole test suite (the TypeScript client's included)

@@ -20,7 +20,7 @@ import time
 import urllib.error
 import urllib.request
 
-from bench.server import HOST, ROOT, SERVE, free_port
+from bench.server import HOST, ROOT, SERVE, compile_app, free_port
 
 _FLOOR = """
 import time
@@ -71,6 +71,7 @@ def _env() -> dict[str, str]:
 
 def service_once() -> tuple[float, float]:
     """(ms from process start to the first answer, ms of the first POST /evaluate)."""
+    compile_app()
     port = free_port()
     base = f"http://{HOST}:{port}"
     started = time.perf_counter()

@@ -35,7 +35,7 @@ from typing import Any
 from bench import corpus, load
 from bench.corpus import Item
 from bench.floor import Floor
-from bench.server import HOST, ROOT, SERVE, Server, free_port
+from bench.server import HOST, ROOT, SERVE, Server, compile_app, free_port
 from bench.stats import percentile
 
 RUNNER = Path(__file__).resolve().parent / "reference_runner.mjs"
@@ -140,6 +140,7 @@ def reference_cold(directory: Path, trace_file: Path) -> float:
 def service_cold(trace: dict[str, Any], log: Path, env: dict[str, str]) -> float:
     """Milliseconds from spawning the service (default settings: the model loads on demand)
     to its first POST /evaluate answered; the port is tried every 2 ms until it listens."""
+    compile_app()
     port = free_port()
     request = load.evaluate_requests([trace], port)[0]
     clean = {k: v for k, v in os.environ.items() if not k.startswith("KP_")} | env

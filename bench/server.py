@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import compileall
 import http.client
 import os
 import secrets
@@ -21,6 +22,13 @@ ADMIN_TOKEN = "bench-" + secrets.token_hex(16)
 _TICKS = os.sysconf("SC_CLK_TCK")
 #: How every server starts (app/serve.py), run by this interpreter.
 SERVE = (sys.executable, "-m", "app.serve")
+
+
+def compile_app() -> None:
+    """The app's bytecode, as an installed service has it (pip compiles at install): where
+    PYTHONDONTWRITEBYTECODE is set, an editable checkout would otherwise compile every module
+    at every start (about 0.25 s of a cold start here). Only changed files are compiled."""
+    compileall.compile_dir(ROOT / "app", quiet=1)
 
 
 def free_port() -> int:
@@ -59,6 +67,7 @@ class Server:
         timeout_s: float = 60,
         command: Sequence[str] = SERVE,
     ) -> None:
+        compile_app()
         self.port = free_port()
         clean = {k: v for k, v in os.environ.items() if not k.startswith("KP_")}
         self.log_path = log_path
