@@ -491,3 +491,45 @@ def test_a_replica_catches_up_with_a_large_log_a_page_at_a_time(
             await late.close()
 
     run(scenario)
+
+
+def test_a_replica_catching_up_on_a_slow_host_gets_every_entry_before_it_is_ready(
+    redis_server: RedisServer, redis_prefix: str
+) -> None:
+    """A page of the log is megabytes: on a slow or busy CPU it takes longer than
+    KP_REDIS_TIMEOUT_MS, a request's budget (here 1 ms, which no page meets). The first
+    catch-up is bounded by its own, longer limit, so the replica loads every entry and only
+    then stops warming; it never reports itself caught up with part of the log."""
+    count = 3 * PAGE + 45
+    rng = np.random.default_rng(13)
+    v = rng.standard_normal((count, 384)).astype(np.float32)
+    v /= np.linalg.norm(v, axis=1, keepdims=True)
+    now = time.time() * 1000
+
+    async def scenario() -> None:
+        async with replicas(redis_server, redis_prefix, count=1, capacity=50_000) as (writer,):
+            entries = CacheEntries(v, np.full(count, now), [f"e{i}" for i in range(count)])
+            assert await writer.import_entries(entries) == (count, 0)
+        late = RedisSharedMemory(
+            redis_server.url,
+            redis_location(redis_server.url),
+            prefix=redis_prefix,
+            capacity=50_000,
+            ttl_ms=None,
+            timeout_ms=1,
+            model=MODEL,
+            index_threshold=50_000,
+        )
+        await late.start()
+        try:
+            for _ in range(1200):
+                if late.warming is None:
+                    break
+                await asyncio.sleep(0.05)
+            assert late.warming is None
+            assert late.size == count
+            assert late.backend.available
+        finally:
+            await late.close()
+
+    run(scenario)

@@ -74,6 +74,13 @@ IMPORT_BATCH = 1000
 #: memory, a long outage) catches up a page at a time, each well within KP_REDIS_TIMEOUT_MS,
 #: and Redis serves the other replicas between pages.
 PAGE = 2000
+#: How long one bulk exchange may take: a page of the log during the first catch-up (about
+#: 3.6 MB) or a batch of an import (about 1.5 MB), on a CPU that may be slow and busy building
+#: the index. No scoring request waits on them (the replica says cache_warming meanwhile; an
+#: import is an operator's), so KP_REDIS_TIMEOUT_MS, a request's budget, is not their bound;
+#: this one catches a Redis that stopped answering. It is also the socket's read timeout, a
+#: backstop under every exchange's own bound.
+BULK_TIMEOUT_S = 30.0
 _WIRE = np.dtype("<f4")
 _T = TypeVar("_T")
 #: exchange.lua's first reply element: its run went through, or this replica's settings
@@ -146,10 +153,11 @@ class RedisSharedMemory:
         self.model = model or ""
         self._timeout_s = timeout_ms / 1000.0
         # No retries inside redis-py: a failed exchange is reported at once and the probe
-        # reconnects, so that no request waits longer than the timeout.
+        # reconnects, so that no request waits longer than the timeout (each exchange's own
+        # bound; the socket's is the backstop).
         self._client = Redis.from_url(
             url,
-            socket_timeout=self._timeout_s,
+            socket_timeout=max(self._timeout_s, BULK_TIMEOUT_S),
             socket_connect_timeout=self._timeout_s,
             retry=Retry(NoBackoff(), 0),
             client_name="kp-scoring",
@@ -248,8 +256,13 @@ class RedisSharedMemory:
             await asyncio.wait_for(asyncio.shield(self._first_page.wait()), self._timeout_s)
 
     async def _warm(self) -> None:
-        await self._follow()
-        self._caught_up = True
+        """The first catch-up, to the log's end: a failed page (Redis gone meanwhile) is
+        retried, and the replica stays warming (not ready) until it has every entry."""
+        while not self._closed:
+            await self._follow()
+            if self._caught_up:
+                break
+            await asyncio.sleep(RETRY_INTERVAL_S)
         self._first_page.set()
 
     async def _follow(self) -> None:
@@ -339,7 +352,7 @@ class RedisSharedMemory:
                     np.asarray(entries.vectors[i], dtype=_WIRE).tobytes(),
                 ]
             try:
-                async with asyncio.timeout(self._timeout_s):
+                async with asyncio.timeout(max(self._timeout_s, BULK_TIMEOUT_S)):
                     status, *body = await self._import_script(keys=self._keys, args=args)
                 if status == SETTINGS_MISMATCH:
                     raise SettingsMismatchError(body[0].decode())
@@ -410,8 +423,9 @@ class RedisSharedMemory:
             if request.add:
                 for trace_id, vector in zip(request.trace_ids, request.vectors, strict=True):
                     args += [trace_id, np.asarray(vector, dtype=_WIRE).tobytes()]
+        timeout_s = self._timeout_s if self._caught_up else max(self._timeout_s, BULK_TIMEOUT_S)
         try:
-            async with asyncio.timeout(self._timeout_s):
+            async with asyncio.timeout(timeout_s):
                 reply = await self._exchange_script(keys=self._keys, args=args)
             results = self._apply(reply, group)
             if results is None:
