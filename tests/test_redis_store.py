@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 
 from app.core.config import ConfigError, Settings, redis_location
@@ -441,6 +442,40 @@ def test_redis_unreachable_at_start_scores_on_with_cache_unavailable(
         assert "hunter2" not in client.get(path).text
 
 
+async def _late_replica(
+    redis_server: RedisServer, prefix: str, count: int, seed: int, **settings: Any
+) -> tuple[RedisSharedMemory, npt.NDArray[np.float32]]:
+    """A shared memory of `count` random unit vectors (imported by a first replica, ids
+    e0, e1, ...), and a new replica started against it with `settings`."""
+    rng = np.random.default_rng(seed)
+    v = rng.standard_normal((count, 384)).astype(np.float32)
+    v /= np.linalg.norm(v, axis=1, keepdims=True)
+    now = time.time() * 1000
+    async with replicas(redis_server, prefix, count=1, capacity=50_000) as (writer,):
+        entries = CacheEntries(v, np.full(count, now), [f"e{i}" for i in range(count)])
+        assert await writer.import_entries(entries) == (count, 0)
+    late = RedisSharedMemory(
+        redis_server.url,
+        redis_location(redis_server.url),
+        prefix=prefix,
+        capacity=50_000,
+        ttl_ms=None,
+        model=MODEL,
+        **{"timeout_ms": TIMEOUT_MS, **settings},
+    )
+    await late.start()
+    return late, v
+
+
+async def _caught_up(late: RedisSharedMemory) -> None:
+    """Waits for the first catch-up to end (the bound only stops a broken test hanging)."""
+    for _ in range(1200):
+        if late.warming is None:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"still warming after a minute: {late.warming}")
+
+
 def test_a_replica_catches_up_with_a_large_log_a_page_at_a_time(
     redis_server: RedisServer, redis_prefix: str
 ) -> None:
@@ -448,26 +483,11 @@ def test_a_replica_catches_up_with_a_large_log_a_page_at_a_time(
     page, it says warming (with progress) and refuses to score until it has every entry,
     then answers from all of them, naming the planted one."""
     count = 6 * PAGE + 123
-    rng = np.random.default_rng(12)
-    v = rng.standard_normal((count, 384)).astype(np.float32)
-    v /= np.linalg.norm(v, axis=1, keepdims=True)
-    now = time.time() * 1000
 
     async def scenario() -> None:
-        async with replicas(redis_server, redis_prefix, count=1, capacity=50_000) as (writer,):
-            entries = CacheEntries(v, np.full(count, now), [f"e{i}" for i in range(count)])
-            assert await writer.import_entries(entries) == (count, 0)
-        late = RedisSharedMemory(
-            redis_server.url,
-            redis_location(redis_server.url),
-            prefix=redis_prefix,
-            capacity=50_000,
-            ttl_ms=None,
-            timeout_ms=TIMEOUT_MS,
-            model=MODEL,
-            index_threshold=5_000,
+        late, v = await _late_replica(
+            redis_server, redis_prefix, count, seed=12, index_threshold=5_000
         )
-        await late.start()
         try:
             loading = late.warming
             assert loading is not None
@@ -477,11 +497,7 @@ def test_a_replica_catches_up_with_a_large_log_a_page_at_a_time(
             assert status.progress == pytest.approx(PAGE / count)
             with pytest.raises(MemoryUnavailableError, match="cache_warming"):
                 await late.compare([v[0]], ["x"], add=True)
-            for _ in range(200):
-                if late.warming is None:
-                    break
-                await asyncio.sleep(0.05)
-            assert late.warming is None
+            await _caught_up(late)
             assert late.size == count
             (answer,) = await late.compare([v[count - 7]], ["probe"], add=False)
             assert answer.nearest is not None
@@ -501,32 +517,13 @@ def test_a_replica_catching_up_on_a_slow_host_gets_every_entry_before_it_is_read
     catch-up is bounded by its own, longer limit, so the replica loads every entry and only
     then stops warming; it never reports itself caught up with part of the log."""
     count = 3 * PAGE + 45
-    rng = np.random.default_rng(13)
-    v = rng.standard_normal((count, 384)).astype(np.float32)
-    v /= np.linalg.norm(v, axis=1, keepdims=True)
-    now = time.time() * 1000
 
     async def scenario() -> None:
-        async with replicas(redis_server, redis_prefix, count=1, capacity=50_000) as (writer,):
-            entries = CacheEntries(v, np.full(count, now), [f"e{i}" for i in range(count)])
-            assert await writer.import_entries(entries) == (count, 0)
-        late = RedisSharedMemory(
-            redis_server.url,
-            redis_location(redis_server.url),
-            prefix=redis_prefix,
-            capacity=50_000,
-            ttl_ms=None,
-            timeout_ms=1,
-            model=MODEL,
-            index_threshold=50_000,
+        late, _ = await _late_replica(
+            redis_server, redis_prefix, count, seed=13, timeout_ms=1, index_threshold=50_000
         )
-        await late.start()
         try:
-            for _ in range(1200):
-                if late.warming is None:
-                    break
-                await asyncio.sleep(0.05)
-            assert late.warming is None
+            await _caught_up(late)
             assert late.size == count
             assert late.backend.available
         finally:
