@@ -19,8 +19,8 @@ def run(host: str = "127.0.0.1", port: int = 8000, *, reload: bool = False) -> N
     # the process; the cyclic collector would walk them again and again while they are made,
     # about a tenth of the start's CPU. Off until the app has started: its lifespan turns it
     # back on (app/main.py).
-    gc.disable()
     if not reload:  # with reload the app lives in a child process, which loads its own
+        gc.disable()
         from app.services import early_load
 
         # First, so that the model loads while the web stack is imported and started.
