@@ -134,11 +134,15 @@ def test_a_connection_that_sends_nothing_is_closed_without_an_answer(bounded: Se
     assert _closed_by(bounded, "idle") > before
 
 
-def test_headers_that_never_end_get_408_and_a_close(bounded: Server) -> None:
-    before = _closed_by(bounded, "header_timeout")
-    with _connect(bounded) as sock:
-        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: kp\r\nX-Slow: ")
-        dribble = _Dribble(sock, b"a" * 1000, 1, HEADER_TIMEOUT_S / 4)
+def _closed_with_408(
+    server: Server, head: bytes, payload: bytes, chunk: int, interval_s: float
+) -> dict[str, Any]:
+    """Sends `head`, then `payload` `chunk` bytes every `interval_s` seconds, until the server
+    closes the connection; checks it answered 408 with Connection: close, and returns the
+    answer's error entry."""
+    with _connect(server) as sock:
+        sock.sendall(head)
+        dribble = _Dribble(sock, payload, chunk, interval_s)
         dribble.start()
         data, closed = _read_until_closed(sock)
         dribble.stopped.set()
@@ -146,28 +150,28 @@ def test_headers_that_never_end_get_408_and_a_close(bounded: Server) -> None:
     status, headers, body = _response(data)
     assert status == 408
     assert headers["connection"] == "close"
-    assert body["detail"][0]["type"] == "header_timeout"
-    assert "KP_HEADER_TIMEOUT_S" in body["detail"][0]["msg"]
+    entry: dict[str, Any] = body["detail"][0]
+    return entry
+
+
+def test_headers_that_never_end_get_408_and_a_close(bounded: Server) -> None:
+    before = _closed_by(bounded, "header_timeout")
+    head = b"GET /healthz HTTP/1.1\r\nHost: kp\r\nX-Slow: "
+    entry = _closed_with_408(bounded, head, b"a" * 1000, 1, HEADER_TIMEOUT_S / 4)
+    assert entry["type"] == "header_timeout"
+    assert "KP_HEADER_TIMEOUT_S" in entry["msg"]
     assert _closed_by(bounded, "header_timeout") > before
 
 
 def test_a_body_that_never_ends_gets_408_and_a_close(bounded: Server) -> None:
     """The issue's probe: Content-Length 500000, sent at a few KB/s."""
     before = _closed_by(bounded, "body_timeout")
-    with _connect(bounded) as sock:
-        sock.sendall(
-            b"POST /evaluate HTTP/1.1\r\nHost: kp\r\nContent-Type: application/json\r\n"
-            b"Content-Length: 500000\r\n\r\n"
-        )
-        dribble = _Dribble(sock, b" " * 500_000, 1024, BODY_TIMEOUT_S / 10)
-        dribble.start()
-        data, closed = _read_until_closed(sock)
-        dribble.stopped.set()
-    assert closed
-    status, headers, body = _response(data)
-    assert status == 408
-    assert headers["connection"] == "close"
-    assert body["detail"][0] == {
+    head = (
+        b"POST /evaluate HTTP/1.1\r\nHost: kp\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 500000\r\n\r\n"
+    )
+    entry = _closed_with_408(bounded, head, b" " * 500_000, 1024, BODY_TIMEOUT_S / 10)
+    assert entry == {
         "loc": ["body"],
         "msg": f"the request body did not arrive within {BODY_TIMEOUT_S:g} s (KP_BODY_TIMEOUT_S)",
         "type": "body_timeout",
