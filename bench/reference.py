@@ -280,29 +280,19 @@ def measure(
     finally:
         node.close()
     figures = {k: _spread([r[k] for r in per_round]) for k in per_round[0]}
+    # Each ratio, per round: (numerator, denominator) figures of that round.
+    ratio_of = {
+        "typical_p50_vs_reference": ("service_typical_p50_ms", "reference_typical_p50_ms"),
+        "long_p99_vs_reference": ("service_long_p99_ms", "reference_long_p99_ms"),
+        "clients16_vs_floor_rate": ("service_16_rate_rps", "floor_rate_rps"),
+        "cold_vs_reference": ("service_cold_ms", "reference_cold_ms"),
+        "reference_typical_vs_floor": ("reference_typical_p50_ms", "floor_typical_p50_ms"),
+        "reference_long_p50_vs_floor": ("reference_long_p50_ms", "floor_long_p50_ms"),
+        "service_typical_vs_floor": ("service_typical_p50_ms", "floor_typical_p50_ms"),
+        "service_long_p50_vs_floor": ("service_long_p50_ms", "floor_long_p50_ms"),
+    }
     ratios = {
-        "typical_p50_vs_reference": [
-            r["service_typical_p50_ms"] / r["reference_typical_p50_ms"] for r in per_round
-        ],
-        "long_p99_vs_reference": [
-            r["service_long_p99_ms"] / r["reference_long_p99_ms"] for r in per_round
-        ],
-        "clients16_vs_floor_rate": [
-            r["service_16_rate_rps"] / r["floor_rate_rps"] for r in per_round
-        ],
-        "cold_vs_reference": [r["service_cold_ms"] / r["reference_cold_ms"] for r in per_round],
-        "reference_typical_vs_floor": [
-            r["reference_typical_p50_ms"] / r["floor_typical_p50_ms"] for r in per_round
-        ],
-        "reference_long_p50_vs_floor": [
-            r["reference_long_p50_ms"] / r["floor_long_p50_ms"] for r in per_round
-        ],
-        "service_typical_vs_floor": [
-            r["service_typical_p50_ms"] / r["floor_typical_p50_ms"] for r in per_round
-        ],
-        "service_long_p50_vs_floor": [
-            r["service_long_p50_ms"] / r["floor_long_p50_ms"] for r in per_round
-        ],
+        name: [r[top] / r[bottom] for r in per_round] for name, (top, bottom) in ratio_of.items()
     }
     return {
         "rounds": rounds,
