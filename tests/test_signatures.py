@@ -22,6 +22,7 @@ from typer.testing import CliRunner
 from app.cli import cli
 from app.client import KpScoringClient, SignatureInvalidError, verify_signature
 from app.core.config import ConfigError, Settings
+from app.core.signatures import unsignable_errors
 from app.main import create_app
 from app.schemas.trace import ReasoningTrace
 from tests.factories import make_trace, step
@@ -275,3 +276,14 @@ def test_a_public_key_or_garbage_as_the_signing_key_stops_the_start(
     )
     assert "KP_SIGNING_PREVIOUS_KEYS_FILE: " in message
     assert "not an Ed25519 public key" in message
+
+
+def test_unsignable_traces_are_named_where_they_stand() -> None:
+    fine, big = make_trace(), make_trace()
+    big["task"]["input_schema"] = {"big": 2**60}
+    assert unsignable_errors([fine], batch=False, at=("body",)) == []
+    (single,) = unsignable_errors([big], batch=False, at=("body",))
+    assert (single["loc"], single["type"]) == (["body"], "not_canonicalizable")
+    batch = unsignable_errors([fine, big, big], batch=True, at=("body",))
+    assert [e["loc"] for e in batch] == [["body", "traces", 1], ["body", "traces", 2]]
+    assert [e["loc"] for e in unsignable_errors([big], batch=True)] == [["traces", 0]]

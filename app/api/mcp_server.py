@@ -29,7 +29,6 @@ from pydantic import BaseModel, ValidationError
 from app import __version__
 from app.api.deps import Services
 from app.api.presenters import evaluation_out
-from app.core.errors import Loc
 from app.core.signatures import unsignable_errors
 from app.schemas.responses import BatchIn, BatchOut, EvaluationOut
 from app.schemas.trace import ReasoningTrace
@@ -163,8 +162,7 @@ class McpTools:
         except ValidationError as exc:
             return _invalid(exc.errors(include_url=False, include_input=False))
         sent = arguments["traces"] if batch else [arguments]
-        locs: list[Loc] = [("traces", i) if batch else () for i in range(len(sent))]
-        unsignable = unsignable_errors(sent, locs) if self.services.signer else []
+        unsignable = unsignable_errors(sent, batch=batch) if self.services.signer else []
         if unsignable:
             return _invalid(unsignable)
         s = self.services

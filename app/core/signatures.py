@@ -40,15 +40,17 @@ def trace_sha256(trace: Any) -> str:
     return hashlib.sha256(canonical).hexdigest()
 
 
-def unsignable_errors(traces: Sequence[Any], locs: Sequence[Loc]) -> list[dict[str, Any]]:
+def unsignable_errors(traces: Sequence[Any], *, batch: bool, at: Loc = ()) -> list[dict[str, Any]]:
     """With signing on, a trace RFC 8785 cannot make canonical (its hash is what is signed) is
-    refused before scoring: an error entry (at `locs[i]`) for each such trace."""
+    refused before scoring: an error entry for each such trace, at `at` (a batch's i-th trace
+    at `at` + traces, i)."""
     errors = []
-    for trace, loc in zip(traces, locs, strict=True):
+    for i, trace in enumerate(traces):
         try:
             trace_sha256(trace)
         except TraceNotCanonicalError as exc:
             msg = f"cannot be signed: not I-JSON (RFC 8785): {exc}"
+            loc = [*at, "traces", i] if batch else list(at)
             errors.append(field_error(loc, msg, "not_canonicalizable"))
     return errors
 

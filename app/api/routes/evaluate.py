@@ -9,7 +9,6 @@ from fastapi.exceptions import RequestValidationError
 
 from app.api.deps import BearerDep, Services, ServicesDep
 from app.api.presenters import evaluation_out
-from app.core.errors import Loc
 from app.core.signatures import unsignable_errors
 from app.schemas.responses import BatchIn, BatchOut, EvaluationOut
 from app.schemas.trace import ReasoningTrace
@@ -108,8 +107,7 @@ async def _sent_traces(services: Services, request: Request, *, batch: bool) -> 
     # FastAPI parsed the body with request.json(), which keeps the result: no second parse.
     body = await request.json()
     traces: list[Any] = body["traces"] if batch else [body]
-    locs: list[Loc] = [("body", "traces", i) if batch else ("body",) for i in range(len(traces))]
-    errors = unsignable_errors(traces, locs)
+    errors = unsignable_errors(traces, batch=batch, at=("body",))
     if errors:
         raise RequestValidationError(errors)
     return traces
