@@ -69,6 +69,14 @@ def derived(real: Matrix, count: int, seed: int) -> Matrix:
     return out
 
 
+def memory_of(real: Matrix, size: int) -> Matrix:
+    """`size` stored vectors: the real ones, then derived ones past them (the same for a size
+    in every run: the derivation is seeded with it)."""
+    if size <= len(real):
+        return real[:size]
+    return np.concatenate([real, derived(real, size - len(real), seed=size)])
+
+
 def edited(text: str, rng: random.Random) -> str:
     words = text.split()
     kept = [w for w in words if rng.random() > 0.15]
@@ -286,12 +294,7 @@ def run(sizes: list[int], queries: int, service: bool, threshold: int) -> dict[s
     }
     for size in sizes:
         # Past the real vectors embedded so far: derived ones (the module docstring).
-        stored = (
-            vectors
-            if size <= len(vectors)
-            else np.concatenate([vectors, derived(vectors, size - len(vectors), seed=size)])
-        )
-        stored = stored[:size]
+        stored = memory_of(vectors, size)
         print(f"memory of {size} entries ...", file=sys.stderr, flush=True)
         result = measure_size(stored, near, fresh, threshold)
         doc["sizes"].append(result)

@@ -41,9 +41,7 @@ def stored_vectors(size: int) -> np.ndarray[Any, np.dtype[np.float32]]:
     _, vectors = memory_corpus.available(memory.REAL_VECTORS)
     if not len(vectors):
         _, vectors = memory_corpus.vectors(memory.REAL_VECTORS)
-    if size <= len(vectors):
-        return vectors[:size]
-    return np.concatenate([vectors, memory.derived(vectors, size - len(vectors), seed=size)])
+    return memory.memory_of(vectors, size)
 
 
 def fill(url: str, stored: np.ndarray[Any, np.dtype[np.float32]]) -> float:
