@@ -74,8 +74,12 @@ def load_embedder(files: ModelFiles, settings: Settings, int8: Int8Support | Non
     before the service reports ready, with KP_EMBEDDER_PRELOAD)."""
     from app.embedding import model_files
     from app.embedding.onnx_embedder import OnnxEmbedder
+    from app.embedding.session_cache import SessionCache, default_directory
 
-    model_files.verify(files)
+    sha256 = model_files.verify(files)
+    cache = None
+    if settings.model_cache:
+        cache = SessionCache(settings.model_cache_dir or default_directory())
     return OnnxEmbedder(
         files.model,
         files.tokenizer,
@@ -85,6 +89,8 @@ def load_embedder(files: ModelFiles, settings: Settings, int8: Int8Support | Non
         precision="float32" if int8 is None else int8.precision,
         int8_weights=None if int8 is None else int8.weights,
         defer=True,
+        session_cache=cache,
+        model_sha256=sha256,
     )
 
 
