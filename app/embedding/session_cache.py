@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import secrets
 import shutil
 import tempfile
 import zlib
@@ -62,8 +63,9 @@ def default_directory() -> Path:
 
 class SessionCache:
     """Entries in `directory`, each three files named by its key: KEY.onnx (the graph),
-    KEY.data (its initializers), KEY.json (the record, written last: an entry without it is
-    unfinished). `cpu_flags`: the CPU the graphs are for (default: this machine's)."""
+    KEY-NONCE.data (its initializers, named by the graph), KEY.json (the record of both,
+    written last: an entry without it is unfinished). `cpu_flags`: the CPU the graphs are
+    for (default: this machine's)."""
 
     def __init__(self, directory: Path, cpu_flags: Iterable[str] | None = None) -> None:
         self.directory = directory
@@ -123,10 +125,13 @@ class SessionCache:
         except OSError as exc:
             session = ort.InferenceSession(model, built, providers=["CPUExecutionProvider"])
             return session, Outcome("unsaved", _joined(why_not, f"cannot write {exc}"))
+        # The graph names its data file: a name of its own per write, so that a graph and the
+        # data of another write of the same entry can never be loaded together.
+        data_name = f"{key}-{secrets.token_hex(6)}.data"
         try:
             built.optimized_model_filepath = str(staging / f"{key}.onnx")
             built.add_session_config_entry(
-                "session.optimized_model_external_initializers_file_name", f"{key}.data"
+                "session.optimized_model_external_initializers_file_name", data_name
             )
             built.add_session_config_entry(
                 "session.optimized_model_external_initializers_min_size_in_bytes",
@@ -142,25 +147,34 @@ class SessionCache:
                 session = ort.InferenceSession(model, plain, providers=["CPUExecutionProvider"])
                 return session, Outcome("unsaved", _joined(why_not, "writing the graph failed"))
             try:
-                self._publish(key, staging)
+                self._publish(key, staging, data_name)
             except OSError as exc:
                 return session, Outcome("unsaved", _joined(why_not, f"cannot write {exc}"))
             return session, Outcome("built", why_not)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
 
-    def _publish(self, key: str, staging: Path) -> None:
-        """Moves the new graph in, its record last (renames: a reader never sees a half-written
-        file under an entry's name)."""
+    def _publish(self, key: str, staging: Path, data_name: str) -> None:
+        """Moves the new graph in, data first, record last (renames: a reader never sees a
+        half-written file under an entry's name), then removes the data of earlier writes."""
+        files = {"data": data_name, "onnx": f"{key}.onnx"}
         record: dict[str, Any] = {"format": FORMAT, "key": key, "files": {}}
-        self._path(key, "json").unlink(missing_ok=True)
-        for suffix in ("data", "onnx"):
-            written = staging / f"{key}.{suffix}"
-            record["files"][suffix] = {"size": written.stat().st_size, "crc32": _crc32(written)}
-            os.replace(written, self._path(key, suffix))
+        for part, name in files.items():
+            written = staging / name
+            record["files"][part] = {
+                "name": name,
+                "size": written.stat().st_size,
+                "crc32": _crc32(written),
+            }
+            os.replace(written, self.directory / name)
         draft = staging / f"{key}.json"
         draft.write_text(json.dumps(record))
         os.replace(draft, self._path(key, "json"))
+        for old in self.directory.glob(f"{key}-*.data"):
+            if old.name != data_name:
+                # A load that has it open keeps reading it; one that opens it now fails, and
+                # builds the graph again.
+                old.unlink(missing_ok=True)
 
     def _check(self, key: str) -> tuple[bool, str | None]:
         """Whether the entry `key` is there and whole; if not, why not (None: no entry)."""
@@ -169,8 +183,11 @@ class SessionCache:
             files = record["files"]
             if record.get("format") != FORMAT or record.get("key") != key:
                 return False, "stale cached graph"
-            for suffix in ("onnx", "data"):
-                path, expected = self._path(key, suffix), files[suffix]
+            if files["onnx"]["name"] != f"{key}.onnx":
+                return False, "stale cached graph"
+            for part in ("onnx", "data"):
+                expected = files[part]
+                path = self.directory / Path(expected["name"]).name
                 if path.stat().st_size != expected["size"] or _crc32(path) != expected["crc32"]:
                     return False, f"damaged cached graph ({path.name})"
         except FileNotFoundError:
