@@ -16,6 +16,7 @@ import pytest
 
 from app.core.config import Settings
 from app.embedding import model_files
+from app.embedding.int8_support import int8_support
 from app.embedding.onnx_embedder import OnnxEmbedder
 from app.embedding.session_cache import SessionCache
 from app.services.early_load import load_embedder
@@ -187,3 +188,20 @@ def test_the_cache_can_be_turned_off(tmp_path: Path) -> None:
     embedder = load_embedder(FILES, settings, None)
     assert embedder.cache_outcome is None
     assert not (tmp_path / "cache").exists()
+
+
+def test_int8_mode_has_entries_of_its_own_with_the_same_vectors(
+    built: Path, tmp_path: Path
+) -> None:
+    support = int8_support()
+    if support.weights is None:
+        pytest.skip(f"int8 mode declined on this CPU: {support.reason}")
+    directory = _copy(built, tmp_path / "cache")
+    plain = _embedder(None, precision="int8", int8_weights=support.weights)
+    first = _embedder(SessionCache(directory), precision="int8", int8_weights=support.weights)
+    again = _embedder(SessionCache(directory), precision="int8", int8_weights=support.weights)
+    assert first.cache_outcome is not None
+    assert again.cache_outcome is not None
+    # The rewritten graph's bytes, not the file's, name the entry: not the float32 one.
+    assert (first.cache_outcome.state, again.cache_outcome.state) == ("built", "loaded")
+    np.testing.assert_array_equal(_vectors(again), _vectors(plain))
