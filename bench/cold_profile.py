@@ -8,8 +8,9 @@ and records when each ends (ms since the spawn, on the monotonic clock both proc
 and, for the model's steps, the CPU time of their thread (wall far above CPU: the step waited
 for the GIL or a core). The model cache (KP_MODEL_CACHE, app/embedding/session_cache.py) is
 on in one start and off in the other, in turns: its entry is written by a first start, not
-timed. Then one `-X importtime` run of the same imports, one thread, grouped by top-level
-package. Medians of the rounds; the host's load moves them, so compare within one run.
+timed. Then a fresh session's first runs (what a warm-up run at load would take off the
+first request), and one `-X importtime` run of the same imports, one thread, grouped by
+top-level package. Medians of the rounds; the host's load moves them, so compare within one run.
 """
 
 from __future__ import annotations
@@ -109,6 +110,39 @@ def import_groups(top: int = 14) -> list[tuple[str, float]]:
     return [("(all)", sum(groups.values())), *ranked]
 
 
+_FIRST_RUNS = """
+import json, sys, time
+from app.embedding import model_files
+from app.embedding.onnx_embedder import OnnxEmbedder
+files = model_files.resolve(None, None)
+embedder = OnnxEmbedder(files.model, files.tokenizer, defer=True)
+tokens = embedder.tokenize([sys.argv[1]])
+took = []
+for _ in range(4):
+    start = time.perf_counter()
+    embedder.embed_tokenized(tokens)
+    took.append((time.perf_counter() - start) * 1000)
+print(json.dumps(took))
+"""
+
+
+def first_runs(text: str, processes: int) -> list[list[float]]:
+    """ms of a fresh session's first four runs of `text`, in `processes` fresh processes: what
+    a warm-up run at load would take off the first request."""
+    runs = []
+    for _ in range(processes):
+        done = subprocess.run(
+            [sys.executable, "-c", _FIRST_RUNS, text],
+            cwd=ROOT,
+            env=_env(),
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        runs.append(json.loads(done.stdout))
+    return runs
+
+
 def _env(**kp: str) -> dict[str, str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("KP_")}
     return {**clean, "KP_EMBED_MEMO_CAPACITY": "0", **kp}
@@ -140,7 +174,8 @@ def main(argv: list[str] | None = None) -> None:
     from bench import corpus
 
     compile_app()
-    trace = json.dumps(corpus.build("typical", 1, seed=21)[0].trace).encode()
+    item = corpus.build("typical", 1, seed=21)[0]
+    trace = json.dumps(item.trace).encode()
     with tempfile.TemporaryDirectory(prefix="kp-cold-") as cache_dir:
         modes: dict[str, dict[str, str]] = {
             "model cache on": _env(KP_MODEL_CACHE_DIR=cache_dir),
@@ -161,6 +196,9 @@ def main(argv: list[str] | None = None) -> None:
         print(header)
         for row in _table(marks):
             print(row)
+    fresh = first_runs(item.text, args.rounds)
+    print("\na fresh session's runs 1-4 of a typical text, medians of fresh processes (ms): ")
+    print("  " + ", ".join(f"{statistics.median(r[i] for r in fresh):.1f}" for i in range(4)))
     print("\nimports of the default start, one thread, self time by package (ms):")
     print("  " + ", ".join(f"{name} {ms:.0f}" for name, ms in import_groups()))
 

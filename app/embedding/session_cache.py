@@ -22,9 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import secrets
-import shutil
-import tempfile
 import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -117,6 +114,11 @@ class SessionCache:
         options: Callable[[], ort.SessionOptions],
         why_not: str | None,
     ) -> tuple[ort.InferenceSession, Outcome]:
+        # Only a start that writes the cache needs these (about 10 ms of imports).
+        import secrets
+        import shutil
+        import tempfile
+
         built = options()
         built.graph_optimization_level = LEVEL
         try:
