@@ -186,7 +186,7 @@ class RedisSharedMemory:
         self._warmer: asyncio.Task[None] | None = None
         self._followers: set[asyncio.Task[None]] = set()
         self._caught_up = False
-        self._first_page = asyncio.Event()
+        self._first_answer = asyncio.Event()
         self._log_length = 0
         self._closed = False
         self._available = True  # until an exchange says otherwise
@@ -250,10 +250,11 @@ class RedisSharedMemory:
     async def start(self) -> None:
         """Loads the mirror: the first page now (a new memory takes this replica's
         settings), the rest in the background (the service answers /healthz meanwhile, and
-        /readyz says warming); Redis down is reported, not fatal."""
+        /readyz says warming). Redis down or other settings are reported, not fatal: the
+        start goes on as soon as the first exchange has failed, without waiting the timeout."""
         self._warmer = asyncio.create_task(self._warm())
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(self._first_page.wait()), self._timeout_s)
+            await asyncio.wait_for(asyncio.shield(self._first_answer.wait()), self._timeout_s)
 
     async def _warm(self) -> None:
         """The first catch-up, to the log's end: a failed page (Redis gone meanwhile) is
@@ -263,7 +264,7 @@ class RedisSharedMemory:
             if self._caught_up:
                 break
             await asyncio.sleep(RETRY_INTERVAL_S)
-        self._first_page.set()
+        self._first_answer.set()
 
     async def _follow(self) -> None:
         """Reads the log up to its end, without a timeout: as many pages as it holds."""
@@ -457,7 +458,7 @@ class RedisSharedMemory:
             raise ValueError(f"exchange.lua answered {status!r}: not this service's script")
         epoch, now_ms, full, entries, own_ids, adds_total, evictions_total, more, length = body
         self._log_length = int(length)
-        self._first_page.set()
+        self._first_answer.set()
         if full:
             self.mirror.clear()
             self._epoch, self._last_id = epoch, b"0-0"
@@ -534,6 +535,7 @@ class RedisSharedMemory:
 
     def _went_down(self, exc: BaseException) -> None:
         self._reason = _describe(exc)
+        self._first_answer.set()
         if not self._available:
             return
         self._available = False
