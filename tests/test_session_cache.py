@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -113,7 +114,14 @@ def test_another_cpu_or_model_is_another_entry(built: Path, tmp_path: Path) -> N
 
 @pytest.mark.parametrize(
     "damage",
-    ["flip a weight", "truncate the data", "truncate the graph", "garble the record", "stale"],
+    [
+        "flip a weight",
+        "truncate the data",
+        "truncate the graph",
+        "garble the record",
+        "stale",
+        "a record that vouches for a bad graph",
+    ],
 )
 def test_a_damaged_or_stale_entry_is_built_again_never_used(
     built: Path, tmp_path: Path, uncached: npt.NDArray[np.float32], damage: str
@@ -134,13 +142,20 @@ def test_a_damaged_or_stale_entry_is_built_again_never_used(
             f.truncate(100)
     elif damage == "garble the record":
         entry["json"].write_text("{not json")
-    else:
+    elif damage == "stale":
         record = json.loads(entry["json"].read_text())
         entry["json"].write_text(json.dumps({**record, "format": 0}))
+    else:  # whole by its record, refused by onnxruntime
+        entry["onnx"].write_bytes(b"not a graph")
+        record = json.loads(entry["json"].read_text())
+        record["files"]["onnx"] |= {"size": 11, "crc32": zlib.crc32(b"not a graph")}
+        entry["json"].write_text(json.dumps(record))
     embedder = _embedder(SessionCache(directory))
     assert embedder.cache_outcome is not None
     assert embedder.cache_outcome.state == "built"
     assert embedder.cache_outcome.detail is not None
+    if damage.startswith("a record"):
+        assert "refused by onnxruntime" in embedder.cache_outcome.detail
     np.testing.assert_array_equal(_vectors(embedder), uncached)
     # Written again, whole: the next start loads it, and no older data file is left.
     again = _embedder(SessionCache(directory))
