@@ -19,7 +19,7 @@ from app.core.config import Settings
 from app.embedding import model_files
 from app.embedding.int8_support import int8_support
 from app.embedding.onnx_embedder import OnnxEmbedder
-from app.embedding.session_cache import SessionCache
+from app.embedding.session_cache import SessionCache, default_directory
 from app.services.early_load import load_embedder
 from app.services.embeddings_lifecycle import ModelLifecycle
 
@@ -220,3 +220,19 @@ def test_int8_mode_has_entries_of_its_own_with_the_same_vectors(
     # The rewritten graph's bytes, not the file's, name the entry: not the float32 one.
     assert (first.cache_outcome.state, again.cache_outcome.state) == ("built", "loaded")
     np.testing.assert_array_equal(_vectors(again), _vectors(plain))
+
+
+def test_the_default_directory_is_the_user_cache_or_none(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert default_directory() == tmp_path / "kp-scoring" / "onnx"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert default_directory() == tmp_path / "home" / ".cache" / "kp-scoring" / "onnx"
+
+    def unknown() -> Path:
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(Path, "home", unknown)
+    assert default_directory() is None  # no cache rather than a shared place such as /tmp

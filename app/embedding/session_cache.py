@@ -52,9 +52,16 @@ class Outcome:
     detail: str | None = None
 
 
-def default_directory() -> Path:
-    """$XDG_CACHE_HOME/kp-scoring/onnx, or ~/.cache/kp-scoring/onnx."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+def default_directory() -> Path | None:
+    """$XDG_CACHE_HOME/kp-scoring/onnx, or ~/.cache/kp-scoring/onnx; None when neither is
+    known (no HOME, a uid without a passwd entry): no cache then, rather than a shared place
+    such as /tmp, where another user could plant a graph."""
+    base = os.environ.get("XDG_CACHE_HOME")
+    if not base:
+        try:
+            base = str(Path.home() / ".cache")
+        except (KeyError, RuntimeError):
+            return None
     return Path(base) / "kp-scoring" / "onnx"
 
 

@@ -77,9 +77,8 @@ def load_embedder(files: ModelFiles, settings: Settings, int8: Int8Support | Non
     from app.embedding.session_cache import SessionCache, default_directory
 
     sha256 = model_files.verify(files)
-    cache = None
-    if settings.model_cache:
-        cache = SessionCache(settings.model_cache_dir or default_directory())
+    directory = (settings.model_cache_dir or default_directory()) if settings.model_cache else None
+    cache = None if directory is None else SessionCache(directory)
     return OnnxEmbedder(
         files.model,
         files.tokenizer,
