@@ -236,3 +236,21 @@ def test_the_default_directory_is_the_user_cache_or_none(
 
     monkeypatch.setattr(Path, "home", unknown)
     assert default_directory() is None  # no cache rather than a shared place such as /tmp
+
+
+def test_a_session_loaded_from_the_cache_does_not_read_the_model(
+    built: Path, tmp_path: Path, uncached: npt.NDArray[np.float32]
+) -> None:
+    directory = _copy(built, tmp_path / "cache")
+    absent = tmp_path / "model.onnx"  # its sha256 is checked by the caller (model_files.verify)
+    embedder = OnnxEmbedder(
+        absent,
+        FILES.tokenizer,
+        session_cache=SessionCache(directory),
+        model_sha256=model_files.PACKAGED_MODEL_SHA256,
+        concurrent_runs=2,
+    )
+    assert embedder.cache_outcome is not None
+    assert embedder.cache_outcome.state == "loaded"
+    np.testing.assert_array_equal(_vectors(embedder), uncached)
+    np.testing.assert_array_equal(_vectors(embedder, one_core=True), uncached)

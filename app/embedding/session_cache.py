@@ -92,14 +92,15 @@ class SessionCache:
 
     def session(
         self,
-        model: bytes,
+        model: Callable[[], bytes],
         model_sha256: str,
         options: Callable[[], ort.SessionOptions],
     ) -> tuple[ort.InferenceSession, Outcome]:
-        """A session of `model` (whose sha256 is `model_sha256`) made at LEVEL, with the other
-        settings of `options()` (threads, spinning, logging): loaded from the cache when an
-        entry for it is whole, else built from `model` and written to the cache. onnxruntime's
-        errors on `model` itself propagate, as without a cache."""
+        """A session of the model `model()` reads (whose sha256 is `model_sha256`) made at
+        LEVEL, with the other settings of `options()` (threads, spinning, logging): loaded from
+        the cache when an entry for it is whole (the model is not read then), else built from
+        the model and written to the cache. onnxruntime's errors on the model itself
+        propagate, as without a cache."""
         key = self.key(model_sha256)
         whole, why_not = self._check(key)
         if whole:
@@ -112,7 +113,7 @@ class SessionCache:
                 return session, Outcome("loaded")
             except Exception as exc:  # onnxruntime refuses the entry: built again below
                 why_not = f"cached graph refused by onnxruntime: {exc}"
-        return self._build(model, key, options, why_not)
+        return self._build(model(), key, options, why_not)
 
     def _build(
         self,
