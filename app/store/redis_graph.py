@@ -20,7 +20,8 @@ computes it after each exchange). A reset (reset.lua) deletes the graph with the
 
 When to publish: when no graph is published for this epoch and settings, or the new one has
 at least REPUBLISH_SHARE of its entries past the published one's last (a replica adopting a
-graph feeds the entries after it one by one: a stale graph makes that tail long).
+graph feeds the entries after it one by one: a stale graph makes that tail long), or the
+published one could not be adopted for damage (a replica that found it so replaces it).
 """
 
 from __future__ import annotations
@@ -113,12 +114,15 @@ class SharedGraph:
         count: int,
         dimensions: int,
         model: str,
+        unusable: str | None = None,
     ) -> str:
-        """Publishes the graph if the rule says so; returns what happened: published,
-        not_needed, busy (another replica publishes), lost_lease or stale (a reset)."""
+        """Publishes the graph if the rule says so (or the published one's token is
+        `unusable`: it was found damaged); returns what happened: published, not_needed,
+        busy (another replica publishes), lost_lease or stale (a reset)."""
         published = await self.described()
         if (
             published is not None
+            and published.token != unusable
             and published.differs_from(epoch, dimensions, model) is None
             and (first_ordinal + count) - (published.first_ordinal + published.count)
             < REPUBLISH_SHARE * count

@@ -196,6 +196,7 @@ class RedisSharedMemory:
         # (the mirror's lineage, log ordinal - sequence number) as of the last exchange
         # that brought the mirror to the log's end (redis_graph's docstring).
         self._ordinal: tuple[str, int] | None = None
+        self._unusable_graph: str | None = None  # the token of a published graph found damaged
         self._adds_total = 0
         self._evictions_total = 0
         self._queue: deque[_Exchange | _Reset] = deque()
@@ -320,10 +321,14 @@ class RedisSharedMemory:
                         f"{first + ordinal[1]}..{next_seq - 1 + ordinal[1]}"
                     )
                 else:
-                    data = await self._graph.download(about)
-                    index = await asyncio.to_thread(
-                        AnnIndex.from_bytes, data, self.mirror.dimensions, 0
-                    )
+                    try:
+                        data = await self._graph.download(about)
+                        index = await asyncio.to_thread(
+                            AnnIndex.from_bytes, data, self.mirror.dimensions, 0
+                        )
+                    except ValueError:
+                        self._unusable_graph = about.token  # this replica's graph replaces it
+                        raise
                     del data
                     if self._ordinal != ordinal:  # a reset or new epoch meanwhile
                         why = "the memory changed while it was downloaded"
@@ -372,6 +377,7 @@ class RedisSharedMemory:
                 count=built.count,
                 dimensions=self.mirror.dimensions,
                 model=self.model,
+                unusable=self._unusable_graph,
             )
         except (RedisError, OSError, TimeoutError) as exc:
             log.warning(

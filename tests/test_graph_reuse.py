@@ -1,0 +1,289 @@
+"""A graph built once serves again: a restart adopts the one saved beside its snapshot, and a
+replica of a shared memory adopts the one another replica published in Redis, instead of
+building (README, "A large memory"). A graph that does not fit is ignored and the cache builds
+as without it; every answer stays the exact scan's on planted near-duplicates."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from app.core.config import redis_location
+from app.domain.vector_cache import CacheEntries, VectorCache
+from app.services.snapshots import SnapshotStore, graph_paths
+from app.store.redis_shared import RedisSharedMemory
+from tests.server import RedisServer
+from tests.test_large_memory import clustered, edit
+from tests.test_redis_store import MODEL, TIMEOUT_MS, run
+
+N = 5_000
+THRESHOLD = 2_000
+
+
+@pytest.fixture(scope="module")
+def stored() -> npt.NDArray[np.float32]:
+    return clustered(N, seed=21)
+
+
+def exact_of(entries: CacheEntries) -> VectorCache:
+    cache = VectorCache(capacity=N, search="exact")
+    cache.load(entries)
+    return cache
+
+
+def assert_finds_planted(
+    stored: npt.NDArray[np.float32], answer: Any, truth: VectorCache, count: int = 60
+) -> None:
+    """`answer(query)` -> (max_cosine, trace id) equals the exact scan's and names the
+    planted entry, for near-duplicates of stored vectors."""
+    rng = np.random.default_rng(5)
+    for i in rng.choice(len(stored), count, replace=False):
+        query = edit(stored[i], rng, 0.3)
+        expected = truth.nearest(query)
+        assert expected is not None
+        assert answer(query) == (expected.cosine, expected.trace_id)
+        assert expected.trace_id == f"t{i}"
+
+
+def cache_of_snapshot(path: Path) -> tuple[VectorCache, SnapshotStore]:
+    cache = VectorCache(capacity=N, index_threshold=THRESHOLD, background=False)
+    store = SnapshotStore(path, cache, MODEL)
+    store.restore()
+    return cache, store
+
+
+def nearest_of(cache: VectorCache) -> Any:
+    def answer(query: npt.NDArray[np.float32]) -> tuple[float, str]:
+        found = cache.nearest(query)
+        assert found is not None
+        return found.cosine, found.trace_id
+
+    return answer
+
+
+@pytest.fixture
+def saved(tmp_path: Path, stored: npt.NDArray[np.float32]) -> Path:
+    """A snapshot of N entries whose cache built its graph (saved beside it by the build)."""
+    path = tmp_path / "cache.snapshot"
+    cache = VectorCache(capacity=N, index_threshold=THRESHOLD, background=False)
+    store = SnapshotStore(path, cache, MODEL)
+    for i, v in enumerate(stored):
+        cache.add(v, trace_id=f"t{i}")
+    assert cache.index_status().builds_total == 1
+    assert all(p.exists() for p in graph_paths(path))
+    assert store.save(force=True)
+    return path
+
+
+def test_a_restart_adopts_the_saved_graph_instead_of_building(
+    saved: Path, stored: npt.NDArray[np.float32]
+) -> None:
+    restored, _ = cache_of_snapshot(saved)
+    status = restored.index_status()
+    assert (status.state, status.builds_total, status.adoptions_total) == ("ready", 0, 1)
+    assert status.indexed >= THRESHOLD
+    assert_finds_planted(stored, nearest_of(restored), exact_of(restored.entries()))
+    # The description now names the restored cache's numbering: a restart after a save of
+    # this cache adopts it again.
+    assert SnapshotStore(saved, restored, MODEL).save(force=True)
+    again, _ = cache_of_snapshot(saved)
+    assert (again.index_status().builds_total, again.index_status().adoptions_total) == (0, 1)
+    assert_finds_planted(stored, nearest_of(again), exact_of(again.entries()))
+
+
+def _flip_a_byte(path: Path) -> None:
+    blob, _ = graph_paths(path)
+    data = bytearray(blob.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    blob.write_bytes(bytes(data))
+
+
+def _describe_other(key: str, value: object) -> Any:
+    def change(path: Path) -> None:
+        _, described = graph_paths(path)
+        about = json.loads(described.read_text())
+        about[key] = value
+        described.write_text(json.dumps(about))
+
+    return change
+
+
+def _shift(path: Path) -> None:
+    """Describes the graph as starting one entry later: it would map onto the wrong rows."""
+    _, described = graph_paths(path)
+    about = json.loads(described.read_text())
+    about["first_seq"] += 1
+    about["count"] -= 1
+    described.write_text(json.dumps(about))
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        _flip_a_byte,
+        _describe_other("m", 32),
+        _describe_other("dimensions", 768),
+        _describe_other("lineage", "another-cache"),
+        _shift,
+    ],
+    ids=["damaged", "other-m", "other-dimensions", "other-cache", "shifted"],
+)
+def test_a_graph_that_does_not_fit_is_ignored_and_the_cache_builds(
+    saved: Path, stored: npt.NDArray[np.float32], damage: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    damage(saved)
+    with caplog.at_level(logging.WARNING, logger="app.services.snapshots"):
+        restored, store = cache_of_snapshot(saved)
+    assert store.status.state.value == "loaded"
+    assert restored.size == N
+    status = restored.index_status()
+    assert (status.state, status.builds_total, status.adoptions_total) == ("ready", 1, 0)
+    assert "graph ignored" in caplog.text
+    assert_finds_planted(stored, nearest_of(restored), exact_of(restored.entries()))
+
+
+# ── shared mode ────────────────────────────────────────────────────────────
+
+
+def replica(redis: RedisServer, prefix: str, **settings: Any) -> RedisSharedMemory:
+    options: dict[str, Any] = {
+        "capacity": N,
+        "ttl_ms": None,
+        "timeout_ms": TIMEOUT_MS,
+        "model": MODEL,
+        "index_threshold": THRESHOLD,
+    } | settings
+    return RedisSharedMemory(redis.url, redis_location(redis.url), prefix=prefix, **options)
+
+
+async def _until(check: Any, what: str) -> None:
+    """Waits for check() (the bound only stops a broken test hanging)."""
+    for _ in range(1200):
+        if check():
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"not {what} after two minutes")
+
+
+async def _ready(memory: RedisSharedMemory) -> None:
+    await _until(
+        lambda: (
+            memory.warming is None
+            and not memory.index_status().warming
+            and memory.index_status().state == "ready"
+        ),
+        "ready",
+    )
+
+
+async def _planted_answers(
+    memory: RedisSharedMemory, stored: npt.NDArray[np.float32]
+) -> list[tuple[float | None, str]]:
+    rng = np.random.default_rng(5)
+    out = []
+    for i in rng.choice(len(stored), 60, replace=False):
+        (found,) = await memory.compare([edit(stored[i], rng, 0.3)], ["q"], add=False)
+        assert found.nearest is not None
+        out.append((found.max_cosine, found.nearest.trace_id))
+    return out
+
+
+def _expected(stored: npt.NDArray[np.float32]) -> list[tuple[float | None, str]]:
+    truth = exact_of(CacheEntries(stored, np.zeros(len(stored)), [f"t{i}" for i in range(N)]))
+    rng = np.random.default_rng(5)
+    out = []
+    for i in rng.choice(len(stored), 60, replace=False):
+        found = truth.nearest(edit(stored[i], rng, 0.3))
+        assert found is not None
+        assert found.trace_id == f"t{i}"
+        out.append((found.cosine, found.trace_id))
+    return out
+
+
+def _graph_keys(redis: RedisServer, prefix: str) -> list[bytes]:
+    with redis.client() as client:
+        return list(client.scan_iter(match=f"{prefix}novelty:graph*"))
+
+
+def test_a_new_replica_adopts_the_published_graph_and_a_reset_deletes_it(
+    redis_server: RedisServer, redis_prefix: str, stored: npt.NDArray[np.float32]
+) -> None:
+    expected = _expected(stored)
+
+    def entries() -> CacheEntries:
+        return CacheEntries(stored, np.full(N, time.time() * 1000), [f"t{i}" for i in range(N)])
+
+    async def scenario() -> None:
+        first = replica(redis_server, redis_prefix)
+        await first.start()
+        try:
+            assert await first.import_entries(entries()) == (N, 0)
+            await _ready(first)
+            await _until(lambda: len(_graph_keys(redis_server, redis_prefix)) >= 2, "published")
+            assert first.index_status().builds_total >= 1
+            assert await _planted_answers(first, stored) == expected
+
+            second = replica(redis_server, redis_prefix)
+            await second.start()
+            try:
+                await _ready(second)
+                status = second.index_status()
+                assert (status.builds_total, status.adoptions_total) == (0, 1)
+                assert status.indexed >= THRESHOLD
+                assert await _planted_answers(second, stored) == expected
+            finally:
+                await second.close()
+
+            # A damaged published graph: the next replica ignores it and builds.
+            with redis_server.client() as client:
+                (damaged,) = [
+                    k for k in _graph_keys(redis_server, redis_prefix) if k.endswith(b":0")
+                ]
+                client.setrange(damaged, 1000, b"\x00" * 64)
+            third = replica(redis_server, redis_prefix)
+            await third.start()
+            try:
+                await _ready(third)
+                status = third.index_status()
+                assert (status.builds_total, status.adoptions_total) == (1, 0)
+                assert await _planted_answers(third, stored) == expected
+                # ... and replaces it with its own.
+                await _until(
+                    lambda: damaged not in _graph_keys(redis_server, redis_prefix), "replaced"
+                )
+            finally:
+                await third.close()
+
+            assert await first.clear() == N
+            assert _graph_keys(redis_server, redis_prefix) == []
+        finally:
+            await first.close()
+
+        # Refilled by a replica that does not publish: a new one finds no graph to adopt.
+        writer = replica(redis_server, redis_prefix, index_share=False)
+        await writer.start()
+        try:
+            assert await writer.import_entries(entries()) == (N, 0)
+            await _ready(writer)
+            assert _graph_keys(redis_server, redis_prefix) == []
+            fresh = replica(redis_server, redis_prefix)
+            await fresh.start()
+            try:
+                await _ready(fresh)
+                status = fresh.index_status()
+                assert (status.builds_total, status.adoptions_total) == (1, 0)
+                assert await _planted_answers(fresh, stored) == expected
+            finally:
+                await fresh.close()
+        finally:
+            await writer.close()
+
+    run(scenario)
