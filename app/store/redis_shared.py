@@ -197,6 +197,8 @@ class RedisSharedMemory:
         # that brought the mirror to the log's end (redis_graph's docstring).
         self._ordinal: tuple[str, int] | None = None
         self._unusable_graph: str | None = None  # the token of a published graph found damaged
+        # A graph built before the mirror reached the log's end (its ordinals unknown yet).
+        self._unpublished: BuiltGraph | None = None
         self._adds_total = 0
         self._evictions_total = 0
         self._queue: deque[_Exchange | _Reset] = deque()
@@ -361,8 +363,12 @@ class RedisSharedMemory:
 
     def _publish_soon(self, built: BuiltGraph) -> None:
         ordinal = self._ordinal
-        if self._closed or ordinal is None or ordinal[0] != built.lineage:
+        if self._closed or built.lineage != self.mirror.lineage:
             return  # built on entries the mirror no longer holds (a reset, a new epoch)
+        if ordinal is None or ordinal[0] != built.lineage:
+            self._unpublished = built  # published once the mirror reaches the log's end
+            return
+        self._unpublished = None
         task = asyncio.create_task(self._publish(built, self._epoch, built.first_seq + ordinal[1]))
         self._followers.add(task)
         task.add_done_callback(self._followers.discard)
@@ -609,6 +615,8 @@ class RedisSharedMemory:
             self.mirror.lineage,
             int(adds_total) - self.mirror.sequence_range[1] - len(own_ids),
         )
+        if self._unpublished is not None:
+            self._publish_soon(self._unpublished)
         own = iter(own_ids)
         results = []
         for request in group:
