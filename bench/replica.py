@@ -234,7 +234,7 @@ def render(r: dict[str, Any]) -> str:
     rp = p["restarted"]
     lines.append(
         f"in process: import {p['import_s']} s, graph saved {p['graph_built_and_saved_after_import_s']}"
-        f" s later, stop with snapshot {p['stop_with_snapshot_s']} s ({p['snapshot_mb']} MB + "
+        f" s later, stop {p['stop_with_snapshot_s']} s ({p['snapshot_mb']} MB + "
         f"graph {p['graph_file_mb']} MB); restart to /healthz {rp['to_healthz_s']} s, to ready "
         f"{rp['to_ready_s']} s (adopted {rp['index_adoptions']}, built {rp['index_builds']}), "
         f"first answer against {rp['check']['cache_size']} entries"

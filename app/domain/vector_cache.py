@@ -17,6 +17,10 @@ them a few at a time under the lock, so no search ever runs on a graph being add
 and expired entries are excluded from every search at once by the id range; once they are a
 third of the graph, a new graph is built on the live entries in the background and replaces
 the old one whole.
+
+A graph built elsewhere (beside a snapshot, published by another replica) can be adopted
+instead of built (`adopt_index`, checked against the rows); each graph built here is handed,
+serialized while still private, to the owner (`on_graph_built`) to keep or share.
 """
 
 from __future__ import annotations
