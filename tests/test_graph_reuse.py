@@ -17,7 +17,8 @@ import numpy.typing as npt
 import pytest
 
 from app.core.config import redis_location
-from app.domain.vector_cache import CacheEntries, VectorCache
+from app.domain.ann_index import AnnIndex
+from app.domain.vector_cache import BuiltGraph, CacheEntries, VectorCache
 from app.services.snapshots import SnapshotStore, graph_paths
 from app.store.redis_shared import RedisSharedMemory
 from tests.server import RedisServer
@@ -25,6 +26,7 @@ from tests.test_large_memory import clustered, edit
 from tests.test_redis_store import MODEL, TIMEOUT_MS, run
 
 N = 5_000
+DIMS = 384
 THRESHOLD = 2_000
 
 
@@ -148,6 +150,54 @@ def test_a_graph_that_does_not_fit_is_ignored_and_the_cache_builds(
     assert (status.state, status.builds_total, status.adoptions_total) == ("ready", 1, 0)
     assert "graph ignored" in caplog.text
     assert_finds_planted(stored, nearest_of(restored), exact_of(restored.entries()))
+
+
+def test_an_adopted_graph_may_hold_evicted_entries_but_must_cover_the_oldest_live_one(
+    stored: npt.NDArray[np.float32],
+) -> None:
+    """adopt_index maps the graph's id 0 onto a sequence number: entries the cache evicted
+    since are a dead prefix (filtered by the id range, as after evictions); a graph that
+    misses the oldest live entry, or is mapped one entry off, is refused and nothing changes."""
+    built: list[BuiltGraph] = []
+    source = VectorCache(capacity=N, index_threshold=THRESHOLD, background=False)
+    source.on_graph_built = built.append
+    for i, v in enumerate(stored[:3000]):
+        source.add(v, trace_id=f"t{i}")
+    (graph,) = built
+    assert (graph.first_seq, graph.count) == (0, THRESHOLD)
+
+    def holding() -> VectorCache:
+        cache = VectorCache(capacity=2500, index_threshold=THRESHOLD, background=False)
+        cache.hold_index(True)
+        for i, v in enumerate(stored[:3000]):
+            cache.add(v, trace_id=f"t{i}")
+        assert cache.sequence_range == (500, 3000)
+        assert cache.index_status().warming  # held: not ready until a graph is adopted or built
+        return cache
+
+    def index() -> AnnIndex:
+        return AnnIndex.from_bytes(graph.data, DIMS, 0)
+
+    refused = holding()
+    assert "not this cache's" in (refused.adopt_index(index(), 1) or "")
+    assert "covers entries 600" in (refused.adopt_index(index(), 600) or "")
+    assert refused.index_status().adoptions_total == 0
+
+    cache = holding()
+    assert cache.adopt_index(index(), 0) is None
+    cache.hold_index(False)
+    status = cache.index_status()
+    assert (status.state, status.builds_total, status.adoptions_total) == ("ready", 0, 1)
+    live = stored[500:3000]
+    truth = exact_of(cache.entries())
+    rng = np.random.default_rng(8)
+    for i in rng.choice(len(live), 60, replace=False):
+        query = edit(live[i], rng, 0.3)
+        found, expected = cache.nearest(query), truth.nearest(query)
+        assert found is not None
+        assert expected is not None
+        assert (found.cosine, found.trace_id) == (expected.cosine, expected.trace_id)
+        assert found.trace_id == f"t{500 + i}"
 
 
 # ── shared mode ────────────────────────────────────────────────────────────
