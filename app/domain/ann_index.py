@@ -110,7 +110,11 @@ class AnnIndex:
 
     @classmethod
     def from_bytes(
-        cls, data: bytes, dimensions: int, first_id: int, params: IndexParams = DEFAULT_PARAMS
+        cls,
+        data: bytes | bytearray,
+        dimensions: int,
+        first_id: int,
+        params: IndexParams = DEFAULT_PARAMS,
     ) -> AnnIndex:
         """A graph saved by to_bytes, numbered from first_id. ValueError when the bytes are not
         an HNSW-SQ8 inner-product graph of `dimensions` built with params' m and

@@ -167,19 +167,22 @@ class SharedGraph:
             return str(outcome)
         return "published"
 
-    async def download(self, about: GraphDescription) -> bytes:
-        """The described graph's bytes; ValueError when they are missing or damaged."""
-        parts = []
+    async def download(self, about: GraphDescription) -> bytearray:
+        """The described graph's bytes; ValueError when they are missing or damaged. Copied
+        into one buffer a chunk at a time (a million entries' graph is 0.9 GB: not twice)."""
+        data = bytearray(about.size)
+        at = 0
         for i in range(about.chunks):
             async with asyncio.timeout(self._timeout_s):
                 part = await self._client.get(f"{self.chunk_prefix}{about.token}:{i}")
             if part is None:
                 raise ValueError(f"chunk {i} of {about.chunks} is gone (replaced or reset)")
-            parts.append(_raw(part))
-        data = b"".join(parts)
-        del parts
+            if at + len(part) > about.size:
+                raise ValueError("its chunks hold more bytes than described")
+            data[at : at + len(part)] = _raw(part)
+            at += len(part)
         digest = await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest())
-        if len(data) != about.size or digest != about.sha256:
+        if at != about.size or digest != about.sha256:
             raise ValueError("its bytes do not match their checksum")
         return data
 
