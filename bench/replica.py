@@ -254,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="kp-bench-replica-") as tmp:
         result = measure(args.size, Path(tmp), args.build_too)
+    result["command"] = " ".join(["python -m bench.replica", *(argv or sys.argv[1:])])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(render(result))
