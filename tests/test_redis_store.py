@@ -255,6 +255,36 @@ def test_replicas_with_other_settings_or_model_are_refused_until_a_reset(
     run(scenario)
 
 
+@pytest.mark.redis
+def test_a_refused_replica_starts_without_waiting_out_its_timeout(
+    redis_server: RedisServer, redis_prefix: str
+) -> None:
+    """Its start reports the refusal at once (the service then serves, saying why) instead of
+    waiting for a first page that no retry within the timeout can bring."""
+    hour_ms = 3_600_000
+
+    async def scenario() -> None:
+        async with replicas(redis_server, redis_prefix, count=1):
+            refused = RedisSharedMemory(
+                redis_server.url,
+                redis_location(redis_server.url),
+                prefix=redis_prefix,
+                capacity=5,
+                ttl_ms=None,
+                timeout_ms=hour_ms,
+                model=MODEL,
+            )
+            try:
+                # Far below the hour it would wait for if it waited for a first page.
+                await asyncio.wait_for(refused.start(), timeout=60)
+                assert not refused.backend.available
+                assert "KP_CACHE_CAPACITY=1000" in (refused.backend.reason or "")
+            finally:
+                await refused.close()
+
+    run(scenario)
+
+
 class _Records(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.INFO)

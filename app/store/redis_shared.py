@@ -64,7 +64,7 @@ from app.domain.vector_cache import (
 )
 from app.store.base import BackendInfo, Comparison, MemoryUnavailableError, Vector
 from app.store.in_process import compare_in_order
-from app.store.redis_graph import SharedGraph
+from app.store.redis_graph import GraphDescription, SharedGraph
 
 log = logging.getLogger(__name__)
 
@@ -207,7 +207,7 @@ class RedisSharedMemory:
         self._warmer: asyncio.Task[None] | None = None
         self._followers: set[asyncio.Task[None]] = set()
         self._caught_up = False
-        self._first_page = asyncio.Event()
+        self._first_answer = asyncio.Event()
         self._log_length = 0
         self._closed = False
         self._available = True  # until an exchange says otherwise
@@ -271,31 +271,42 @@ class RedisSharedMemory:
     async def start(self) -> None:
         """Loads the mirror: the first page now (a new memory takes this replica's
         settings), the rest in the background (the service answers /healthz meanwhile, and
-        /readyz says warming); Redis down is reported, not fatal."""
+        /readyz says warming). Redis down or other settings are reported, not fatal: the
+        start goes on as soon as the first exchange has failed, without waiting the timeout."""
         self._loop = asyncio.get_running_loop()
         self._warmer = asyncio.create_task(self._warm())
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(self._first_page.wait()), self._timeout_s)
+            await asyncio.wait_for(asyncio.shield(self._first_answer.wait()), self._timeout_s)
 
     async def _warm(self) -> None:
         """The first catch-up, to the log's end: a failed page (Redis gone meanwhile) is
         retried, and the replica stays warming (not ready) until it has every entry. With a
         published graph, the mirror builds none meanwhile: it adopts that one if it fits."""
-        published = None
+        lookup: asyncio.Task[GraphDescription | None] | None = None
         if self._share:
-            with contextlib.suppress(RedisError, OSError, TimeoutError):
-                published = await self._graph.described()
-        self.mirror.hold_index(published is not None)
+            # Looked up beside the first pages (not before them: a Redis that does not
+            # answer must not delay the start); the hold ends as soon as none is found.
+            self.mirror.hold_index(True)
+            lookup = asyncio.create_task(self._graph.described())
+            lookup.add_done_callback(self._hold_while_published)
         try:
             while not self._closed:
                 await self._follow()
                 if self._caught_up:
                     break
                 await asyncio.sleep(RETRY_INTERVAL_S)
-            self._first_page.set()
-            if published is not None and not self._closed:
-                await self._adopt_published()
+            self._first_answer.set()
+            if lookup is not None and not self._closed:
+                with contextlib.suppress(RedisError, OSError, TimeoutError):
+                    if await lookup is not None:
+                        await self._adopt_published()
         finally:
+            if lookup is not None:
+                lookup.cancel()
+            self.mirror.hold_index(False)
+
+    def _hold_while_published(self, lookup: asyncio.Task[GraphDescription | None]) -> None:
+        if lookup.cancelled() or lookup.exception() is not None or lookup.result() is None:
             self.mirror.hold_index(False)
 
     async def _adopt_published(self) -> None:
@@ -593,7 +604,7 @@ class RedisSharedMemory:
             raise ValueError(f"exchange.lua answered {status!r}: not this service's script")
         epoch, now_ms, full, entries, own_ids, adds_total, evictions_total, more, length = body
         self._log_length = int(length)
-        self._first_page.set()
+        self._first_answer.set()
         if full:
             self.mirror.clear()
             self._epoch, self._last_id = epoch, b"0-0"
@@ -683,6 +694,7 @@ class RedisSharedMemory:
 
     def _went_down(self, exc: BaseException) -> None:
         self._reason = _describe(exc)
+        self._first_answer.set()
         if not self._available:
             return
         self._available = False
