@@ -19,9 +19,11 @@ import pytest
 from app.core.config import redis_location
 from app.domain.ann_index import AnnIndex
 from app.domain.vector_cache import BuiltGraph, CacheEntries, VectorCache
+from app.services.cache_transfer import export_lines
 from app.services.snapshots import SnapshotStore, graph_paths
 from app.store.redis_shared import RedisSharedMemory
-from tests.server import RedisServer
+from tests.factories import TOPICS, make_trace
+from tests.server import TOKEN, LiveServer, RedisServer
 from tests.test_large_memory import clustered, edit
 from tests.test_redis_store import MODEL, TIMEOUT_MS, run
 
@@ -337,3 +339,88 @@ def test_a_new_replica_adopts_the_published_graph_and_a_reset_deletes_it(
             await writer.close()
 
     run(scenario)
+
+
+@pytest.mark.server
+@pytest.mark.redis
+@pytest.mark.slow
+def test_a_new_service_process_adopts_the_graph_of_another(
+    redis_server: RedisServer, redis_prefix: str, tmp_path: Path
+) -> None:
+    """Two service processes with the real model on one redis-server: the first scores some
+    traces, then an import takes the memory past KP_CACHE_INDEX_THRESHOLD; its graph is
+    published; the second adopts it (no build: /readyz and /metrics say so) and both name the
+    scored traces as the nearest to dry runs of themselves, with the same answers."""
+    env = {
+        "KP_EMBEDDER": "onnx",
+        "KP_EMBEDDER_PRELOAD": "true",
+        "KP_EMBEDDER_WORKERS": "1",
+        "KP_EMBEDDER_THREADS": "1",
+        "KP_LOG_LEVEL": "info",
+        "KP_ADMIN_TOKEN": TOKEN,
+        "KP_REDIS_URL": redis_server.url,
+        "KP_REDIS_PREFIX": redis_prefix,
+        "KP_REDIS_TIMEOUT_MS": "10000",
+        "KP_EMBED_MAX_WAIT_MS": "60000",
+        "KP_CACHE_CAPACITY": str(N),
+        "KP_CACHE_INDEX_THRESHOLD": "1000",
+    }
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    traces = [
+        make_trace(objective=topic, trace_id=f"kp:trace:planted-{i}")
+        for i, topic in enumerate(TOPICS[:6])
+    ]
+    first = LiveServer(env, tmp_path / "first.log")
+    try:
+        for trace in traces:
+            assert first.post("/evaluate", trace).status_code == 200
+        distractors = clustered(3000, seed=31)
+        body = b"".join(
+            export_lines(
+                [
+                    CacheEntries(
+                        distractors,
+                        np.full(len(distractors), time.time() * 1000),
+                        [f"kp:trace:d{i}" for i in range(len(distractors))],
+                    )
+                ]
+            )
+        )
+        r = first.client.post(
+            "/cache/import",
+            content=body,
+            headers=auth | {"content-type": "application/x-ndjson"},
+        )
+        assert r.status_code == 200, r.text
+        deadline = time.monotonic() + 120
+        while not _graph_keys(redis_server, redis_prefix) or (
+            first.client.get("/readyz").json()["cache_index"]["state"] != "ready"
+        ):
+            assert time.monotonic() < deadline, first.log()
+            time.sleep(0.2)
+        assert first.client.get("/readyz").json()["cache_index"]["builds_total"] >= 1
+
+        second = LiveServer(env, tmp_path / "second.log")
+        try:
+            deadline = time.monotonic() + 120
+            while (ready := second.client.get("/readyz").json())["status"] != "ready":
+                assert time.monotonic() < deadline, second.log()
+                time.sleep(0.2)
+            index = ready["cache_index"]
+            assert (index["builds_total"], index["adoptions_total"]) == (0, 1)
+            assert "kp_cache_index_adoptions_total 1.0" in second.client.get("/metrics").text
+            for trace in traces:
+                answers = []
+                for server in (first, second):
+                    r = server.client.post("/evaluate", params={"dry_run": "true"}, json=trace)
+                    assert r.status_code == 200, r.text
+                    novelty = r.json()["novelty"]
+                    assert novelty["cache_size"] == len(traces) + len(distractors)
+                    answers.append((novelty["max_cosine"], novelty["nearest"]["trace_id"]))
+                assert answers[0] == answers[1]
+                assert answers[0][1] == trace["id"]
+                assert answers[0][0] == pytest.approx(1.0, abs=1e-6)
+        finally:
+            second.stop()
+    finally:
+        first.stop()
