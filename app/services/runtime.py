@@ -227,10 +227,12 @@ def _index_health(memory: NoveltyMemory) -> Health:
     index = memory.index_status()
     if not index.warming:
         return Health()
+    if index.progress is None:  # no build runs: a graph built elsewhere is being fetched
+        return Health(warnings=("cache_warming: adopting the index built by another replica",))
     return Health(
         warnings=(
             f"cache_warming: loading the cache and building its index, "
-            f"{100 * (index.progress or 0):.0f}% done",
+            f"{100 * index.progress:.0f}% done",
         )
     )
 
