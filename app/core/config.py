@@ -52,6 +52,10 @@ class Settings(BaseSettings):
     #: The graph's search breadth (faiss efSearch): higher finds the exact maximum more often,
     #: for more time a query (README, "The memory at size").
     cache_index_ef_search: Annotated[int, Field(ge=16, le=4_096)] = 128
+    #: With KP_REDIS_URL: a replica that builds the graph publishes it in Redis (about 0.9 kB
+    #: an entry more there), and a starting replica adopts the published one instead of
+    #: building (README, "A large memory"). false: each replica builds its own.
+    cache_index_share: bool = True
     #: Largest POST /cache/import body (NDJSON, about 2.1 kB a 384-float entry); the lines
     #: are checked before any is added, so a request's entries are held until its end.
     cache_import_max_bytes: Annotated[int, Field(ge=1_048_576)] = 64 * 1_048_576

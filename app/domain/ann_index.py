@@ -103,6 +103,65 @@ class AnnIndex:
         found: npt.NDArray[np.int64] = ids[0][ids[0] >= 0] + self.first_id
         return found
 
+    def to_bytes(self) -> bytes:
+        """The graph and its codes in faiss's own format (snapshots, a shared memory's
+        published graph). Only while no one adds to it: a private graph, or under the lock."""
+        return bytes(_faiss().serialize_index(self._index))
+
+    @classmethod
+    def from_bytes(
+        cls,
+        data: bytes | bytearray,
+        dimensions: int,
+        first_id: int,
+        params: IndexParams = DEFAULT_PARAMS,
+    ) -> AnnIndex:
+        """A graph saved by to_bytes, numbered from first_id. ValueError when the bytes are not
+        an HNSW-SQ8 inner-product graph of `dimensions` built with params' m and
+        ef_construction (a graph built otherwise would answer with another recall)."""
+        faiss = _faiss()
+        try:
+            index = faiss.deserialize_index(np.frombuffer(data, dtype=np.uint8))
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise ValueError(f"not a faiss index: {exc}") from None
+        # deserialize_index already returns the concrete class (and owns it: a downcast
+        # wrapper would not, and the index would be freed under it).
+        if not isinstance(index, faiss.IndexHNSWSQ):
+            raise ValueError(f"a {type(index).__name__}, not an IndexHNSWSQ")
+        storage = faiss.downcast_index(index.storage)
+        built_with = (
+            index.d,
+            index.metric_type,
+            storage.sq.qtype if isinstance(storage, faiss.IndexScalarQuantizer) else None,
+            index.hnsw.nb_neighbors(1),
+            index.hnsw.efConstruction,
+        )
+        wanted = (
+            dimensions,
+            faiss.METRIC_INNER_PRODUCT,
+            faiss.ScalarQuantizer.QT_8bit,
+            params.m,
+            params.ef_construction,
+        )
+        if built_with != wanted:
+            raise ValueError(
+                "built with (dimensions, metric, codes, m, ef_construction) = "
+                f"{built_with}, not {wanted}"
+            )
+        graph = cls.__new__(cls)
+        graph.dimensions, graph.first_id, graph.params, graph._index = (
+            dimensions,
+            first_id,
+            params,
+            index,
+        )
+        return graph
+
+    def stored_vector(self, seq: int) -> npt.NDArray[np.float32]:
+        """The (decoded, approximate) unit vector the graph holds for entry `seq`."""
+        out: npt.NDArray[np.float32] = self._index.reconstruct(seq - self.first_id)
+        return out
+
     @property
     def memory_bytes(self) -> int:
         # Codes, then the graph: neighbour lists (int32), levels (int32) and offsets (uint64).

@@ -17,12 +17,17 @@ them a few at a time under the lock, so no search ever runs on a graph being add
 and expired entries are excluded from every search at once by the id range; once they are a
 third of the graph, a new graph is built on the live entries in the background and replaces
 the old one whole.
+
+A graph built elsewhere (beside a snapshot, published by another replica) can be adopted
+instead of built (`adopt_index`, checked against the rows); each graph built here is handed,
+serialized while still private, to the owner (`on_graph_built`) to keep or share.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -104,6 +109,8 @@ class IndexStatus:
     warming: bool  # the first build since the cache was filled (restart, catch-up) runs
     audits_total: int  # index answers rerun exactly
     audit_agreements_total: int  # ... that found the same maximum
+    builds_total: int = 0  # graphs built here (and swapped in)
+    adoptions_total: int = 0  # graphs built elsewhere (a snapshot, another replica) adopted
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,9 +121,24 @@ class CacheEntries:
     vectors: npt.NDArray[np.float32]
     added_at_ms: npt.NDArray[np.float64]
     trace_ids: Sequence[str] = ()
+    #: Where they stand in the cache they were copied from: the sequence number of the first
+    #: and the cache's lineage (see VectorCache.lineage); None / '' when unknown.
+    first_seq: int | None = None
+    lineage: str = ""
 
     def ids(self) -> Sequence[str]:
         return self.trace_ids if len(self.trace_ids) else [""] * len(self.vectors)
+
+
+@dataclass(frozen=True, slots=True)
+class BuiltGraph:
+    """A graph this cache just built and swapped in, serialized (AnnIndex.to_bytes) for its
+    owner to keep or share: its internal id 0 is the entry `first_seq` of `lineage`."""
+
+    data: bytes
+    first_seq: int
+    count: int
+    lineage: str
 
 
 class VectorCache:
@@ -179,6 +201,15 @@ class VectorCache:
         self._audit_queue: deque[tuple[Vector, float, int]] = deque(maxlen=_AUDIT_QUEUE)
         self.audits_total = 0
         self.audit_agreements_total = 0
+        self.index_builds_total = 0
+        self.index_adoptions_total = 0
+        # While held, no build starts (the owner expects a graph to adopt); the exact scan
+        # answers and the cache says warming.
+        self._hold = False
+        #: Called from the build thread with every graph it built (after the swap, outside
+        #: the lock); must not raise. Set by the owner (snapshots, the shared memory).
+        self.on_graph_built: Callable[[BuiltGraph], None] | None = None
+        self.lineage = uuid.uuid4().hex  # the sequence numbers' identity: new at load/clear
 
     # ── queries ─────────────────────────────────────────────────────────────
 
@@ -264,9 +295,12 @@ class VectorCache:
                 state=state,
                 indexed=min(indexed, self._size),
                 progress=self._build_progress if building else None,
-                warming=building and not self._ever_indexed,
+                warming=(building and not self._ever_indexed)
+                or (self._hold and self._index is None and self._wants_index()),
                 audits_total=self.audits_total,
                 audit_agreements_total=self.audit_agreements_total,
+                builds_total=self.index_builds_total,
+                adoptions_total=self.index_adoptions_total,
             )
 
     def entries(self) -> CacheEntries:
@@ -281,13 +315,20 @@ class VectorCache:
         a chunk at a time so that a large copy does not hold up queries."""
         vectors, times, ids = [], [], []
         seq = start_seq
+        first: int | None = None
+        lineage = ""
+        contiguous = True  # no entry left (or clear) between two chunks
         while True:
             with self._lock:
                 self._drop_expired()
+                if first is not None and (seq < self._first_seq or lineage != self.lineage):
+                    contiguous = False
                 seq = max(seq, self._first_seq)
                 stop = min(stop_seq, self._first_seq + self._size, seq + _CHUNK)
                 if seq >= stop:
                     break
+                if first is None:
+                    first, lineage = seq, self.lineage
                 slots = self._slots(seq, stop)
                 vectors.append(self._vectors[slots])
                 times.append(self._added_at[slots])
@@ -295,7 +336,9 @@ class VectorCache:
                 seq = stop
         if not vectors:
             return CacheEntries(np.empty((0, self.dimensions), dtype=np.float32), np.empty(0), [])
-        return CacheEntries(np.concatenate(vectors), np.concatenate(times), ids)
+        if not contiguous:
+            first, lineage = None, ""
+        return CacheEntries(np.concatenate(vectors), np.concatenate(times), ids, first, lineage)
 
     @property
     def sequence_range(self) -> tuple[int, int]:
@@ -462,6 +505,70 @@ class VectorCache:
 
     # ── the index and the self-check ────────────────────────────────────────
 
+    def hold_index(self, hold: bool) -> None:
+        """While held, no graph build starts (the owner is fetching one to adopt); the exact
+        scan answers and index_status says warming. Releasing starts what is due."""
+        with self._lock:
+            self._hold = hold
+            if not hold:
+                self._maintain_index()
+
+    def adopt_index(self, index: AnnIndex, first_id: int) -> str | None:
+        """Serves `index`, a graph built elsewhere (a snapshot, another replica), whose
+        internal id 0 is this cache's entry `first_id` (below first_seq: a dead prefix, as
+        after evictions). It must cover the oldest live entry and hold no entry this cache
+        has not; its codes are checked against the rows at a few entries. The entries after
+        it go to the feeder. Returns None when adopted, else why not (nothing changes)."""
+        with self._lock:
+            self._drop_expired()
+            next_seq = self._first_seq + self._size
+            stop = first_id + index.count
+            why = None
+            if self.search == "exact":
+                why = "KP_CACHE_SEARCH=exact"
+            elif index.dimensions != self.dimensions:
+                why = f"{index.dimensions} dimensions, the cache has {self.dimensions}"
+            elif (index.params.m, index.params.ef_construction) != (
+                self._index_params.m,
+                self._index_params.ef_construction,
+            ):
+                why = f"built with {index.params}, the cache builds with {self._index_params}"
+            elif not (first_id <= self._first_seq < stop <= next_seq):
+                why = (
+                    f"it covers entries {first_id}..{stop - 1}, the cache holds "
+                    f"{self._first_seq}..{next_seq - 1}"
+                )
+            else:
+                why = self._codes_differ(index, first_id, stop)
+            if why is not None:
+                return why
+            index.first_id = first_id
+            index.params = self._index_params  # the query-time settings are this cache's
+            self._generation += 1  # a build of the entries running meanwhile is dropped
+            self._building = None
+            self._index = index
+            self._ever_indexed = True
+            self._trained_on = min(index.count, _SAMPLE)
+            self._build_progress = 1.0
+            self.index_adoptions_total += 1
+            self._maintain_index()
+            return None
+
+    def _codes_differ(self, index: AnnIndex, first_id: int, stop: int) -> str | None:
+        """Why the graph's stored codes are not this cache's rows (at a few evenly spread
+        live entries), or None: a graph mapped onto other entries would propose the wrong
+        candidates."""
+        for seq in np.unique(np.linspace(self._first_seq, stop - 1, 16).astype(np.int64)):
+            stored = index.stored_vector(int(seq) - first_id + index.first_id)
+            row = self._unit_rows_between(int(seq), int(seq) + 1)[0]
+            norm = float(np.linalg.norm(stored))
+            if norm == 0 or float(stored @ row) / norm < 0.99:
+                return f"its entry {int(seq)} is not this cache's (cosine below 0.99)"
+        return None
+
+    def _wants_index(self) -> bool:
+        return self.search == "auto" and self._size >= self.index_threshold
+
     def wait_for_index(self, timeout_s: float | None = None) -> bool:
         """Waits for background builds (one may start another); True when none runs any more."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -515,7 +622,7 @@ class VectorCache:
         tail to the feeder."""
         if self.search == "exact":
             return
-        idle = self._building is None
+        idle = self._building is None and not self._hold
         index = self._index
         if index is None:
             if self._size >= self.index_threshold and idle:
@@ -613,6 +720,10 @@ class VectorCache:
             one_core_for_this_thread()
         index: AnnIndex | None = None
         sample: CacheEntries | None = None
+        # For the owner (on_graph_built): serialized once caught up, while still private,
+        # so the serving graph is never copied under the lock.
+        data: bytes | None = None
+        built: BuiltGraph | None = None
         while True:
             with self._lock:
                 if generation != self._generation:
@@ -625,20 +736,27 @@ class VectorCache:
                 if index is None or outgrown or index.stop_id < first:
                     # A new graph: the first, or the memory outgrew the sample (train on a
                     # larger one), or every entry it holds was evicted meanwhile.
-                    index = None
+                    index, data = None, None
                 else:
                     seq = index.stop_id
-                    if stop - seq < TAIL_BATCH:  # caught up: the rest goes to the feeder
+                    caught_up = stop - seq < TAIL_BATCH or data is not None
+                    sink = self.on_graph_built
+                    if caught_up and (sink is None or data is not None):
+                        # The rest goes to the feeder.
                         self._index = index
                         self._ever_indexed = True
                         self._build_progress = 1.0
+                        self.index_builds_total += 1
                         if self._building is threading.current_thread():
                             self._building = None
+                        if sink is not None and data is not None:
+                            built = BuiltGraph(data, index.first_id, index.count, self.lineage)
                         self._maintain_index()
-                        return
-                    end = min(stop, seq + _CHUNK)
-                    rows = self._unit_rows_between(seq, end)
-                    self._build_progress = (seq - first) / max(1, self._size)
+                        break
+                    if not caught_up:
+                        end = min(stop, seq + _CHUNK)
+                        rows = self._unit_rows_between(seq, end)
+                        self._build_progress = (seq - first) / max(1, self._size)
             if index is None:
                 if sample is None or outgrown:
                     sample = self.entries_between(max(first, stop - _SAMPLE), stop)
@@ -647,7 +765,12 @@ class VectorCache:
                 index = AnnIndex(self.dimensions, first, self._index_params)
                 index.train(_unit_rows(sample.vectors, None))
                 continue
+            if caught_up:
+                data = index.to_bytes()
+                continue
             index.add(rows)
+        if built is not None and sink is not None:
+            sink(built)
 
     def _unit_rows_between(self, start_seq: int, stop_seq: int) -> npt.NDArray[np.float32]:
         slots = self._slots(start_seq, stop_seq)
@@ -655,6 +778,7 @@ class VectorCache:
 
     def _reset_index(self) -> None:
         self._generation += 1
+        self.lineage = uuid.uuid4().hex
         self._trained_on = 0
         self._index = None
         self._building = None  # a build of the old generation ends at its next chunk

@@ -186,6 +186,11 @@ class CacheIndexOut(BaseModel):
     )
     audits_total: int = Field(description="Index answers rerun exactly (the self-check).")
     audit_agreements_total: int = Field(description="Of those, answers equal to the exact one.")
+    builds_total: int = Field(description="Graphs this process built since start.")
+    adoptions_total: int = Field(
+        description="Graphs adopted instead of built since start: from the snapshot, or "
+        "published by another replica of the shared cache."
+    )
 
 
 class ReadyOut(BaseModel):

@@ -199,6 +199,15 @@ class RuntimeCollector(Collector):
             "production is agreements / checks.",
             index.audit_agreements_total,
         )
+        yield CounterMetricFamily(
+            "kp_cache_index_builds", "Graphs this process built since start.", index.builds_total
+        )
+        yield CounterMetricFamily(
+            "kp_cache_index_adoptions",
+            "Graphs adopted instead of built since start (from the snapshot, or published by "
+            "another replica).",
+            index.adoptions_total,
+        )
         memo = CounterMetricFamily(
             "kp_embed_memo",
             "Texts looked up in the memo of recent vectors, by result (hit: no model run).",
@@ -218,10 +227,12 @@ def _index_health(memory: NoveltyMemory) -> Health:
     index = memory.index_status()
     if not index.warming:
         return Health()
+    if index.progress is None:  # no build runs: a graph built elsewhere is being fetched
+        return Health(warnings=("cache_warming: adopting the index built by another replica",))
     return Health(
         warnings=(
             f"cache_warming: loading the cache and building its index, "
-            f"{100 * (index.progress or 0):.0f}% done",
+            f"{100 * index.progress:.0f}% done",
         )
     )
 
@@ -315,4 +326,5 @@ def build_memory(settings: Settings, model_id: str | None) -> NoveltyMemory:
         search=settings.cache_search,
         index_threshold=settings.cache_index_threshold,
         index_ef_search=settings.cache_index_ef_search,
+        index_share=settings.cache_index_share,
     )

@@ -11,7 +11,19 @@ the trace ids as one JSON array of strings (`trace_ids_bytes` long). Format 1 fi
 trace ids, still load (their entries name no trace).
 
 A large cache is copied a chunk at a time (queries go on between chunks), hashed and written
-from those copies in a worker thread, without joining them into one more buffer.
+from those copies in a worker thread, without joining them into one more buffer. When the copy
+is one unbroken run of the cache's entries, the header also says where it stands (`lineage`,
+`first_seq`: optional keys, so format 2 readers still load it).
+
+The graph of a large memory (README, "A large memory") is kept beside the snapshot, in
+`<path>.graph` (faiss's serialized index) and `<path>.graph.json` (what it covers: the lineage
+and sequence number of its first entry, its count, dimensions, m, efConstruction, model, size
+and SHA-256). It is written when a build swaps a new graph in, from that graph while it is
+still private: a graph only changes whole by a rebuild (the feeder's inserts are the entries
+after it, which a restore hands to the feeder again), so it is not rewritten with every
+periodic snapshot, and never copied under the cache's lock. A restore adopts it when it
+covers the snapshot's oldest entries and matches the cache (anything else: a log line, and
+the graph is built as without it).
 """
 
 from __future__ import annotations
@@ -32,7 +44,8 @@ import orjson
 
 from app.core.health import Health
 from app.core.states import SnapshotState
-from app.domain.vector_cache import CacheEntries, VectorCache
+from app.domain.ann_index import DEFAULT_PARAMS, AnnIndex
+from app.domain.vector_cache import BuiltGraph, CacheEntries, VectorCache
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +82,7 @@ def write_snapshot(
     """Atomically replace `path` with a snapshot of `entries` (one copy, or the chunks of
     one, oldest first: written one after the other, never joined)."""
     chunks = [entries] if isinstance(entries, CacheEntries) else list(entries)
+    where = _run_of(chunks)
     vectors = [np.ascontiguousarray(c.vectors, dtype="<f4") for c in chunks]
     times = [np.ascontiguousarray(c.added_at_ms, dtype="<f8") for c in chunks]
     ids = orjson.dumps([trace_id for c in chunks for trace_id in c.ids()])
@@ -90,12 +104,29 @@ def write_snapshot(
             "trace_ids_bytes": len(ids),
             "saved_at_ms": time.time() * 1000.0,
             "payload_sha256": digest.hexdigest(),
+            **where,
         }
     ).encode()
+    _write_atomically(path, [MAGIC + _HEADER_LEN.pack(len(header)) + header, *parts])
+
+
+def _run_of(chunks: Sequence[CacheEntries]) -> dict[str, object]:
+    """{'lineage', 'first_seq'} when the chunks are one unbroken run of one cache's entries
+    (a graph can then be mapped onto them), else {}."""
+    if not chunks or not chunks[0].lineage:
+        return {}
+    seq = chunks[0].first_seq
+    for chunk in chunks:
+        if chunk.first_seq is None or chunk.first_seq != seq or chunk.lineage != chunks[0].lineage:
+            return {}
+        seq = chunk.first_seq + len(chunk.vectors)
+    return {"lineage": chunks[0].lineage, "first_seq": chunks[0].first_seq}
+
+
+def _write_atomically(path: Path, parts: Sequence[bytes | memoryview]) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with tmp.open("wb") as f:
-            f.write(MAGIC + _HEADER_LEN.pack(len(header)) + header)
             for part in parts:
                 f.write(part)
             f.flush()
@@ -123,6 +154,8 @@ def read_snapshot(path: Path, model_id: str, dimensions: int) -> CacheEntries:
         version, snapshot_model = header["version"], str(header["model"])
         checksum = str(header["payload_sha256"])
         ids_len = int(header.get("trace_ids_bytes", 0))
+        lineage, first_seq = str(header.get("lineage", "")), header.get("first_seq")
+        first_seq = None if first_seq is None else int(first_seq)
     except (ValueError, KeyError, TypeError) as exc:
         raise SnapshotError("corrupt", f"unreadable snapshot header: {exc}") from None
     if version not in _READABLE_VERSIONS:
@@ -150,7 +183,79 @@ def read_snapshot(path: Path, model_id: str, dimensions: int) -> CacheEntries:
             raise SnapshotError("corrupt", f"unreadable trace ids: {exc}") from None
         if not isinstance(trace_ids, list) or len(trace_ids) != count:
             raise SnapshotError("corrupt", "the trace ids do not match the vectors")
-    return CacheEntries(vectors.astype(np.float32), times.astype(np.float64), trace_ids)
+    return CacheEntries(
+        vectors.astype(np.float32),
+        times.astype(np.float64),
+        trace_ids,
+        first_seq if lineage else None,
+        lineage if first_seq is not None else "",
+    )
+
+
+def graph_paths(path: Path) -> tuple[Path, Path]:
+    """The graph beside the snapshot at `path`: (its bytes, its description)."""
+    return path.with_name(f"{path.name}.graph"), path.with_name(f"{path.name}.graph.json")
+
+
+def write_graph(path: Path, built: BuiltGraph, model_id: str, dimensions: int) -> None:
+    """Atomically replaces the graph beside the snapshot at `path`: the bytes first, then the
+    description naming their checksum (a crash between leaves a pair that does not match,
+    which a restore ignores)."""
+    blob, described = graph_paths(path)
+    _write_atomically(blob, [memoryview(built.data)])
+    _write_graph_description(
+        described,
+        {
+            "model": model_id,
+            "dimensions": dimensions,
+            "m": DEFAULT_PARAMS.m,
+            "ef_construction": DEFAULT_PARAMS.ef_construction,
+            "lineage": built.lineage,
+            "first_seq": built.first_seq,
+            "count": built.count,
+            "bytes": len(built.data),
+            "sha256": hashlib.sha256(built.data).hexdigest(),
+        },
+    )
+
+
+def _write_graph_description(path: Path, description: dict[str, object]) -> None:
+    _write_atomically(path, [json.dumps(description).encode()])
+
+
+def read_graph(
+    path: Path, entries: CacheEntries, model_id: str, dimensions: int
+) -> tuple[AnnIndex, int, dict[str, object]]:
+    """The graph beside the snapshot at `path` that was built on `entries`' cache, with the
+    index in `entries` of its internal id 0 (negative: entries evicted before the snapshot)
+    and its description. SnapshotError (kind 'graph') says why it cannot be used."""
+    blob, described = graph_paths(path)
+    if not entries.lineage or entries.first_seq is None:
+        raise SnapshotError("graph", "the snapshot does not say where its entries stand")
+    try:
+        about = json.loads(described.read_bytes())
+        wanted = {
+            "model": model_id,
+            "dimensions": dimensions,
+            "m": DEFAULT_PARAMS.m,
+            "ef_construction": DEFAULT_PARAMS.ef_construction,
+            "lineage": entries.lineage,
+        }
+        differs = {k: about.get(k) for k, v in wanted.items() if about.get(k) != v}
+        if differs:
+            raise SnapshotError("graph", f"it was built for another cache or settings: {differs}")
+        data = blob.read_bytes()
+        if len(data) != int(about["bytes"]) or hashlib.sha256(data).hexdigest() != about["sha256"]:
+            raise SnapshotError("graph", "its bytes do not match their checksum")
+        offset = int(about["first_seq"]) - entries.first_seq
+        index = AnnIndex.from_bytes(data, dimensions, 0)
+        if index.count != int(about["count"]):
+            raise SnapshotError("graph", "it holds another number of entries than described")
+    except OSError as exc:
+        raise SnapshotError("graph", f"cannot read it: {exc}") from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise SnapshotError("graph", f"unreadable: {exc}") from None
+    return index, offset, about
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -176,6 +281,8 @@ class SnapshotStore:
         if path is not None and model_id is None:
             self.status.detail = "no embedder: the cache holds nothing to save"
         self._saved_version: tuple[int, int] | None = None
+        if enabled:
+            cache.on_graph_built = self._save_graph
 
     @property
     def path(self) -> Path | None:
@@ -212,14 +319,81 @@ class SnapshotStore:
                 extra={"path": str(path), "error": str(exc)},
             )
             return
-        self.cache.load(entries)
+        graph = self._graph_for(path, entries)
+        self.cache.hold_index(graph is not None)  # no build before the graph is adopted
+        try:
+            self.cache.load(entries)
+            if graph is not None:
+                self._adopt(path, entries, *graph)
+        finally:
+            self.cache.hold_index(False)
         self.status.state = SnapshotState.LOADED
         self.status.loaded_vectors = self.cache.size
         self._saved_version = self._version()
         log.info(
             "cache restored from snapshot",
-            extra={"path": str(path), "vectors": self.status.loaded_vectors},
+            extra={
+                "path": str(path),
+                "vectors": self.status.loaded_vectors,
+                "graph_adopted": self.cache.index_adoptions_total > 0,
+            },
         )
+
+    def _graph_for(
+        self, path: Path, entries: CacheEntries
+    ) -> tuple[AnnIndex, int, dict[str, object]] | None:
+        if not graph_paths(path)[1].exists() or self.model_id is None:
+            return None
+        try:
+            return read_graph(path, entries, self.model_id, self.cache.dimensions)
+        except SnapshotError as exc:
+            log.warning(
+                "cache snapshot's graph ignored; the index is built again",
+                extra={"path": str(path), "reason": str(exc)},
+            )
+            return None
+
+    def _adopt(
+        self,
+        path: Path,
+        entries: CacheEntries,
+        index: AnnIndex,
+        offset: int,
+        about: dict[str, object],
+    ) -> None:
+        """Maps the graph onto the loaded entries (the last of them have the cache's newest
+        sequence numbers) and adopts it; its description then names the new numbering, so
+        the next restart adopts it again."""
+        _, next_seq = self.cache.sequence_range
+        first_id = next_seq - len(entries.vectors) + offset
+        why = self.cache.adopt_index(index, first_id)
+        if why is not None:
+            log.warning(
+                "cache snapshot's graph ignored; the index is built again",
+                extra={"path": str(path), "reason": why},
+            )
+            return
+        about = about | {"lineage": self.cache.lineage, "first_seq": first_id}
+        try:
+            _write_graph_description(graph_paths(path)[1], about)
+        except OSError as exc:
+            log.warning(
+                "cache snapshot's graph description not updated; the next start builds it",
+                extra={"path": str(path), "error": str(exc)},
+            )
+
+    def _save_graph(self, built: BuiltGraph) -> None:
+        """on_graph_built, in the cache's build thread: errors are reported, not raised."""
+        path = self.path
+        if path is None or self.model_id is None:
+            return
+        try:
+            write_graph(path, built, self.model_id, self.cache.dimensions)
+        except OSError as exc:
+            log.error(
+                "cache graph not saved beside the snapshot; a restart will build it",
+                extra={"path": str(path), "error": str(exc)},
+            )
 
     def save(self, *, force: bool = False) -> bool:
         """Write the snapshot if the cache changed since the last save; errors are reported."""

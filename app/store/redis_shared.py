@@ -20,6 +20,8 @@ Why the answers of all replicas equal one-at-a-time scoring in one order (SPEC 8
 - DELETE /cache: reset.lua writes a new epoch and empties the log. A replica that meets an
   epoch it does not know rebuilds its mirror from the log, as after FLUSHALL or a Redis that
   lost its data (the epoch is gone with it).
+- A large memory's graph: a replica that built one publishes it, one that starts adopts it
+  instead of building (app/store/redis_graph.py; KP_CACHE_INDEX_SHARE).
 
 Only vectors (float32 bytes), their trace ids and Redis's ids travel; each replica embeds.
 
@@ -50,9 +52,10 @@ from redis.exceptions import RedisError
 from redis.retry import Retry
 
 from app.core.health import UNMEASURED, Health
-from app.domain.ann_index import DEFAULT_PARAMS
+from app.domain.ann_index import DEFAULT_PARAMS, AnnIndex
 from app.domain.vector_cache import (
     DEFAULT_INDEX_THRESHOLD,
+    BuiltGraph,
     CacheEntries,
     CacheStats,
     IndexStatus,
@@ -61,6 +64,7 @@ from app.domain.vector_cache import (
 )
 from app.store.base import BackendInfo, Comparison, MemoryUnavailableError, Vector
 from app.store.in_process import compare_in_order
+from app.store.redis_graph import GraphDescription, SharedGraph
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +149,7 @@ class RedisSharedMemory:
         search: SearchMode = "auto",
         index_threshold: int = DEFAULT_INDEX_THRESHOLD,
         index_ef_search: int = DEFAULT_PARAMS.ef_search,
+        index_share: bool = True,
     ) -> None:
         self.location = location
         self.prefix = prefix
@@ -178,6 +183,22 @@ class RedisSharedMemory:
         )
         self._epoch = b""
         self._last_id = b"0-0"
+        self._graph = SharedGraph(
+            self._client,
+            prefix,
+            max(self._timeout_s, BULK_TIMEOUT_S),
+            script_text("graph_publish.lua"),
+        )
+        self._share = index_share and search == "auto"
+        if self._share:
+            self.mirror.on_graph_built = self._graph_built
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # (the mirror's lineage, log ordinal - sequence number) as of the last exchange
+        # that brought the mirror to the log's end (redis_graph's docstring).
+        self._ordinal: tuple[str, int] | None = None
+        self._unusable_graph: str | None = None  # the token of a published graph found damaged
+        # A graph built before the mirror reached the log's end (its ordinals unknown yet).
+        self._unpublished: BuiltGraph | None = None
         self._adds_total = 0
         self._evictions_total = 0
         self._queue: deque[_Exchange | _Reset] = deque()
@@ -252,19 +273,144 @@ class RedisSharedMemory:
         settings), the rest in the background (the service answers /healthz meanwhile, and
         /readyz says warming). Redis down or other settings are reported, not fatal: the
         start goes on as soon as the first exchange has failed, without waiting the timeout."""
+        self._loop = asyncio.get_running_loop()
         self._warmer = asyncio.create_task(self._warm())
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.shield(self._first_answer.wait()), self._timeout_s)
 
     async def _warm(self) -> None:
         """The first catch-up, to the log's end: a failed page (Redis gone meanwhile) is
-        retried, and the replica stays warming (not ready) until it has every entry."""
-        while not self._closed:
-            await self._follow()
-            if self._caught_up:
-                break
-            await asyncio.sleep(RETRY_INTERVAL_S)
-        self._first_answer.set()
+        retried, and the replica stays warming (not ready) until it has every entry. With a
+        published graph, the mirror builds none meanwhile: it adopts that one if it fits."""
+        lookup: asyncio.Task[GraphDescription | None] | None = None
+        if self._share:
+            # Looked up beside the first pages (not before them: a Redis that does not
+            # answer must not delay the start); the hold ends as soon as none is found.
+            self.mirror.hold_index(True)
+            lookup = asyncio.create_task(self._graph.described())
+            lookup.add_done_callback(self._hold_while_published)
+        try:
+            while not self._closed:
+                await self._follow()
+                if self._caught_up:
+                    break
+                await asyncio.sleep(RETRY_INTERVAL_S)
+            self._first_answer.set()
+            if lookup is not None and not self._closed:
+                with contextlib.suppress(RedisError, OSError, TimeoutError):
+                    if await lookup is not None:
+                        await self._adopt_published()
+        finally:
+            if lookup is not None:
+                lookup.cancel()
+            self.mirror.hold_index(False)
+
+    def _hold_while_published(self, lookup: asyncio.Task[GraphDescription | None]) -> None:
+        if lookup.cancelled() or lookup.exception() is not None or lookup.result() is None:
+            self.mirror.hold_index(False)
+
+    async def _adopt_published(self) -> None:
+        """Adopts the published graph when it was built in this epoch, with these settings,
+        and covers the mirror's oldest entries (the mirror checks its codes too); anything
+        else is logged and the mirror builds its own."""
+        started = time.monotonic()
+        why: str | None = None
+        try:
+            about = await self._graph.described()
+            ordinal = self._ordinal
+            if about is None:
+                why = "it is gone (replaced or reset)"
+            elif ordinal is None or ordinal[0] != self.mirror.lineage:
+                why = "the mirror is not caught up with the log"
+            else:
+                why = about.differs_from(self._epoch, self.mirror.dimensions, self.model)
+            if why is None and about is not None and ordinal is not None:
+                first_id = about.first_ordinal - ordinal[1]
+                first, next_seq = self.mirror.sequence_range
+                if not first_id <= first < first_id + about.count <= next_seq:
+                    why = (
+                        f"it covers log entries {about.first_ordinal}.."
+                        f"{about.first_ordinal + about.count - 1}, the mirror holds "
+                        f"{first + ordinal[1]}..{next_seq - 1 + ordinal[1]}"
+                    )
+                else:
+                    try:
+                        data = await self._graph.download(about)
+                        index = await asyncio.to_thread(
+                            AnnIndex.from_bytes, data, self.mirror.dimensions, 0
+                        )
+                    except ValueError:
+                        self._unusable_graph = about.token  # this replica's graph replaces it
+                        raise
+                    del data
+                    if self._ordinal != ordinal:  # a reset or new epoch meanwhile
+                        why = "the memory changed while it was downloaded"
+                    else:
+                        why = self.mirror.adopt_index(index, first_id)
+        except (RedisError, OSError, TimeoutError, ValueError) as exc:
+            why = _describe(exc)
+        if why is not None:
+            log.warning(
+                "published graph not adopted; this replica builds its own",
+                extra={"prefix": self.prefix, "reason": why},
+            )
+            return
+        log.info(
+            "published graph adopted",
+            extra={
+                "prefix": self.prefix,
+                "entries": self.mirror.index_status().indexed,
+                "seconds": round(time.monotonic() - started, 2),
+            },
+        )
+
+    def _graph_built(self, built: BuiltGraph) -> None:
+        """The mirror's on_graph_built (its build thread): the loop publishes it."""
+        loop = self._loop
+        if loop is None or self._closed:
+            return
+        with contextlib.suppress(RuntimeError):  # the loop has closed
+            loop.call_soon_threadsafe(self._publish_soon, built)
+
+    def _publish_soon(self, built: BuiltGraph) -> None:
+        ordinal = self._ordinal
+        if self._closed or built.lineage != self.mirror.lineage:
+            return  # built on entries the mirror no longer holds (a reset, a new epoch)
+        if ordinal is None or ordinal[0] != built.lineage:
+            self._unpublished = built  # published once the mirror reaches the log's end
+            return
+        self._unpublished = None
+        task = asyncio.create_task(self._publish(built, self._epoch, built.first_seq + ordinal[1]))
+        self._followers.add(task)
+        task.add_done_callback(self._followers.discard)
+
+    async def _publish(self, built: BuiltGraph, epoch: bytes, first_ordinal: int) -> None:
+        started = time.monotonic()
+        try:
+            outcome = await self._graph.publish(
+                built.data,
+                epoch=epoch,
+                first_ordinal=first_ordinal,
+                count=built.count,
+                dimensions=self.mirror.dimensions,
+                model=self.model,
+                unusable=self._unusable_graph,
+            )
+        except (RedisError, OSError, TimeoutError) as exc:
+            log.warning(
+                "graph not published; replicas that start build their own",
+                extra={"prefix": self.prefix, "reason": _describe(exc)},
+            )
+            return
+        log.info(
+            "graph for the replicas: " + outcome,
+            extra={
+                "prefix": self.prefix,
+                "entries": built.count,
+                "bytes": len(built.data),
+                "seconds": round(time.monotonic() - started, 2),
+            },
+        )
 
     async def _follow(self) -> None:
         """Reads the log up to its end, without a timeout: as many pages as it holds."""
@@ -474,6 +620,14 @@ class RedisSharedMemory:
         if more:
             return None
         self._caught_up = True
+        # The log's newest entry has ordinal adds_total - 1; the mirror's own entries of
+        # this run are added below, as many as the log received.
+        self._ordinal = (
+            self.mirror.lineage,
+            int(adds_total) - self.mirror.sequence_range[1] - len(own_ids),
+        )
+        if self._unpublished is not None:
+            self._publish_soon(self._unpublished)
         own = iter(own_ids)
         results = []
         for request in group:
@@ -508,8 +662,13 @@ class RedisSharedMemory:
         try:
             async with asyncio.timeout(self._timeout_s):
                 epoch, now_ms, cleared = await self._reset_script(
-                    keys=self._keys,
-                    args=[str(self.capacity), _number(self.ttl_ms), self.model],
+                    keys=[*self._keys, self._graph.described_key],
+                    args=[
+                        str(self.capacity),
+                        _number(self.ttl_ms),
+                        self.model,
+                        self._graph.chunk_prefix,
+                    ],
                 )
         except (RedisError, OSError, TimeoutError) as exc:
             self._went_down(exc)

@@ -1,0 +1,426 @@
+"""A graph built once serves again: a restart adopts the one saved beside its snapshot, and a
+replica of a shared memory adopts the one another replica published in Redis, instead of
+building (README, "A large memory"). A graph that does not fit is ignored and the cache builds
+as without it; every answer stays the exact scan's on planted near-duplicates."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from app.core.config import redis_location
+from app.domain.ann_index import AnnIndex
+from app.domain.vector_cache import BuiltGraph, CacheEntries, VectorCache
+from app.services.cache_transfer import export_lines
+from app.services.snapshots import SnapshotStore, graph_paths
+from app.store.redis_shared import RedisSharedMemory
+from tests.factories import TOPICS, make_trace
+from tests.server import TOKEN, LiveServer, RedisServer
+from tests.test_large_memory import clustered, edit
+from tests.test_redis_store import MODEL, TIMEOUT_MS, run
+
+N = 5_000
+DIMS = 384
+THRESHOLD = 2_000
+
+
+@pytest.fixture(scope="module")
+def stored() -> npt.NDArray[np.float32]:
+    return clustered(N, seed=21)
+
+
+def exact_of(entries: CacheEntries) -> VectorCache:
+    cache = VectorCache(capacity=N, search="exact")
+    cache.load(entries)
+    return cache
+
+
+def assert_finds_planted(
+    stored: npt.NDArray[np.float32], answer: Any, truth: VectorCache, count: int = 60
+) -> None:
+    """`answer(query)` -> (max_cosine, trace id) equals the exact scan's and names the
+    planted entry, for near-duplicates of stored vectors."""
+    rng = np.random.default_rng(5)
+    for i in rng.choice(len(stored), count, replace=False):
+        query = edit(stored[i], rng, 0.3)
+        expected = truth.nearest(query)
+        assert expected is not None
+        assert answer(query) == (expected.cosine, expected.trace_id)
+        assert expected.trace_id == f"t{i}"
+
+
+def cache_of_snapshot(path: Path) -> tuple[VectorCache, SnapshotStore]:
+    cache = VectorCache(capacity=N, index_threshold=THRESHOLD, background=False)
+    store = SnapshotStore(path, cache, MODEL)
+    store.restore()
+    return cache, store
+
+
+def nearest_of(cache: VectorCache) -> Any:
+    def answer(query: npt.NDArray[np.float32]) -> tuple[float, str]:
+        found = cache.nearest(query)
+        assert found is not None
+        return found.cosine, found.trace_id
+
+    return answer
+
+
+@pytest.fixture
+def saved(tmp_path: Path, stored: npt.NDArray[np.float32]) -> Path:
+    """A snapshot of N entries whose cache built its graph (saved beside it by the build)."""
+    path = tmp_path / "cache.snapshot"
+    cache = VectorCache(capacity=N, index_threshold=THRESHOLD, background=False)
+    store = SnapshotStore(path, cache, MODEL)
+    for i, v in enumerate(stored):
+        cache.add(v, trace_id=f"t{i}")
+    assert cache.index_status().builds_total == 1
+    assert all(p.exists() for p in graph_paths(path))
+    assert store.save(force=True)
+    return path
+
+
+def test_a_restart_adopts_the_saved_graph_instead_of_building(
+    saved: Path, stored: npt.NDArray[np.float32]
+) -> None:
+    restored, _ = cache_of_snapshot(saved)
+    status = restored.index_status()
+    assert (status.state, status.builds_total, status.adoptions_total) == ("ready", 0, 1)
+    assert status.indexed >= THRESHOLD
+    assert_finds_planted(stored, nearest_of(restored), exact_of(restored.entries()))
+    # The description now names the restored cache's numbering: a restart after a save of
+    # this cache adopts it again.
+    assert SnapshotStore(saved, restored, MODEL).save(force=True)
+    again, _ = cache_of_snapshot(saved)
+    assert (again.index_status().builds_total, again.index_status().adoptions_total) == (0, 1)
+    assert_finds_planted(stored, nearest_of(again), exact_of(again.entries()))
+
+
+def _flip_a_byte(path: Path) -> None:
+    blob, _ = graph_paths(path)
+    data = bytearray(blob.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    blob.write_bytes(bytes(data))
+
+
+def _describe_other(key: str, value: object) -> Any:
+    def change(path: Path) -> None:
+        _, described = graph_paths(path)
+        about = json.loads(described.read_text())
+        about[key] = value
+        described.write_text(json.dumps(about))
+
+    return change
+
+
+def _shift(path: Path) -> None:
+    """Describes the graph as starting one entry later: it would map onto the wrong rows."""
+    _, described = graph_paths(path)
+    about = json.loads(described.read_text())
+    about["first_seq"] += 1
+    about["count"] -= 1
+    described.write_text(json.dumps(about))
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        _flip_a_byte,
+        _describe_other("m", 32),
+        _describe_other("dimensions", 768),
+        _describe_other("lineage", "another-cache"),
+        _shift,
+    ],
+    ids=["damaged", "other-m", "other-dimensions", "other-cache", "shifted"],
+)
+def test_a_graph_that_does_not_fit_is_ignored_and_the_cache_builds(
+    saved: Path, stored: npt.NDArray[np.float32], damage: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    damage(saved)
+    with caplog.at_level(logging.WARNING, logger="app.services.snapshots"):
+        restored, store = cache_of_snapshot(saved)
+    assert store.status.state.value == "loaded"
+    assert restored.size == N
+    status = restored.index_status()
+    assert (status.state, status.builds_total, status.adoptions_total) == ("ready", 1, 0)
+    assert "graph ignored" in caplog.text
+    assert_finds_planted(stored, nearest_of(restored), exact_of(restored.entries()))
+
+
+def test_an_adopted_graph_may_hold_evicted_entries_but_must_cover_the_oldest_live_one(
+    stored: npt.NDArray[np.float32],
+) -> None:
+    """adopt_index maps the graph's id 0 onto a sequence number: entries the cache evicted
+    since are a dead prefix (filtered by the id range, as after evictions); a graph that
+    misses the oldest live entry, or is mapped one entry off, is refused and nothing changes."""
+    built: list[BuiltGraph] = []
+    source = VectorCache(capacity=N, index_threshold=THRESHOLD, background=False)
+    source.on_graph_built = built.append
+    for i, v in enumerate(stored[:3000]):
+        source.add(v, trace_id=f"t{i}")
+    (graph,) = built
+    assert (graph.first_seq, graph.count) == (0, THRESHOLD)
+
+    def holding() -> VectorCache:
+        cache = VectorCache(capacity=2500, index_threshold=THRESHOLD, background=False)
+        cache.hold_index(True)
+        for i, v in enumerate(stored[:3000]):
+            cache.add(v, trace_id=f"t{i}")
+        assert cache.sequence_range == (500, 3000)
+        assert cache.index_status().warming  # held: not ready until a graph is adopted or built
+        return cache
+
+    def index() -> AnnIndex:
+        return AnnIndex.from_bytes(graph.data, DIMS, 0)
+
+    refused = holding()
+    assert "not this cache's" in (refused.adopt_index(index(), 1) or "")
+    assert "covers entries 600" in (refused.adopt_index(index(), 600) or "")
+    assert refused.index_status().adoptions_total == 0
+
+    cache = holding()
+    assert cache.adopt_index(index(), 0) is None
+    cache.hold_index(False)
+    status = cache.index_status()
+    assert (status.state, status.builds_total, status.adoptions_total) == ("ready", 0, 1)
+    live = stored[500:3000]
+    truth = exact_of(cache.entries())
+    rng = np.random.default_rng(8)
+    for i in rng.choice(len(live), 60, replace=False):
+        query = edit(live[i], rng, 0.3)
+        found, expected = cache.nearest(query), truth.nearest(query)
+        assert found is not None
+        assert expected is not None
+        assert (found.cosine, found.trace_id) == (expected.cosine, expected.trace_id)
+        assert found.trace_id == f"t{500 + i}"
+
+
+# ── shared mode ────────────────────────────────────────────────────────────
+
+
+def replica(redis: RedisServer, prefix: str, **settings: Any) -> RedisSharedMemory:
+    options: dict[str, Any] = {
+        "capacity": N,
+        "ttl_ms": None,
+        "timeout_ms": TIMEOUT_MS,
+        "model": MODEL,
+        "index_threshold": THRESHOLD,
+    } | settings
+    return RedisSharedMemory(redis.url, redis_location(redis.url), prefix=prefix, **options)
+
+
+async def _until(check: Any, what: str) -> None:
+    """Waits for check() (the bound only stops a broken test hanging)."""
+    for _ in range(1200):
+        if check():
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"not {what} after two minutes")
+
+
+async def _ready(memory: RedisSharedMemory) -> None:
+    await _until(
+        lambda: (
+            memory.warming is None
+            and not memory.index_status().warming
+            and memory.index_status().state == "ready"
+        ),
+        "ready",
+    )
+
+
+async def _planted_answers(
+    memory: RedisSharedMemory, stored: npt.NDArray[np.float32]
+) -> list[tuple[float | None, str]]:
+    rng = np.random.default_rng(5)
+    out = []
+    for i in rng.choice(len(stored), 60, replace=False):
+        (found,) = await memory.compare([edit(stored[i], rng, 0.3)], ["q"], add=False)
+        assert found.nearest is not None
+        out.append((found.max_cosine, found.nearest.trace_id))
+    return out
+
+
+def _expected(stored: npt.NDArray[np.float32]) -> list[tuple[float | None, str]]:
+    truth = exact_of(CacheEntries(stored, np.zeros(len(stored)), [f"t{i}" for i in range(N)]))
+    rng = np.random.default_rng(5)
+    out = []
+    for i in rng.choice(len(stored), 60, replace=False):
+        found = truth.nearest(edit(stored[i], rng, 0.3))
+        assert found is not None
+        assert found.trace_id == f"t{i}"
+        out.append((found.cosine, found.trace_id))
+    return out
+
+
+def _graph_keys(redis: RedisServer, prefix: str) -> list[bytes]:
+    with redis.client() as client:
+        return list(client.scan_iter(match=f"{prefix}novelty:graph*"))
+
+
+def test_a_new_replica_adopts_the_published_graph_and_a_reset_deletes_it(
+    redis_server: RedisServer, redis_prefix: str, stored: npt.NDArray[np.float32]
+) -> None:
+    expected = _expected(stored)
+
+    def entries() -> CacheEntries:
+        return CacheEntries(stored, np.full(N, time.time() * 1000), [f"t{i}" for i in range(N)])
+
+    async def scenario() -> None:
+        first = replica(redis_server, redis_prefix)
+        await first.start()
+        try:
+            assert await first.import_entries(entries()) == (N, 0)
+            await _ready(first)
+            await _until(lambda: len(_graph_keys(redis_server, redis_prefix)) >= 2, "published")
+            assert first.index_status().builds_total >= 1
+            assert await _planted_answers(first, stored) == expected
+
+            second = replica(redis_server, redis_prefix)
+            await second.start()
+            try:
+                await _ready(second)
+                status = second.index_status()
+                assert (status.builds_total, status.adoptions_total) == (0, 1)
+                assert status.indexed >= THRESHOLD
+                assert await _planted_answers(second, stored) == expected
+            finally:
+                await second.close()
+
+            # A damaged published graph: the next replica ignores it and builds.
+            with redis_server.client() as client:
+                (damaged,) = [
+                    k for k in _graph_keys(redis_server, redis_prefix) if k.endswith(b":0")
+                ]
+                client.setrange(damaged, 1000, b"\x00" * 64)
+            third = replica(redis_server, redis_prefix)
+            await third.start()
+            try:
+                await _ready(third)
+                status = third.index_status()
+                assert (status.builds_total, status.adoptions_total) == (1, 0)
+                assert await _planted_answers(third, stored) == expected
+                # ... and replaces it with its own.
+                await _until(
+                    lambda: damaged not in _graph_keys(redis_server, redis_prefix), "replaced"
+                )
+            finally:
+                await third.close()
+
+            assert await first.clear() == N
+            assert _graph_keys(redis_server, redis_prefix) == []
+        finally:
+            await first.close()
+
+        # Refilled by a replica that does not publish: a new one finds no graph to adopt.
+        writer = replica(redis_server, redis_prefix, index_share=False)
+        await writer.start()
+        try:
+            assert await writer.import_entries(entries()) == (N, 0)
+            await _ready(writer)
+            assert _graph_keys(redis_server, redis_prefix) == []
+            fresh = replica(redis_server, redis_prefix)
+            await fresh.start()
+            try:
+                await _ready(fresh)
+                status = fresh.index_status()
+                assert (status.builds_total, status.adoptions_total) == (1, 0)
+                assert await _planted_answers(fresh, stored) == expected
+            finally:
+                await fresh.close()
+        finally:
+            await writer.close()
+
+    run(scenario)
+
+
+@pytest.mark.server
+@pytest.mark.redis
+@pytest.mark.slow
+def test_a_new_service_process_adopts_the_graph_of_another(
+    redis_server: RedisServer, redis_prefix: str, tmp_path: Path
+) -> None:
+    """Two service processes with the real model on one redis-server: the first scores some
+    traces, then an import takes the memory past KP_CACHE_INDEX_THRESHOLD; its graph is
+    published; the second adopts it (no build: /readyz and /metrics say so) and both name the
+    scored traces as the nearest to dry runs of themselves, with the same answers."""
+    env = {
+        "KP_EMBEDDER": "onnx",
+        "KP_EMBEDDER_PRELOAD": "true",
+        "KP_EMBEDDER_WORKERS": "1",
+        "KP_EMBEDDER_THREADS": "1",
+        "KP_LOG_LEVEL": "info",
+        "KP_ADMIN_TOKEN": TOKEN,
+        "KP_REDIS_URL": redis_server.url,
+        "KP_REDIS_PREFIX": redis_prefix,
+        "KP_REDIS_TIMEOUT_MS": "10000",
+        "KP_EMBED_MAX_WAIT_MS": "60000",
+        "KP_CACHE_CAPACITY": str(N),
+        "KP_CACHE_INDEX_THRESHOLD": "1000",
+    }
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    traces = [
+        make_trace(objective=topic, trace_id=f"kp:trace:planted-{i}")
+        for i, topic in enumerate(TOPICS[:6])
+    ]
+    first = LiveServer(env, tmp_path / "first.log")
+    try:
+        for trace in traces:
+            assert first.post("/evaluate", trace).status_code == 200
+        distractors = clustered(3000, seed=31)
+        body = b"".join(
+            export_lines(
+                [
+                    CacheEntries(
+                        distractors,
+                        np.full(len(distractors), time.time() * 1000),
+                        [f"kp:trace:d{i}" for i in range(len(distractors))],
+                    )
+                ]
+            )
+        )
+        r = first.client.post(
+            "/cache/import",
+            content=body,
+            headers=auth | {"content-type": "application/x-ndjson"},
+        )
+        assert r.status_code == 200, r.text
+        deadline = time.monotonic() + 120
+        while not _graph_keys(redis_server, redis_prefix) or (
+            first.client.get("/readyz").json()["cache_index"]["state"] != "ready"
+        ):
+            assert time.monotonic() < deadline, first.log()
+            time.sleep(0.2)
+        assert first.client.get("/readyz").json()["cache_index"]["builds_total"] >= 1
+
+        second = LiveServer(env, tmp_path / "second.log")
+        try:
+            deadline = time.monotonic() + 120
+            while (ready := second.client.get("/readyz").json())["status"] != "ready":
+                assert time.monotonic() < deadline, second.log()
+                time.sleep(0.2)
+            index = ready["cache_index"]
+            assert (index["builds_total"], index["adoptions_total"]) == (0, 1)
+            assert "kp_cache_index_adoptions_total 1.0" in second.client.get("/metrics").text
+            for trace in traces:
+                answers = []
+                for server in (first, second):
+                    r = server.client.post("/evaluate", params={"dry_run": "true"}, json=trace)
+                    assert r.status_code == 200, r.text
+                    novelty = r.json()["novelty"]
+                    assert novelty["cache_size"] == len(traces) + len(distractors)
+                    answers.append((novelty["max_cosine"], novelty["nearest"]["trace_id"]))
+                assert answers[0] == answers[1]
+                assert answers[0][1] == trace["id"]
+                assert answers[0][0] == pytest.approx(1.0, abs=1e-6)
+        finally:
+            second.stop()
+    finally:
+        first.stop()
