@@ -18,7 +18,7 @@ import pytest
 
 from app.core.config import redis_location
 from app.domain.ann_index import AnnIndex
-from app.domain.vector_cache import BuiltGraph, CacheEntries, VectorCache
+from app.domain.vector_cache import TAIL_BATCH, BuiltGraph, CacheEntries, VectorCache
 from app.services.cache_transfer import export_lines
 from app.services.snapshots import SnapshotStore, graph_paths
 from app.store.redis_shared import RedisSharedMemory
@@ -200,6 +200,31 @@ def test_an_adopted_graph_may_hold_evicted_entries_but_must_cover_the_oldest_liv
         assert expected is not None
         assert (found.cosine, found.trace_id) == (expected.cosine, expected.trace_id)
         assert found.trace_id == f"t{500 + i}"
+
+
+def test_entries_after_an_adopted_graph_join_it_before_the_cache_is_ready(
+    stored: npt.NDArray[np.float32],
+) -> None:
+    """A graph published a while ago covers the older entries only: the newer ones are
+    inserted into it while the cache warms (as a build's would be), so once ready the graph
+    covers all but a tail shorter than a batch; that is not counted as a build."""
+    built: list[BuiltGraph] = []
+    source = VectorCache(capacity=N, index_threshold=THRESHOLD, background=False)
+    source.on_graph_built = built.append
+    for i, v in enumerate(stored[:THRESHOLD]):
+        source.add(v, trace_id=f"t{i}")
+    (graph,) = built
+    cache = VectorCache(capacity=N, index_threshold=THRESHOLD)  # background threads
+    cache.hold_index(True)
+    cache.extend(stored, np.arange(N, dtype=np.float64), [f"t{i}" for i in range(N)])
+    assert cache.adopt_index(AnnIndex.from_bytes(graph.data, DIMS, 0), 0) is None
+    cache.hold_index(False)
+    assert cache.wait_for_index(timeout_s=600)
+    status = cache.index_status()
+    assert (status.state, status.warming) == ("ready", False)
+    assert (status.builds_total, status.adoptions_total) == (0, 1)
+    assert status.indexed > N - TAIL_BATCH
+    assert_finds_planted(stored, nearest_of(cache), exact_of(cache.entries()))
 
 
 # ── shared mode ────────────────────────────────────────────────────────────

@@ -19,7 +19,8 @@ third of the graph, a new graph is built on the live entries in the background a
 the old one whole.
 
 A graph built elsewhere (beside a snapshot, published by another replica) can be adopted
-instead of built (`adopt_index`, checked against the rows); each graph built here is handed,
+instead of built (`adopt_index`, checked against the rows; the entries newer than it are
+inserted as a build's are before it serves); each graph built here is handed,
 serialized while still private, to the owner (`on_graph_built`) to keep or share.
 """
 
@@ -546,11 +547,17 @@ class VectorCache:
             index.params = self._index_params  # the query-time settings are this cache's
             self._generation += 1  # a build of the entries running meanwhile is dropped
             self._building = None
+            self._trained_on = min(index.count, _SAMPLE)
+            self.index_adoptions_total += 1
+            if next_seq - stop >= TAIL_BATCH and self._background:
+                # Entries since the graph was made (a replica published it a while ago): they
+                # join it as a build's would, in bulk on every core while the cache warms,
+                # not two at a time on one core behind a ready flag with a long exact tail.
+                self._start_build(seed=index)
+                return None
             self._index = index
             self._ever_indexed = True
-            self._trained_on = min(index.count, _SAMPLE)
             self._build_progress = 1.0
-            self.index_adoptions_total += 1
             self._maintain_index()
             return None
 
@@ -691,34 +698,37 @@ class VectorCache:
                 index.add(self._unit_rows_between(start, stop))
             time.sleep(0)  # let a waiting request take the lock first
 
-    def _start_build(self) -> None:
+    def _start_build(self, seed: AnnIndex | None = None) -> None:
         generation = self._generation
         self._build_progress = 0.0
         if not self._background:
-            self._build(generation)
+            self._build(generation, seed)
             return
         self._building = threading.Thread(
-            target=self._build, args=(generation,), name="kp-cache-index", daemon=True
+            target=self._build, args=(generation, seed), name="kp-cache-index", daemon=True
         )
         self._building.start()
 
-    def _build(self, generation: int) -> None:
+    def _build(self, generation: int, seed: AnnIndex | None = None) -> None:
         try:
-            self._build_graph(generation)
+            self._build_graph(generation, seed)
         finally:
             with self._lock:  # also after an error: the next change may start a build
                 if self._building is threading.current_thread():
                     self._building = None
 
-    def _build_graph(self, generation: int) -> None:
+    def _build_graph(self, generation: int, seed: AnnIndex | None = None) -> None:
         """Trains a new graph's codes on a sample of the newest entries, then inserts every
         live entry, a chunk at a time, outside the lock (the graph is private until done); it
-        replaces the serving one once it has caught up, and the triggers are checked again."""
+        replaces the serving one once it has caught up, and the triggers are checked again.
+        `seed`: an adopted graph, still private, that only needs the entries after it (not
+        a build: not counted as one, and handed to the owner only if it grew by a batch)."""
         if self._ever_indexed:
             # A rebuild while a graph serves: one core, the others stay for requests. The
             # first build (a start, warming, not ready) uses every core.
             one_core_for_this_thread()
-        index: AnnIndex | None = None
+        index: AnnIndex | None = seed
+        seed_stop = -1 if seed is None else seed.stop_id
         sample: CacheEntries | None = None
         # For the owner (on_graph_built): serialized once caught up, while still private,
         # so the serving graph is never copied under the lock.
@@ -741,12 +751,15 @@ class VectorCache:
                     seq = index.stop_id
                     caught_up = stop - seq < TAIL_BATCH or data is not None
                     sink = self.on_graph_built
+                    if index is seed and seq - seed_stop < TAIL_BATCH:
+                        sink = None  # as adopted: its owner has it already
                     if caught_up and (sink is None or data is not None):
                         # The rest goes to the feeder.
                         self._index = index
                         self._ever_indexed = True
                         self._build_progress = 1.0
-                        self.index_builds_total += 1
+                        if index is not seed:
+                            self.index_builds_total += 1
                         if self._building is threading.current_thread():
                             self._building = None
                         if sink is not None and data is not None:
