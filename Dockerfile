@@ -77,6 +77,10 @@ HEALTHCHECK --interval=30s --timeout=5s --start-period=60s --retries=3 \
 # clients").
 ENV KP_OPEN_FILES_LIMIT=65536
 
+# The model's optimised graph (KP_MODEL_CACHE) is kept in the volume: written by the first
+# start on a CPU, loaded by the next ones (the home, /app, is not writable).
+ENV KP_MODEL_CACHE_DIR=/data/model-cache
+
 # One process: the in-process cache lives in it (no --workers); to scale, run more containers
 # on one Redis (KP_REDIS_URL), where the cache is shared. app.serve runs uvicorn with the
 # protocol that bounds slow clients and header sizes (app/server/protocol.py).

@@ -12,6 +12,7 @@ true`, the reference SDK's embedder:
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,7 @@ from tokenizers import Tokenizer
 
 from app.core.states import Precision
 from app.embedding.int8_support import Int8Weights, int8_support
+from app.embedding.session_cache import LEVEL, Outcome, SessionCache
 from app.embedding.token_window import TokenWindow
 
 #: The model's window (`model_max_length` in tokenizer_config.json).
@@ -33,6 +35,7 @@ _INPUTS: Final = ("input_ids", "attention_mask", "token_type_ids")
 #: 122 tokens: the long end of a typical trace's text.
 WARM_UP_TEXT: Final = " ".join(["warm up"] * 60)
 _OUTPUT: Final = "last_hidden_state"
+_PROVIDERS: Final = ["CPUExecutionProvider"]
 
 
 class ModelError(RuntimeError):
@@ -66,24 +69,38 @@ class OnnxEmbedder:
         defer: bool = False,
         int8_weights: Int8Weights | None = None,
         spinning: bool = True,
+        session_cache: SessionCache | None = None,
+        model_sha256: str | None = None,
     ) -> None:
         """`defer`: open only what a first answer needs (the main session, not yet run once);
         `finish_loading` then opens the one-core session, builds what long texts need to be
         cut (token_window) and warms both sessions up. `int8_weights`:
         in int8 mode, the weights' type int8_support() chose for the CPU (None: ask it now;
         ModelError where int8 mode declines). `spinning`: whether the main session's idle
-        pool threads spin (onnxruntime's default) or sleep."""
+        pool threads spin (onnxruntime's default) or sleep. `session_cache`: where the
+        optimised graph is kept between starts (None: made at every start); `model_sha256`:
+        the model file's, when the caller has checked it (else the bytes are hashed)."""
         self._window = TokenWindow(load_tokenizer(tokenizer_path), MAX_TOKENS)
         # The PyPI wheel ships with telemetry on; a scoring service does not phone home.
         ort.disable_telemetry_events()
         self.precision: Final = precision
         self._model_path = model_path
-        model = _read_model(model_path, precision, int8_weights)
-        self._session = _open_session(model, model_path, intra_op_threads, spinning)
+        model = _ModelBytes(model_path, precision, int8_weights)
+        self._cache: tuple[SessionCache, str] | None = None
+        if session_cache is None:
+            model()  # a bad file or int8 mode declined: said now, as ever
+        else:
+            # int8 mode rewrites the file's graph: the bytes loaded are then not the file's.
+            if model_sha256 is None or precision != "float32":
+                model_sha256 = hashlib.sha256(model()).hexdigest()
+            self._cache = (session_cache, model_sha256)
+        #: How the main session came to be, when there is a session cache.
+        self.cache_outcome: Outcome | None = None
+        self._session = self._open(model, intra_op_threads, spinning)
         # Until the one-core session is open, runs side by side share the main one.
         self._one_core_session = self._session
         #: Kept until the one-core session is opened from it.
-        self._model: bytes | None = model if concurrent_runs > 1 else None
+        self._model: _ModelBytes | None = model if concurrent_runs > 1 else None
         if not defer:
             self.finish_loading()
 
@@ -92,7 +109,7 @@ class OnnxEmbedder:
         spread over all cores (no synchronisation inside a run). One single-threaded session
         serves them all: concurrent run() calls on a session are safe."""
         if self._model is not None:
-            self._one_core_session = _open_session(self._model, self._model_path, 1)
+            self._one_core_session = self._open(self._model, 1, True, main=False)
             self._model = None
         self._window.prepare()
         self.warm_up()
@@ -105,6 +122,27 @@ class OnnxEmbedder:
         self.embed_tokenized([text])
         if self._one_core_session is not self._session:
             self.embed_tokenized([text], one_core=True)
+
+    def _open(
+        self, model: _ModelBytes, intra_op_threads: int, spinning: bool, *, main: bool = True
+    ) -> ort.InferenceSession:
+        def options() -> ort.SessionOptions:
+            return _session_options(intra_op_threads, spinning)
+
+        try:
+            if self._cache is None:
+                session = ort.InferenceSession(model(), options(), providers=_PROVIDERS)
+            else:
+                cache, digest = self._cache
+                session, outcome = cache.session(model, digest, options)
+                if main:
+                    self.cache_outcome = outcome
+        except ModelError:
+            raise
+        except Exception as exc:
+            raise ModelError(f"model {self._model_path} cannot be loaded: {exc}") from exc
+        _check_signature(session, self._model_path)
+        return session
 
     def tokenize(self, texts: Sequence[str]) -> list[TokenizedText]:
         windows = [self._window.window(text) for text in texts]
@@ -143,6 +181,22 @@ class OnnxEmbedder:
         return self.embed_tokenized(self.tokenize(texts))
 
 
+class _ModelBytes:
+    """The model's bytes, read at the first need and kept: a session loaded from the session
+    cache needs none (23 MB less to read on the way to a first answer)."""
+
+    def __init__(
+        self, model_path: Path, precision: Precision, int8_weights: Int8Weights | None
+    ) -> None:
+        self._args = (model_path, precision, int8_weights)
+        self._bytes: bytes | None = None
+
+    def __call__(self) -> bytes:
+        if self._bytes is None:
+            self._bytes = _read_model(*self._args)
+        return self._bytes
+
+
 def _read_model(model_path: Path, precision: Precision, int8_weights: Int8Weights | None) -> bytes:
     """The model's bytes, rewritten for int8 activations in int8 mode."""
     try:
@@ -164,14 +218,12 @@ def _read_model(model_path: Path, precision: Precision, int8_weights: Int8Weight
         raise ModelError(f"model {model_path}: int8 mode unavailable: {exc}") from exc
 
 
-def _open_session(
-    model: bytes, model_path: Path, intra_op_threads: int, spinning: bool = True
-) -> ort.InferenceSession:
+def _session_options(intra_op_threads: int, spinning: bool) -> ort.SessionOptions:
     options = ort.SessionOptions()
     # BASIC (constant folding, redundant nodes removed), not ALL (the reference's): ALL's fusions
     # cost 5-10% more CPU per text on one thread here (bench/session_options.py); both keep the
     # vectors within 2e-7 of the reference's.
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    options.graph_optimization_level = LEVEL
     options.intra_op_num_threads = intra_op_threads
     options.log_severity_level = 3
     if not spinning:
@@ -180,10 +232,10 @@ def _open_session(
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     # No `session.x64quantprecision` for int8 mode: its weight rewrite runs at the EXTENDED
     # level only. The weights' type does that work (int8_support.py).
-    try:
-        session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
-    except Exception as exc:
-        raise ModelError(f"model {model_path} cannot be loaded: {exc}") from exc
+    return options
+
+
+def _check_signature(session: ort.InferenceSession, model_path: Path) -> None:
     inputs = {i.name for i in session.get_inputs()}
     outputs = [o.name for o in session.get_outputs()]
     if not set(_INPUTS) <= inputs or _OUTPUT not in outputs:
@@ -191,7 +243,6 @@ def _open_session(
             f"model {model_path} is not a MiniLM export: inputs {sorted(inputs)}, "
             f"outputs {outputs}; expected inputs {list(_INPUTS)} and output {_OUTPUT}"
         )
-    return session
 
 
 def load_tokenizer(path: Path) -> Tokenizer:

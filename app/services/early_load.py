@@ -74,8 +74,11 @@ def load_embedder(files: ModelFiles, settings: Settings, int8: Int8Support | Non
     before the service reports ready, with KP_EMBEDDER_PRELOAD)."""
     from app.embedding import model_files
     from app.embedding.onnx_embedder import OnnxEmbedder
+    from app.embedding.session_cache import SessionCache, default_directory
 
-    model_files.verify(files)
+    sha256 = model_files.verify(files)
+    directory = (settings.model_cache_dir or default_directory()) if settings.model_cache else None
+    cache = None if directory is None else SessionCache(directory)
     return OnnxEmbedder(
         files.model,
         files.tokenizer,
@@ -85,6 +88,8 @@ def load_embedder(files: ModelFiles, settings: Settings, int8: Int8Support | Non
         precision="float32" if int8 is None else int8.precision,
         int8_weights=None if int8 is None else int8.weights,
         defer=True,
+        session_cache=cache,
+        model_sha256=sha256,
     )
 
 

@@ -75,7 +75,18 @@ class ModelLifecycle:
         if not self._on_loaded():
             return
         self.state = EmbedderState.READY
-        log.info("embedder ready", extra=self._log_extra())
+        cache = self.embedder.cache_outcome
+        if cache is not None and cache.detail is not None:
+            # The start was as slow as without a cache, or the next one will be.
+            log.warning(
+                "model cache: the graph was optimised at this start"
+                + (", not saved" if cache.state == "unsaved" else ", saved"),
+                extra={"reason": cache.detail},
+            )
+        log.info(
+            "embedder ready",
+            extra={**self._log_extra(), "model_cache": None if cache is None else cache.state},
+        )
 
     def warm_up(self) -> asyncio.Task[None]:
         """The warm-up, started once: after the first answer, or by preload."""

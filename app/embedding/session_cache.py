@@ -1,0 +1,224 @@
+"""onnxruntime's optimised graph of the model, kept on disk: a later start loads it with the
+optimisations off instead of making them again.
+
+For the packaged model that is most of a session's creation: the BASIC level folds its int8
+weights into float32 ones (a 23 MB file becomes 90 MB of initializers), some 150 ms of one
+core, on the way to a cold start's first answer. The graph is written once by the session
+that makes it (onnxruntime's `optimized_model_filepath`, initializers in a data file beside
+it) and loaded as it is: the same nodes and weights, hence the same kernels and the same
+vectors, bit for bit (tests/test_session_cache.py).
+
+A cached graph is used only for the same model bytes, onnxruntime version, optimisation level
+and CPU (a constant folded by one CPU's kernels may differ in its last bits on another), and
+only when its files are whole: sizes and CRC-32s are recorded when written. CRC rather than
+SHA-256 because it catches damage at well under half the cost, and whoever could forge a file
+here could as well rewrite its record. A missing, stale or damaged entry, or one onnxruntime
+refuses, is built again from the model and written again. A directory that cannot be written
+(a read-only image) leaves the load as it is without a cache, and says so in the outcome.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import zlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final, Literal
+
+import onnxruntime as ort
+
+#: Bumped when the layout of an entry changes: older entries are then stale.
+FORMAT: Final = 1
+#: The level the graph is made at (onnx_embedder explains the choice).
+LEVEL: Final = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+_CHUNK: Final = 1 << 22
+#: Initializers of this size or more go to the data file (all the weights; small constants
+#: such as shapes stay in the graph).
+_EXTERNAL_MIN_BYTES: Final = 1024
+
+OutcomeState = Literal["loaded", "built", "unsaved"]
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """How the session came to be: `loaded` from the cache; `built` from the model and
+    written to the cache; `unsaved`: built from the model, the cache not written (`detail`
+    says why). `detail` also says why an entry found was not used (stale or damaged)."""
+
+    state: OutcomeState
+    detail: str | None = None
+
+
+def default_directory() -> Path | None:
+    """$XDG_CACHE_HOME/kp-scoring/onnx, or ~/.cache/kp-scoring/onnx; None when neither is
+    known (no HOME, a uid without a passwd entry): no cache then, rather than a shared place
+    such as /tmp, where another user could plant a graph."""
+    base = os.environ.get("XDG_CACHE_HOME")
+    if not base:
+        try:
+            base = str(Path.home() / ".cache")
+        except (KeyError, RuntimeError):
+            return None
+    return Path(base) / "kp-scoring" / "onnx"
+
+
+class SessionCache:
+    """Entries in `directory`, each three files named by its key: KEY.onnx (the graph),
+    KEY-NONCE.data (its initializers, named by the graph), KEY.json (the record of both,
+    written last: an entry without it is unfinished). `cpu_flags`: the CPU the graphs are
+    for (default: this machine's)."""
+
+    def __init__(self, directory: Path, cpu_flags: Iterable[str] | None = None) -> None:
+        self.directory = directory
+        if cpu_flags is None:
+            from app.embedding.int8_support import CpuFeatures
+
+            cpu_flags = CpuFeatures.of_this_machine().flags
+        self._cpu = sorted(cpu_flags)
+
+    def key(self, model_sha256: str) -> str:
+        """What a cached graph depends on, hashed to a file name."""
+        what = {
+            "format": FORMAT,
+            "model_sha256": model_sha256,
+            "onnxruntime": ort.__version__,
+            "level": int(LEVEL),
+            "cpu": self._cpu,
+        }
+        return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:32]
+
+    def session(
+        self,
+        model: Callable[[], bytes],
+        model_sha256: str,
+        options: Callable[[], ort.SessionOptions],
+    ) -> tuple[ort.InferenceSession, Outcome]:
+        """A session of the model `model()` reads (whose sha256 is `model_sha256`) made at
+        LEVEL, with the other settings of `options()` (threads, spinning, logging): loaded from
+        the cache when an entry for it is whole (the model is not read then), else built from
+        the model and written to the cache. onnxruntime's errors on the model itself
+        propagate, as without a cache."""
+        key = self.key(model_sha256)
+        whole, why_not = self._check(key)
+        if whole:
+            loaded = options()
+            loaded.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+            try:
+                session = ort.InferenceSession(
+                    str(self._path(key, "onnx")), loaded, providers=["CPUExecutionProvider"]
+                )
+                return session, Outcome("loaded")
+            except Exception as exc:  # onnxruntime refuses the entry: built again below
+                why_not = f"cached graph refused by onnxruntime: {exc}"
+        return self._build(model(), key, options, why_not)
+
+    def _build(
+        self,
+        model: bytes,
+        key: str,
+        options: Callable[[], ort.SessionOptions],
+        why_not: str | None,
+    ) -> tuple[ort.InferenceSession, Outcome]:
+        # Only a start that writes the cache needs these (about 10 ms of imports).
+        import secrets
+        import shutil
+        import tempfile
+
+        built = options()
+        built.graph_optimization_level = LEVEL
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(prefix=".building-", dir=self.directory))
+        except OSError as exc:
+            session = ort.InferenceSession(model, built, providers=["CPUExecutionProvider"])
+            return session, Outcome("unsaved", _joined(why_not, f"cannot write {exc}"))
+        # The graph names its data file: a name of its own per write, so that a graph and the
+        # data of another write of the same entry can never be loaded together.
+        data_name = f"{key}-{secrets.token_hex(6)}.data"
+        try:
+            built.optimized_model_filepath = str(staging / f"{key}.onnx")
+            built.add_session_config_entry(
+                "session.optimized_model_external_initializers_file_name", data_name
+            )
+            built.add_session_config_entry(
+                "session.optimized_model_external_initializers_min_size_in_bytes",
+                str(_EXTERNAL_MIN_BYTES),
+            )
+            try:
+                session = ort.InferenceSession(model, built, providers=["CPUExecutionProvider"])
+            except Exception:
+                # Not the model's fault when writing the graph is what failed (a full disk):
+                # the model is tried as without a cache, whose error (if any) is the one raised.
+                plain = options()
+                plain.graph_optimization_level = LEVEL
+                session = ort.InferenceSession(model, plain, providers=["CPUExecutionProvider"])
+                return session, Outcome("unsaved", _joined(why_not, "writing the graph failed"))
+            try:
+                self._publish(key, staging, data_name)
+            except OSError as exc:
+                return session, Outcome("unsaved", _joined(why_not, f"cannot write {exc}"))
+            return session, Outcome("built", why_not)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    def _publish(self, key: str, staging: Path, data_name: str) -> None:
+        """Moves the new graph in, data first, record last (renames: a reader never sees a
+        half-written file under an entry's name), then removes the data of earlier writes."""
+        files = {"data": data_name, "onnx": f"{key}.onnx"}
+        record: dict[str, Any] = {"format": FORMAT, "key": key, "files": {}}
+        for part, name in files.items():
+            written = staging / name
+            record["files"][part] = {
+                "name": name,
+                "size": written.stat().st_size,
+                "crc32": _crc32(written),
+            }
+            os.replace(written, self.directory / name)
+        draft = staging / f"{key}.json"
+        draft.write_text(json.dumps(record))
+        os.replace(draft, self._path(key, "json"))
+        for old in self.directory.glob(f"{key}-*.data"):
+            if old.name != data_name:
+                # A load that has it open keeps reading it; one that opens it now fails, and
+                # builds the graph again.
+                old.unlink(missing_ok=True)
+
+    def _check(self, key: str) -> tuple[bool, str | None]:
+        """Whether the entry `key` is there and whole; if not, why not (None: no entry)."""
+        try:
+            record = json.loads(self._path(key, "json").read_text())
+            files = record["files"]
+            if record.get("format") != FORMAT or record.get("key") != key:
+                return False, "stale cached graph"
+            if files["onnx"]["name"] != f"{key}.onnx":
+                return False, "stale cached graph"
+            for part in ("onnx", "data"):
+                expected = files[part]
+                path = self.directory / Path(expected["name"]).name
+                if path.stat().st_size != expected["size"] or _crc32(path) != expected["crc32"]:
+                    return False, f"damaged cached graph ({path.name})"
+        except FileNotFoundError:
+            return False, None
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            return False, f"unreadable cached graph: {exc}"
+        return True, None
+
+    def _path(self, key: str, suffix: str) -> Path:
+        return self.directory / f"{key}.{suffix}"
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    buffer = bytearray(_CHUNK)
+    view = memoryview(buffer)
+    with path.open("rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            crc = zlib.crc32(view[:n], crc)
+    return crc
+
+
+def _joined(first: str | None, second: str) -> str:
+    return second if first is None else f"{first}; {second}"
