@@ -234,6 +234,7 @@ class StandIn:
 
     def __init__(self) -> None:
         self.finished = 0
+        self.cache_outcome = None  # how the session came to be (app.embedding.session_cache)
 
     def finish_loading(self) -> None:
         self.finished += 1
