@@ -6,6 +6,7 @@ as without it; every answer stays the exact scan's on planted near-duplicates.""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import time
@@ -18,7 +19,13 @@ import pytest
 
 from app.core.config import redis_location
 from app.domain.ann_index import AnnIndex
-from app.domain.vector_cache import TAIL_BATCH, BuiltGraph, CacheEntries, VectorCache
+from app.domain.vector_cache import (
+    HAND_ON_GROWTH,
+    TAIL_BATCH,
+    BuiltGraph,
+    CacheEntries,
+    VectorCache,
+)
 from app.services.cache_transfer import export_lines
 from app.services.snapshots import SnapshotStore, graph_paths
 from app.store.redis_shared import RedisSharedMemory
@@ -225,6 +232,42 @@ def test_entries_after_an_adopted_graph_join_it_before_the_cache_is_ready(
     assert (status.builds_total, status.adoptions_total) == (0, 1)
     assert status.indexed > N - TAIL_BATCH
     assert_finds_planted(stored, nearest_of(cache), exact_of(cache.entries()))
+
+
+def test_the_feeder_hands_on_the_graph_it_grew_by_a_tenth(
+    stored: npt.NDArray[np.float32],
+) -> None:
+    """The entries the feeder adds to a serving graph reach its owner too (every tenth of
+    growth): a cache adopting the last graph handed on has nothing left to insert."""
+    built: list[BuiltGraph] = []
+    cache = VectorCache(capacity=N, index_threshold=THRESHOLD)  # background threads
+    cache.on_graph_built = built.append
+    first = THRESHOLD + TAIL_BATCH
+    for i, v in enumerate(stored[:first]):
+        cache.add(v, trace_id=f"t{i}")
+    assert cache.wait_for_index(timeout_s=600)
+    assert len(built) == 1
+    for i in range(first, N):
+        cache.add(stored[i], trace_id=f"t{i}")
+    deadline = time.monotonic() + 600
+    while built[-1].count < N - TAIL_BATCH and time.monotonic() < deadline:
+        time.sleep(0.05)  # the feeder works in its own thread
+    counts = [graph.count for graph in built]
+    assert counts[-1] >= N - TAIL_BATCH
+    # Each handed on once it had grown by a tenth, not with every insert.
+    assert all(b >= a * (1 + HAND_ON_GROWTH) for a, b in itertools.pairwise(counts))
+    assert cache.index_status().builds_total == 1  # grown, not built again
+    latest = built[-1]
+    adopter = VectorCache(capacity=N, index_threshold=THRESHOLD)
+    adopter.hold_index(True)
+    adopter.extend(
+        stored[: latest.count], np.zeros(latest.count), cache.entries().ids()[: latest.count]
+    )
+    assert adopter.adopt_index(AnnIndex.from_bytes(latest.data, DIMS, 0), 0) is None
+    adopter.hold_index(False)
+    status = adopter.index_status()
+    assert (status.state, status.indexed, status.builds_total) == ("ready", latest.count, 0)
+    assert_finds_planted(stored[: latest.count], nearest_of(adopter), exact_of(adopter.entries()))
 
 
 # ── shared mode ────────────────────────────────────────────────────────────

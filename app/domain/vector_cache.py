@@ -21,7 +21,8 @@ the old one whole.
 A graph built elsewhere (beside a snapshot, published by another replica) can be adopted
 instead of built (`adopt_index`, checked against the rows; the entries newer than it are
 inserted as a build's are before it serves); each graph built here is handed,
-serialized while still private, to the owner (`on_graph_built`) to keep or share.
+serialized while still private, to the owner (`on_graph_built`) to keep or share, and so is
+the serving graph each time the feeder has grown it by a tenth.
 """
 
 from __future__ import annotations
@@ -55,6 +56,10 @@ TAIL_BATCH = 512
 #: Graph inserts the feeder makes per hold of the lock (about half a millisecond each at a
 #: million entries), so a query waits for at most about a millisecond of them.
 FEED_BATCH = 2
+#: The feeder hands the serving graph on (on_graph_built) when it has grown by this share of its
+#: entries since it was last handed on: a restart or a new replica then adopts a graph that
+#: lacks at most about this share, not everything since the last build (up to half of it).
+HAND_ON_GROWTH = 0.1
 #: An idle feeder waits this long for new entries before its thread ends.
 _FEED_LINGER_S = 5.0
 #: A new graph replaces the serving one when the evicted entries it still holds reach this
@@ -133,8 +138,9 @@ class CacheEntries:
 
 @dataclass(frozen=True, slots=True)
 class BuiltGraph:
-    """A graph this cache just built and swapped in, serialized (AnnIndex.to_bytes) for its
-    owner to keep or share: its internal id 0 is the entry `first_seq` of `lineage`."""
+    """A graph this cache just built and swapped in, or its serving graph grown by the
+    feeder, serialized (AnnIndex.to_bytes) for its owner to keep or share: its internal id 0
+    is the entry `first_seq` of `lineage`."""
 
     data: bytes
     first_seq: int
@@ -210,6 +216,7 @@ class VectorCache:
         #: Called from the build thread with every graph it built (after the swap, outside
         #: the lock); must not raise. Set by the owner (snapshots, the shared memory).
         self.on_graph_built: Callable[[BuiltGraph], None] | None = None
+        self._handed_stop = 0  # the stop_id of the serving graph when it was last handed on
         self.lineage = uuid.uuid4().hex  # the sequence numbers' identity: new at load/clear
 
     # ── queries ─────────────────────────────────────────────────────────────
@@ -549,6 +556,7 @@ class VectorCache:
             self._building = None
             self._trained_on = min(index.count, _SAMPLE)
             self.index_adoptions_total += 1
+            self._handed_stop = index.stop_id  # its owner has it
             if next_seq - stop >= TAIL_BATCH and self._background:
                 # Entries since the graph was made (a replica published it a while ago): they
                 # join it as a build's would, in bulk on every core while the cache warms,
@@ -696,6 +704,15 @@ class VectorCache:
                 start = index.stop_id
                 stop = min(self._first_seq + self._size, start + FEED_BATCH)
                 index.add(self._unit_rows_between(start, stop))
+                sink = self.on_graph_built
+                grown = index.stop_id - self._handed_stop >= HAND_ON_GROWTH * index.count
+                if sink is not None and grown:
+                    self._handed_stop = index.stop_id
+                    lineage, first_id, count = self.lineage, index.first_id, index.count
+            if sink is not None and grown:
+                # Serialized outside the lock while searches go on: they only read the graph,
+                # and this thread is the only one that adds to a serving graph.
+                sink(BuiltGraph(index.to_bytes(), first_id, count, lineage))
             time.sleep(0)  # let a waiting request take the lock first
 
     def _start_build(self, seed: AnnIndex | None = None) -> None:
@@ -764,6 +781,7 @@ class VectorCache:
                             self._building = None
                         if sink is not None and data is not None:
                             built = BuiltGraph(data, index.first_id, index.count, self.lineage)
+                            self._handed_stop = index.stop_id
                         self._maintain_index()
                         break
                     if not caught_up:

@@ -19,9 +19,9 @@ The graph of a large memory (README, "A large memory") is kept beside the snapsh
 `<path>.graph` (faiss's serialized index) and `<path>.graph.json` (what it covers: the lineage
 and sequence number of its first entry, its count, dimensions, m, efConstruction, model, size
 and SHA-256). It is written when a build swaps a new graph in, from that graph while it is
-still private: a graph only changes whole by a rebuild (the feeder's inserts are the entries
-after it, which a restore hands to the feeder again), so it is not rewritten with every
-periodic snapshot, and never copied under the cache's lock. A restore adopts it when it
+still private, and when the feeder has grown the serving graph by a tenth (from the feeder's
+thread, the graph's only writer), so it is not rewritten with every periodic snapshot, and
+never copied under the cache's lock. A restore adopts it when it
 covers the snapshot's oldest entries and matches the cache (anything else: a log line, and
 the graph is built as without it).
 """
@@ -383,7 +383,8 @@ class SnapshotStore:
             )
 
     def _save_graph(self, built: BuiltGraph) -> None:
-        """on_graph_built, in the cache's build thread: errors are reported, not raised."""
+        """on_graph_built, in the cache's build or feeder thread: errors are reported, not
+        raised."""
         path = self.path
         if path is None or self.model_id is None:
             return

@@ -365,7 +365,7 @@ class RedisSharedMemory:
         )
 
     def _graph_built(self, built: BuiltGraph) -> None:
-        """The mirror's on_graph_built (its build thread): the loop publishes it."""
+        """The mirror's on_graph_built (its build or feeder thread): the loop publishes it."""
         loop = self._loop
         if loop is None or self._closed:
             return
