@@ -19,7 +19,15 @@ Paths 1-4 run in this process on its event loop; 5 is a server process of its ow
 before, idle while the others run). Then cProfile records the event-loop thread over the
 ASGI path (4) alone, the top functions by their own time written to the results. All figures
 are p50s over the rounds' requests; only differences measured in the same run mean much on a
-shared machine.
+shared machine. Taking turns request by request inflates "http - asgi": the model's threads
+of this process may still spin on the cores when the server's turn comes.
+
+Then the server alone, as a lone client meets it (this process idle between requests), split
+by the server's own metrics: the model run (kp_embed_run_seconds), the wait for it
+(kp_embed_queue_wait_seconds), the rest of the app around it (kp_http_request_duration_seconds
+less both: middleware, parsing, validation, tokenising, hand-offs, scoring, the memory), and
+what lies outside the app (the client's time less the app's: socket, HTTP parsing, uvicorn,
+the client). Means over the requests.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import http.client
 import io
 import itertools
 import json
@@ -44,7 +53,7 @@ from typing import Any
 import orjson
 
 from bench import corpus, load
-from bench.server import ROOT, Server, cpu_seconds
+from bench.server import HOST, ROOT, Server, cpu_seconds
 from bench.stats import percentile
 
 PATHS = ("model", "queue", "evaluator", "asgi", "http")
@@ -184,6 +193,59 @@ async def measure(
     return times, cpu, {k: 1000 * v / count for k, v in server_cpu.items()}
 
 
+def _histogram_totals(port: int) -> dict[str, tuple[float, float]]:
+    """(sum, count) of the histograms the server split uses, from its /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    conn = http.client.HTTPConnection(HOST, port, timeout=10)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    wanted = {
+        "kp_embed_run_seconds": {},
+        "kp_embed_queue_wait_seconds": {},
+        "kp_http_request_duration_seconds": {"route": "/evaluate"},
+    }
+    totals: dict[str, tuple[float, float]] = {}
+    for family in text_string_to_metric_families(text):
+        labels = wanted.get(family.name)
+        if labels is None:
+            continue
+        found = {
+            sample.name.removeprefix(family.name): sample.value
+            for sample in family.samples
+            if sample.name.endswith(("_sum", "_count")) and labels.items() <= sample.labels.items()
+        }
+        totals[family.name] = (found.get("_sum", 0.0), found.get("_count", 0.0))
+    return totals
+
+
+async def server_split(items: list[corpus.Item], rounds: int, port: int) -> dict[str, float]:
+    """Mean ms per request of the lone client's time, split by the server's own metrics."""
+    requests = load.evaluate_requests([i.trace for i in items], port)
+    client_ms: list[float] = []
+    before = _histogram_totals(port)
+    for _ in range(rounds):
+        await load.reset_cache(port)
+        client_ms += (await load.closed_loop(port, requests, 1)).latencies_ms
+    after = _histogram_totals(port)
+
+    def mean_ms(name: str) -> float:
+        total = after[name][0] - before[name][0]
+        count = after[name][1] - before[name][1]
+        return 1000 * total / count if count else float("nan")
+
+    client, app = statistics.fmean(client_ms), mean_ms("kp_http_request_duration_seconds")
+    run, wait = mean_ms("kp_embed_run_seconds"), mean_ms("kp_embed_queue_wait_seconds")
+    return {
+        "client": client,
+        "outside the app": client - app,
+        "app around the model": app - run - wait,
+        "queue wait": wait,
+        "model run": run,
+    }
+
+
 async def profile(items: list[corpus.Item], repeat: int) -> str:
     """cProfile of this (event-loop) thread over the ASGI path."""
     bodies = [orjson.dumps(i.trace) for i in items]
@@ -218,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         times, cpu, server_cpu = load.run(
             lambda: measure(items, args.rounds, server.port, server.pid)
         )
+        split = load.run(lambda: server_split(items, args.rounds, server.port))
     p50 = {name: percentile(ms, 50) for name, ms in times.items()}
     loop_cpu = {name: statistics.fmean(ms) for name, ms in cpu.items() if name != "http"}
     # Per request, each layer's own cost: the difference to the path inside it, request by
@@ -235,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         "layer_p50_ms": layers,
         "event_loop_cpu_mean_ms": loop_cpu,
         "http_server_cpu_per_request_ms": server_cpu,
+        "lone_client_split_mean_ms": split,
         "profile_asgi_tottime": profile_text.splitlines(),
         "loadavg": Path("/proc/loadavg").read_text().split()[:3],
     }
@@ -255,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
         f"HTTP server CPU per request: {server_cpu['process']:.3f} ms, of which its event loop "
         f"{server_cpu['event_loop']:.3f} ms (clock ticks of /proc, summed over the requests)"
     )
+    print("a lone client's request on the server alone, by its own metrics (means), ms:")
+    for name, ms in split.items():
+        print(f"  {name:22s} {ms:8.3f}")
     print(profile_text[:6000], file=sys.stderr)
     print(f"written: {args.out}")
     return 0
