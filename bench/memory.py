@@ -25,6 +25,7 @@ latency of typical traces is compared with a service holding 1,000, requests int
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -137,15 +138,17 @@ def measure_size(stored: Matrix, near: Matrix, fresh: Matrix, threshold: int) ->
         "rss_mb": rss_mb(os.getpid()),
         "rss_growth_mb": rss_mb(os.getpid()) - rss_before,
     }
+    pauses = GcPauses()
     for name, queries in (("near_duplicates", near), ("fresh", fresh)):
         truth = exact_max(stored, queries)
         answers, times = [], []
-        for q in queries:
-            t = time.perf_counter()
-            found = cache.nearest(q)
-            times.append((time.perf_counter() - t) * 1000)
-            assert found is not None
-            answers.append(found.cosine)
+        with pauses:
+            for q in queries:
+                t = time.perf_counter()
+                found = cache.nearest(q)
+                times.append((time.perf_counter() - t) * 1000)
+                assert found is not None
+                answers.append(found.cosine)
         got = np.asarray(answers)
         diff = truth - got
         if name == "near_duplicates":
@@ -160,6 +163,7 @@ def measure_size(stored: Matrix, near: Matrix, fresh: Matrix, threshold: int) ->
             "query_p99_ms": percentile(times, 99),
             "exact_max_median": float(np.median(truth)),
         }
+    result["gc_during_queries"] = pauses.summary()
     both = result["near_duplicates"], result["fresh"]
     result["recall_all"] = float(np.mean([b["recall"] for b in both]))
     result["worst_difference"] = max(b["worst_difference"] for b in both)
@@ -173,7 +177,61 @@ def measure_size(stored: Matrix, near: Matrix, fresh: Matrix, threshold: int) ->
         exact.nearest(q)
     result["exact_scan_ms"] = (time.perf_counter() - t) * 1000 / 20
     del exact
+    result |= sustained_feed(cache, stored)
     return result
+
+
+class GcPauses:
+    """The cyclic collector's runs while it is entered, by generation: a full one walks every
+    tracked container, the memory's object array of trace ids included (a pause that grows
+    with the memory and shows in a query's p99)."""
+
+    def __init__(self) -> None:
+        self.runs: dict[int, list[float]] = {0: [], 1: [], 2: []}
+        self._started = 0.0
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.runs[info["generation"]].append((time.perf_counter() - self._started) * 1000)
+
+    def __enter__(self) -> None:
+        gc.callbacks.append(self._callback)
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            f"generation_{g}": {"runs": len(ms), "max_ms": round(max(ms, default=0.0), 3)}
+            for g, ms in self.runs.items()
+        }
+
+
+def sustained_feed(cache: VectorCache, stored: Matrix) -> dict[str, Any]:
+    """How fast the feeder thread (one core) inserts into a full memory's graph: a burst of
+    entries is added at once (each evicting the oldest), then the time until the graph holds
+    them all. A sustained rate of adds above it lengthens the exactly-scanned tail."""
+    burst = min(20_000, len(stored) // 20)
+    started = time.perf_counter()
+    for i in range(burst):
+        cache.add(stored[i], trace_id=f"kp:trace:again:{i}")
+    added_s = time.perf_counter() - started
+    size = cache.size
+    deadline = time.monotonic() + 1800
+    while cache.index_status().indexed < size and time.monotonic() < deadline:
+        time.sleep(0.01)
+    fed_s = time.perf_counter() - started
+    status = cache.index_status()
+    return {
+        "feed_burst": burst,
+        "feed_caught_up": status.indexed >= size,
+        "feed_builds_total": status.builds_total,
+        "feed_s": round(fed_s, 2),
+        "feed_per_s": burst / fed_s,
+        "feed_burst_add_s": round(added_s, 3),
+    }
 
 
 def checks(result: dict[str, Any], large: bool) -> list[dict[str, Any]]:
@@ -329,6 +387,18 @@ def render(doc: dict[str, Any]) -> str:
             f"    | {r['exact_scan_ms']:.1f}"
             f"          | {r['add_ms_mean']:.4f} / {r['add_ms_p99']:.3f}  | {r['adds_per_s']:>7.0f}"
             f" | {r['bytes_per_entry']:>7.0f} | {r['rss_mb']:.0f}"
+        )
+    for r in doc["sizes"]:
+        full = r["gc_during_queries"]["generation_2"]
+        lines.append(
+            f"{r['entries']:>9} queries: {full['runs']} full garbage collections ran among them, "
+            f"the longest {full['max_ms']} ms"
+        )
+    for r in doc["sizes"]:
+        lines.append(
+            f"{r['entries']:>9} full: the feeder (one core) inserted a burst of {r['feed_burst']} "
+            f"in {r['feed_s']} s, {r['feed_per_s']:.0f} a second"
+            + ("" if r["feed_caught_up"] else " (NOT caught up)")
         )
     if "service" in doc:
         s = doc["service"]

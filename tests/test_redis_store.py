@@ -40,20 +40,22 @@ def run(scenario: Callable[[], Coroutine[Any, Any, None]]) -> None:
     asyncio.run(scenario())
 
 
-@asynccontextmanager
-async def replicas(
-    redis: RedisServer, prefix: str, count: int = 2, **settings: Any
-) -> AsyncIterator[list[RedisSharedMemory]]:
+def shared_memory(redis: RedisServer, prefix: str, **settings: Any) -> RedisSharedMemory:
+    """A replica's memory, not started: these tests' defaults, then `settings`."""
     options: dict[str, Any] = {
         "capacity": 1000,
         "ttl_ms": None,
         "timeout_ms": TIMEOUT_MS,
         "model": MODEL,
     } | settings
-    memories = [
-        RedisSharedMemory(redis.url, redis_location(redis.url), prefix=prefix, **options)
-        for _ in range(count)
-    ]
+    return RedisSharedMemory(redis.url, redis_location(redis.url), prefix=prefix, **options)
+
+
+@asynccontextmanager
+async def replicas(
+    redis: RedisServer, prefix: str, count: int = 2, **settings: Any
+) -> AsyncIterator[list[RedisSharedMemory]]:
+    memories = [shared_memory(redis, prefix, **settings) for _ in range(count)]
     for m in memories:
         await m.start()
     try:
@@ -265,15 +267,7 @@ def test_a_refused_replica_starts_without_waiting_out_its_timeout(
 
     async def scenario() -> None:
         async with replicas(redis_server, redis_prefix, count=1):
-            refused = RedisSharedMemory(
-                redis_server.url,
-                redis_location(redis_server.url),
-                prefix=redis_prefix,
-                capacity=5,
-                ttl_ms=None,
-                timeout_ms=hour_ms,
-                model=MODEL,
-            )
+            refused = shared_memory(redis_server, redis_prefix, capacity=5, timeout_ms=hour_ms)
             try:
                 # Far below the hour it would wait for if it waited for a first page.
                 await asyncio.wait_for(refused.start(), timeout=60)
@@ -484,15 +478,7 @@ async def _late_replica(
     async with replicas(redis_server, prefix, count=1, capacity=50_000) as (writer,):
         entries = CacheEntries(v, np.full(count, now), [f"e{i}" for i in range(count)])
         assert await writer.import_entries(entries) == (count, 0)
-    late = RedisSharedMemory(
-        redis_server.url,
-        redis_location(redis_server.url),
-        prefix=prefix,
-        capacity=50_000,
-        ttl_ms=None,
-        model=MODEL,
-        **{"timeout_ms": TIMEOUT_MS, **settings},
-    )
+    late = shared_memory(redis_server, prefix, capacity=50_000, **settings)
     await late.start()
     return late, v
 
