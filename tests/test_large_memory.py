@@ -4,6 +4,7 @@ figures at 100,000 and 1,000,000 real vectors are bench.memory's."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Callable
@@ -291,6 +292,44 @@ def test_a_build_outgrown_while_it_runs_trains_again_without_another_add(
     assert cache.index_status().state == "ready"
     assert cache._trained_on >= len(stored) // 2
     assert wait_until(lambda: cache.index_status().indexed == len(stored))
+
+
+def test_the_warming_progress_never_goes_back(stored: npt.NDArray[np.float32]) -> None:
+    """/readyz's "N% done" while a start's first graph builds: the memory grows meanwhile (a
+    replica catching up; past four times the sample the build starts over), and the share
+    reported never drops."""
+    cache = VectorCache(capacity=len(stored), index_threshold=2_000)
+    seen: list[float] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            status = cache.index_status()
+            if status.warming and status.progress is not None:
+                seen.append(status.progress)
+            time.sleep(0.0005)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        # The first page starts a graph; the rest arrive while it is built (a replica's
+        # catch-up), so the share done of a growing memory would shrink.
+        pages = [(0, 8_000)] + [(at, at + 2_000) for at in range(8_000, len(stored), 2_000)]
+        for start, stop in pages:
+            page = stored[start:stop]
+            cache.extend(
+                page,
+                np.full(len(page), cache.now_ms()),
+                [f"t{start + i}" for i in range(len(page))],
+            )
+            if start == 0:  # the first graph is under way before the memory outgrows it
+                assert wait_until(lambda: bool(seen) and seen[-1] > 0.3)
+        assert cache.wait_for_index(300)
+    finally:
+        done.set()
+        watcher.join()
+    assert len(seen) > 1
+    assert all(b >= a for a, b in itertools.pairwise(seen)), "the progress went back"
 
 
 @pytest.mark.slow  # seconds of index work: make test runs it, make test-fast does not

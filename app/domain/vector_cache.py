@@ -787,7 +787,11 @@ class VectorCache:
                     if not caught_up:
                         end = min(stop, seq + _CHUNK)
                         rows = self._unit_rows_between(seq, end)
-                        self._build_progress = (seq - first) / max(1, self._size)
+                        # Never back: a build that starts over on a larger sample (or a
+                        # memory that grows while it builds) keeps the share it reported.
+                        self._build_progress = max(
+                            self._build_progress, (seq - first) / max(1, self._size)
+                        )
             if index is None:
                 if sample is None or outgrown:
                     sample = self.entries_between(max(first, stop - _SAMPLE), stop)
