@@ -10,6 +10,7 @@ import itertools
 import json
 import logging
 import time
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,6 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from app.core.config import redis_location
 from app.domain.ann_index import AnnIndex
 from app.domain.vector_cache import (
     HAND_ON_GROWTH,
@@ -32,7 +32,7 @@ from app.store.redis_shared import RedisSharedMemory
 from tests.factories import TOPICS, make_trace
 from tests.server import TOKEN, LiveServer, RedisServer
 from tests.test_large_memory import clustered, edit
-from tests.test_redis_store import MODEL, TIMEOUT_MS, run
+from tests.test_redis_store import MODEL, replicas, run
 
 N = 5_000
 DIMS = 384
@@ -273,15 +273,11 @@ def test_the_feeder_hands_on_the_graph_it_grew_by_a_tenth(
 # ── shared mode ────────────────────────────────────────────────────────────
 
 
-def replica(redis: RedisServer, prefix: str, **settings: Any) -> RedisSharedMemory:
-    options: dict[str, Any] = {
-        "capacity": N,
-        "ttl_ms": None,
-        "timeout_ms": TIMEOUT_MS,
-        "model": MODEL,
-        "index_threshold": THRESHOLD,
-    } | settings
-    return RedisSharedMemory(redis.url, redis_location(redis.url), prefix=prefix, **options)
+def replica(
+    redis: RedisServer, prefix: str, **settings: Any
+) -> AbstractAsyncContextManager[list[RedisSharedMemory]]:
+    """One replica of these tests' memory, started, closed on leaving."""
+    return replicas(redis, prefix, count=1, capacity=N, index_threshold=THRESHOLD, **settings)
 
 
 async def _until(check: Any, what: str) -> None:
@@ -342,25 +338,19 @@ def test_a_new_replica_adopts_the_published_graph_and_a_reset_deletes_it(
         return CacheEntries(stored, np.full(N, time.time() * 1000), [f"t{i}" for i in range(N)])
 
     async def scenario() -> None:
-        first = replica(redis_server, redis_prefix)
-        await first.start()
-        try:
+        async with replica(redis_server, redis_prefix) as (first,):
             assert await first.import_entries(entries()) == (N, 0)
             await _ready(first)
             await _until(lambda: len(_graph_keys(redis_server, redis_prefix)) >= 2, "published")
             assert first.index_status().builds_total >= 1
             assert await _planted_answers(first, stored) == expected
 
-            second = replica(redis_server, redis_prefix)
-            await second.start()
-            try:
+            async with replica(redis_server, redis_prefix) as (second,):
                 await _ready(second)
                 status = second.index_status()
                 assert (status.builds_total, status.adoptions_total) == (0, 1)
                 assert status.indexed >= THRESHOLD
                 assert await _planted_answers(second, stored) == expected
-            finally:
-                await second.close()
 
             # A damaged published graph: the next replica ignores it and builds.
             with redis_server.client() as client:
@@ -368,9 +358,7 @@ def test_a_new_replica_adopts_the_published_graph_and_a_reset_deletes_it(
                     k for k in _graph_keys(redis_server, redis_prefix) if k.endswith(b":0")
                 ]
                 client.setrange(damaged, 1000, b"\x00" * 64)
-            third = replica(redis_server, redis_prefix)
-            await third.start()
-            try:
+            async with replica(redis_server, redis_prefix) as (third,):
                 await _ready(third)
                 status = third.index_status()
                 assert (status.builds_total, status.adoptions_total) == (1, 0)
@@ -379,32 +367,20 @@ def test_a_new_replica_adopts_the_published_graph_and_a_reset_deletes_it(
                 await _until(
                     lambda: damaged not in _graph_keys(redis_server, redis_prefix), "replaced"
                 )
-            finally:
-                await third.close()
 
             assert await first.clear() == N
             assert _graph_keys(redis_server, redis_prefix) == []
-        finally:
-            await first.close()
 
         # Refilled by a replica that does not publish: a new one finds no graph to adopt.
-        writer = replica(redis_server, redis_prefix, index_share=False)
-        await writer.start()
-        try:
+        async with replica(redis_server, redis_prefix, index_share=False) as (writer,):
             assert await writer.import_entries(entries()) == (N, 0)
             await _ready(writer)
             assert _graph_keys(redis_server, redis_prefix) == []
-            fresh = replica(redis_server, redis_prefix)
-            await fresh.start()
-            try:
+            async with replica(redis_server, redis_prefix) as (fresh,):
                 await _ready(fresh)
                 status = fresh.index_status()
                 assert (status.builds_total, status.adoptions_total) == (1, 0)
                 assert await _planted_answers(fresh, stored) == expected
-            finally:
-                await fresh.close()
-        finally:
-            await writer.close()
 
     run(scenario)
 
