@@ -105,7 +105,8 @@ class AnnIndex:
 
     def to_bytes(self) -> bytes:
         """The graph and its codes in faiss's own format (snapshots, a shared memory's
-        published graph). Only while no one adds to it: a private graph, or under the lock."""
+        published graph). Only while no one adds to it: a private graph, or the serving one
+        from the thread that alone adds to it (searches only read it)."""
         return bytes(_faiss().serialize_index(self._index))
 
     @classmethod

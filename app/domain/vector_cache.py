@@ -213,8 +213,9 @@ class VectorCache:
         # While held, no build starts (the owner expects a graph to adopt); the exact scan
         # answers and the cache says warming.
         self._hold = False
-        #: Called from the build thread with every graph it built (after the swap, outside
-        #: the lock); must not raise. Set by the owner (snapshots, the shared memory).
+        #: Called with every graph built (from the build thread, after the swap) and with the
+        #: serving graph the feeder grew by a tenth (from the feeder), outside the lock; must
+        #: not raise. Set by the owner (snapshots, the shared memory).
         self.on_graph_built: Callable[[BuiltGraph], None] | None = None
         self._handed_stop = 0  # the stop_id of the serving graph when it was last handed on
         self.lineage = uuid.uuid4().hex  # the sequence numbers' identity: new at load/clear
@@ -526,7 +527,9 @@ class VectorCache:
         internal id 0 is this cache's entry `first_id` (below first_seq: a dead prefix, as
         after evictions). It must cover the oldest live entry and hold no entry this cache
         has not; its codes are checked against the rows at a few entries. The entries after
-        it go to the feeder. Returns None when adopted, else why not (nothing changes)."""
+        it are inserted before it serves (as a build's, while the cache warms) when they are a
+        batch or more, else by the feeder. Returns None when adopted, else why not (nothing
+        changes)."""
         with self._lock:
             self._drop_expired()
             next_seq = self._first_seq + self._size
