@@ -167,7 +167,7 @@ def read_snapshot(path: Path, model_id: str, dimensions: int) -> CacheEntries:
             f"snapshot is from model {snapshot_model} ({dims} dimensions); "
             f"this service runs {model_id} ({dimensions} dimensions)",
         )
-    payload = data[start + header_len :]
+    payload = memoryview(data)[start + header_len :]  # views from here on: one copy, in load
     if count < 0 or ids_len < 0 or len(payload) != count * dims * 4 + count * 8 + ids_len:
         raise SnapshotError("corrupt", "snapshot payload is truncated or too long")
     if hashlib.sha256(payload).hexdigest() != checksum:
@@ -185,8 +185,8 @@ def read_snapshot(path: Path, model_id: str, dimensions: int) -> CacheEntries:
         if not isinstance(trace_ids, list) or len(trace_ids) != count:
             raise SnapshotError("corrupt", "the trace ids do not match the vectors")
     return CacheEntries(
-        vectors.astype(np.float32),
-        times.astype(np.float64),
+        vectors.astype(np.float32, copy=False),
+        times.astype(np.float64, copy=False),
         trace_ids,
         first_seq if lineage else None,
         lineage if first_seq is not None else "",
