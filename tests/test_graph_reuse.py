@@ -110,6 +110,29 @@ def test_a_restart_adopts_the_saved_graph_instead_of_building(
     assert_finds_planted(stored, nearest_of(again), exact_of(again.entries()))
 
 
+def test_restarts_without_a_save_between_adopt_the_graph_each_time(
+    saved: Path, stored: npt.NDArray[np.float32]
+) -> None:
+    """A restart that adds nothing saves no snapshot: the next restart meets the same
+    snapshot and must still find the graph its predecessor adopted (and described anew)."""
+    for _ in range(3):
+        restored, store = cache_of_snapshot(saved)
+        status = restored.index_status()
+        assert (status.builds_total, status.adoptions_total) == (0, 1)
+        assert not store.save()  # nothing changed: the snapshot on disk stays as it was
+    assert_finds_planted(stored, nearest_of(restored), exact_of(restored.entries()))
+    # A graph handed on before the next save (the feeder's, after a tenth of growth) is
+    # described in both numberings too.
+    blob, described = graph_paths(saved)
+    about = json.loads(described.read_text())
+    assert restored.on_graph_built is not None
+    restored.on_graph_built(
+        BuiltGraph(blob.read_bytes(), about["first_seq"], about["count"], restored.lineage)
+    )
+    again, _ = cache_of_snapshot(saved)
+    assert (again.index_status().builds_total, again.index_status().adoptions_total) == (0, 1)
+
+
 def _flip_a_byte(path: Path) -> None:
     blob, _ = graph_paths(path)
     data = bytearray(blob.read_bytes())
