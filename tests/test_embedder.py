@@ -13,12 +13,7 @@ import pytest
 
 from app.core.config import ConfigError, Settings
 from app.embedding import model_files
-from app.embedding.onnx_embedder import (
-    FORCE_SPINNING_STOP,
-    MAX_TOKENS,
-    ModelError,
-    OnnxEmbedder,
-)
+from app.embedding.onnx_embedder import MAX_TOKENS, ModelError, OnnxEmbedder
 from app.services.embeddings_backend import length_groups
 from tests.conftest import ClientFactory, fail_embedding_on
 from tests.factories import make_trace
@@ -231,9 +226,6 @@ def test_spinning_off_reaches_the_session_and_keeps_the_vectors(
     sleeping = OnnxEmbedder(files.model, files.tokenizer, spinning=False)
     options = sleeping._session.get_session_options()
     assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
-    # As shipped the pool spins within a run and stops at its end.
-    shipped = embedder._session.get_session_options()
-    assert shipped.get_session_config_entry(FORCE_SPINNING_STOP) == "1"
     texts = ["short", "a somewhat longer sentence about ledgers", "word " * 300]
     np.testing.assert_array_equal(sleeping.embed(texts), embedder.embed(texts))
     # The setting is read from the environment like the others, and the service answers.

@@ -36,8 +36,6 @@ _INPUTS: Final = ("input_ids", "attention_mask", "token_type_ids")
 WARM_UP_TEXT: Final = " ".join(["warm up"] * 60)
 _OUTPUT: Final = "last_hidden_state"
 _PROVIDERS: Final = ["CPUExecutionProvider"]
-#: onnxruntime's session option: the intra-op threads stop spinning when a run ends.
-FORCE_SPINNING_STOP: Final = "session.force_spinning_stop"
 
 
 class ModelError(RuntimeError):
@@ -232,11 +230,6 @@ def _session_options(intra_op_threads: int, spinning: bool) -> ort.SessionOption
         # Idle pool threads sleep instead of spinning: on a host whose cores are busy with other
         # work a spinning thread takes a core from the one doing the run (README, Performance).
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    else:
-        # They spin during a run (between its parallel steps) but stop when it ends: spinning
-        # on between runs, they held cores the event loop, the HTTP server and the client need
-        # to answer the request and send the next (README, Performance).
-        options.add_session_config_entry(FORCE_SPINNING_STOP, "1")
     # No `session.x64quantprecision` for int8 mode: its weight rewrite runs at the EXTENDED
     # level only. The weights' type does that work (int8_support.py).
     return options
