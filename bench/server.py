@@ -24,11 +24,11 @@ _TICKS = os.sysconf("SC_CLK_TCK")
 SERVE = (sys.executable, "-m", "app.serve")
 
 
-def compile_app() -> None:
+def compile_app(root: Path = ROOT) -> None:
     """The app's bytecode, as an installed service has it (pip compiles at install): where
     PYTHONDONTWRITEBYTECODE is set, an editable checkout would otherwise compile every module
     at every start (about 0.25 s of a cold start here). Only changed files are compiled."""
-    compileall.compile_dir(ROOT / "app", quiet=1)
+    compileall.compile_dir(root / "app", quiet=1)
 
 
 def free_port() -> int:
@@ -66,8 +66,10 @@ class Server:
         log_path: Path,
         timeout_s: float = 60,
         command: Sequence[str] = SERVE,
+        root: Path = ROOT,
     ) -> None:
-        compile_app()
+        """`root`: the checkout whose app runs (another commit's, to compare with this one)."""
+        compile_app(root)
         self.port = free_port()
         clean = {k: v for k, v in os.environ.items() if not k.startswith("KP_")}
         self.log_path = log_path
@@ -75,7 +77,7 @@ class Server:
         started = time.perf_counter()
         self.process = subprocess.Popen(
             [*command, "--host", HOST, "--port", str(self.port)],
-            cwd=ROOT,
+            cwd=root,
             env={**clean, "KP_ADMIN_TOKEN": ADMIN_TOKEN, **env},
             stdout=self._log,
             stderr=subprocess.STDOUT,

