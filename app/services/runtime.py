@@ -310,6 +310,7 @@ def build_memory(settings: Settings, model_id: str | None) -> NoveltyMemory:
                 search=settings.cache_search,
                 index_threshold=settings.cache_index_threshold,
                 index_ef_search=settings.cache_index_ef_search,
+                index_ef_search_far=settings.cache_index_ef_search_far,
             )
         )
     from app.store.redis_shared import RedisSharedMemory  # redis is slow to import; only here
@@ -326,5 +327,6 @@ def build_memory(settings: Settings, model_id: str | None) -> NoveltyMemory:
         search=settings.cache_search,
         index_threshold=settings.cache_index_threshold,
         index_ef_search=settings.cache_index_ef_search,
+        index_ef_search_far=settings.cache_index_ef_search_far,
         index_share=settings.cache_index_share,
     )
