@@ -211,6 +211,7 @@ class VectorCache:
         self._ever_indexed = False
         self._trained_on = 0  # the sample the graph's codes were trained on
         self._queries = 0
+        self.far_searches_total = 0  # index answers that took the second, wider search
         self._audit_queue: deque[tuple[Vector, float, int]] = deque(maxlen=_AUDIT_QUEUE)
         self.audits_total = 0
         self.audit_agreements_total = 0
@@ -261,6 +262,7 @@ class VectorCache:
             params = self._index.params
             if found.cosine < params.far_below and params.ef_search_far > params.ef_search:
                 # Far from everything found: the graph's weak case (ann_index.DEFAULT_PARAMS).
+                self.far_searches_total += 1
                 wider = self._index.search(_unit(q), first, params.ef_search_far)
                 found = self._best(q, np.concatenate([candidates, wider]))
             self._queries += 1
