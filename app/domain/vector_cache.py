@@ -143,7 +143,7 @@ class BuiltGraph:
     feeder, serialized (AnnIndex.to_bytes) for its owner to keep or share: its internal id 0
     is the entry `first_seq` of `lineage`."""
 
-    data: bytes
+    data: bytes | bytearray
     first_seq: int
     count: int
     lineage: str
@@ -765,7 +765,7 @@ class VectorCache:
         sample: CacheEntries | None = None
         # For the owner (on_graph_built): serialized once caught up, while still private,
         # so the serving graph is never copied under the lock.
-        data: bytes | None = None
+        data: bytes | bytearray | None = None
         built: BuiltGraph | None = None
         while True:
             with self._lock:
