@@ -63,6 +63,9 @@ def create_app(settings: Settings | None = None, *, cpu: CpuFeatures | None = No
             app.state.mcp = None
             metrics.registry.unregister(runtime.collector)
             await runtime.stop()
+            # A stopped app lets go of its model and memory: fastapi caches endpoint
+            # functions (closures that hold the app) for the life of the process.
+            del app.state.services
 
     # /docs and /redoc load their JS and CSS from the service, not a CDN: they work offline.
     app = FastAPIOffline(

@@ -4,18 +4,22 @@ back by it, and a load that fails degrades exactly as a failed lazy load does.""
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from fastapi.testclient import TestClient
 
 from app.core.config import Settings
 from app.embedding.onnx_embedder import OnnxEmbedder
+from app.main import create_app
 from app.services import early_load
 from tests.factories import make_trace
 from tests.server import SERVE, LiveServer
@@ -192,3 +196,19 @@ print("ok")
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
+
+
+def test_a_stopped_app_lets_go_of_its_model_and_memory() -> None:
+    """fastapi caches endpoint functions for the life of the process, and the /docs ones are
+    closures that hold their app: a process that builds apps one after another (the tests,
+    a host embedding the service) must not keep every stopped app's model and memory."""
+    with TestClient(create_app(Settings()), raise_server_exceptions=False) as client:
+        assert client.post("/evaluate", json=make_trace()).status_code == 200
+        services = client.app.state.services  # type: ignore[attr-defined]
+        model = weakref.ref(services.embeddings.lifecycle.embedder)
+        runtime = weakref.ref(services.runtime)
+        del services
+        assert model() is not None
+    gc.collect()
+    assert runtime() is None
+    assert model() is None

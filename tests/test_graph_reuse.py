@@ -110,6 +110,29 @@ def test_a_restart_adopts_the_saved_graph_instead_of_building(
     assert_finds_planted(stored, nearest_of(again), exact_of(again.entries()))
 
 
+def test_restarts_without_a_save_between_adopt_the_graph_each_time(
+    saved: Path, stored: npt.NDArray[np.float32]
+) -> None:
+    """A restart that adds nothing saves no snapshot: the next restart meets the same
+    snapshot and must still find the graph its predecessor adopted (and described anew)."""
+    for _ in range(3):
+        restored, store = cache_of_snapshot(saved)
+        status = restored.index_status()
+        assert (status.builds_total, status.adoptions_total) == (0, 1)
+        assert not store.save()  # nothing changed: the snapshot on disk stays as it was
+    assert_finds_planted(stored, nearest_of(restored), exact_of(restored.entries()))
+    # A graph handed on before the next save (the feeder's, after a tenth of growth) is
+    # described in both numberings too.
+    blob, described = graph_paths(saved)
+    about = json.loads(described.read_text())
+    assert restored.on_graph_built is not None
+    restored.on_graph_built(
+        BuiltGraph(blob.read_bytes(), about["first_seq"], about["count"], restored.lineage)
+    )
+    again, _ = cache_of_snapshot(saved)
+    assert (again.index_status().builds_total, again.index_status().adoptions_total) == (0, 1)
+
+
 def _flip_a_byte(path: Path) -> None:
     blob, _ = graph_paths(path)
     data = bytearray(blob.read_bytes())
@@ -381,6 +404,62 @@ def test_a_new_replica_adopts_the_published_graph_and_a_reset_deletes_it(
                 status = fresh.index_status()
                 assert (status.builds_total, status.adoptions_total) == (1, 0)
                 assert await _planted_answers(fresh, stored) == expected
+
+    run(scenario)
+
+
+def _published_count(redis: RedisServer, prefix: str) -> int:
+    with redis.client() as client:
+        return int(client.hget(f"{prefix}novelty:graph", "count") or 0)
+
+
+def test_a_replica_serializes_a_grown_graph_only_when_it_would_publish_it(
+    redis_server: RedisServer, redis_prefix: str, stored: npt.NDArray[np.float32]
+) -> None:
+    """Every replica grows its graph with the same log, but one graph is published: the
+    feeder asks Redis first, and a replica whose graph would not be published (another
+    holds the lease, or keeps the published one current) does not serialize it (0.9 GB and
+    seconds of a core at a million entries)."""
+    start, step = 3_000, 600  # a step grows the graph by more than a tenth
+
+    def entries(lo: int, hi: int) -> CacheEntries:
+        now = time.time() * 1000
+        return CacheEntries(stored[lo:hi], np.full(hi - lo, now), [f"t{i}" for i in range(lo, hi)])
+
+    async def scenario() -> None:
+        async with replica(redis_server, redis_prefix) as (memory,):
+            handed: list[BuiltGraph] = []
+            publish = memory.mirror.on_graph_built
+            assert publish is not None
+
+            def counted(built: BuiltGraph) -> None:
+                handed.append(built)
+                publish(built)
+
+            memory.mirror.on_graph_built = counted
+            assert await memory.import_entries(entries(0, start)) == (start, 0)
+            await _ready(memory)
+            await _until(lambda: len(_graph_keys(redis_server, redis_prefix)) >= 2, "published")
+            built_at_start = len(handed)
+            lease = f"{redis_prefix}novelty:graph:lease"
+            with redis_server.client() as client:
+                client.set(lease, "another replica", px=120_000)
+
+            assert await memory.import_entries(entries(start, start + step)) == (step, 0)
+            await _until(lambda: memory.index_status().indexed == start + step, "fed")
+            assert len(handed) == built_at_start  # another replica publishes: not serialized
+
+            with redis_server.client() as client:
+                client.delete(lease)
+            stop = start + 2 * step
+            assert await memory.import_entries(entries(start + step, stop)) == (step, 0)
+            await _until(lambda: memory.index_status().indexed == stop, "fed")
+            await _until(lambda: len(handed) > built_at_start, "handed on")
+            assert handed[-1].count > start + step
+            await _until(
+                lambda: _published_count(redis_server, redis_prefix) == handed[-1].count,
+                "published",
+            )
 
     run(scenario)
 

@@ -224,6 +224,10 @@ class VectorCache:
         #: serving graph the feeder grew by a tenth (from the feeder), outside the lock; must
         #: not raise. Set by the owner (snapshots, the shared memory).
         self.on_graph_built: Callable[[BuiltGraph], None] | None = None
+        #: Asked (first_seq, count, lineage), outside the lock, before the feeder serializes a
+        #: grown graph for on_graph_built: False when the owner has no use for it now (a
+        #: replica whose published graph another replica keeps current).
+        self.graph_wanted: Callable[[int, int, str], bool] | None = None
         self._handed_stop = 0  # the stop_id of the serving graph when it was last handed on
         self.lineage = uuid.uuid4().hex  # the sequence numbers' identity: new at load/clear
 
@@ -726,9 +730,11 @@ class VectorCache:
                     self._handed_stop = index.stop_id
                     lineage, first_id, count = self.lineage, index.first_id, index.count
             if sink is not None and grown:
-                # Serialized outside the lock while searches go on: they only read the graph,
-                # and this thread is the only one that adds to a serving graph.
-                sink(BuiltGraph(index.to_bytes(), first_id, count, lineage))
+                wanted = self.graph_wanted
+                if wanted is None or wanted(first_id, count, lineage):
+                    # Serialized outside the lock while searches go on: they only read the
+                    # graph, and this thread is the only one that adds to a serving graph.
+                    sink(BuiltGraph(index.to_bytes(), first_id, count, lineage))
             time.sleep(0)  # let a waiting request take the lock first
 
     def _start_build(self, seed: AnnIndex | None = None) -> None:

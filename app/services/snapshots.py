@@ -18,12 +18,12 @@ is one unbroken run of the cache's entries, the header also says where it stands
 The graph of a large memory (README, "A large memory") is kept beside the snapshot, in
 `<path>.graph` (faiss's serialized index) and `<path>.graph.json` (what it covers: the lineage
 and sequence number of its first entry, its count, dimensions, m, efConstruction, model, size
-and SHA-256). It is written when a build swaps a new graph in, from that graph while it is
-still private, and when the feeder has grown the serving graph by a tenth (from the feeder's
-thread, the graph's only writer), so it is not rewritten with every periodic snapshot, and
-never copied under the cache's lock. A restore adopts it when it
-covers the snapshot's oldest entries and matches the cache (anything else: a log line, and
-the graph is built as without it).
+and SHA-256; after a restore, also the numbering the snapshot file still uses: Numbering). It
+is written when a build swaps a new graph in, from that graph while it is still private, and
+when the feeder has grown the serving graph by a tenth (from the feeder's thread, the graph's
+only writer), so it is not rewritten with every periodic snapshot, and never copied under the
+cache's lock. A restore adopts it when it covers the snapshot's oldest entries and matches the
+cache (anything else: a log line, and the graph is built as without it).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import orjson
@@ -166,7 +167,7 @@ def read_snapshot(path: Path, model_id: str, dimensions: int) -> CacheEntries:
             f"snapshot is from model {snapshot_model} ({dims} dimensions); "
             f"this service runs {model_id} ({dimensions} dimensions)",
         )
-    payload = data[start + header_len :]
+    payload = memoryview(data)[start + header_len :]  # views from here on: one copy, in load
     if count < 0 or ids_len < 0 or len(payload) != count * dims * 4 + count * 8 + ids_len:
         raise SnapshotError("corrupt", "snapshot payload is truncated or too long")
     if hashlib.sha256(payload).hexdigest() != checksum:
@@ -184,8 +185,8 @@ def read_snapshot(path: Path, model_id: str, dimensions: int) -> CacheEntries:
         if not isinstance(trace_ids, list) or len(trace_ids) != count:
             raise SnapshotError("corrupt", "the trace ids do not match the vectors")
     return CacheEntries(
-        vectors.astype(np.float32),
-        times.astype(np.float64),
+        vectors.astype(np.float32, copy=False),
+        times.astype(np.float64, copy=False),
         trace_ids,
         first_seq if lineage else None,
         lineage if first_seq is not None else "",
@@ -197,10 +198,16 @@ def graph_paths(path: Path) -> tuple[Path, Path]:
     return path.with_name(f"{path.name}.graph"), path.with_name(f"{path.name}.graph.json")
 
 
-def write_graph(path: Path, built: BuiltGraph, model_id: str, dimensions: int) -> None:
+def write_graph(
+    path: Path,
+    built: BuiltGraph,
+    model_id: str,
+    dimensions: int,
+    aliases: Sequence[dict[str, object]] = (),
+) -> None:
     """Atomically replaces the graph beside the snapshot at `path`: the bytes first, then the
     description naming their checksum (a crash between leaves a pair that does not match,
-    which a restore ignores)."""
+    which a restore ignores). `aliases`: other numberings of the same entries (Numbering)."""
     blob, described = graph_paths(path)
     _write_atomically(blob, [memoryview(built.data)])
     _write_graph_description(
@@ -215,6 +222,7 @@ def write_graph(path: Path, built: BuiltGraph, model_id: str, dimensions: int) -
             "count": built.count,
             "bytes": len(built.data),
             "sha256": hashlib.sha256(built.data).hexdigest(),
+            "aliases": list(aliases),
         },
     )
 
@@ -239,15 +247,17 @@ def read_graph(
             "dimensions": dimensions,
             "m": DEFAULT_PARAMS.m,
             "ef_construction": DEFAULT_PARAMS.ef_construction,
-            "lineage": entries.lineage,
         }
         differs = {k: about.get(k) for k, v in wanted.items() if about.get(k) != v}
-        if differs:
+        first_seq = _numberings(about).get(entries.lineage)
+        if first_seq is None:
+            differs["lineage"] = about.get("lineage")
+        if differs or first_seq is None:
             raise SnapshotError("graph", f"it was built for another cache or settings: {differs}")
         data = blob.read_bytes()
         if len(data) != int(about["bytes"]) or hashlib.sha256(data).hexdigest() != about["sha256"]:
             raise SnapshotError("graph", "its bytes do not match their checksum")
-        offset = int(about["first_seq"]) - entries.first_seq
+        offset = first_seq - entries.first_seq
         index = AnnIndex.from_bytes(data, dimensions, 0)
         if index.count != int(about["count"]):
             raise SnapshotError("graph", "it holds another number of entries than described")
@@ -258,6 +268,13 @@ def read_graph(
     return index, offset, about
 
 
+def _numberings(about: dict[str, Any]) -> dict[str, int]:
+    """{lineage: the sequence number of the graph's first entry} for each numbering of the
+    same entries the description names: its own and, after a restore, the snapshot file's."""
+    named = [about, *about.get("aliases", ())]
+    return {str(n["lineage"]): int(n["first_seq"]) for n in named}
+
+
 def _fsync_dir(directory: Path) -> None:
     # Makes the rename itself durable; not every filesystem lets a directory be opened.
     with contextlib.suppress(OSError):
@@ -266,6 +283,23 @@ def _fsync_dir(directory: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+@dataclass(frozen=True, slots=True)
+class Numbering:
+    """A restore numbers the snapshot's entries anew (the cache's `lineage`), while the file
+    on disk keeps its own numbering (`disk_lineage`) until the next save: the same entry is
+    `seq` in the cache and `seq - delta` in the file. A graph described in both numberings is
+    adopted by a restart whether or not a save came between."""
+
+    lineage: str
+    disk_lineage: str
+    delta: int
+
+    def aliases(self, lineage: str, first_seq: int) -> list[dict[str, object]]:
+        if lineage != self.lineage:  # cleared since the restore: the file names none of it
+            return []
+        return [{"lineage": self.disk_lineage, "first_seq": first_seq - self.delta}]
 
 
 class SnapshotStore:
@@ -281,6 +315,7 @@ class SnapshotStore:
         if path is not None and model_id is None:
             self.status.detail = "no embedder: the cache holds nothing to save"
         self._saved_version: tuple[int, int] | None = None
+        self._restored: Numbering | None = None  # while the file keeps the restored numbering
         if enabled:
             cache.on_graph_built = self._save_graph
 
@@ -323,6 +358,10 @@ class SnapshotStore:
         self.cache.hold_index(graph is not None)  # no build before the graph is adopted
         try:
             self.cache.load(entries)
+            if entries.lineage and entries.first_seq is not None:
+                _, next_seq = self.cache.sequence_range
+                delta = next_seq - len(entries.vectors) - entries.first_seq
+                self._restored = Numbering(self.cache.lineage, entries.lineage, delta)
             if graph is not None:
                 self._adopt(path, entries, *graph)
         finally:
@@ -362,8 +401,8 @@ class SnapshotStore:
         about: dict[str, object],
     ) -> None:
         """Maps the graph onto the loaded entries (the last of them have the cache's newest
-        sequence numbers) and adopts it; its description then names the new numbering, so
-        the next restart adopts it again."""
+        sequence numbers) and adopts it; its description then names the new numbering and
+        the file's (Numbering), so the next restart adopts it again, saved between or not."""
         _, next_seq = self.cache.sequence_range
         first_id = next_seq - len(entries.vectors) + offset
         why = self.cache.adopt_index(index, first_id)
@@ -373,12 +412,16 @@ class SnapshotStore:
                 extra={"path": str(path), "reason": why},
             )
             return
-        about = about | {"lineage": self.cache.lineage, "first_seq": first_id}
+        about = about | {
+            "lineage": self.cache.lineage,
+            "first_seq": first_id,
+            "aliases": self._aliases(self.cache.lineage, first_id),
+        }
         try:
             _write_graph_description(graph_paths(path)[1], about)
         except OSError as exc:
             log.warning(
-                "cache snapshot's graph description not updated; the next start builds it",
+                "cache snapshot's graph description not updated; a start after a save builds it",
                 extra={"path": str(path), "error": str(exc)},
             )
 
@@ -388,8 +431,9 @@ class SnapshotStore:
         path = self.path
         if path is None or self.model_id is None:
             return
+        aliases = self._aliases(built.lineage, built.first_seq)
         try:
-            write_graph(path, built, self.model_id, self.cache.dimensions)
+            write_graph(path, built, self.model_id, self.cache.dimensions, aliases)
         except OSError as exc:
             log.error(
                 "cache graph not saved beside the snapshot; a restart will build it",
@@ -416,10 +460,15 @@ class SnapshotStore:
             )
             return False
         self._saved_version = version
+        self._restored = None  # the file now numbers its entries as the cache does
         self.status.saves_total += 1
         self.status.last_saved_at_ms = time.time() * 1000.0
         self.status.last_save_error = None
         return True
+
+    def _aliases(self, lineage: str, first_seq: int) -> list[dict[str, object]]:
+        restored = self._restored
+        return [] if restored is None else restored.aliases(lineage, first_seq)
 
     def _version(self) -> tuple[int, int]:
         # Changes with every add and every clear.

@@ -35,6 +35,7 @@ next exchange, as part of the order.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import logging
@@ -85,6 +86,10 @@ PAGE = 2000
 #: this one catches a Redis that stopped answering. It is also the socket's read timeout, a
 #: backstop under every exchange's own bound.
 BULK_TIMEOUT_S = 30.0
+#: How long the feeder waits for Redis to say whether its grown graph would be published
+#: (the answer spares every other replica serializing it); past it, the graph is serialized
+#: and the publish decides, as without the question.
+GRAPH_QUESTION_TIMEOUT_S = 2.0
 _WIRE = np.dtype("<f4")
 _T = TypeVar("_T")
 #: exchange.lua's first reply element: its run went through, or this replica's settings
@@ -194,6 +199,7 @@ class RedisSharedMemory:
         self._share = index_share and search == "auto"
         if self._share:
             self.mirror.on_graph_built = self._graph_built
+            self.mirror.graph_wanted = self._graph_wanted
         self._loop: asyncio.AbstractEventLoop | None = None
         # (the mirror's lineage, log ordinal - sequence number) as of the last exchange
         # that brought the mirror to the log's end (redis_graph's docstring).
@@ -373,6 +379,37 @@ class RedisSharedMemory:
             return
         with contextlib.suppress(RuntimeError):  # the loop has closed
             loop.call_soon_threadsafe(self._publish_soon, built)
+
+    def _graph_wanted(self, first_seq: int, count: int, lineage: str) -> bool:
+        """The mirror's graph_wanted (its feeder thread, which may wait): whether a graph of
+        these entries would be published now. When Redis cannot tell, it is serialized and
+        publish decides, as without the question."""
+        loop, ordinal = self._loop, self._ordinal
+        if self._closed or lineage != self.mirror.lineage:
+            return False
+        if loop is None or ordinal is None or ordinal[0] != lineage:
+            return True
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nothing to publish
+            return self._ask_loop(loop, first_seq + ordinal[1], count)
+        return False
+
+    def _ask_loop(self, loop: asyncio.AbstractEventLoop, first_ordinal: int, count: int) -> bool:
+        asked = asyncio.run_coroutine_threadsafe(
+            self._graph.would_publish(
+                epoch=self._epoch,
+                first_ordinal=first_ordinal,
+                count=count,
+                dimensions=self.mirror.dimensions,
+                model=self.model,
+                unusable=self._unusable_graph,
+            ),
+            loop,
+        )
+        try:
+            return asked.result(timeout=GRAPH_QUESTION_TIMEOUT_S)
+        except (RedisError, OSError, TimeoutError, concurrent.futures.CancelledError):
+            asked.cancel()
+            return True
 
     def _publish_soon(self, built: BuiltGraph) -> None:
         ordinal = self._ordinal
