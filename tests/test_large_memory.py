@@ -438,6 +438,7 @@ def test_a_far_query_gets_a_second_wider_search_and_a_near_duplicate_does_not(
     share_with_far = agreement(stored, cache, exact, far)[0]
     assert share_with_far > share_first_only
     assert cache.far_searches_total == len(far)  # every far query (best cosine about 0.2)
+    assert cache.index_status().far_searches_total == len(far)  # what /metrics shows
     for query, first in zip(near, first_answers, strict=True):
         before = cache.far_searches_total
         found, truth = cache.nearest(query), exact.nearest(query)

@@ -118,6 +118,7 @@ class IndexStatus:
     audit_agreements_total: int  # ... that found the same maximum
     builds_total: int = 0  # graphs built here (and swapped in)
     adoptions_total: int = 0  # graphs built elsewhere (a snapshot, another replica) adopted
+    far_searches_total: int = 0  # index answers that took the second, wider search
 
 
 @dataclass(frozen=True, slots=True)
@@ -327,6 +328,7 @@ class VectorCache:
                 audit_agreements_total=self.audit_agreements_total,
                 builds_total=self.index_builds_total,
                 adoptions_total=self.index_adoptions_total,
+                far_searches_total=self.far_searches_total,
             )
 
     def entries(self) -> CacheEntries:

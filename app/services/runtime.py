@@ -200,6 +200,12 @@ class RuntimeCollector(Collector):
             index.audit_agreements_total,
         )
         yield CounterMetricFamily(
+            "kp_cache_index_far_searches",
+            "Index answers that took the second, wider search (their first search found no "
+            "cosine above 0.75; KP_CACHE_INDEX_EF_SEARCH_FAR) since start.",
+            index.far_searches_total,
+        )
+        yield CounterMetricFamily(
             "kp_cache_index_builds", "Graphs this process built since start.", index.builds_total
         )
         yield CounterMetricFamily(
