@@ -58,7 +58,7 @@ class IndexParams:
 # 500 fresh paragraphs; AMD EPYC, one core, host shared; README "The memory at size"). M=32
 # left a few stored paragraphs nearly unreachable; M=64 with efConstruction 80 finds every
 # near-duplicate at efSearch 128. SQ8 codes find the same maxima as float32 ones, faster, in a
-# quarter of the bytes. The maxima it misses at a million (4% of all queries, all of them
+# quarter of the bytes. The maxima it misses at a million (4% of all queries, nearly all
 # fresh) were never among the efSearch-long list, so rescoring more candidates finds none of
 # them; a wider list does, at a cost linear in its length. Only queries far from everything
 # (best cosine found < 0.75: no near-duplicate; a missed one is found at about 0.6) pay for it:
