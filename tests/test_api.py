@@ -218,7 +218,13 @@ def test_metrics_count_requests_profiles_and_overrides(client_no_embedder: TestC
 def test_running_totals_are_counters_named_total(client: TestClient) -> None:
     client.post("/evaluate", json=make_trace())  # loads the model: warm-up runs and one more
     text = client.get("/metrics").text
-    totals = ("kp_embed_runs", "kp_cache_evictions", "kp_cache_outages", "kp_snapshot_save_errors")
+    totals = (
+        "kp_embed_runs",
+        "kp_cache_evictions",
+        "kp_cache_outages",
+        "kp_snapshot_save_errors",
+        "kp_cache_index_far_searches",
+    )
     for name in totals:
         assert re.search(rf"^# TYPE {name}(_total)? counter$", text, re.M), name
         assert re.search(rf"^{name}_total(\{{[^}}]*\}})? \S+$", text, re.M), name

@@ -547,3 +547,24 @@ def test_a_new_service_process_adopts_the_graph_of_another(
             second.stop()
     finally:
         first.stop()
+
+
+def test_a_graph_is_written_in_faiss_s_own_format_and_read_back(
+    stored: npt.NDArray[np.float32],
+) -> None:
+    """AnnIndex.to_bytes streams through faiss's callback writer (no whole copies of the
+    graph): the bytes are faiss's own serialization, byte for byte, and read back into a graph
+    that answers as the original."""
+    import faiss
+
+    graph = AnnIndex(DIMS, 7)
+    graph.train(stored)
+    graph.add(stored)
+    data = graph.to_bytes()
+    assert bytes(data) == bytes(faiss.serialize_index(graph._index))
+    again = AnnIndex.from_bytes(data, DIMS, 7)
+    assert again.count == graph.count == len(stored)
+    rng = np.random.default_rng(3)
+    for i in rng.choice(len(stored), 20, replace=False):
+        query = edit(stored[i], rng, 0.3)
+        assert np.array_equal(again.search(query, 7), graph.search(query, 7))

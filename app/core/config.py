@@ -52,6 +52,10 @@ class Settings(BaseSettings):
     #: The graph's search breadth (faiss efSearch): higher finds the exact maximum more often,
     #: for more time a query (README, "The memory at size").
     cache_index_ef_search: Annotated[int, Field(ge=16, le=4_096)] = 128
+    #: The breadth of a second search for a query whose best candidate's cosine is below 0.75
+    #: (far from everything: where the first search misses); 0: no second search (README,
+    #: "The memory at size").
+    cache_index_ef_search_far: Annotated[int, Field(ge=0, le=8_192)] = 1024
     #: With KP_REDIS_URL: a replica that builds the graph publishes it in Redis (about 0.9 kB
     #: an entry more there), and a starting replica adopts the published one instead of
     #: building (README, "A large memory"). false: each replica builds its own.

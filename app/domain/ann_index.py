@@ -20,6 +20,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+#: The callback writer's chunk: large enough that its Python calls cost nothing.
+_WRITE_CHUNK = 1 << 20
+
 
 def _faiss() -> Any:
     """faiss, imported on first use: its import is about 30 ms of every start otherwise, and
@@ -39,21 +42,28 @@ def one_core_for_this_thread() -> None:
 @dataclass(frozen=True, slots=True)
 class IndexParams:
     """m: graph neighbours per node; ef_construction / ef_search: the candidate lists of an
-    insert / a query; candidates: how many a query proposes for exact rescoring."""
+    insert / a query; candidates: how many a query proposes for exact rescoring; ef_search_far:
+    the candidate list of a second search, for a query whose best rescored cosine after the
+    first is below far_below (0: no second search)."""
 
     m: int = 64
     ef_construction: int = 80
     ef_search: int = 128
     candidates: int = 16
+    ef_search_far: int = 1024
+    far_below: float = 0.75
 
 
-# Chosen by a sweep on real MiniLM vectors (bench.memory's 100k and its 500 edited and 500 fresh
-# paragraphs, 16 candidates rescored; AMD EPYC, one core, host shared; README "The memory at
-# size"): with M=32 (efConstruction 40-100) the graph left a few stored paragraphs nearly
-# unreachable, and an edit of one got a cosine of 0.2 instead of 0.98; M=64 with efConstruction
-# 80 found every near-duplicate and 97.6% of fresh maxima at efSearch 128 (p50/p99 0.48/0.77 ms),
-# for twice the insert time. SQ8 codes found the same maxima as float32 ones, faster, in a
-# quarter of the bytes.
+# Chosen by sweeps on real MiniLM vectors (bench.memory's 100k and 1M and its 500 edited and
+# 500 fresh paragraphs; AMD EPYC, one core, host shared; README "The memory at size"). M=32
+# left a few stored paragraphs nearly unreachable; M=64 with efConstruction 80 finds every
+# near-duplicate at efSearch 128. SQ8 codes find the same maxima as float32 ones, faster, in a
+# quarter of the bytes. The maxima it misses at a million (4% of all queries, nearly all
+# fresh) were never among the efSearch-long list, so rescoring more candidates finds none of
+# them; a wider list does, at a cost linear in its length. Only queries far from everything
+# (best cosine found < 0.75: no near-duplicate; a missed one is found at about 0.6) pay for it:
+# a second search at efSearch 1024 took all-query recall at a million from 0.958 to 0.998 and
+# the worst difference from 0.218 to 0.007, while near-duplicates stop after the first.
 DEFAULT_PARAMS = IndexParams()
 
 
@@ -88,12 +98,15 @@ class AnnIndex:
         """Appends the next entries, ids stop_id, stop_id + 1, ..."""
         self._index.add(np.ascontiguousarray(unit_vectors, dtype=np.float32))
 
-    def search(self, unit_query: npt.NDArray[np.float32], min_id: int) -> npt.NDArray[np.int64]:
-        """Ids (>= min_id) of the entries the graph finds closest; fewer when it finds fewer."""
+    def search(
+        self, unit_query: npt.NDArray[np.float32], min_id: int, ef_search: int | None = None
+    ) -> npt.NDArray[np.int64]:
+        """Ids (>= min_id) of the entries the graph finds closest; fewer when it finds fewer.
+        ef_search: this search's candidate list, when not params.ef_search."""
         if min_id >= self.stop_id:
             return np.empty(0, dtype=np.int64)
         params = _faiss().SearchParametersHNSW()
-        params.efSearch = self.params.ef_search
+        params.efSearch = self.params.ef_search if ef_search is None else ef_search
         if min_id > self.first_id:
             selector = _faiss().IDSelectorRange(min_id - self.first_id, self.count)
             params.sel = selector
@@ -103,11 +116,24 @@ class AnnIndex:
         found: npt.NDArray[np.int64] = ids[0][ids[0] >= 0] + self.first_id
         return found
 
-    def to_bytes(self) -> bytes:
+    def to_bytes(self) -> bytearray:
         """The graph and its codes in faiss's own format (snapshots, a shared memory's
         published graph). Only while no one adds to it: a private graph, or the serving one
-        from the thread that alone adds to it (searches only read it)."""
-        return bytes(_faiss().serialize_index(self._index))
+        from the thread that alone adds to it (searches only read it).
+
+        Written through faiss's callback writer into one growing buffer: faiss's
+        serialize_index holds the whole graph in a C++ vector and then a numpy copy (and
+        bytes() a third), about 1.8 GB more than the result at a million entries, where this
+        peaks at the result's 0.9 GB (README, "The memory at size")."""
+        out = bytearray()
+
+        def write(chunk: bytes) -> int:
+            out.extend(chunk)
+            return len(chunk)
+
+        faiss = _faiss()
+        faiss.write_index(self._index, faiss.PyCallbackIOWriter(write, _WRITE_CHUNK))
+        return out
 
     @classmethod
     def from_bytes(

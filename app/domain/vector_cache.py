@@ -9,8 +9,9 @@ product over every row; cosines are then recomputed in float64 for the few rows 
 the maximum, so the result equals the reference's double-precision loop, not just nearly.
 
 At or above the threshold (search="auto") an HNSW graph (app.domain.ann_index) proposes
-candidates and the same float64 rescoring picks among them, so `max_cosine` is always a true
-cosine with a stored vector. No graph insert is on the request path: the graph is built in a
+candidates (a second, wider search when the best of them is far: the graph's weak case) and
+the same float64 rescoring picks among them, so `max_cosine` is always a true cosine with a
+stored vector. No graph insert is on the request path: the graph is built in a
 background thread on a copy of the rows (the exact scan answers meanwhile), and the newest
 entries wait in a tail, scanned exactly, until a second background thread (the feeder) inserts
 them a few at a time under the lock, so no search ever runs on a graph being added to. Evicted
@@ -117,6 +118,7 @@ class IndexStatus:
     audit_agreements_total: int  # ... that found the same maximum
     builds_total: int = 0  # graphs built here (and swapped in)
     adoptions_total: int = 0  # graphs built elsewhere (a snapshot, another replica) adopted
+    far_searches_total: int = 0  # index answers that took the second, wider search
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +144,7 @@ class BuiltGraph:
     feeder, serialized (AnnIndex.to_bytes) for its owner to keep or share: its internal id 0
     is the entry `first_seq` of `lineage`."""
 
-    data: bytes
+    data: bytes | bytearray
     first_seq: int
     count: int
     lineage: str
@@ -161,6 +163,7 @@ class VectorCache:
         search: SearchMode = "auto",
         index_threshold: int = DEFAULT_INDEX_THRESHOLD,
         index_ef_search: int = DEFAULT_PARAMS.ef_search,
+        index_ef_search_far: int = DEFAULT_PARAMS.ef_search_far,
         background: bool = True,
     ) -> None:
         if capacity < 1:
@@ -173,12 +176,16 @@ class VectorCache:
             raise ValueError("index_threshold must be at least 1")
         if index_ef_search < 1:
             raise ValueError("index_ef_search must be at least 1")
+        if index_ef_search_far < 0:
+            raise ValueError("index_ef_search_far must be 0 (off) or positive")
         self.capacity = capacity
         self.dimensions = dimensions
         self.ttl_ms = ttl_ms
         self.search = search
         self.index_threshold = index_threshold
-        self._index_params = replace(DEFAULT_PARAMS, ef_search=index_ef_search)
+        self._index_params = replace(
+            DEFAULT_PARAMS, ef_search=index_ef_search, ef_search_far=index_ef_search_far
+        )
         self._background = background
         self._clock_ms = clock_ms
         self._lock = threading.RLock()
@@ -205,6 +212,7 @@ class VectorCache:
         self._ever_indexed = False
         self._trained_on = 0  # the sample the graph's codes were trained on
         self._queries = 0
+        self.far_searches_total = 0  # index answers that took the second, wider search
         self._audit_queue: deque[tuple[Vector, float, int]] = deque(maxlen=_AUDIT_QUEUE)
         self.audits_total = 0
         self.audit_agreements_total = 0
@@ -256,6 +264,12 @@ class VectorCache:
             if len(candidates) == 0:  # the graph held no live entry it could reach
                 candidates = self._exact_candidates(q, first, next_seq)
             found = self._best(q, candidates)
+            params = self._index.params
+            if found.cosine < params.far_below and params.ef_search_far > params.ef_search:
+                # Far from everything found: the graph's weak case (ann_index.DEFAULT_PARAMS).
+                self.far_searches_total += 1
+                wider = self._index.search(_unit(q), first, params.ef_search_far)
+                found = self._best(q, np.concatenate([candidates, wider]))
             self._queries += 1
             if self._queries % AUDIT_EVERY == 0:
                 self._audit_queue.append((q.copy(), found.cosine, next_seq))
@@ -314,6 +328,7 @@ class VectorCache:
                 audit_agreements_total=self.audit_agreements_total,
                 builds_total=self.index_builds_total,
                 adoptions_total=self.index_adoptions_total,
+                far_searches_total=self.far_searches_total,
             )
 
     def entries(self) -> CacheEntries:
@@ -758,7 +773,7 @@ class VectorCache:
         sample: CacheEntries | None = None
         # For the owner (on_graph_built): serialized once caught up, while still private,
         # so the serving graph is never copied under the lock.
-        data: bytes | None = None
+        data: bytes | bytearray | None = None
         built: BuiltGraph | None = None
         while True:
             with self._lock:

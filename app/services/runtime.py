@@ -200,6 +200,12 @@ class RuntimeCollector(Collector):
             index.audit_agreements_total,
         )
         yield CounterMetricFamily(
+            "kp_cache_index_far_searches",
+            "Index answers that took the second, wider search (their first search found no "
+            "cosine above 0.75; KP_CACHE_INDEX_EF_SEARCH_FAR) since start.",
+            index.far_searches_total,
+        )
+        yield CounterMetricFamily(
             "kp_cache_index_builds", "Graphs this process built since start.", index.builds_total
         )
         yield CounterMetricFamily(
@@ -310,6 +316,7 @@ def build_memory(settings: Settings, model_id: str | None) -> NoveltyMemory:
                 search=settings.cache_search,
                 index_threshold=settings.cache_index_threshold,
                 index_ef_search=settings.cache_index_ef_search,
+                index_ef_search_far=settings.cache_index_ef_search_far,
             )
         )
     from app.store.redis_shared import RedisSharedMemory  # redis is slow to import; only here
@@ -326,5 +333,6 @@ def build_memory(settings: Settings, model_id: str | None) -> NoveltyMemory:
         search=settings.cache_search,
         index_threshold=settings.cache_index_threshold,
         index_ef_search=settings.cache_index_ef_search,
+        index_ef_search_far=settings.cache_index_ef_search_far,
         index_share=settings.cache_index_share,
     )

@@ -107,7 +107,7 @@ class SharedGraph:
 
     async def publish(
         self,
-        data: bytes,
+        data: bytes | bytearray,
         *,
         epoch: bytes,
         first_ordinal: int,

@@ -154,6 +154,7 @@ class RedisSharedMemory:
         search: SearchMode = "auto",
         index_threshold: int = DEFAULT_INDEX_THRESHOLD,
         index_ef_search: int = DEFAULT_PARAMS.ef_search,
+        index_ef_search_far: int = DEFAULT_PARAMS.ef_search_far,
         index_share: bool = True,
     ) -> None:
         self.location = location
@@ -185,6 +186,7 @@ class RedisSharedMemory:
             search=search,
             index_threshold=index_threshold,
             index_ef_search=index_ef_search,
+            index_ef_search_far=index_ef_search_far,
         )
         self._epoch = b""
         self._last_id = b"0-0"
