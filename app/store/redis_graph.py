@@ -68,6 +68,28 @@ class GraphDescription:
         return f"(epoch, dimensions, m, efConstruction, model) are {theirs}, here {ours}"
 
 
+@dataclass(frozen=True, slots=True)
+class GraphCover:
+    """What a graph to publish covers: the memory's epoch it was built in, the log ordinal
+    of its first entry, its count, dimensions and model."""
+
+    epoch: bytes
+    first_ordinal: int
+    count: int
+    dimensions: int
+    model: str
+
+    def replaces(self, published: GraphDescription | None, unusable: str | None) -> bool:
+        """The rule of when to publish (module docstring)."""
+        return (
+            published is None
+            or published.token == unusable
+            or published.differs_from(self.epoch, self.dimensions, self.model) is not None
+            or (self.first_ordinal + self.count) - (published.first_ordinal + published.count)
+            >= REPUBLISH_SHARE * self.count
+        )
+
+
 class SharedGraph:
     """The Redis I/O of the published graph (the module's docstring); every call may raise
     redis-py's errors, OSError or TimeoutError (each bounded by `timeout_s`)."""
@@ -106,21 +128,12 @@ class SharedGraph:
             return None
 
     async def publish(
-        self,
-        data: bytes | bytearray,
-        *,
-        epoch: bytes,
-        first_ordinal: int,
-        count: int,
-        dimensions: int,
-        model: str,
-        unusable: str | None = None,
+        self, data: bytes | bytearray, cover: GraphCover, unusable: str | None = None
     ) -> str:
         """Publishes the graph if the rule says so (or the published one's token is
         `unusable`: it was found damaged); returns what happened: published, not_needed,
         busy (another replica publishes), lost_lease or stale (a reset)."""
-        published = await self.described()
-        if not _replaces(published, epoch, first_ordinal, count, dimensions, model, unusable):
+        if not cover.replaces(await self.described(), unusable):
             return "not_needed"
         token = uuid.uuid4().hex
         async with asyncio.timeout(self._timeout_s):
@@ -138,17 +151,17 @@ class SharedGraph:
             description: dict[str, str | bytes | int] = {
                 "token": token,
                 "chunks": len(chunks),
-                "epoch": epoch,
-                "first_ordinal": first_ordinal,
-                "count": count,
-                "dimensions": dimensions,
+                "epoch": cover.epoch,
+                "first_ordinal": cover.first_ordinal,
+                "count": cover.count,
+                "dimensions": cover.dimensions,
                 "m": DEFAULT_PARAMS.m,
                 "ef_construction": DEFAULT_PARAMS.ef_construction,
-                "model": model,
+                "model": cover.model,
                 "bytes": len(data),
                 "sha256": digest,
             }
-            args: list[str | bytes | int] = [token, epoch, self.chunk_prefix]
+            args: list[str | bytes | int] = [token, cover.epoch, self.chunk_prefix]
             for key, value in description.items():
                 args += [key, value]
             async with asyncio.timeout(self._timeout_s):
@@ -164,21 +177,11 @@ class SharedGraph:
             return str(outcome)
         return "published"
 
-    async def would_publish(
-        self,
-        *,
-        epoch: bytes,
-        first_ordinal: int,
-        count: int,
-        dimensions: int,
-        model: str,
-        unusable: str | None = None,
-    ) -> bool:
+    async def would_publish(self, cover: GraphCover, unusable: str | None = None) -> bool:
         """Whether publish would publish such a graph now (asked before serializing one:
         0.9 GB and seconds of a core at a million entries): the rule says so and no other
         replica holds the lease."""
-        published = await self.described()
-        if not _replaces(published, epoch, first_ordinal, count, dimensions, model, unusable):
+        if not cover.replaces(await self.described(), unusable):
             return False
         async with asyncio.timeout(self._timeout_s):
             return not await self._client.exists(self._lease)
@@ -211,25 +214,6 @@ class SharedGraph:
                     await self._client.delete(*keys)
                 if await self._client.get(self._lease) == token.encode():
                     await self._client.delete(self._lease)
-
-
-def _replaces(
-    published: GraphDescription | None,
-    epoch: bytes,
-    first_ordinal: int,
-    count: int,
-    dimensions: int,
-    model: str,
-    unusable: str | None,
-) -> bool:
-    """The rule of when to publish (module docstring)."""
-    return (
-        published is None
-        or published.token == unusable
-        or published.differs_from(epoch, dimensions, model) is not None
-        or (first_ordinal + count) - (published.first_ordinal + published.count)
-        >= REPUBLISH_SHARE * count
-    )
 
 
 def _raw(value: bytes | str) -> bytes:

@@ -65,7 +65,7 @@ from app.domain.vector_cache import (
 )
 from app.store.base import BackendInfo, Comparison, MemoryUnavailableError, Vector
 from app.store.in_process import compare_in_order
-from app.store.redis_graph import GraphDescription, SharedGraph
+from app.store.redis_graph import GraphCover, GraphDescription, SharedGraph
 
 log = logging.getLogger(__name__)
 
@@ -396,12 +396,7 @@ class RedisSharedMemory:
     def _ask_loop(self, loop: asyncio.AbstractEventLoop, first_ordinal: int, count: int) -> bool:
         asked = asyncio.run_coroutine_threadsafe(
             self._graph.would_publish(
-                epoch=self._epoch,
-                first_ordinal=first_ordinal,
-                count=count,
-                dimensions=self.mirror.dimensions,
-                model=self.model,
-                unusable=self._unusable_graph,
+                self._cover(self._epoch, first_ordinal, count), self._unusable_graph
             ),
             loop,
         )
@@ -410,6 +405,9 @@ class RedisSharedMemory:
         except (RedisError, OSError, TimeoutError, concurrent.futures.CancelledError):
             asked.cancel()
             return True
+
+    def _cover(self, epoch: bytes, first_ordinal: int, count: int) -> GraphCover:
+        return GraphCover(epoch, first_ordinal, count, self.mirror.dimensions, self.model)
 
     def _publish_soon(self, built: BuiltGraph) -> None:
         ordinal = self._ordinal
@@ -427,13 +425,7 @@ class RedisSharedMemory:
         started = time.monotonic()
         try:
             outcome = await self._graph.publish(
-                built.data,
-                epoch=epoch,
-                first_ordinal=first_ordinal,
-                count=built.count,
-                dimensions=self.mirror.dimensions,
-                model=self.model,
-                unusable=self._unusable_graph,
+                built.data, self._cover(epoch, first_ordinal, built.count), self._unusable_graph
             )
         except (RedisError, OSError, TimeoutError) as exc:
             log.warning(
