@@ -5,6 +5,8 @@ figures at 100,000 and 1,000,000 real vectors are bench.memory's."""
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -460,3 +462,32 @@ def test_a_negative_far_search_breadth_is_refused_by_name(monkeypatch: pytest.Mo
         Settings.from_env()
     with pytest.raises(ValueError, match="index_ef_search_far"):
         VectorCache(index_ef_search_far=-1)
+
+
+@pytest.mark.slow
+def test_a_process_exits_cleanly_while_its_graph_is_built() -> None:
+    """A daemon thread inside faiss when the interpreter finalizes is unwound through
+    OpenMP (faiss's interrupt check takes the GIL) and aborts the process (exit status 134,
+    "terminate called without an active exception"): a service stopped, or a test run
+    ending, while a graph builds (or the feeder inserts: the same stop) must exit with
+    status 0. One long insert (a larger step than the cache's) makes the exit meet the build
+    inside faiss."""
+    code = """
+import time
+import numpy as np
+from app.domain import vector_cache
+from app.domain.vector_cache import VectorCache
+
+vector_cache._CHUNK = 40_000
+rows = np.random.default_rng(1).standard_normal((40_000, 384)).astype(np.float32)
+cache = VectorCache(capacity=100_000, index_threshold=1_000)
+cache.extend(rows, np.zeros(len(rows)), [f"t{i}" for i in range(len(rows))])
+time.sleep(0.5)  # the thread is inside faiss's insert
+assert cache.index_status().indexed < len(rows)  # still at work when the process ends
+print("exiting", flush=True)
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.stdout.strip() == "exiting", done.stderr
+    assert done.returncode == 0, done.stderr

@@ -28,9 +28,11 @@ the serving graph each time the feeder has grown it by a tenth.
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
 import uuid
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -69,6 +71,33 @@ DEAD_PER_LIVE = 0.5
 #: Rows the background work copies or scans under the lock at a time, so a request never
 #: waits for more than about a millisecond of it.
 _CHUNK = 4_096
+
+#: Set at interpreter exit (_stop_background_work): graph builds and feeders stop at their
+#: next step.
+_EXITING = threading.Event()
+#: Every cache, for _stop_background_work (weakly: a cache no one holds is let go).
+_CACHES: weakref.WeakSet[VectorCache] = weakref.WeakSet()
+#: How long exit waits for one background thread's current step (a chunk of a build, a
+#: graph's serialization: seconds at a million entries).
+_EXIT_JOIN_S = 60.0
+
+
+@atexit.register
+def _stop_background_work() -> None:
+    """The interpreter's finalization unwinds a daemon thread that is inside faiss (a build,
+    the feeder) through OpenMP's frames, which aborts the process ("terminate called without
+    an active exception", exit status 134): at exit they stop at their next step and are
+    waited for first."""
+    _EXITING.set()
+    threads: list[threading.Thread] = []
+    for cache in list(_CACHES):
+        with cache._lock:  # taken once the feeder's current insert is done
+            cache._feed_wake.notify_all()
+            threads += [t for t in (cache._building, cache._feeder) if t is not None]
+    for thread in threads:
+        thread.join(_EXIT_JOIN_S)
+
+
 #: One index query in this many is rerun exactly in the background (the self-check).
 AUDIT_EVERY = 100
 #: The graph is built again (in the background) when the memory has grown this many times past
@@ -204,6 +233,8 @@ class VectorCache:
         self._index: AnnIndex | None = None
         self._building: threading.Thread | None = None
         self._feeding = False  # the feeder thread runs
+        self._feeder: threading.Thread | None = None
+        _CACHES.add(self)
         self._feed_wake = threading.Condition(self._lock)
         self._build_progress = 0.0
         self._generation = 0  # changes with clear/load: a build of an older one is dropped
@@ -693,7 +724,8 @@ class VectorCache:
             self._feed_wake.notify()
         else:
             self._feeding = True
-            threading.Thread(target=self._feed, name="kp-cache-feed", daemon=True).start()
+            self._feeder = threading.Thread(target=self._feed, name="kp-cache-feed", daemon=True)
+            self._feeder.start()
 
     def _feedable(self) -> AnnIndex | None:
         index = self._index
@@ -716,10 +748,10 @@ class VectorCache:
         one_core_for_this_thread()  # one core for background work, the rest for requests
         while True:
             with self._lock:
-                index = self._feedable()
+                index = None if _EXITING.is_set() else self._feedable()
                 while index is None:
-                    notified = self._feed_wake.wait(_FEED_LINGER_S)
-                    index = self._feedable()
+                    notified = not _EXITING.is_set() and self._feed_wake.wait(_FEED_LINGER_S)
+                    index = None if _EXITING.is_set() else self._feedable()
                     if index is None and not notified:
                         self._feeding = False  # under the lock: the next change starts one
                         return
@@ -777,7 +809,7 @@ class VectorCache:
         built: BuiltGraph | None = None
         while True:
             with self._lock:
-                if generation != self._generation:
+                if generation != self._generation or _EXITING.is_set():
                     return
                 first, stop = self._first_seq, self._first_seq + self._size
                 outgrown = sample is not None and (
