@@ -729,7 +729,7 @@ class VectorCache:
 
     def _feedable(self) -> AnnIndex | None:
         index = self._index
-        if index is None:
+        if index is None or _EXITING.is_set():
             return None
         next_seq = self._first_seq + self._size
         return index if self._first_seq <= index.stop_id < next_seq else None
@@ -748,10 +748,10 @@ class VectorCache:
         one_core_for_this_thread()  # one core for background work, the rest for requests
         while True:
             with self._lock:
-                index = None if _EXITING.is_set() else self._feedable()
+                index = self._feedable()
                 while index is None:
                     notified = not _EXITING.is_set() and self._feed_wake.wait(_FEED_LINGER_S)
-                    index = None if _EXITING.is_set() else self._feedable()
+                    index = self._feedable()
                     if index is None and not notified:
                         self._feeding = False  # under the lock: the next change starts one
                         return
