@@ -11,6 +11,10 @@ import gc
 FACTORY = "app.main:create_app"
 #: uvicorn's httptools protocol with header and body deadlines and header limits (KP_*).
 HTTP_PROTOCOL = "app.server.protocol:LimitedHttpToolsProtocol"
+#: The service has no WebSocket endpoint: uvicorn's WebSocket protocol and the websockets
+#: library (some 10 ms of the cold start's imports) are not loaded. A request asking to
+#: upgrade is answered as plain HTTP (app/server/protocol.py).
+WEBSOCKETS = "none"
 
 
 def run(host: str = "127.0.0.1", port: int = 8000, *, reload: bool = False) -> None:
@@ -27,7 +31,15 @@ def run(host: str = "127.0.0.1", port: int = 8000, *, reload: bool = False) -> N
         early_load.start()
     import uvicorn
 
-    uvicorn.run(FACTORY, factory=True, host=host, port=port, reload=reload, http=HTTP_PROTOCOL)
+    uvicorn.run(
+        FACTORY,
+        factory=True,
+        host=host,
+        port=port,
+        reload=reload,
+        http=HTTP_PROTOCOL,
+        ws=WEBSOCKETS,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -136,3 +136,14 @@ def test_the_app_loads_no_library_its_default_start_does_not_use() -> None:
     )
     assert {"fastapi", "onnxruntime", "numpy"} <= loaded  # the check sees what it does load
     assert not loaded & {"mcp", "faiss", "joserfc", "cryptography"}
+
+
+def test_the_server_loads_no_websocket_protocol() -> None:
+    """The service has no WebSocket endpoint: uvicorn, configured as app.serve runs it, loads
+    neither its WebSocket protocol nor a WebSocket library (imports a cold start would pay)."""
+    loaded = _loaded_by(
+        "import uvicorn, app.serve; uvicorn.Config(app.serve.FACTORY, factory=True, "
+        "http=app.serve.HTTP_PROTOCOL, ws=app.serve.WEBSOCKETS).load()"
+    )
+    assert {"uvicorn", "fastapi", "httptools"} <= loaded  # the check sees what it does load
+    assert not loaded & {"websockets", "wsproto"}
