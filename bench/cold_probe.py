@@ -6,7 +6,6 @@ COLD_PROFILE_OUT when the driver's SIGTERM comes. Few imports here: they count i
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import signal
@@ -96,10 +95,11 @@ def probe(port: int) -> None:
 
         embeddings_lifecycle.ModelLifecycle._load = loaded  # type: ignore[method-assign]
 
-    # As app/serve.py's run starts (its own calls then find both done): the collector off,
+    # As app/serve.py's run starts (its own call then finds it done): the collector off,
     # the model's load started, then uvicorn imported.
-    gc.disable()
-    early_load.start()
+    from app import serve
+
+    serve.prepare()
     mark("early load started")
     import uvicorn.config
     import uvicorn.server
@@ -142,7 +142,6 @@ def probe(port: int) -> None:
         signal.signal(signal.SIGTERM, saved_then_stop)
 
     uvicorn.server.Server.startup = started  # type: ignore[method-assign]
-    from app import serve
 
     serve.main(["--host", HOST, "--port", str(port)])
 
