@@ -444,6 +444,9 @@ def test_the_launch_path_runs_the_bounded_protocol(monkeypatch: pytest.MonkeyPat
     limit the service can raise its own to."""
     calls: list[dict[str, Any]] = []
     monkeypatch.setattr(uvicorn, "run", lambda *args, **kwargs: calls.append(kwargs))
+    # Not in the test's process: the collector stopped and a model load (whose thread, still
+    # inside onnxruntime when a short pytest run exits, aborted the process).
+    monkeypatch.setattr(serve, "prepare", lambda **_: None)
     serve.main(["--port", "8123"])
     assert calls[0]["http"] == serve.HTTP_PROTOCOL
     assert calls[0]["ws"] == serve.WEBSOCKETS  # tests/test_layers.py: what that loads
