@@ -92,8 +92,7 @@ def import_groups(top: int = 14) -> list[tuple[str, float]]:
     importtime; the service's threads import some of them side by side)."""
     code = (
         "import uvicorn, app.main, app.server.protocol, uvicorn.lifespan.on, "
-        "uvicorn.loops.auto, uvicorn.protocols.websockets.auto, app.embedding.onnx_embedder, "
-        "app.embedding.session_cache\n"
+        "uvicorn.loops.auto, app.embedding.onnx_embedder, app.embedding.session_cache\n"
         "from app.core.config import Settings\n"
         "Settings.from_env()\n"
     )
