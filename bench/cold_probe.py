@@ -78,6 +78,13 @@ def probe(port: int) -> None:
         timed(onnx_embedder, "_read_model", "early load: model file read")
         timed(onnx_embedder.OnnxEmbedder, "_open", "early load: onnxruntime session made")
         timed(onnx_embedder.OnnxEmbedder, "embed_tokenized", "model run", first_only=True)
+        finish = onnx_embedder.OnnxEmbedder.finish_loading
+
+        def finish_loading(self: Any) -> None:
+            mark("warm-up began (one-core session, long-text window, runs)")
+            finish(self)
+
+        onnx_embedder.OnnxEmbedder.finish_loading = finish_loading  # type: ignore[method-assign]
         return plan
 
     early_load.plan_of = planned

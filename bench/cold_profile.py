@@ -207,11 +207,13 @@ def main(argv: list[str] | None = None) -> None:
         answers = [_at(r, "client: answer received") for r in marks]
         # per start: what the first request itself waited, from its send to its answer
         waits = [_at(r, "client: answer received") - _at(r, "client: request sent") for r in marks]
+        after = [_at(r, "client: answer received") - _at(r, "model run") for r in marks]
         print(
             f"\n{mode}: spawn to first answer, median {statistics.median(answers):.0f} ms "
             f"({min(answers):.0f}-{max(answers):.0f}) over {len(answers)} starts; the first "
             f"request, sent to answered, {statistics.median(waits):.1f} ms "
-            f"({min(waits):.1f}-{max(waits):.1f})"
+            f"({min(waits):.1f}-{max(waits):.1f}), from the end of its model run "
+            f"{statistics.median(after):.1f} ms ({min(after):.1f}-{max(after):.1f})"
         )
         print(header)
         for row in _table(marks):
