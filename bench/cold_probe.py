@@ -6,7 +6,6 @@ COLD_PROFILE_OUT when the driver's SIGTERM comes. Few imports here: they count i
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import signal
@@ -79,6 +78,13 @@ def probe(port: int) -> None:
         timed(onnx_embedder, "_read_model", "early load: model file read")
         timed(onnx_embedder.OnnxEmbedder, "_open", "early load: onnxruntime session made")
         timed(onnx_embedder.OnnxEmbedder, "embed_tokenized", "model run", first_only=True)
+        finish = onnx_embedder.OnnxEmbedder.finish_loading
+
+        def finish_loading(self: Any) -> None:
+            mark("warm-up began (one-core session, long-text window, runs)")
+            finish(self)
+
+        onnx_embedder.OnnxEmbedder.finish_loading = finish_loading  # type: ignore[method-assign]
         return plan
 
     early_load.plan_of = planned
@@ -96,10 +102,11 @@ def probe(port: int) -> None:
 
         embeddings_lifecycle.ModelLifecycle._load = loaded  # type: ignore[method-assign]
 
-    # As app/serve.py's run starts (its own calls then find both done): the collector off,
+    # As app/serve.py's run starts (its own call then finds it done): the collector off,
     # the model's load started, then uvicorn imported.
-    gc.disable()
-    early_load.start()
+    from app import serve
+
+    serve.prepare()
     mark("early load started")
     import uvicorn.config
     import uvicorn.server
@@ -142,7 +149,6 @@ def probe(port: int) -> None:
         signal.signal(signal.SIGTERM, saved_then_stop)
 
     uvicorn.server.Server.startup = started  # type: ignore[method-assign]
-    from app import serve
 
     serve.main(["--host", HOST, "--port", str(port)])
 

@@ -1,6 +1,6 @@
 """Where a cold start's time goes: `python -m app.serve` spawned to its first answer, in parts.
 
-    python -m bench.cold_profile [--rounds N]
+    python -m bench.cold_profile [--rounds N] [--base DIR]
 
 Each round spawns the service as bench.reference's cold start does (default settings, the
 model's load started with the process) through a probe that wraps the steps of the real path
@@ -11,6 +11,8 @@ on in one start and off in the other, in turns: its entry is written by a first 
 timed. Then a fresh session's first runs (what a warm-up run at load would take off the
 first request), and one `-X importtime` run of the same imports, one thread, grouped by
 top-level package. Medians of the rounds; the host's load moves them, so compare within one run.
+`--base DIR` (another checkout, e.g. `git worktree add /tmp/base main`, run by this
+interpreter): this checkout's starts and DIR's take turns instead, both with the model cache.
 """
 
 from __future__ import annotations
@@ -35,11 +37,13 @@ from bench.server import HOST, ROOT, compile_app, free_port
 # ── the driver ──
 
 
-def _start(port: int, env: dict[str, str], out: Path) -> tuple[float, subprocess.Popen[bytes]]:
+def _start(
+    port: int, env: dict[str, str], out: Path, root: Path
+) -> tuple[float, subprocess.Popen[bytes]]:
     spawned = time.perf_counter()
     process = subprocess.Popen(
         [sys.executable, "-m", "bench.cold_probe", str(port)],
-        cwd=ROOT,
+        cwd=root,
         env={**env, _SPAWNED: repr(spawned), _OUT: str(out)},
         stdout=subprocess.DEVNULL,
         stderr=None if os.environ.get("COLD_PROFILE_DEBUG") else subprocess.DEVNULL,
@@ -47,15 +51,16 @@ def _start(port: int, env: dict[str, str], out: Path) -> tuple[float, subprocess
     return spawned, process
 
 
-def one_start(env: dict[str, str], trace_body: bytes) -> list[dict[str, Any]]:
-    """One cold start to its first answer: the probe's marks and the client's."""
+def one_start(env: dict[str, str], trace_body: bytes, root: Path = ROOT) -> list[dict[str, Any]]:
+    """One cold start of `root`'s service to its first answer: the probe's marks and the
+    client's."""
     from bench import load
 
     port = free_port()
     (request,) = load.evaluate_requests([json.loads(trace_body)], port)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "marks.json"
-        spawned, process = _start(port, env, out)
+        spawned, process = _start(port, env, out, root)
         try:
             while True:
                 if process.poll() is not None:
@@ -87,8 +92,7 @@ def import_groups(top: int = 14) -> list[tuple[str, float]]:
     importtime; the service's threads import some of them side by side)."""
     code = (
         "import uvicorn, app.main, app.server.protocol, uvicorn.lifespan.on, "
-        "uvicorn.loops.auto, uvicorn.protocols.websockets.auto, app.embedding.onnx_embedder, "
-        "app.embedding.session_cache\n"
+        "uvicorn.loops.auto, app.embedding.onnx_embedder, app.embedding.session_cache\n"
         "from app.core.config import Settings\n"
         "Settings.from_env()\n"
     )
@@ -148,6 +152,11 @@ def _env(**kp: str) -> dict[str, str]:
     return {**clean, "KP_EMBED_MEMO_CAPACITY": "0", **kp}
 
 
+def _at(marks: list[dict[str, Any]], step: str) -> float:
+    (at,) = (m["at_ms"] for m in marks if m["step"] == step)
+    return float(at)
+
+
 def _table(runs: list[list[dict[str, Any]]]) -> list[str]:
     """Each step's median end (and duration, CPU) over the runs, in order of its end."""
     steps: dict[str, list[dict[str, Any]]] = {}
@@ -170,6 +179,7 @@ def _table(runs: list[list[dict[str, Any]]]) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.cold_profile")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--base", type=Path, help="another checkout whose start to compare")
     args = parser.parse_args(argv)
     from bench import corpus
 
@@ -177,21 +187,33 @@ def main(argv: list[str] | None = None) -> None:
     item = corpus.build("typical", 1, seed=21)[0]
     trace = json.dumps(item.trace).encode()
     with tempfile.TemporaryDirectory(prefix="kp-cold-") as cache_dir:
-        modes: dict[str, dict[str, str]] = {
-            "model cache on": _env(KP_MODEL_CACHE_DIR=cache_dir),
-            "model cache off": _env(KP_MODEL_CACHE="false"),
+        cached = _env(KP_MODEL_CACHE_DIR=cache_dir)
+        modes: dict[str, tuple[dict[str, str], Path]] = {
+            "model cache on": (cached, ROOT),
+            "model cache off": (_env(KP_MODEL_CACHE="false"), ROOT),
         }
-        one_start(modes["model cache on"], trace)  # writes the cache's entry; not timed
+        if args.base is not None:
+            base = args.base.resolve()
+            compile_app(base)
+            modes = {"this checkout": (cached, ROOT), f"base {base}": (cached, base)}
+        one_start(cached, trace)  # writes the cache's entry; not timed
         runs: dict[str, list[list[dict[str, Any]]]] = {mode: [] for mode in modes}
         for i in range(args.rounds):
             for mode in sorted(modes, reverse=i % 2 == 1):
-                runs[mode].append(one_start(modes[mode], trace))
+                env, root = modes[mode]
+                runs[mode].append(one_start(env, trace, root))
     header = f"{'end, ms':>8s}  {'took':>7s} {'cpu':>7s}  {'thread':13s} step"
     for mode, marks in runs.items():
-        answers = [m["at_ms"] for r in marks for m in r if m["step"] == "client: answer received"]
+        answers = [_at(r, "client: answer received") for r in marks]
+        # per start: what the first request itself waited, from its send to its answer
+        waits = [_at(r, "client: answer received") - _at(r, "client: request sent") for r in marks]
+        after = [_at(r, "client: answer received") - _at(r, "model run") for r in marks]
         print(
             f"\n{mode}: spawn to first answer, median {statistics.median(answers):.0f} ms "
-            f"({min(answers):.0f}-{max(answers):.0f}) over {len(answers)} starts"
+            f"({min(answers):.0f}-{max(answers):.0f}) over {len(answers)} starts; the first "
+            f"request, sent to answered, {statistics.median(waits):.1f} ms "
+            f"({min(waits):.1f}-{max(waits):.1f}), from the end of its model run "
+            f"{statistics.median(after):.1f} ms ({min(after):.1f}-{max(after):.1f})"
         )
         print(header)
         for row in _table(marks):

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 APP = Path(__file__).resolve().parent.parent / "app"
 
@@ -136,3 +139,42 @@ def test_the_app_loads_no_library_its_default_start_does_not_use() -> None:
     )
     assert {"fastapi", "onnxruntime", "numpy"} <= loaded  # the check sees what it does load
     assert not loaded & {"mcp", "faiss", "joserfc", "cryptography"}
+
+
+def test_the_server_loads_no_websocket_protocol() -> None:
+    """The service has no WebSocket endpoint: uvicorn, configured as app.serve runs it, loads
+    neither its WebSocket protocol nor a WebSocket library (imports a cold start would pay)."""
+    loaded = _loaded_by(
+        "import uvicorn, app.serve; uvicorn.Config(app.serve.FACTORY, factory=True, "
+        "http=app.serve.HTTP_PROTOCOL, ws=app.serve.WEBSOCKETS).load()"
+    )
+    assert {"uvicorn", "fastapi", "httptools"} <= loaded  # the check sees what it does load
+    assert not loaded & {"websockets", "wsproto"}
+
+
+@pytest.mark.parametrize(("setting", "searched"), [(None, False), ("", True)])
+def test_a_start_searches_no_pydantic_plugins_unless_asked(
+    setting: str | None, searched: bool
+) -> None:
+    """The service uses no pydantic plugin: app.serve skips pydantic's search for them (every
+    installed package's entry points) unless PYDANTIC_DISABLE_PLUGINS says otherwise."""
+    code = (
+        "import uvicorn, app.serve\n"
+        "uvicorn.run = lambda *args, **kwargs: None\n"
+        "app.serve.run(reload=True)\n"
+        "import app.main\n"
+        "from pydantic.plugin import _loader\n"
+        "print(_loader._plugins is not None)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYDANTIC_DISABLE_PLUGINS"}
+    if setting is not None:
+        env["PYDANTIC_DISABLE_PLUGINS"] = setting
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=APP.parent,
+        env=env,
+    )
+    assert out.stdout.split() == [str(searched)]

@@ -292,6 +292,44 @@ def test_a_body_answered_before_it_is_read_is_not_taken_for_the_next_headers(
     assert rest.startswith(b"HTTP/1.1 200 "), rest[:200]
 
 
+_WEBSOCKET = (
+    b"Connection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Version: 13\r\n"
+    b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+)
+_H2C = (
+    b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQAAP__\r\n"
+)
+
+
+@pytest.mark.parametrize("upgrade", [_WEBSOCKET, _H2C], ids=["websocket", "h2c"])
+def test_a_request_asking_to_upgrade_is_answered_as_http_then_closed(
+    bounded: Server, upgrade: bytes
+) -> None:
+    """The service speaks HTTP/1.1 only (no WebSocket endpoint; app/serve.py loads no
+    WebSocket protocol): a handshake is answered as the plain request it also is, and the
+    connection closes after the answer (the parser reads nothing after an upgrade's headers
+    in the same read, so what came next is not misread as a request)."""
+    with _connect(bounded) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: kp\r\n" + upgrade + b"\r\n")
+        data, closed = _read_until_closed(sock)
+    status, headers, body = _response(data)
+    assert (status, body) == (200, {"status": "ok"})
+    assert headers["connection"] == "close"
+    assert closed
+
+
+def test_an_upgrade_request_with_a_body_is_refused_not_left_hanging(bounded: Server) -> None:
+    """The body after an upgrade request's headers is not parsed as one: the request gets a
+    client error and the connection closes, rather than waiting for a body that never comes."""
+    body = json.dumps(make_trace()).encode()
+    head = b"POST /evaluate HTTP/1.1\r\nHost: kp\r\nContent-Type: application/json\r\n"
+    with _connect(bounded) as sock:
+        sock.sendall(head + b"Content-Length: %d\r\n" % len(body) + _WEBSOCKET + b"\r\n" + body)
+        data, closed = _read_until_closed(sock)
+    assert 400 <= _response(data)[0] < 500, data[:300]
+    assert closed
+
+
 def _long_trace(size: int) -> bytes:
     """A valid trace of about `size` bytes (every string within KP_MAX_STRING_CHARS)."""
     steps = [step(i, "thought", "word " * 4000) for i in range(1, size // 20_000 + 2)]
@@ -406,8 +444,12 @@ def test_the_launch_path_runs_the_bounded_protocol(monkeypatch: pytest.MonkeyPat
     limit the service can raise its own to."""
     calls: list[dict[str, Any]] = []
     monkeypatch.setattr(uvicorn, "run", lambda *args, **kwargs: calls.append(kwargs))
+    # Not in the test's process: the collector stopped and a model load (whose thread, still
+    # inside onnxruntime when a short pytest run exits, aborted the process).
+    monkeypatch.setattr(serve, "prepare", lambda **_: None)
     serve.main(["--port", "8123"])
     assert calls[0]["http"] == serve.HTTP_PROTOCOL
+    assert calls[0]["ws"] == serve.WEBSOCKETS  # tests/test_layers.py: what that loads
     assert import_from_string(serve.HTTP_PROTOCOL) is LimitedHttpToolsProtocol
     root = Path(__file__).resolve().parent.parent
     for name in ("docker-compose.yml", "docker-compose.scale.yml"):

@@ -157,6 +157,18 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         else:
             self._watch_body()
 
+    def _unsupported_upgrade_warning(self) -> None:
+        """A request asking to switch protocols (WebSocket, h2c): the service speaks HTTP/1.1
+        only and answers it as a plain request, as HTTP lets a server do (RFC 9110, 7.8),
+        without uvicorn's warnings (one of them about a missing WebSocket library). The parser
+        reads nothing more of a connection after an upgrade request: it closes after the
+        answer instead of leaving the client's next request unread."""
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            cycle.keep_alive = False
+        else:
+            self.transport.close()
+
     def _invalid_request(self) -> None:
         msg = "Invalid HTTP request received."
         self.logger.warning(msg)

@@ -1,0 +1,38 @@
+"""The memory benches' own arithmetic: the exact maximum they compare against, and the
+inverted file's coverage (bench.index_sweep)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from bench import index_sweep, memory
+
+
+def _unit_rows(n: int, seed: int) -> np.ndarray:
+    rows = np.random.default_rng(seed).standard_normal((n, 384)).astype(np.float32)
+    unit: np.ndarray = rows / np.linalg.norm(rows, axis=1, keepdims=True)
+    return unit
+
+
+def test_exact_best_is_the_maximum_cosine_and_its_row_across_blocks() -> None:
+    stored = _unit_rows(250_000, 1)  # more than one 100,000-row block
+    queries = _unit_rows(7, 2)
+    queries[3] = stored[123_456]  # a stored vector: its own row, cosine 1
+    best, rows = memory.exact_best(stored, queries)
+    scores = stored.astype(np.float64) @ queries.astype(np.float64).T
+    assert np.array_equal(rows, scores.argmax(axis=0))
+    assert np.allclose(best, scores.max(axis=0), atol=1e-12)
+    assert rows[3] == 123_456
+    assert abs(best[3] - 1.0) < 1e-12
+    assert np.array_equal(memory.exact_max(stored, queries), best)
+
+
+def test_a_stored_vector_is_reached_in_its_own_cell_first() -> None:
+    stored = _unit_rows(4_000, 3)
+    index, _ = index_sweep.build(stored, cells=16, pq=48)
+    picks = np.array([5, 700, 3_999])
+    cells, visited = index_sweep.coverage(index, stored, stored[picks], picks)
+    _, cell_of = index.quantizer.search(stored, 1)
+    sizes = np.bincount(cell_of[:, 0], minlength=16)
+    assert list(cells) == [1, 1, 1]
+    assert list(visited) == [int(sizes[cell_of[i, 0]]) for i in picks]
