@@ -152,6 +152,36 @@ def test_max_cosine_equals_the_reference_loop_through_wraparound(
     assert cache.size == len(kept)
 
 
+@settings(max_examples=80, deadline=None)
+@given(
+    # Few distinct seeds: the same vector stored several times makes ties.
+    seeds=st.lists(st.integers(0, 6), min_size=1, max_size=40),
+    capacity=st.integers(1, 16),
+    query=st.integers(0, 6),
+    skip_oldest=st.integers(0, 3),
+)
+def test_nearest_names_the_newest_of_the_best_through_wraparound(
+    seeds: list[int], capacity: int, query: int, skip_oldest: int
+) -> None:
+    """Which entry is named, full ring or not: the newest of those with the reference's
+    maximal cosine (SPEC section 6), and none of the `skip_oldest` oldest."""
+    cache = VectorCache(capacity=capacity, dimensions=16)
+    for i, s in enumerate(seeds):
+        cache.add(unit(s, 16), trace_id=f"t{i}")
+    kept = list(enumerate(seeds))[-capacity:][skip_oldest:]
+    found = cache.nearest(unit(query, 16), skip_oldest=skip_oldest)
+    if not kept:
+        assert found is None
+        return
+    q = unit(query, 16)
+    cosines = [reference_max_cosine([unit(s, 16)], q) for _, s in kept]
+    best = max(cosines)
+    newest = max(i for (i, _), c in zip(kept, cosines, strict=True) if c == best)
+    assert found is not None
+    assert found.cosine == pytest.approx(best, abs=1e-12)
+    assert found.trace_id == f"t{newest}"
+
+
 def test_scan_is_exact_at_full_capacity() -> None:
     cache = VectorCache(capacity=1000)
     vectors = [unit(s) for s in range(1200)]

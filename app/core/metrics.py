@@ -5,6 +5,8 @@ expose their own figures through app.services.runtime.RuntimeCollector."""
 
 from __future__ import annotations
 
+from typing import Any, TypeVar
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from app.core.connection_metrics import register_connection_metrics
@@ -13,10 +15,13 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 #: Up to KP_EMBED_MAX_WAIT_MS's default (10 s): past it a request is turned away.
 _QUEUE_WAIT_BUCKETS = (*_LATENCY_BUCKETS, 5.0, 10.0)
 
+_Labelled = TypeVar("_Labelled", Counter, Histogram)
+
 
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self._children: dict[tuple[object, tuple[str, ...]], Any] = {}
         r = self.registry
         register_connection_metrics(r)
         self.requests = Counter(
@@ -104,6 +109,16 @@ class Metrics:
             ["action"],
             registry=r,
         )
+
+    def child(self, metric: _Labelled, *values: str) -> _Labelled:
+        """`metric.labels(*values)`, kept once made: prometheus-client's `labels` checks the
+        values and takes a lock at every call, several times a request on the hot path. A
+        child lives as long as its metric (nothing here removes one)."""
+        key = (metric, values)
+        found: _Labelled | None = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*values)
+        return found
 
     # The embedding service's observer (app/services/embeddings_types.EmbedObserver).
     def queue_waited(self, seconds: float) -> None:

@@ -895,6 +895,14 @@ class VectorCache:
         """Sequence numbers in [start, stop) whose float32 cosine can be the maximum."""
         if start_seq >= stop_seq:
             return np.empty(0, dtype=np.int64)
+        length = len(self._vectors)
+        if stop_seq - start_seq == length:
+            # Every row (a full ring, the common case): one product over the whole array
+            # instead of one per run and their concatenation.
+            scores = self._vectors @ q
+            slots = np.flatnonzero(scores >= float(scores.max()) - _RESCORE_MARGIN)
+            row = (self._head + start_seq - self._first_seq) % length
+            return (start_seq + (slots - row) % length).astype(np.int64)
         parts = []
         for seq, row_start, row_stop in self._runs(start_seq, stop_seq):
             parts.append((seq, self._vectors[row_start:row_stop] @ q))
@@ -915,15 +923,15 @@ class VectorCache:
 
     def _best(self, q: Vector, seqs: npt.NDArray[np.int64]) -> Nearest:
         """The exact (float64) best of the given entries; ties go to the newest."""
-        seqs = np.unique(seqs)  # sorted: the newest last
+        if len(seqs) > 1:
+            seqs = np.unique(seqs)  # sorted: the newest last
         slots = (self._head + (seqs - self._first_seq)) % len(self._vectors)
         q64 = q.astype(np.float64)
         q_norm = _norm64(q)
         # Row by row in the same summation order as exact_cosine, whatever the row count.
         dots = (self._vectors[slots].astype(np.float64) * q64).sum(axis=1)
         denominators = self._norms[slots] * q_norm
-        with np.errstate(divide="ignore", invalid="ignore"):
-            cosines = np.where(denominators == 0, 0.0, dots / denominators)
+        cosines = np.divide(dots, denominators, out=np.zeros_like(dots), where=denominators != 0)
         # The newest of the maximal ones: the last index of the maximum.
         at = len(cosines) - 1 - int(np.argmax(cosines[::-1]))
         slot = int(slots[at])

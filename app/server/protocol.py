@@ -58,6 +58,10 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         _loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
         super().__init__(config, server_state, app_state, _loop)
+        # The service writes its own access line (app/api/asgi/access_log.py) and disables
+        # uvicorn's logger (app/core/logging.py); that logger keeps its handlers, so uvicorn
+        # would still build its line's arguments (client address, quoted path) per response.
+        self.access_log = False
         cls = type(self)
         if cls.settings is None:
             cls.settings = Settings.from_env()

@@ -39,20 +39,21 @@ async def score_traces(
     """Score traces in order (one trace, or a batch as one step); raises TraceLimitError or
     the embedding service's OverloadedError (counted), in both cases having changed nothing.
     `body_bytes`: the request body's size when known (it spares the limits a walk)."""
-    metrics.scoring_requests.labels(transport, "batch" if batch else "one").inc()
+    m = metrics
+    m.child(m.scoring_requests, transport, "batch" if batch else "one").inc()
     errors = limit_errors(traces, limits, batch=batch, body_bytes=body_bytes)
     if errors:
         raise TraceLimitError(errors)
     try:
         evaluations = await evaluator.evaluate(traces, dry_run=dry_run)
     except OverloadedError as exc:
-        metrics.overloaded.labels(exc.reason).inc()
+        m.child(m.overloaded, exc.reason).inc()
         raise
     for e in evaluations:
-        metrics.evaluations.labels(e.score.weights.name).inc()
-        metrics.score.observe(e.score.value)
+        m.child(m.evaluations, e.score.weights.name).inc()
+        m.score.observe(e.score.value)
         for rule in e.score.overrides:
-            metrics.overrides.labels(rule).inc()
+            m.child(m.overrides, rule).inc()
         if not e.novelty.measured and e.novelty.reason is not None:
-            metrics.novelty_unmeasured.labels(e.novelty.reason).inc()
+            m.child(m.novelty_unmeasured, e.novelty.reason).inc()
     return evaluations

@@ -34,10 +34,11 @@ class AccessLog:
         finally:
             elapsed = time.perf_counter() - started
             name = getattr(scope.get("route"), "path", "unmatched")
-            self.metrics.requests.labels(name, scope["method"], str(status)).inc()
-            self.metrics.latency.labels(name).observe(elapsed)
+            m = self.metrics
+            m.child(m.requests, name, scope["method"], str(status)).inc()
+            m.child(m.latency, name).observe(elapsed)
             if status >= 400:
-                self.metrics.errors.labels(name, str(status)).inc()
+                m.child(m.errors, name, str(status)).inc()
             key = scope.get("state", {}).get("api_key")
             log.info(
                 "request",

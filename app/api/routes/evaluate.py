@@ -7,7 +7,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
 
-from app.api.deps import BearerDep, Services, ServicesDep
+from app.api.deps import BEARER_SECURITY, Services, services_of
 from app.api.presenters import evaluation_out
 from app.core.signatures import unsignable_errors
 from app.schemas.responses import BatchIn, BatchOut, EvaluationOut
@@ -15,9 +15,10 @@ from app.schemas.trace import ReasoningTrace
 from app.services.evaluator import Evaluation
 from app.services.scoring_requests import TraceLimitError, score_traces
 
+# The hot path: no FastAPI dependency beyond the parameters (each costs a resolution per
+# request); the bearer scheme is declared for the document only (app/api/deps.py).
 router = APIRouter(
     tags=["evaluate"],
-    dependencies=[BearerDep],
     responses={
         400: {
             "description": "A body that cannot be read as JSON text (not UTF-8), a malformed "
@@ -73,27 +74,37 @@ IdempotencyKey = Annotated[
 ]
 
 
-@router.post("/evaluate", summary="Score one reasoning trace", responses=_NEXT)
+@router.post(
+    "/evaluate",
+    summary="Score one reasoning trace",
+    responses=_NEXT,
+    openapi_extra=BEARER_SECURITY,
+)
 async def evaluate(
     trace: ReasoningTrace,
-    services: ServicesDep,
     request: Request,
     dry_run: DryRun = False,
     idempotency_key: IdempotencyKey = None,
 ) -> EvaluationOut:
+    services = services_of(request)
     sent = await _sent_traces(services, request, batch=False)
     (evaluation,) = await _score(services, request, [trace], dry_run=dry_run, batch=False)
     return _answer(services, evaluation, sent, 0)
 
 
-@router.post("/evaluate/batch", summary="Score traces in order, as one step", responses=_NEXT)
+@router.post(
+    "/evaluate/batch",
+    summary="Score traces in order, as one step",
+    responses=_NEXT,
+    openapi_extra=BEARER_SECURITY,
+)
 async def evaluate_batch(
     batch: BatchIn,
-    services: ServicesDep,
     request: Request,
     dry_run: DryRun = False,
     idempotency_key: IdempotencyKey = None,
 ) -> BatchOut:
+    services = services_of(request)
     sent = await _sent_traces(services, request, batch=True)
     evaluations = await _score(services, request, batch.traces, dry_run=dry_run, batch=True)
     return BatchOut(results=[_answer(services, e, sent, i) for i, e in enumerate(evaluations)])
