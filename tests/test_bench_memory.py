@@ -8,15 +8,15 @@ import numpy as np
 from bench import index_sweep, memory
 
 
-def _unit_rows(n: int, seed: int) -> np.ndarray:
-    rows = np.random.default_rng(seed).standard_normal((n, 384)).astype(np.float32)
+def _unit_rows(n: int, seed: int, dims: int = 384) -> np.ndarray:
+    rows = np.random.default_rng(seed).standard_normal((n, dims)).astype(np.float32)
     unit: np.ndarray = rows / np.linalg.norm(rows, axis=1, keepdims=True)
     return unit
 
 
 def test_exact_best_is_the_maximum_cosine_and_its_row_across_blocks() -> None:
-    stored = _unit_rows(250_000, 1)  # more than one 100,000-row block
-    queries = _unit_rows(7, 2)
+    stored = _unit_rows(250_000, 1, dims=16)  # more than one 100,000-row block
+    queries = _unit_rows(7, 2, dims=16)
     queries[3] = stored[123_456]  # a stored vector: its own row, cosine 1
     best, rows = memory.exact_best(stored, queries)
     scores = stored.astype(np.float64) @ queries.astype(np.float64).T
