@@ -104,15 +104,15 @@ class SessionCache:
         the model and written to the cache. onnxruntime's errors on the model itself
         propagate, as without a cache."""
         key = self.key(model_sha256)
-        found, why_not = self._record(key)
-        if found is not None:
+        checks, why_not = self._record(key)
+        if checks is not None:
             loaded = options()
             loaded.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
             # The files' checksums are computed while onnxruntime loads them: the checksums
             # leave the GIL and the load mostly holds it, so on a second core they cost the
             # start no time. The session is used only once they match.
             with ThreadPoolExecutor(1, thread_name_prefix="kp-graph-check") as pool:
-                checked = pool.submit(self._whole, found)
+                checked = pool.submit(self._whole, checks)
                 try:
                     session: ort.InferenceSession | None = ort.InferenceSession(
                         str(self._path(key, "onnx")), loaded, providers=["CPUExecutionProvider"]
@@ -198,9 +198,10 @@ class SessionCache:
                 # builds the graph again.
                 old.unlink(missing_ok=True)
 
-    def _record(self, key: str) -> tuple[dict[str, Any] | None, str | None]:
-        """The files of entry `key` as its record describes them, when the record is there, of
-        this format and the files' sizes match it; else None, and why not (None: no entry)."""
+    def _record(self, key: str) -> tuple[list[tuple[Path, object]] | None, str | None]:
+        """The files of entry `key` and the CRC-32 its record gives each, when the record is
+        there, of this format and the files' sizes match it; else None, and why not (None: no
+        entry)."""
         try:
             record = json.loads(self._path(key, "json").read_text())
             files: dict[str, Any] = record["files"]
@@ -208,26 +209,27 @@ class SessionCache:
                 return None, "stale cached graph"
             if files["onnx"]["name"] != f"{key}.onnx":
                 return None, "stale cached graph"
+            checks: list[tuple[Path, object]] = []
             for part in ("onnx", "data"):
                 expected = files[part]
                 path = self.directory / Path(expected["name"]).name
                 if path.stat().st_size != expected["size"]:
                     return None, f"damaged cached graph ({path.name})"
+                checks.append((path, expected["crc32"]))
         except FileNotFoundError:
             return None, None
         except (OSError, ValueError, KeyError, TypeError) as exc:
             return None, f"unreadable cached graph: {exc}"
-        return files, None
+        return checks, None
 
-    def _whole(self, files: dict[str, Any]) -> str | None:
+    @staticmethod
+    def _whole(checks: list[tuple[Path, object]]) -> str | None:
         """None when the files' CRC-32s match their record's, else what is wrong."""
-        for part in ("onnx", "data"):
-            expected = files[part]
-            path = self.directory / Path(expected["name"]).name
+        for path, crc in checks:
             try:
-                if _crc32(path) != expected["crc32"]:
+                if _crc32(path) != crc:
                     return f"damaged cached graph ({path.name})"
-            except (OSError, KeyError, TypeError) as exc:
+            except OSError as exc:
                 return f"unreadable cached graph: {exc}"
         return None
 
