@@ -901,8 +901,7 @@ class VectorCache:
             # instead of one per run and their concatenation.
             scores = self._vectors @ q
             slots = np.flatnonzero(scores >= float(scores.max()) - _RESCORE_MARGIN)
-            row = (self._head + start_seq - self._first_seq) % length
-            return (start_seq + (slots - row) % length).astype(np.int64)
+            return (start_seq + (slots - self._row(start_seq)) % length).astype(np.int64)
         parts = []
         for seq, row_start, row_stop in self._runs(start_seq, stop_seq):
             parts.append((seq, self._vectors[row_start:row_stop] @ q))
@@ -911,10 +910,14 @@ class VectorCache:
             [seq + np.flatnonzero(p >= best - _RESCORE_MARGIN) for seq, p in parts]
         ).astype(np.int64)
 
+    def _row(self, seq: int) -> int:
+        """The row of the ring that holds the live entry `seq`."""
+        return (self._head + seq - self._first_seq) % len(self._vectors)
+
     def _runs(self, start_seq: int, stop_seq: int) -> list[tuple[int, int, int]]:
         """[start, stop) as at most two contiguous runs of rows: (first seq, row start, stop)."""
         length = len(self._vectors)
-        row = (self._head + start_seq - self._first_seq) % length
+        row = self._row(start_seq)
         count = stop_seq - start_seq
         if row + count <= length:
             return [(start_seq, row, row + count)]
