@@ -18,9 +18,9 @@ trained and filled; then:
 
 With `--libs`, the same queries, truth and counting for other libraries (each optional: one
 not installed is skipped with the reason printed), candidates rescored exactly as above:
-- `scann`: ScaNN's tree (`--scann-leaves`) with anisotropic 4-bit codes (2 dimensions a
-  block, threshold 0.2) and its own float32 reordering of `--scann-reorder` candidates,
-  searched over `--scann-search` leaves;
+- `scann`: ScaNN's tree (`--scann-leaves`; SOAR spilling with `--scann-soar` lambdas, 0 for
+  none) with anisotropic 4-bit codes (2 dimensions a block, threshold 0.2) and its own float32
+  reordering of `--scann-reorder` candidates, searched over `--scann-search` leaves;
 - `usearch`: usearch's HNSW (`--usearch-connectivity`, `--usearch-dtype`, expansion_add
   `--usearch-expansion-add`) at expansion_search `--usearch-expansion` x `--usearch-rescore`
   candidates.
@@ -229,11 +229,17 @@ def scann_phase(setup: Setup, args: argparse.Namespace) -> dict[str, Any]:
     if ops is None:
         return {"skipped": why}
     doc: dict[str, Any] = {"version": _version("scann"), "entries": len(setup.stored)}
-    doc["configs"] = [_scann_config(ops, setup, args, leaves) for leaves in args.scann_leaves]
+    doc["configs"] = [
+        _scann_config(ops, setup, args, leaves, soar)
+        for soar in args.scann_soar
+        for leaves in args.scann_leaves
+    ]
     return doc
 
 
-def _scann_config(ops: Any, setup: Setup, args: argparse.Namespace, leaves: int) -> dict[str, Any]:
+def _scann_config(
+    ops: Any, setup: Setup, args: argparse.Namespace, leaves: int, soar: float
+) -> dict[str, Any]:
     stored = setup.stored
     n = len(stored)
     built = max(n - args.adds, 1)
@@ -244,6 +250,8 @@ def _scann_config(ops: Any, setup: Setup, args: argparse.Namespace, leaves: int)
             num_leaves=leaves,
             num_leaves_to_search=min(args.scann_search),
             training_sample_size=min(built, 250_000),
+            # SOAR: each entry also in a second leaf chosen to cover where its first misses.
+            **({"soar_lambda": soar} if soar else {}),
         )
         .score_ah(2, anisotropic_quantization_threshold=0.2)
         .reorder(max(args.scann_reorder))
@@ -251,8 +259,9 @@ def _scann_config(ops: Any, setup: Setup, args: argparse.Namespace, leaves: int)
     builder.set_n_training_threads(os.cpu_count() or 1)
     # Document ids make the searcher mutable (upsert), so the add rate can be measured.
     searcher = builder.build(docids=list(range(built)))
+    spill = f", SOAR lambda {soar}" if soar else ""
     config: dict[str, Any] = {
-        "index": f"ScaNN tree {leaves} leaves, AH 2 dims a block, threshold 0.2, reorder",
+        "index": f"ScaNN tree {leaves} leaves{spill}, AH 2 dims a block, threshold 0.2, reorder",
         "build_s": round(time.perf_counter() - started, 1),
     }
     config |= _timed_adds(lambda i: searcher.upsert([i], stored[i : i + 1]), built, n)
@@ -419,6 +428,9 @@ def main(argv: list[str] | None = None) -> int:
     def ints(text: str) -> list[int]:
         return [int(x) for x in text.split(",")]
 
+    def floats(text: str) -> list[float]:
+        return [float(x) for x in text.split(",")]
+
     def names(text: str) -> list[str]:
         return text.split(",")
 
@@ -434,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scann-leaves", type=ints, default=[2000, 4000])
     parser.add_argument("--scann-search", type=ints, default=[100, 200, 400, 800])
     parser.add_argument("--scann-reorder", type=ints, default=[100, 300, 1000])
+    parser.add_argument("--scann-soar", type=floats, default=[0.0], help="0: no spilling")
     parser.add_argument("--usearch-connectivity", type=ints, default=[32, 64])
     parser.add_argument("--usearch-dtype", type=names, default=["f32", "i8"])
     parser.add_argument("--usearch-expansion-add", type=int, default=128)
