@@ -413,11 +413,20 @@ def render(doc: dict[str, Any]) -> str:
 
 def merged(previous: dict[str, Any], doc: dict[str, Any], libs: list[str]) -> dict[str, Any]:
     """This run's sections replace the file's, the others stay: a library's run keeps faiss's
-    figures (the file's top level) and the other library's section."""
+    figures (the file's top level) and the other library's section. Within a library's section
+    at the same size, this run's configurations replace the same ones and the others stay, so
+    configurations can be measured in separate runs."""
     kept = {
         k: v for k, v in previous.items() if k not in libs and (k in LIBS or "faiss" not in libs)
     }
-    return kept | doc
+    out = kept | doc
+    for lib in set(libs) & set(doc) - {"faiss"}:
+        before, now = previous.get(lib, {}), doc[lib]
+        if "configs" in now and before.get("entries") == now.get("entries", -1):
+            names = {c["index"] for c in now["configs"]}
+            others = [c for c in before.get("configs", []) if c["index"] not in names]
+            out[lib] = now | {"configs": others + now["configs"]}
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -96,3 +96,15 @@ def test_a_library_run_keeps_the_other_sections_of_the_results() -> None:
         "entries": 100_000,
         "usearch": {"configs": [2]},
     }
+
+
+def test_a_library_run_at_the_same_size_replaces_only_its_own_configurations() -> None:
+    previous = {"scann": {"entries": 10, "configs": [{"index": "a", "x": 1}, {"index": "b"}]}}
+    run = {"scann": {"entries": 10, "configs": [{"index": "a", "x": 2}]}}
+    assert index_sweep.merged(previous, run, ["scann"])["scann"]["configs"] == [
+        {"index": "b"},
+        {"index": "a", "x": 2},
+    ]
+    # At another size, nothing of the earlier section is kept.
+    other = {"scann": {"entries": 20, "configs": [{"index": "c"}]}}
+    assert index_sweep.merged(previous, other, ["scann"]) == other
