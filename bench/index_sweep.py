@@ -19,7 +19,7 @@ trained and filled; then:
 With `--libs`, the same queries, truth and counting for other libraries (each optional: one
 not installed is skipped with the reason printed), candidates rescored exactly as above:
 - `scann`: ScaNN's tree (`--scann-leaves`; SOAR spilling with `--scann-soar` lambdas, 0 for
-  none) with anisotropic 4-bit codes (2 dimensions a block, threshold 0.2) and its own float32
+  none) with anisotropic 4-bit codes (`--scann-dims-per-block`, threshold 0.2) and its own float32
   reordering of `--scann-reorder` candidates, searched over `--scann-search` leaves;
 - `usearch`: usearch's HNSW (`--usearch-connectivity`, `--usearch-dtype`, expansion_add
   `--usearch-expansion-add`) at expansion_search `--usearch-expansion` x `--usearch-rescore`
@@ -253,7 +253,7 @@ def _scann_config(
             # SOAR: each entry also in a second leaf chosen to cover where its first misses.
             **({"soar_lambda": soar} if soar else {}),
         )
-        .score_ah(2, anisotropic_quantization_threshold=0.2)
+        .score_ah(args.scann_dims_per_block, anisotropic_quantization_threshold=0.2)
         .reorder(max(args.scann_reorder))
     )
     builder.set_n_training_threads(os.cpu_count() or 1)
@@ -261,7 +261,8 @@ def _scann_config(
     searcher = builder.build(docids=list(range(built)))
     spill = f", SOAR lambda {soar}" if soar else ""
     config: dict[str, Any] = {
-        "index": f"ScaNN tree {leaves} leaves{spill}, AH 2 dims a block, threshold 0.2, reorder",
+        "index": f"ScaNN tree {leaves} leaves{spill}, AH {args.scann_dims_per_block} dims a "
+        "block, threshold 0.2, reorder",
         "build_s": round(time.perf_counter() - started, 1),
     }
     config |= _timed_adds(lambda i: searcher.upsert([i], stored[i : i + 1]), built, n)
@@ -453,6 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--libs", type=names, default=["faiss"], help=f"some of {LIBS}")
     parser.add_argument("--adds", type=int, default=10_000, help="added one at a time, timed")
     parser.add_argument("--scann-leaves", type=ints, default=[2000, 4000])
+    parser.add_argument("--scann-dims-per-block", type=int, default=2, help="of a 4-bit code")
     parser.add_argument("--scann-search", type=ints, default=[100, 200, 400, 800])
     parser.add_argument("--scann-reorder", type=ints, default=[100, 300, 1000])
     parser.add_argument("--scann-soar", type=floats, default=[0.0], help="0: no spilling")
