@@ -106,16 +106,22 @@ def test_no_import_cycles_in_app() -> None:
     assert not cycles
 
 
-def _loaded_by(statement: str) -> set[str]:
-    code = f"import sys; {statement}; print('\\n'.join(sys.modules))"
-    out = subprocess.run(
-        [sys.executable, "-X", "importtime", "-c", code],
+def _printed_by(code: str, env: dict[str, str] | None = None) -> list[str]:
+    """The lines `code` prints, run in a fresh interpreter from the repository's root."""
+    done = subprocess.run(
+        [sys.executable, "-c", code],
         capture_output=True,
         text=True,
         check=True,
         cwd=APP.parent,
+        env=env,
     )
-    return {line.split(".")[0] for line in out.stdout.split()}
+    return done.stdout.splitlines()
+
+
+def _loaded_by(statement: str) -> set[str]:
+    printed = _printed_by(f"import sys; {statement}; print('\\n'.join(sys.modules))")
+    return {line.split(".")[0] for line in printed}
 
 
 def test_the_client_loads_none_of_the_servers_libraries() -> None:
@@ -170,15 +176,7 @@ def test_a_start_searches_no_pydantic_plugins_unless_asked(
     env = {k: v for k, v in os.environ.items() if k != "PYDANTIC_DISABLE_PLUGINS"}
     if setting is not None:
         env["PYDANTIC_DISABLE_PLUGINS"] = setting
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=APP.parent,
-        env=env,
-    )
-    assert out.stdout.split() == [str(searched)]
+    assert _printed_by(code, env) == [str(searched)]
 
 
 def test_a_start_builds_fastapis_openapi_models_only_when_the_document_is_asked_for() -> None:
@@ -202,14 +200,7 @@ def test_a_start_builds_fastapis_openapi_models_only_when_the_document_is_asked_
         "print(json.dumps(document))\n"
     )
     env = {**os.environ, "KP_EMBEDDER": "none"}  # nothing for the early load to load
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=APP.parent,
-        env=env,
-    ).stdout.splitlines()
+    out = _printed_by(code, env)
     assert json.loads(out[0]) == [False, True, False]
     assert json.loads(out[1]) is True
     committed = (APP.parent / "openapi" / "openapi.json").read_text(encoding="utf-8")
