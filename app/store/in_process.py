@@ -23,6 +23,13 @@ from app.store.base import BackendInfo, Comparison, NearestTrace, Vector
 T = TypeVar("T")
 
 
+def searches_take_milliseconds(cache: VectorCache) -> bool:
+    """From the index threshold on, a search (or an exact scan) takes milliseconds: compares
+    run off the event loop, so that other requests' HTTP work does not wait for them. Below
+    it a scan costs less than a thread's hand-off."""
+    return cache.size >= cache.index_threshold
+
+
 def compare_in_order(
     cache: VectorCache, vectors: Sequence[Vector], trace_ids: Sequence[str], *, add: bool
 ) -> list[Comparison]:
@@ -68,7 +75,7 @@ class InProcessMemory:
         self._on_thread = 0  # calls handed to the thread and not yet returned
 
     async def _in_order(self, work: Callable[[], T]) -> T:
-        if self._on_thread == 0 and self.cache.size < self.cache.index_threshold:
+        if self._on_thread == 0 and not searches_take_milliseconds(self.cache):
             return work()
         self._on_thread += 1
         try:
