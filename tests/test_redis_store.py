@@ -342,6 +342,35 @@ def test_redis_down_at_start_then_back(tmp_path: Path) -> None:
     assert sum(m.startswith("shared cache available again") for m in messages) == 1
 
 
+def test_a_comparison_longer_than_the_redis_timeout_is_still_answered(
+    redis_server: RedisServer, redis_prefix: str
+) -> None:
+    """KP_REDIS_TIMEOUT_MS bounds the wait for Redis, not the mirror's own work after Redis
+    has answered (a large memory's search, here held past the timeout): the request gets its
+    comparison, not cache_unavailable."""
+    v = unit_vectors(2, seed=4)
+
+    async def scenario() -> None:
+        async with replicas(
+            redis_server, redis_prefix, count=1, timeout_ms=1_000, search="exact", index_threshold=1
+        ) as (memory,):
+            await memory.compare([v[0]], ["t0"], add=True)
+            nearest = memory.mirror.nearest
+
+            def slow(*args: Any, **kwargs: Any) -> Any:
+                time.sleep(1.5)  # on the comparison's thread, after Redis answered
+                return nearest(*args, **kwargs)
+
+            memory.mirror.nearest = slow  # type: ignore[method-assign]
+            (compared,) = await memory.compare([v[1]], ["t1"], add=True)
+            assert compared.size == 1
+            assert compared.nearest is not None
+            assert compared.nearest.trace_id == "t0"
+
+    run(scenario)
+    assert [t for t, _ in log_entries(redis_server, redis_prefix)] == ["t0", "t1"]
+
+
 @pytest.mark.redis
 def test_a_redis_that_does_not_answer_costs_a_request_the_timeout_only(tmp_path: Path) -> None:
     """SIGSTOP: connections stay open and nothing answers, the worst case for a client."""

@@ -128,6 +128,14 @@ class _Exchange:
     future: asyncio.Future[list[Comparison]] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
+    budget: asyncio.Timeout | None = None  # the request's wait for Redis (None: no timeout)
+
+    def lift_budget(self) -> None:
+        """Redis has answered: what is left is the mirror's comparison, milliseconds at a large
+        memory, which is not Redis's time (a budget that has run out stays run out)."""
+        budget = self.budget
+        if budget is not None and not budget.expired() and not self.future.done():
+            budget.reschedule(None)
 
 
 @dataclass(slots=True)
@@ -135,6 +143,7 @@ class _Reset:
     future: asyncio.Future[int] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
+    budget: asyncio.Timeout | None = None
 
 
 class RedisSharedMemory:
@@ -561,7 +570,8 @@ class RedisSharedMemory:
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.create_task(self._flush())
         try:
-            return await asyncio.wait_for(future, self._timeout_s)
+            async with asyncio.timeout(self._timeout_s) as item.budget:
+                return await future
         except TimeoutError:
             # The future is cancelled: if it was still queued, it is never sent.
             raise MemoryUnavailableError(
@@ -614,6 +624,8 @@ class RedisSharedMemory:
                 return
             # No other exchange runs meanwhile (this task runs them one at a time), so the
             # mirror meets the requests in the log's order on either thread.
+            for request in group:
+                request.lift_budget()
             if searches_take_milliseconds(self.mirror):
                 results = await asyncio.to_thread(compare_own)
             else:
