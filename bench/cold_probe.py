@@ -103,11 +103,11 @@ def probe(port: int) -> None:
         embeddings_lifecycle.ModelLifecycle._load = loaded  # type: ignore[method-assign]
 
     # As app/serve.py's run starts (its own call then finds it done): the collector off,
-    # the model's load started, then uvicorn imported.
+    # the model's load started, FastAPI imported (its OpenAPI models deferred), then uvicorn.
     from app import serve
 
     serve.prepare()
-    mark("early load started")
+    mark("early load started, fastapi imported")
     import uvicorn.config
     import uvicorn.server
 

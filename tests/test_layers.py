@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import json
 import os
 import subprocess
 import sys
@@ -105,16 +106,22 @@ def test_no_import_cycles_in_app() -> None:
     assert not cycles
 
 
-def _loaded_by(statement: str) -> set[str]:
-    code = f"import sys; {statement}; print('\\n'.join(sys.modules))"
-    out = subprocess.run(
-        [sys.executable, "-X", "importtime", "-c", code],
+def _printed_by(code: str, env: dict[str, str] | None = None) -> list[str]:
+    """The lines `code` prints, run in a fresh interpreter from the repository's root."""
+    done = subprocess.run(
+        [sys.executable, "-c", code],
         capture_output=True,
         text=True,
         check=True,
         cwd=APP.parent,
+        env=env,
     )
-    return {line.split(".")[0] for line in out.stdout.split()}
+    return done.stdout.splitlines()
+
+
+def _loaded_by(statement: str) -> set[str]:
+    printed = _printed_by(f"import sys; {statement}; print('\\n'.join(sys.modules))")
+    return {line.split(".")[0] for line in printed}
 
 
 def test_the_client_loads_none_of_the_servers_libraries() -> None:
@@ -169,12 +176,32 @@ def test_a_start_searches_no_pydantic_plugins_unless_asked(
     env = {k: v for k, v in os.environ.items() if k != "PYDANTIC_DISABLE_PLUGINS"}
     if setting is not None:
         env["PYDANTIC_DISABLE_PLUGINS"] = setting
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=APP.parent,
-        env=env,
+    assert _printed_by(code, env) == [str(searched)]
+
+
+def test_a_start_builds_fastapis_openapi_models_only_when_the_document_is_asked_for() -> None:
+    """app.serve imports FastAPI with pydantic's defer_build on: the models of an OpenAPI
+    document build on the first /openapi.json, not at every start. The setting is put back
+    at once (the app's own models build at import, as before), and the document served is
+    still the committed one."""
+    code = (
+        "import json, pydantic, app.serve\n"
+        "app.serve.prepare()\n"
+        "from fastapi.openapi import models\n"
+        "import app.main\n"
+        "from app.core.config import Settings\n"
+        "from app.schemas.trace import ReasoningTrace\n"
+        "built = app.main.create_app(Settings())\n"
+        "print(json.dumps([models.OpenAPI.__pydantic_complete__,\n"
+        "    ReasoningTrace.__pydantic_complete__,\n"
+        "    'defer_build' in pydantic.BaseModel.model_config]))\n"
+        "document = built.openapi()\n"
+        "print(json.dumps(models.OpenAPI.__pydantic_complete__))\n"
+        "print(json.dumps(document))\n"
     )
-    assert out.stdout.split() == [str(searched)]
+    env = {**os.environ, "KP_EMBEDDER": "none"}  # nothing for the early load to load
+    out = _printed_by(code, env)
+    assert json.loads(out[0]) == [False, True, False]
+    assert json.loads(out[1]) is True
+    committed = (APP.parent / "openapi" / "openapi.json").read_text(encoding="utf-8")
+    assert json.loads(out[2]) == json.loads(committed)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
@@ -105,11 +106,16 @@ def test_a_vector_added_on_one_replica_is_seen_by_the_other(
     assert [t for t, _ in log_entries(redis_server, redis_prefix)] == ["t0", "t1"]
 
 
+@pytest.mark.parametrize("large", [False, True], ids=["small mirror", "mirror past threshold"])
 def test_concurrent_requests_over_replicas_equal_the_order_of_the_log(
-    redis_server: RedisServer, redis_prefix: str
+    redis_server: RedisServer, redis_prefix: str, large: bool
 ) -> None:
     """Singles, batches and dry runs at once over three replicas; each answer must be what
-    one-at-a-time scoring in the log's order gives."""
+    one-at-a-time scoring in the log's order gives. A mirror past its index threshold (here
+    an exact scan from one entry on) compares on another thread than the event loop's, with
+    the same answers."""
+    settings: dict[str, Any] = {"search": "exact", "index_threshold": 1} if large else {}
+    searched_on: set[threading.Thread] = set()
     pool = unit_vectors(40, seed=2)
     rng = np.random.default_rng(3)
     requests: list[tuple[list[Vector], list[str], bool]] = []
@@ -120,7 +126,15 @@ def test_concurrent_requests_over_replicas_equal_the_order_of_the_log(
         requests.append((vectors, [f"r{i}.{k}" for k in range(size)], i % 9 != 4))
 
     async def scenario() -> list[list[Comparison]]:
-        async with replicas(redis_server, redis_prefix, count=3) as memories:
+        async with replicas(redis_server, redis_prefix, count=3, **settings) as memories:
+            for memory in memories:
+                nearest = memory.mirror.nearest
+
+                def recorded(*args: Any, nearest: Any = nearest, **kwargs: Any) -> Any:
+                    searched_on.add(threading.current_thread())
+                    return nearest(*args, **kwargs)
+
+                memory.mirror.nearest = recorded  # type: ignore[method-assign]
             return await asyncio.gather(
                 *(
                     memories[i % 3].compare(vectors, trace_ids, add=add)
@@ -129,6 +143,10 @@ def test_concurrent_requests_over_replicas_equal_the_order_of_the_log(
             )
 
     answers = asyncio.run(scenario())
+    if large:  # the first exchange finds the mirror empty: that one compares on the loop
+        assert searched_on - {threading.main_thread()}
+    else:
+        assert searched_on == {threading.main_thread()}
     log = log_entries(redis_server, redis_prefix)
     position = {trace_id: p for p, (trace_id, _) in enumerate(log)}
     added = [r for r in requests if r[2]]
@@ -322,6 +340,35 @@ def test_redis_down_at_start_then_back(tmp_path: Path) -> None:
     messages = records.messages
     assert sum(m.startswith("shared cache unavailable") for m in messages) == 1
     assert sum(m.startswith("shared cache available again") for m in messages) == 1
+
+
+def test_a_comparison_longer_than_the_redis_timeout_is_still_answered(
+    redis_server: RedisServer, redis_prefix: str
+) -> None:
+    """KP_REDIS_TIMEOUT_MS bounds the wait for Redis, not the mirror's own work after Redis
+    has answered (a large memory's search, here held past the timeout): the request gets its
+    comparison, not cache_unavailable."""
+    v = unit_vectors(2, seed=4)
+
+    async def scenario() -> None:
+        async with replicas(
+            redis_server, redis_prefix, count=1, timeout_ms=1_000, search="exact", index_threshold=1
+        ) as (memory,):
+            await memory.compare([v[0]], ["t0"], add=True)
+            nearest = memory.mirror.nearest
+
+            def slow(*args: Any, **kwargs: Any) -> Any:
+                time.sleep(1.5)  # on the comparison's thread, after Redis answered
+                return nearest(*args, **kwargs)
+
+            memory.mirror.nearest = slow  # type: ignore[method-assign]
+            (compared,) = await memory.compare([v[1]], ["t1"], add=True)
+            assert compared.size == 1
+            assert compared.nearest is not None
+            assert compared.nearest.trace_id == "t0"
+
+    run(scenario)
+    assert [t for t, _ in log_entries(redis_server, redis_prefix)] == ["t0", "t1"]
 
 
 @pytest.mark.redis

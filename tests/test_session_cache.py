@@ -37,7 +37,7 @@ def _embedder(cache: SessionCache | None, **kwargs: object) -> OnnxEmbedder:
         FILES.model,
         FILES.tokenizer,
         session_cache=cache,
-        model_sha256=model_files.PACKAGED_MODEL_SHA256,
+        model_sha256=lambda: model_files.PACKAGED_MODEL_SHA256,
         **kwargs,  # type: ignore[arg-type]
     )
 
@@ -247,7 +247,7 @@ def test_a_session_loaded_from_the_cache_does_not_read_the_model(
         absent,
         FILES.tokenizer,
         session_cache=SessionCache(directory),
-        model_sha256=model_files.PACKAGED_MODEL_SHA256,
+        model_sha256=lambda: model_files.PACKAGED_MODEL_SHA256,
         concurrent_runs=2,
     )
     assert embedder.cache_outcome is not None

@@ -13,7 +13,7 @@ true`, the reference SDK's embedder:
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -70,7 +70,7 @@ class OnnxEmbedder:
         int8_weights: Int8Weights | None = None,
         spinning: bool = True,
         session_cache: SessionCache | None = None,
-        model_sha256: str | None = None,
+        model_sha256: Callable[[], str] | None = None,
     ) -> None:
         """`defer`: open only what a first answer needs (the main session, not yet run once);
         `finish_loading` then opens the one-core session, builds what long texts need to be
@@ -79,21 +79,23 @@ class OnnxEmbedder:
         ModelError where int8 mode declines). `spinning`: whether the main session's idle
         pool threads spin (onnxruntime's default) or sleep. `session_cache`: where the
         optimised graph is kept between starts (None: made at every start); `model_sha256`:
-        the model file's, when the caller has checked it (else the bytes are hashed)."""
+        gives the model file's, when the caller checks it (else the bytes are hashed); it is
+        called once the tokenizer has loaded, so that a check can run beside that load."""
         self._window = TokenWindow(load_tokenizer(tokenizer_path), MAX_TOKENS)
         # The PyPI wheel ships with telemetry on; a scoring service does not phone home.
         ort.disable_telemetry_events()
         self.precision: Final = precision
         self._model_path = model_path
         model = _ModelBytes(model_path, precision, int8_weights)
+        sha256 = None if model_sha256 is None else model_sha256()  # a failed check raises
         self._cache: tuple[SessionCache, str] | None = None
         if session_cache is None:
             model()  # a bad file or int8 mode declined: said now, as ever
         else:
             # int8 mode rewrites the file's graph: the bytes loaded are then not the file's.
-            if model_sha256 is None or precision != "float32":
-                model_sha256 = hashlib.sha256(model()).hexdigest()
-            self._cache = (session_cache, model_sha256)
+            if sha256 is None or precision != "float32":
+                sha256 = hashlib.sha256(model()).hexdigest()
+            self._cache = (session_cache, sha256)
         #: How the main session came to be, when there is a session cache.
         self.cache_outcome: Outcome | None = None
         self._session = self._open(model, intra_op_threads, spinning)

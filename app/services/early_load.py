@@ -13,7 +13,7 @@ path."""
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -76,21 +76,23 @@ def load_embedder(files: ModelFiles, settings: Settings, int8: Int8Support | Non
     from app.embedding.onnx_embedder import OnnxEmbedder
     from app.embedding.session_cache import SessionCache, default_directory
 
-    sha256 = model_files.verify(files)
     directory = (settings.model_cache_dir or default_directory()) if settings.model_cache else None
     cache = None if directory is None else SessionCache(directory)
-    return OnnxEmbedder(
-        files.model,
-        files.tokenizer,
-        intra_op_threads=settings.embedder_threads,
-        spinning=settings.embedder_spinning,
-        concurrent_runs=settings.embedder_worker_count,
-        precision="float32" if int8 is None else int8.precision,
-        int8_weights=None if int8 is None else int8.weights,
-        defer=True,
-        session_cache=cache,
-        model_sha256=sha256,
-    )
+    # The file's hash (hashlib leaves the GIL) runs beside the tokenizer's load.
+    with ThreadPoolExecutor(1, thread_name_prefix="kp-model-check") as check:
+        sha256 = check.submit(model_files.verify, files)
+        return OnnxEmbedder(
+            files.model,
+            files.tokenizer,
+            intra_op_threads=settings.embedder_threads,
+            spinning=settings.embedder_spinning,
+            concurrent_runs=settings.embedder_worker_count,
+            precision="float32" if int8 is None else int8.precision,
+            int8_weights=None if int8 is None else int8.weights,
+            defer=True,
+            session_cache=cache,
+            model_sha256=sha256.result,
+        )
 
 
 def plan_of(settings: Settings) -> Plan | None:

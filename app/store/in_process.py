@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import numpy as np
 
@@ -17,6 +19,15 @@ from app.domain.vector_cache import (
     exact_cosine,
 )
 from app.store.base import BackendInfo, Comparison, NearestTrace, Vector
+
+T = TypeVar("T")
+
+
+def searches_take_milliseconds(cache: VectorCache) -> bool:
+    """From the index threshold on, a search (or an exact scan) takes milliseconds: compares
+    run off the event loop, so that other requests' HTTP work does not wait for them. Below
+    it a scan costs less than a thread's hand-off."""
+    return cache.size >= cache.index_threshold
 
 
 def compare_in_order(
@@ -51,11 +62,26 @@ def compare_in_order(
 
 
 class InProcessMemory:
-    """The cache of one process. `compare` never awaits: on the event loop each call is one
-    step, so concurrent requests meet the cache in some one-at-a-time order."""
+    """The cache of one process. What changes it (compare, clear, import) meets it in one
+    one-at-a-time order: as one step of the event loop while the cache is below its index
+    threshold (a scan of up to about a millisecond), and on one thread of its own, in the
+    order asked, from there on, where a search or an exact scan takes milliseconds that the
+    loop's other requests would otherwise wait for. The loop takes the work back only once
+    that thread has nothing left to do, so the order holds across the switch."""
 
     def __init__(self, cache: VectorCache) -> None:
         self.cache = cache
+        self._in_order_thread = ThreadPoolExecutor(1, thread_name_prefix="kp-memory")
+        self._on_thread = 0  # calls handed to the thread and not yet returned
+
+    async def _in_order(self, work: Callable[[], T]) -> T:
+        if self._on_thread == 0 and not searches_take_milliseconds(self.cache):
+            return work()
+        self._on_thread += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._in_order_thread, work)
+        finally:
+            self._on_thread -= 1
 
     @property
     def backend(self) -> BackendInfo:
@@ -90,18 +116,20 @@ class InProcessMemory:
         return None
 
     async def close(self) -> None:
-        return None
+        await asyncio.to_thread(self._in_order_thread.shutdown)
 
     async def compare(
         self, vectors: Sequence[Vector], trace_ids: Sequence[str], *, add: bool
     ) -> list[Comparison]:
-        return compare_in_order(self.cache, vectors, trace_ids, add=add)
+        return await self._in_order(
+            lambda: compare_in_order(self.cache, vectors, trace_ids, add=add)
+        )
 
     async def stats(self) -> CacheStats:
         return self.cache.stats()
 
     async def clear(self) -> int:
-        return self.cache.clear()
+        return await self._in_order(self.cache.clear)
 
     async def export_chunks(self) -> AsyncIterator[CacheEntries]:
         for chunk in self.cache.chunks():
@@ -109,5 +137,4 @@ class InProcessMemory:
             await asyncio.sleep(0)  # other requests go on between chunks
 
     async def import_entries(self, entries: CacheEntries) -> tuple[int, int]:
-        # No await: the whole request is one step of the order.
-        return self.cache.append(entries)
+        return await self._in_order(lambda: self.cache.append(entries))

@@ -41,8 +41,9 @@ import dataclasses
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from importlib import resources
 from typing import Any, TypeVar
 
@@ -64,7 +65,7 @@ from app.domain.vector_cache import (
     VectorCache,
 )
 from app.store.base import BackendInfo, Comparison, MemoryUnavailableError, Vector
-from app.store.in_process import compare_in_order
+from app.store.in_process import compare_in_order, searches_take_milliseconds
 from app.store.redis_graph import GraphCover, GraphDescription, SharedGraph
 
 log = logging.getLogger(__name__)
@@ -127,6 +128,14 @@ class _Exchange:
     future: asyncio.Future[list[Comparison]] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
+    budget: asyncio.Timeout | None = None  # the request's wait for Redis (None: no timeout)
+
+    def lift_budget(self) -> None:
+        """Redis has answered: what is left is the mirror's comparison, milliseconds at a large
+        memory, which is not Redis's time (a budget that has run out stays run out)."""
+        budget = self.budget
+        if budget is not None and not budget.expired() and not self.future.done():
+            budget.reschedule(None)
 
 
 @dataclass(slots=True)
@@ -134,6 +143,7 @@ class _Reset:
     future: asyncio.Future[int] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
+    budget: asyncio.Timeout | None = None
 
 
 class RedisSharedMemory:
@@ -560,7 +570,8 @@ class RedisSharedMemory:
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.create_task(self._flush())
         try:
-            return await asyncio.wait_for(future, self._timeout_s)
+            async with asyncio.timeout(self._timeout_s) as item.budget:
+                return await future
         except TimeoutError:
             # The future is cancelled: if it was still queued, it is never sent.
             raise MemoryUnavailableError(
@@ -605,12 +616,20 @@ class RedisSharedMemory:
         try:
             async with asyncio.timeout(timeout_s):
                 reply = await self._exchange_script(keys=self._keys, args=args)
-            results = self._apply(reply, group)
-            if results is None:
+            compare_own = self._apply(reply, group)
+            if compare_own is None:
                 # Not caught up: the log's next page first, then these requests again.
                 self._queue.extendleft(reversed(group))
                 self._went_up()
                 return
+            # No other exchange runs meanwhile (this task runs them one at a time), so the
+            # mirror meets the requests in the log's order on either thread.
+            for request in group:
+                request.lift_budget()
+            if searches_take_milliseconds(self.mirror):
+                results = await asyncio.to_thread(compare_own)
+            else:
+                results = compare_own()
         except (RedisError, OSError, TimeoutError, ValueError, SettingsMismatchError) as exc:
             self._went_down(exc)
             error = MemoryUnavailableError(self._unavailable_detail())
@@ -624,10 +643,12 @@ class RedisSharedMemory:
             if not request.future.done():
                 request.future.set_result(result)
 
-    def _apply(self, reply: list[Any], group: list[_Exchange]) -> list[list[Comparison]] | None:
-        """The log's new entries into the mirror, then this replica's own requests in order
-        (None: a page of the log only, more waits). Runs without awaiting: nothing else
-        touches the mirror meanwhile."""
+    def _apply(
+        self, reply: list[Any], group: list[_Exchange]
+    ) -> Callable[[], list[list[Comparison]]] | None:
+        """The log's new entries into the mirror (without awaiting: nothing else changes the
+        mirror meanwhile); then what compares this replica's own requests with it in order,
+        to be called next (None: a page of the log only, more waits)."""
         status, *body = reply
         if status == SETTINGS_MISMATCH:
             raise SettingsMismatchError(body[0].decode())
@@ -659,6 +680,13 @@ class RedisSharedMemory:
         )
         if self._unpublished is not None:
             self._publish_soon(self._unpublished)
+        return partial(self._compare_own, group, own_ids, float(now_ms))
+
+    def _compare_own(
+        self, group: list[_Exchange], own_ids: list[bytes], now_ms: float
+    ) -> list[list[Comparison]]:
+        """Each of this replica's requests against the mirror as it stood just before its
+        entries (at their times, for the TTL), in the log's order."""
         own = iter(own_ids)
         results = []
         for request in group:
@@ -672,7 +700,7 @@ class RedisSharedMemory:
                     compared.append(comparison)
                 results.append(compared)
             else:
-                self._now_ms = max(self._now_ms, float(now_ms))
+                self._now_ms = max(self._now_ms, now_ms)
                 results.append(
                     compare_in_order(self.mirror, request.vectors, request.trace_ids, add=False)
                 )
