@@ -143,7 +143,7 @@ class _Reset:
     future: asyncio.Future[int] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
-    budget: asyncio.Timeout | None = None
+    budget: asyncio.Timeout | None = None  # never lifted: its work ends with Redis's answer
 
 
 class RedisSharedMemory:
