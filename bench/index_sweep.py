@@ -207,6 +207,11 @@ def _version(dist: str) -> str:
     return version(dist)
 
 
+def _built_at_once(n: int, args: argparse.Namespace) -> int:
+    """Entries in the index's build; the last `--adds` are then added one call at a time."""
+    return max(n - int(args.adds), 1)
+
+
 def _timed_adds(add: Callable[[int], None], first: int, last: int) -> dict[str, Any]:
     """Rows first..last-1 added one call each (on one core): the add rate."""
     times: list[float] = []
@@ -224,25 +229,11 @@ def _timed_adds(add: Callable[[int], None], first: int, last: int) -> dict[str, 
     }
 
 
-def scann_phase(setup: Setup, args: argparse.Namespace) -> dict[str, Any]:
-    ops, why = _optional("scann.scann_ops.py.scann_ops_pybind")
-    if ops is None:
-        return {"skipped": why}
-    doc: dict[str, Any] = {"version": _version("scann"), "entries": len(setup.stored)}
-    doc["configs"] = [
-        _scann_config(ops, setup, args, leaves, soar)
-        for soar in args.scann_soar
-        for leaves in args.scann_leaves
-    ]
-    return doc
-
-
 def _scann_config(
     ops: Any, setup: Setup, args: argparse.Namespace, leaves: int, soar: float
 ) -> dict[str, Any]:
-    stored = setup.stored
-    n = len(stored)
-    built = max(n - args.adds, 1)
+    stored, n = setup.stored, len(setup.stored)
+    built = _built_at_once(n, args)
     started = time.perf_counter()
     builder = (
         ops.builder(stored[:built], SCANN_FINAL, "dot_product")
@@ -288,25 +279,11 @@ def _scann_config(
     return config
 
 
-def usearch_phase(setup: Setup, args: argparse.Namespace) -> dict[str, Any]:
-    module, why = _optional("usearch.index")
-    if module is None:
-        return {"skipped": why}
-    doc: dict[str, Any] = {"version": _version("usearch"), "entries": len(setup.stored)}
-    doc["configs"] = [
-        _usearch_config(module, setup, args, connectivity, dtype)
-        for connectivity in args.usearch_connectivity
-        for dtype in args.usearch_dtype
-    ]
-    return doc
-
-
 def _usearch_config(
     module: Any, setup: Setup, args: argparse.Namespace, connectivity: int, dtype: str
 ) -> dict[str, Any]:
-    stored = setup.stored
-    n = len(stored)
-    built = max(n - args.adds, 1)
+    stored, n = setup.stored, len(setup.stored)
+    built = _built_at_once(n, args)
     index = module.Index(
         ndim=stored.shape[1],
         metric="cos",
@@ -339,16 +316,44 @@ def _usearch_config(
     return config
 
 
+#: The optional libraries: the module each is used through, the grid of its configurations
+#: (from the command line) and how one of them is built and measured.
+LIBRARIES: dict[str, tuple[str, Callable[[argparse.Namespace], list[Any]], Callable[..., Any]]] = {
+    "scann": (
+        "scann.scann_ops.py.scann_ops_pybind",
+        lambda a: [(leaves, soar) for soar in a.scann_soar for leaves in a.scann_leaves],
+        _scann_config,
+    ),
+    "usearch": (
+        "usearch.index",
+        lambda a: [(c, dtype) for c in a.usearch_connectivity for dtype in a.usearch_dtype],
+        _usearch_config,
+    ),
+}
+
+
+def library_phase(lib: str, setup: Setup, args: argparse.Namespace) -> dict[str, Any]:
+    """A library's section: its configurations measured, or why it was skipped."""
+    module_name, grid, measured = LIBRARIES[lib]
+    module, why = _optional(module_name)
+    if module is None:
+        return {"skipped": why}
+    return {
+        "version": _version(lib),
+        "entries": len(setup.stored),
+        "configs": [measured(module, setup, args, *point) for point in grid(args)],
+    }
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     faiss.omp_set_num_threads(1)
     setup = setup_of(args.size, args.queries)
     doc: dict[str, Any] = {}
     if "faiss" in args.libs:
         doc |= faiss_phase(setup, args)
-    phases = {"scann": scann_phase, "usearch": usearch_phase}
-    for lib, phase in phases.items():
+    for lib in LIBRARIES:
         if lib in args.libs:
-            doc[lib] = phase(setup, args)
+            doc[lib] = library_phase(lib, setup, args)
             if "skipped" in doc[lib]:
                 print(f"{lib} skipped: {doc[lib]['skipped']}", flush=True)
     return doc

@@ -77,8 +77,8 @@ def test_a_library_that_is_not_installed_is_skipped_with_the_reason(
     stored = _unit_rows(50, 6)
     setup = _setup(stored, stored[:2], stored[2:4])
     args = argparse.Namespace(adds=0)
-    for phase in (index_sweep.scann_phase, index_sweep.usearch_phase):
-        section = phase(setup, args)
+    for lib in index_sweep.LIBRARIES:
+        section = index_sweep.library_phase(lib, setup, args)
         assert list(section) == ["skipped"]
         assert "not installed" in section["skipped"]
 
