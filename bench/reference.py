@@ -138,7 +138,7 @@ def reference_cold(directory: Path, trace_file: Path) -> float:
 
 
 def service_cold(trace: dict[str, Any], log: Path, env: dict[str, str]) -> float:
-    """Milliseconds from spawning the service (default settings: the model loads on demand)
+    """Milliseconds from spawning the service (default settings: its load begins with the process)
     to its first POST /evaluate answered; the port is tried every 2 ms until it listens."""
     compile_app()
     port = free_port()
