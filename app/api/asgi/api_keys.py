@@ -81,7 +81,7 @@ class ApiKeys:
         await self.app(scope, receive, send)
 
     async def _refuse(self, send: Send, status: int, reason: str, msg: str) -> None:
-        self.metrics.auth_refused.labels(reason).inc()
+        self.metrics.child(self.metrics.auth_refused, reason).inc()
         headers = [_CHALLENGE] if status == 401 else []
         kind = "forbidden" if status == 403 else "unauthorized"
         await send_json(send, status, detail(("header", "authorization"), msg, kind), headers)

@@ -69,7 +69,7 @@ class IdempotencyKeys:
         except IdempotencyUnavailableError as exc:
             await self._unavailable(send, exc)
             return
-        self.metrics.idempotency.labels(decision.action).inc()
+        self.metrics.child(self.metrics.idempotency, decision.action).inc()
         if decision.action == "mismatch":
             msg = "this Idempotency-Key was used for another request (body or query)"
             await send_json(send, 422, detail(_LOC, msg, "idempotency_key_reused"))

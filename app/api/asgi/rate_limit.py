@@ -27,7 +27,7 @@ class RateLimit:
             await self.app(scope, receive, send)
             return
         if key.rate_per_minute is None:
-            self.metrics.key_requests.labels(key.name, "admitted").inc()
+            self.metrics.child(self.metrics.key_requests, key.name, "admitted").inc()
             await self.app(scope, receive, send)
             return
         limiter: RateLimiter = scope["app"].state.services.rate_limiter
@@ -39,7 +39,7 @@ class RateLimit:
             log.warning("rate limit not checked: Redis unavailable", extra={"reason": str(exc)})
             wait = 0.0
         if wait > 0:
-            self.metrics.key_requests.labels(key.name, "rate_limited").inc()
+            self.metrics.child(self.metrics.key_requests, key.name, "rate_limited").inc()
             seconds = retry_after(wait)
             msg = (
                 f"the API key {key.name!r} is over its rate of {key.rate_per_minute} requests "
@@ -52,5 +52,5 @@ class RateLimit:
                 [(b"retry-after", str(seconds).encode())],
             )
             return
-        self.metrics.key_requests.labels(key.name, "admitted").inc()
+        self.metrics.child(self.metrics.key_requests, key.name, "admitted").inc()
         await self.app(scope, receive, send)
