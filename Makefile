@@ -6,6 +6,7 @@ BIN := $(VENV)/bin
 PYTHON ?= python3
 HOST ?= 127.0.0.1
 PORT ?= 8000
+GLIBC_TUNABLES ?= glibc.malloc.hugetlb=1
 
 .PHONY: run test test-fast lint unit typescript openapi image-test bench bench-precision redis-server clean
 
@@ -18,9 +19,10 @@ $(BIN)/.installed: pyproject.toml
 ## run: start the service on http://$(HOST):$(PORT) (settings from KP_* variables)
 # compileall: the bytecode an installed service has (an editable install writes none, and where
 # PYTHONDONTWRITEBYTECODE is set every start would compile every module); changed files only.
+# GLIBC_TUNABLES: huge pages for a large memory's graph, as the image has them (Dockerfile).
 run: $(BIN)/.installed
 	$(BIN)/python -m compileall -q app
-	$(BIN)/python -m app.serve --host $(HOST) --port $(PORT)
+	GLIBC_TUNABLES=$(GLIBC_TUNABLES) $(BIN)/python -m app.serve --host $(HOST) --port $(PORT)
 
 ## test: lint, type-check and run the whole test suite (the TypeScript client's included)
 test: lint typescript unit
