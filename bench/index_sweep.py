@@ -23,8 +23,11 @@ not installed is skipped with the reason printed), candidates rescored exactly a
   reordering of `--scann-reorder` candidates, searched over `--scann-search` leaves;
 - `usearch`: usearch's HNSW (`--usearch-connectivity`, `--usearch-dtype`, expansion_add
   `--usearch-expansion-add`) at expansion_search `--usearch-expansion` x `--usearch-rescore`
-  candidates.
-Both also report the build (all cores), bytes an entry and the add rate of single adds on one
+  candidates;
+- `flatpq`: no partition at all, faiss's 4-bit fast-scan product quantiser over every entry
+  (`IndexPQFastScan`, `--flatpq-m` sub-quantizers), its best `--flatpq-rescore` candidates
+  rescored: what a full scan of compact codes gives where the partitions miss.
+All three also report the build (all cores), bytes an entry and the add rate of single adds on one
 core (the last `--adds` entries go in one at a time after the build).
 
 Prints the tables and writes bench/results/index_sweep.json (a run's sections replace the same
@@ -53,7 +56,7 @@ from bench.stats import percentile
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "index_sweep.json"
 _PERCENTS = (50, 90, 95, 98, 99, 100)
-LIBS = ("faiss", "scann", "usearch")
+LIBS = ("faiss", "scann", "usearch", "flatpq")
 _MEASURED = {"near_duplicates", "fresh", "all", "worst_difference", "p50_ms", "p99_ms"}
 #: ScaNN has already scored its reordered candidates exactly (float32); rescoring its best few
 #: in float64 only settles float32 ties, as the truth is float64.
@@ -316,30 +319,63 @@ def _usearch_config(
     return config
 
 
-#: The optional libraries: the module each is used through, the grid of its configurations
-#: (from the command line) and how one of them is built and measured.
-LIBRARIES: dict[str, tuple[str, Callable[[argparse.Namespace], list[Any]], Callable[..., Any]]] = {
+def _flatpq_config(module: Any, setup: Setup, args: argparse.Namespace, m: int) -> dict[str, Any]:
+    stored, n = setup.stored, len(setup.stored)
+    built = _built_at_once(n, args)
+    index = module.IndexPQFastScan(stored.shape[1], m, 4, module.METRIC_INNER_PRODUCT)
+    started = time.perf_counter()
+    sample = np.random.default_rng(1).choice(built, min(built, 65_536), replace=False)
+    index.train(stored[np.sort(sample)])
+    index.add(stored[:built])
+    config: dict[str, Any] = {
+        "index": f"faiss PQ{m}x4fs over every entry (inner product)",
+        "build_s": round(time.perf_counter() - started, 1),
+    }
+    config |= _timed_adds(lambda i: index.add(stored[i : i + 1]), built, n)
+    config["bytes_per_entry"] = float(index.code_size)
+    config["searches"] = []
+    print(render_config(config), flush=True)
+    for k in args.flatpq_rescore:
+
+        def search(q: npt.NDArray[np.float32], k: int = k) -> Any:
+            return index.search(q, k)[1][0]
+
+        row = {"rescored": k} | measure(setup, search)
+        config["searches"].append(row)
+        print(render_lib_search(row), flush=True)
+    return config
+
+
+#: The other libraries and indexes: the distribution (its version is reported), the module each
+#: is used through, the grid of its configurations (from the command line) and how one of them
+#: is built and measured.
+LIBRARIES: dict[
+    str, tuple[str, str, Callable[[argparse.Namespace], list[Any]], Callable[..., Any]]
+] = {
     "scann": (
+        "scann",
         "scann.scann_ops.py.scann_ops_pybind",
         lambda a: [(leaves, soar) for soar in a.scann_soar for leaves in a.scann_leaves],
         _scann_config,
     ),
     "usearch": (
+        "usearch",
         "usearch.index",
         lambda a: [(c, dtype) for c in a.usearch_connectivity for dtype in a.usearch_dtype],
         _usearch_config,
     ),
+    "flatpq": ("faiss-cpu", "faiss", lambda a: [(m,) for m in a.flatpq_m], _flatpq_config),
 }
 
 
 def library_phase(lib: str, setup: Setup, args: argparse.Namespace) -> dict[str, Any]:
     """A library's section: its configurations measured, or why it was skipped."""
-    module_name, grid, measured = LIBRARIES[lib]
+    dist, module_name, grid, measured = LIBRARIES[lib]
     module, why = _optional(module_name)
     if module is None:
         return {"skipped": why}
     return {
-        "version": _version(lib),
+        "version": _version(dist),
         "entries": len(setup.stored),
         "configs": [measured(module, setup, args, *point) for point in grid(args)],
     }
@@ -468,6 +504,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--usearch-expansion-add", type=int, default=128)
     parser.add_argument("--usearch-expansion", type=ints, default=[64, 256, 1024, 2048])
     parser.add_argument("--usearch-rescore", type=ints, default=[16, 128])
+    parser.add_argument("--flatpq-m", type=ints, default=[32, 64], help="sub-quantizers")
+    parser.add_argument("--flatpq-rescore", type=ints, default=[256, 1024, 4096])
     args = parser.parse_args(argv)
     unknown = set(args.libs) - set(LIBS)
     if unknown:

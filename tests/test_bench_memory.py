@@ -74,6 +74,7 @@ def test_a_library_that_is_not_installed_is_skipped_with_the_reason(
     # None in sys.modules makes the import fail, whether or not the library is installed.
     monkeypatch.setitem(sys.modules, "scann", None)
     monkeypatch.setitem(sys.modules, "usearch", None)
+    monkeypatch.setitem(sys.modules, "faiss", None)
     stored = _unit_rows(50, 6)
     setup = _setup(stored, stored[:2], stored[2:4])
     args = argparse.Namespace(adds=0)
@@ -81,6 +82,19 @@ def test_a_library_that_is_not_installed_is_skipped_with_the_reason(
         section = index_sweep.library_phase(lib, setup, args)
         assert list(section) == ["skipped"]
         assert "not installed" in section["skipped"]
+
+
+def test_the_flat_product_quantiser_finds_every_maximum_when_it_rescores_every_entry() -> None:
+    stored = _unit_rows(2_000, 7)
+    setup = _setup(stored, stored[:20] + 0.01 * _unit_rows(20, 8), _unit_rows(20, 9))
+    args = argparse.Namespace(adds=100, flatpq_m=[16], flatpq_rescore=[8, 2_000])
+    (config,) = index_sweep.library_phase("flatpq", setup, args)["configs"]
+    assert config["bytes_per_entry"] == 8.0  # 16 codes of 4 bits
+    assert config["adds_timed"] == 100
+    few, every = config["searches"]
+    assert (every["rescored"], every["all"]) == (2_000, 1.0)
+    assert abs(every["worst_difference"]) <= 1e-12
+    assert few["all"] <= every["all"]
 
 
 def test_a_library_run_keeps_the_other_sections_of_the_results() -> None:
