@@ -92,8 +92,11 @@ def import_groups(top: int = 14) -> list[tuple[str, float]]:
     importtime; the service's threads import some of them side by side). FastAPI is imported
     as a start imports it (its OpenAPI models deferred, no pydantic plugin search), but not
     through app.serve.prepare: its early-load thread's imports would count its waits for the
-    other thread's as import time."""
+    other thread's as import time. The cyclic collector is off, as the start has it: its
+    passes would fall on whichever module happens to be importing."""
     code = (
+        "import gc\n"
+        "gc.disable()\n"
         "import app.serve\n"
         "app.serve.import_fastapi_deferring_its_models()\n"
         "import uvicorn, app.main, app.server.protocol, uvicorn.lifespan.on, "

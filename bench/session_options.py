@@ -79,6 +79,10 @@ VARIANTS: dict[str, Tweak | None] = {
     # One thread: the kernels' own cost, with no thread pool to wait on or spin in.
     "BASIC, 1 thread": _threads(1),
     "ALL, 1 thread": _both(ALL, _threads(1)),
+    # Denormals flushed to zero (no slow path for tiny floats), and smaller blocks of work
+    # handed to the pool threads.
+    "BASIC, denormals as zero": _config("session.set_denormal_as_zero", "1"),
+    "BASIC, dynamic block base 4": _config("session.intra_op.dynamic_block_base", "4"),
 }
 
 
