@@ -27,8 +27,8 @@ not installed is skipped with the reason printed), candidates rescored exactly a
 - `flatpq`: no partition at all, faiss's 4-bit fast-scan product quantiser over every entry
   (`IndexPQFastScan`, `--flatpq-m` sub-quantizers), its best `--flatpq-rescore` candidates
   rescored: what a full scan of compact codes gives where the partitions miss.
-All three also report the build (all cores), bytes an entry and the add rate of single adds on one
-core (the last `--adds` entries go in one at a time after the build).
+All three also report the build (on all cores for ScaNN and usearch), bytes an entry and the add
+rate of single adds on one core (the last `--adds` entries go in one at a time after the build).
 
 Prints the tables and writes bench/results/index_sweep.json (a run's sections replace the same
 sections of the file and keep the others: `--libs scann` leaves the faiss figures as they were).

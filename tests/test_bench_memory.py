@@ -91,10 +91,9 @@ def test_the_flat_product_quantiser_finds_every_maximum_when_it_rescores_every_e
     (config,) = index_sweep.library_phase("flatpq", setup, args)["configs"]
     assert config["bytes_per_entry"] == 8.0  # 16 codes of 4 bits
     assert config["adds_timed"] == 100
-    few, every = config["searches"]
+    _, every = config["searches"]
     assert (every["rescored"], every["all"]) == (2_000, 1.0)
     assert abs(every["worst_difference"]) <= 1e-12
-    assert few["all"] <= every["all"]
 
 
 def test_a_library_run_keeps_the_other_sections_of_the_results() -> None:
