@@ -42,8 +42,9 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -232,6 +233,20 @@ def _timed_adds(add: Callable[[int], None], first: int, last: int) -> dict[str, 
     }
 
 
+def _searched(
+    config: dict[str, Any], setup: Setup, searches: Iterable[tuple[dict[str, Any], Search]]
+) -> dict[str, Any]:
+    """A built configuration, printed, then each of its searches measured in turn (the
+    search's settings beside its figures, printed as they come)."""
+    print(render_config(config), flush=True)
+    config["searches"] = []
+    for settings, search in searches:
+        row = settings | measure(setup, search)
+        config["searches"].append(row)
+        print(render_lib_search(row), flush=True)
+    return config
+
+
 def _scann_config(
     ops: Any, setup: Setup, args: argparse.Namespace, leaves: int, soar: float
 ) -> dict[str, Any]:
@@ -264,22 +279,20 @@ def _scann_config(
         searcher.serialize(tmp)
         size = sum(f.stat().st_size for f in Path(tmp).iterdir())
     config["bytes_per_entry"] = size / n
-    config["searches"] = []
-    print(render_config(config), flush=True)
-    for reorder in args.scann_reorder:
-        for leaves_searched in args.scann_search:
 
-            def search(
-                q: npt.NDArray[np.float32], r: int = reorder, lv: int = leaves_searched
-            ) -> Any:
-                ids, _ = searcher.search(q[0], SCANN_FINAL, r, lv)
-                return np.asarray(ids, dtype=np.int64)
+    def searches() -> Iterator[tuple[dict[str, Any], Search]]:
+        for reorder in args.scann_reorder:
+            for leaves_searched in args.scann_search:
 
-            row = {"leaves_searched": leaves_searched, "reordered": reorder}
-            row |= measure(setup, search)
-            config["searches"].append(row)
-            print(render_lib_search(row), flush=True)
-    return config
+                def search(
+                    q: npt.NDArray[np.float32], r: int = reorder, lv: int = leaves_searched
+                ) -> Any:
+                    ids, _ = searcher.search(q[0], SCANN_FINAL, r, lv)
+                    return np.asarray(ids, dtype=np.int64)
+
+                yield {"leaves_searched": leaves_searched, "reordered": reorder}, search
+
+    return _searched(config, setup, searches())
 
 
 def _usearch_config(
@@ -304,19 +317,18 @@ def _usearch_config(
     }
     config |= _timed_adds(lambda i: index.add(i, stored[i], threads=1), built, n)
     config["bytes_per_entry"] = index.memory_usage / n
-    config["searches"] = []
-    print(render_config(config), flush=True)
-    for k in args.usearch_rescore:
-        for expansion in args.usearch_expansion:
-            index.expansion_search = expansion
 
-            def search(q: npt.NDArray[np.float32], k: int = k) -> Any:
-                return np.asarray(index.search(q[0], k, threads=1).keys, dtype=np.int64)
+    def searches() -> Iterator[tuple[dict[str, Any], Search]]:
+        for k in args.usearch_rescore:
+            for expansion in args.usearch_expansion:
+                index.expansion_search = expansion  # set as each search's turn comes
 
-            row = {"expansion_search": expansion, "rescored": k} | measure(setup, search)
-            config["searches"].append(row)
-            print(render_lib_search(row), flush=True)
-    return config
+                def search(q: npt.NDArray[np.float32], k: int = k) -> Any:
+                    return np.asarray(index.search(q[0], k, threads=1).keys, dtype=np.int64)
+
+                yield {"expansion_search": expansion, "rescored": k}, search
+
+    return _searched(config, setup, searches())
 
 
 def _flatpq_config(module: Any, setup: Setup, args: argparse.Namespace, m: int) -> dict[str, Any]:
@@ -333,17 +345,13 @@ def _flatpq_config(module: Any, setup: Setup, args: argparse.Namespace, m: int) 
     }
     config |= _timed_adds(lambda i: index.add(stored[i : i + 1]), built, n)
     config["bytes_per_entry"] = float(index.code_size)
-    config["searches"] = []
-    print(render_config(config), flush=True)
-    for k in args.flatpq_rescore:
 
-        def search(q: npt.NDArray[np.float32], k: int = k) -> Any:
-            return index.search(q, k)[1][0]
+    def search(q: npt.NDArray[np.float32], k: int) -> Any:
+        return index.search(q, k)[1][0]
 
-        row = {"rescored": k} | measure(setup, search)
-        config["searches"].append(row)
-        print(render_lib_search(row), flush=True)
-    return config
+    return _searched(
+        config, setup, (({"rescored": k}, partial(search, k=k)) for k in args.flatpq_rescore)
+    )
 
 
 #: The other libraries and indexes: the distribution (its version is reported), the module each
