@@ -1,4 +1,5 @@
-"""app.client against a real uvicorn server: every method, sync and async, and the error types."""
+"""kp_scoring (the client) against a real uvicorn server: every method, sync and async, and the
+error types."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from typing import Any
 import httpx
 import pytest
 
-from app.client import (
+from app.schemas.trace import ReasoningTrace
+from kp_scoring import (
     AsyncKpScoringClient,
     KpScoringClient,
     KpScoringError,
@@ -18,8 +20,7 @@ from app.client import (
     Unreachable,
     ValidationFailed,
 )
-from app.schemas.responses import CacheOut, EvaluationOut, ReadyOut
-from app.schemas.trace import ReasoningTrace
+from kp_scoring.models import CacheOut, EvaluationOut, ReadyOut
 from tests.factories import make_trace, step
 from tests.server import TOKEN, Server, free_port, running_server
 
