@@ -8,6 +8,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from app.core.config import ConfigError
+from app.core.version import VERSION
 from tests.conftest import ClientFactory
 from tests.factories import make_trace, step
 
@@ -188,7 +189,7 @@ def test_open_cache_is_announced_in_readyz(client_no_embedder: TestClient) -> No
 
 
 def test_health_and_readiness(client: TestClient) -> None:
-    assert client.get("/healthz").json() == {"status": "ok"}
+    assert client.get("/healthz").json() == {"status": "ok", "version": VERSION}
     ready = client.get("/readyz").json()
     assert ready["status"] == "ready"
     assert ready["degraded"] is False

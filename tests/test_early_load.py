@@ -18,6 +18,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from app.core.config import Settings
+from app.core.version import VERSION
 from app.embedding.onnx_embedder import OnnxEmbedder
 from app.main import create_app
 from app.services import early_load
@@ -71,7 +72,7 @@ def test_the_model_loads_before_the_first_request_and_healthz_answers_meanwhile(
     env = {"LOAD_GATE": str(gate), "KP_LOG_LEVEL": "info"}
     live = LiveServer(env, tmp_path / "server.log", HELD)  # returns once /healthz answers
     servers.append(live)
-    assert live.client.get("/healthz").json() == {"status": "ok"}
+    assert live.client.get("/healthz").json() == {"status": "ok", "version": VERSION}
     ready = live.client.get("/readyz").json()
     # The load began with the process and is held: the service is up, and ready meanwhile
     # (readiness waits for the model only with KP_EMBEDDER_PRELOAD).

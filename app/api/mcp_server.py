@@ -26,10 +26,10 @@ from mcp.server.transport_security import TransportSecuritySettings
 from mcp.shared.exceptions import MCPError
 from pydantic import BaseModel, ValidationError
 
-from app import __version__
 from app.api.deps import Services
 from app.api.presenters import evaluation_out
 from app.core.signatures import unsignable_errors
+from app.core.version import VERSION
 from app.schemas.responses import BatchIn, BatchOut, EvaluationOut
 from app.schemas.trace import ReasoningTrace
 from app.services.embeddings import OverloadedError
@@ -212,7 +212,7 @@ class McpTransport:
         tools = McpTools(services)
         server: Server[Any] = Server(
             "kp-scoring",
-            version=__version__,
+            version=VERSION,
             title="KnowledgePulse trace scoring",
             instructions=(
                 f"Call {SCORE_TRACE} with a ReasoningTrace before contributing it: a score of "

@@ -159,6 +159,9 @@ class ImportedOut(BaseModel):
 
 class HealthOut(BaseModel):
     status: Literal["ok"]
+    version: str = Field(
+        description="The service's version (also the OpenAPI document's info.version)."
+    )
 
 
 class SnapshotOut(BaseModel):

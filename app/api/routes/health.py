@@ -9,14 +9,17 @@ from app.api.deps import ServicesDep
 from app.api.mcp import McpHost
 from app.api.presenters import backend_out, index_out, snapshot_out
 from app.api.routes.cache import embedder_out
+from app.core.version import VERSION
 from app.schemas.responses import HealthOut, ReadyOut
 
 router = APIRouter(tags=["health"])
 
+_ALIVE = HealthOut(status="ok", version=VERSION)
+
 
 @router.get("/healthz", summary="Liveness: the process answers")
 async def healthz() -> HealthOut:
-    return HealthOut(status="ok")
+    return _ALIVE
 
 
 @router.get("/readyz", summary="Readiness, with the embedder's and the cache's state")
