@@ -32,6 +32,7 @@ def test_evaluate_answers_the_spec_example_without_embedder(client_no_embedder: 
         "tool_diversity": 0.15,
         "outcome_confidence": 0.25,
     }
+    assert body["profile"] == {"name": "default", "domain_recognised": True}
     assert body["overrides"] == ["low_tool_diversity"]
     assert body["novelty"] == {
         "measured": False,
@@ -131,6 +132,54 @@ def test_one_bad_trace_rejects_the_whole_batch(client: TestClient) -> None:
     assert r.status_code == 422
     assert r.json()["detail"][0]["loc"] == ["body", "traces", 1, "outcome", "confidence"]
     assert client.get("/cache").json()["size"] == 0
+
+
+@pytest.mark.parametrize(
+    ("domain", "profile", "recognised"),
+    [
+        ("code", "code", True),
+        ("finance", "finance", True),
+        ("medical", "medical", True),
+        ("customer_service", "customer_service", True),
+        ("default", "default", True),
+        ("code-review", "default", False),
+        ("Finance", "default", False),  # names are exact
+        ("constructor", "default", False),
+    ],
+)
+def test_the_answer_says_which_profile_applied_and_whether_the_domain_was_recognised(
+    client_no_embedder: TestClient, domain: str, profile: str, recognised: bool
+) -> None:
+    r = client_no_embedder.post("/evaluate?dry_run=true", json=make_trace(domain=domain))
+    assert r.status_code == 200, r.text
+    assert r.json()["profile"] == {"name": profile, "domain_recognised": recognised}
+    assert r.json()["weights"]["profile"] == profile
+
+
+@pytest.mark.parametrize("path", ["/evaluate", "/evaluate/batch"])
+@pytest.mark.parametrize("content_type", [None, "application/json"])
+def test_an_empty_body_is_said_to_be_empty(
+    client_no_embedder: TestClient, path: str, content_type: str | None
+) -> None:
+    headers = {"content-type": content_type} if content_type else {}
+    r = client_no_embedder.post(path, content=b"", headers=headers)
+    assert r.status_code == 422
+    (error,) = r.json()["detail"]
+    assert error["loc"] == ["body"]
+    assert error["type"] == "body_empty"
+    assert error["msg"].startswith("the request body is empty")
+    assert "Field required" not in r.text
+    assert client_no_embedder.get("/cache").json()["adds_total"] == 0
+
+
+def test_the_root_points_to_the_docs(client_no_embedder: TestClient) -> None:
+    r = client_no_embedder.get("/")
+    assert r.status_code == 200
+    links = r.json()
+    assert links["docs"] == "/docs"
+    assert links["version"] == VERSION
+    for name in ("docs", "redoc", "openapi", "health", "ready"):
+        assert client_no_embedder.get(links[name]).status_code == 200, name
 
 
 def test_empty_batch_is_refused(client_no_embedder: TestClient) -> None:

@@ -41,9 +41,23 @@ def error_response(status: int, detail: str) -> JSONResponse:
     return JSONResponse(status_code=status, content={"detail": detail}, headers=headers)
 
 
+#: What a request with no body hears, rather than pydantic's "Field required" at `body`:
+#: `curl -d @file` sends an empty body when the file is not found.
+EMPTY_BODY = (
+    "the request body is empty: send the JSON document (with curl, -d @FILE sends nothing "
+    "when FILE is not found from the current directory)"
+)
+
+
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
-    return JSONResponse(status_code=422, content=error_body(exc.errors()))
+    errors = [
+        {**e, "msg": EMPTY_BODY, "type": "body_empty"}
+        if tuple(e["loc"]) == ("body",) and e["type"] == "missing"
+        else e
+        for e in exc.errors()
+    ]
+    return JSONResponse(status_code=422, content=error_body(errors))
 
 
 async def _typed_error(request: Request, exc: Exception) -> JSONResponse:

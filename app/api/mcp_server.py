@@ -109,6 +109,8 @@ def summary(answer: EvaluationOut) -> str:
     """One line an agent (or its model) reads: the score, the verdict, the nearest trace."""
     verdict = "meets" if answer.score >= SHARE_THRESHOLD else "is below"
     line = f"score {answer.score:.6g} {verdict} the {SHARE_THRESHOLD} sharing threshold"
+    if not answer.profile.domain_recognised:
+        line += f"; task_domain not recognised, scored with the {answer.profile.name} weights"
     novelty = answer.novelty
     nearest = novelty.nearest  # the stored trace with the largest cosine
     if nearest is not None:

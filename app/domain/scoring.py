@@ -119,6 +119,8 @@ class Score:
     dimensions: Dimensions
     weights: WeightProfile
     overrides: tuple[OverrideName, ...]
+    #: Whether `task_domain` named a profile; if not, the default profile applied.
+    domain_recognised: bool
 
 
 def score(
@@ -153,4 +155,10 @@ def score(
     if stats.unique_tools <= 1 and stats.uses_tools:
         value = max(0.0, value - 0.1)
         fired.append("low_tool_diversity")
-    return Score(value=value, dimensions=dims, weights=w, overrides=tuple(fired))
+    return Score(
+        value=value,
+        dimensions=dims,
+        weights=w,
+        overrides=tuple(fired),
+        domain_recognised=task_domain in WEIGHT_PROFILES,
+    )

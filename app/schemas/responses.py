@@ -32,6 +32,14 @@ class WeightsOut(BaseModel):
     outcome_confidence: float
 
 
+class ProfileOut(BaseModel):
+    name: str = Field(description="The weight profile that applied (as weights.profile).")
+    domain_recognised: bool = Field(
+        description="Whether metadata.task_domain names a profile (finance, code, medical, "
+        "customer_service, default); when false, the default profile applied."
+    )
+
+
 class NearestOut(BaseModel):
     trace_id: str = Field(description="The id of the stored trace ('' if it was stored without).")
     cosine: float = Field(description="Its cosine with this trace: max_cosine.")
@@ -66,6 +74,10 @@ class EvaluationOut(BaseModel):
     score: Annotated[float, Field(ge=0, le=1)]
     dimensions: DimensionsOut
     weights: WeightsOut
+    profile: ProfileOut = Field(
+        description="Which weight profile applied, and whether the trace's task_domain was "
+        "recognised (a domain with no profile of its own is scored with the default one)."
+    )
     overrides: list[OverrideName]
     novelty: NoveltyOut
     elapsed_ms: float
@@ -155,6 +167,16 @@ class ImportedOut(BaseModel):
     imported: int = Field(description="Entries added, in order, as the newest.")
     expired: int = Field(description="Entries skipped: already past KP_CACHE_TTL_MS.")
     lines: int = Field(description="Lines read (blank ones included).")
+
+
+class RootOut(BaseModel):
+    service: Literal["kp-scoring"]
+    version: str
+    docs: str = Field(description="The API's interactive documentation (Swagger UI).")
+    redoc: str = Field(description="The same, as ReDoc.")
+    openapi: str = Field(description="The OpenAPI document.")
+    health: str = Field(description="Liveness.")
+    ready: str = Field(description="Readiness, with the model's and the memory's state.")
 
 
 class HealthOut(BaseModel):

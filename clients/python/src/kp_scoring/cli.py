@@ -272,7 +272,7 @@ def print_breakdown(r: EvaluationOut, threshold: float) -> None:
     out.print(
         f"[bold]{shown(r.trace_id)}[/]  score [bold]{r.score:.4f}[/]  "
         f"{verdict(r.score, threshold)} (threshold {threshold})  "
-        f"weights: {shown(r.weights.profile)}"
+        f"weights: {shown(weights_text(r))}"
     )
     table = Table("dimension", "value", "weight", "weighted", box=None, pad_edge=False)
     total = 0.0
@@ -285,6 +285,12 @@ def print_breakdown(r: EvaluationOut, threshold: float) -> None:
     rules = [f"{visible(rule)} ({OVERRIDE_EFFECTS.get(rule, '?')})" for rule in r.overrides]
     out.print("overrides: " + ("; ".join(rules) or "none"), markup=False)
     out.print(novelty_line(r), markup=False)
+
+
+def weights_text(r: EvaluationOut) -> str:
+    """The profile that applied, and when the trace's task_domain named none, that it did not."""
+    unknown = r.profile is not None and not r.profile.domain_recognised
+    return r.weights.profile + (" (task_domain not recognised)" if unknown else "")
 
 
 def novelty_line(r: EvaluationOut) -> str:
@@ -433,7 +439,7 @@ def print_summary(done: list[FileResult], threshold: float) -> None:
                 shown(f.file),
                 shown(r.trace_id),
                 f"{r.score:.4f}",
-                shown(r.weights.profile),
+                shown(weights_text(r)),
                 shown(", ".join(r.overrides) or "-"),
                 shown(novelty),
                 *([escape(nearest_text(r))] if nearest else []),
