@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi_offline import FastAPIOffline
 
-from app.api import mcp
+from app.api import mcp, openapi_doc
 from app.api.asgi import pipeline
 from app.api.deps import Services
 from app.api.errors import install_error_handlers
@@ -77,6 +77,7 @@ def create_app(settings: Settings | None = None, *, cpu: CpuFeatures | None = No
     for router in (evaluate.router, mcp.router, cache.router, health.router, jwks.router):
         app.include_router(router)
     install_error_handlers(app)
+    openapi_doc.install(app, settings)
     chain = pipeline.pieces(
         metrics=metrics,
         keys=keys,

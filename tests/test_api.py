@@ -325,3 +325,17 @@ def test_log_lines_are_json_without_terminal_colours() -> None:
     assert line["msg"] == "Started 7"
     assert line["cache_size"] == 3
     assert "color_message" not in line
+
+
+def test_a_method_a_path_lacks_is_a_405_allowing_every_documented_method(
+    client_no_embedder: TestClient,
+) -> None:
+    """GET and DELETE /cache are two routes: the 405 names both, as the document does."""
+    paths = client_no_embedder.get("/openapi.json").json()["paths"]
+    assert sorted(paths["/cache"]) == ["delete", "get"]
+    for path, methods in paths.items():
+        for method in ("OPTIONS", "PUT", "PATCH"):
+            r = client_no_embedder.request(method, path)
+            assert r.status_code == 405, (method, path)
+            allowed = sorted(m.strip().lower() for m in r.headers["allow"].split(","))
+            assert allowed == sorted(methods), (method, path)

@@ -65,7 +65,7 @@ IdempotencyKey = Annotated[
     str | None,
     Header(
         alias="Idempotency-Key",
-        max_length=255,
+        # Checked before the route, with its rule stated in the document (openapi_doc.py).
         description="The same key with the same request within 24 h gets the first answer "
         "again, byte for byte (header Idempotent-Replayed: true), and adds nothing; with "
         "another request, 422. Scoped to the API key. Handled before the route "
