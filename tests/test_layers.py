@@ -231,3 +231,51 @@ def test_a_start_builds_fastapis_openapi_models_only_when_the_document_is_asked_
     assert json.loads(out[1]) is True
     committed = (APP.parent / "openapi" / "openapi.json").read_text(encoding="utf-8")
     assert json.loads(out[2]) == json.loads(committed)
+
+
+#: What the domain must not use: it is pure (no threads, no processes, no files, no sockets);
+#: the machinery that needs them lives with the store (app.store.indexed_memory).
+_NOT_IN_THE_DOMAIN = frozenset(
+    {
+        "threading",
+        "_thread",
+        "atexit",
+        "concurrent",
+        "multiprocessing",
+        "asyncio",
+        "os",
+        "pathlib",
+        "io",
+        "shutil",
+        "socket",
+        "subprocess",
+        "faiss",
+    }
+)
+
+
+def test_the_domain_is_pure() -> None:
+    used = []
+    for module, path in MODULES.items():
+        if _layer(module) != "domain":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module]
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id == "open"
+            ):
+                names = ["open()"]
+            else:
+                continue
+            used += [
+                f"{module}: {name}"
+                for name in names
+                if name.split(".")[0] in _NOT_IN_THE_DOMAIN or name == "open()"
+            ]
+    assert "app.domain.vector_cache" in MODULES  # the check sees the domain
+    assert not used
