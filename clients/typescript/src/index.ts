@@ -13,6 +13,8 @@ type Schemas = components["schemas"];
 export type ReasoningTrace = Schemas["ReasoningTrace"];
 /** The answer for one trace: the score in [0, 1] and its breakdown. */
 export type Evaluation = Schemas["EvaluationOut"];
+/** How `novelty.max_cosine` was found: "exact", or "index" (within `novelty.search_bound`). */
+export type SearchMethod = NonNullable<Schemas["NoveltyOut"]["search"]>;
 export type CacheStats = Schemas["CacheOut"];
 export type Readiness = Schemas["ReadyOut"];
 /** One field a 4xx names (FastAPI's shape): its path (`["body", "steps", 0, "type"]`, or
