@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import re
 import struct
 import time
 from pathlib import Path
@@ -55,12 +56,16 @@ def test_ties_go_to_the_newest_whichever_path_answers() -> None:
     rng = np.random.default_rng(34)
     for k, p in enumerate(planted):
         for query, path in ((p, "exact"), (edit(p, rng, 1.0), "index")):
+            scans = indexed.index_status().confirmations_total
             found, truth = indexed.nearest(query), exact.nearest(query)
             assert found is not None
             assert truth is not None
             assert truth.trace_id == f"p{k}-copy29"
             assert (found.trace_id, found.cosine) == (truth.trace_id, truth.cosine)
-            assert found.search == path  # a cosine of about 0.7: the index answered
+            # The stored vector itself: exact by identity, no scan; its edit (a cosine of
+            # about 0.7): the index answered.
+            assert found.search == path
+            assert indexed.index_status().confirmations_total == scans
 
 
 def test_the_answer_says_how_it_was_found() -> None:
@@ -304,3 +309,42 @@ def test_many_cycles_of_eviction_and_expiry_keep_recall_and_memory_flat() -> Non
     assert max(memory[5:]) <= max(memory[1:5]) * 1.05
     assert min(agreements[-5:]) >= min(agreements[:5]) - 0.05
     assert worst <= INDEX_BOUND
+
+
+def test_the_memory_bench_prints_each_target_with_pass_or_fail() -> None:
+    """bench.memory's figures and checks, on a small synthetic memory: the index trained on
+    every entry, near-duplicates exact and named, the targets printed with PASS or FAIL and
+    the CPU."""
+    from bench import memory as bench_memory
+
+    stored = clustered(8_000, seed=101)
+    rng = np.random.default_rng(102)
+    near = np.stack([edit(stored[i], rng, 0.3) for i in rng.choice(len(stored), 30, False)])
+    fresh = clustered(30, seed=103, topics=1)
+    result, cache = bench_memory.measure_size(stored, near, fresh, threshold=2_000)
+    assert result["trained_on"] == len(stored)
+    assert result["near_duplicate_count"] == 30
+    assert (result["near_duplicate_recall"], result["near_duplicate_nearest"]) == (1.0, 1.0)
+    assert result["fresh"]["worst_difference"] <= INDEX_BOUND
+    checks = bench_memory.checks(result)
+    assert {c["figure"] for c in checks} >= {
+        "near_duplicate_recall",
+        "near_duplicate_nearest",
+        "near_duplicate_query_p99_ms",
+        "fresh_within_0_02",
+        "fresh_worst_difference",
+        "add_ms_mean",
+    }
+    doc = {
+        "cpu": bench_memory.cpu_name(),
+        "source": "synthetic",
+        "real_vectors": 0,
+        "threshold": 2_000,
+        "sizes": [result],
+        "checks": checks,
+    }
+    printed = bench_memory.render(doc)
+    assert bench_memory.cpu_name() in printed
+    assert re.search(r"^  PASS +8000 near_duplicate_recall ", printed, re.M)
+    assert sum(line.lstrip().startswith(("PASS", "FAIL")) for line in printed.splitlines()) == 6
+    del cache
