@@ -6,6 +6,9 @@ At or above `index_threshold` entries (search="auto") an HNSW graph (app.store.a
 proposes candidates (a second, wider search when the best of them is far: the graph's weak
 case) and the domain's float64 rescoring picks among them, so `max_cosine` is always a true
 cosine with a stored vector. Below it, or with search="exact", the exact scan answers.
+Where the score turns the answer is exact whichever path: an index answer of CONFIRM_FROM or
+more is answered by the exact scan (unless its entry is the query's own vector), and ties go
+to the newest copy on both paths. Every answer says how it was found (Nearest.search).
 
 No graph insert is on the request path: the graph is built in a background thread on a copy
 of the rows (the exact scan answers meanwhile), and the newest entries wait in a tail, scanned
