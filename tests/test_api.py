@@ -43,6 +43,8 @@ def test_evaluate_answers_the_spec_example_without_embedder(client_no_embedder: 
         "tokens": None,
         "truncated": None,
         "nearest": None,
+        "search": None,
+        "search_bound": None,
     }
     assert body["elapsed_ms"] >= 0
     assert r.headers["x-request-id"]

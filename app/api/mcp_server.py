@@ -120,6 +120,9 @@ def summary(answer: EvaluationOut) -> str:
         line += f"; max cosine {novelty.max_cosine:.4f} with {novelty.cache_size} earlier traces"
     elif novelty.reason is not None:
         line += f"; novelty not measured ({novelty.reason})"
+    if novelty.search == "index":
+        # Said, so that an agent does not read an approximate cosine as the exact one.
+        line += f" (approximate search: within {novelty.search_bound:g} of the exact maximum)"
     return line
 
 

@@ -24,12 +24,15 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
 
 Vector = npt.NDArray[np.float32]
+#: How an answer was found: by the exact scan (the true maximum), or by an approximate index
+#: (a true cosine with the entry it names, at most a stated bound below the maximum).
+SearchMethod = Literal["exact", "index"]
 
 # float32 dot products of unit vectors are within ~1e-6 of the exact value; every row this close
 # to the float32 maximum is rescored exactly.
@@ -50,6 +53,9 @@ class Nearest:
     cosine: float
     trace_id: str
     added_at_ms: float
+    search: SearchMethod = "exact"
+    #: With search="index": how far below the exact maximum the cosine may be.
+    bound: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -443,6 +449,10 @@ class VectorCache:
 
     def _best(self, q: Vector, seqs: npt.NDArray[np.int64]) -> Nearest:
         """The exact (float64) best of the given entries; ties go to the newest."""
+        return self._best_at(q, seqs)[0]
+
+    def _best_at(self, q: Vector, seqs: npt.NDArray[np.int64]) -> tuple[Nearest, int]:
+        """_best, and the sequence number of the entry it names."""
         if len(seqs) > 1:
             seqs = np.unique(seqs)  # sorted: the newest last
         slots = (self._head + (seqs - self._first_seq)) % len(self._vectors)
@@ -456,11 +466,25 @@ class VectorCache:
         at = len(cosines) - 1 - int(np.argmax(cosines[::-1]))
         slot = int(slots[at])
         # The reference starts its running maximum at -1.
-        return Nearest(
+        found = Nearest(
             max(-1.0, float(cosines[at])),
             str(self._trace_ids[slot]),
             float(self._added_at[slot]),
         )
+        return found, int(seqs[at])
+
+    def _copies_after(self, seq: int, stop_seq: int) -> npt.NDArray[np.int64]:
+        """The entries after `seq` (up to stop_seq) that hold the same vector as `seq`: they tie
+        with it for any query. Found by their norms (one float64 per entry), then compared."""
+        row = self._row(seq)
+        norm, vector = self._norms[row], self._vectors[row]
+        found = []
+        if seq + 1 < stop_seq:
+            for first, start, stop in self._runs(seq + 1, stop_seq):
+                same = start + np.flatnonzero(self._norms[start:stop] == norm)
+                same = same[(self._vectors[same] == vector).all(axis=1)]
+                found.append(first + (same - start))
+        return np.concatenate(found).astype(np.int64) if found else np.empty(0, dtype=np.int64)
 
     def _grow(self) -> None:
         new_len = min(self.capacity, max(64, 2 * len(self._vectors)))

@@ -67,6 +67,18 @@ class NoveltyOut(BaseModel):
         description="When novelty is measured: the stored trace with the largest cosine "
         "(ties: the newest); null otherwise.",
     )
+    search: Literal["exact", "index"] | None = Field(
+        default=None,
+        description="How max_cosine was found: 'exact' (the exact scan, or an index answer "
+        "confirmed by it: always so from 0.85 up, where near-duplicates are) or 'index' (the "
+        "approximate index of a large memory: a true cosine with the trace it names, at most "
+        "search_bound below the exact maximum); null when novelty is not measured.",
+    )
+    search_bound: float | None = Field(
+        default=None,
+        description="With search 'index': how far below the exact maximum max_cosine may be "
+        "(docs/operating/large-memory.md); null otherwise.",
+    )
 
 
 class EvaluationOut(BaseModel):
@@ -215,6 +227,15 @@ class CacheIndexOut(BaseModel):
     adoptions_total: int = Field(
         description="Graphs adopted instead of built since start: from the snapshot, or "
         "published by another replica of the shared cache."
+    )
+    confirmations_total: int = Field(
+        default=0,
+        description="Index answers of 0.85 or more (near a near-duplicate) answered by the "
+        "exact scan instead since start: near-duplicates are always exact.",
+    )
+    trained_on: int = Field(
+        default=0,
+        description="Entries the serving index's codes were trained on (0: no index).",
     )
 
 

@@ -206,6 +206,12 @@ class RuntimeCollector(Collector):
             index.far_searches_total,
         )
         yield CounterMetricFamily(
+            "kp_cache_index_confirmations",
+            "Index answers of 0.85 or more (near a near-duplicate) answered by the exact scan "
+            "instead, since start.",
+            index.confirmations_total,
+        )
+        yield CounterMetricFamily(
             "kp_cache_index_builds", "Graphs this process built since start.", index.builds_total
         )
         yield CounterMetricFamily(

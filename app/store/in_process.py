@@ -38,6 +38,7 @@ def compare_in_order(
         size = cache.size
         evicted = max(0, size + len(pending) - cache.capacity)
         found = cache.nearest(vector, skip_oldest=evicted)
+        searched, bound = ("exact", None) if found is None else (found.search, found.bound)
         for earlier, earlier_id in pending:
             cosine = exact_cosine(np.asarray(vector, dtype=np.float32), earlier)
             if found is None or cosine >= found.cosine:
@@ -47,7 +48,9 @@ def compare_in_order(
             results.append(Comparison(None, 0))
         else:
             nearest = NearestTrace(found.trace_id, found.cosine, max(0.0, now - found.added_at_ms))
-            results.append(Comparison(found.cosine, seen, nearest))
+            # An earlier trace of the call that beats the memory's answer is compared exactly,
+            # but the memory's part is still only as exact as its search.
+            results.append(Comparison(found.cosine, seen, nearest, searched, bound))
         if add:
             cache.add(vector, trace_id=trace_id)
         else:

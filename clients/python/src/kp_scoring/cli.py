@@ -299,6 +299,8 @@ def novelty_line(r: EvaluationOut) -> str:
         line = f"novelty: measured, max cosine {n.max_cosine:.3f} against a cache of {n.cache_size}"
         if n.nearest is not None:
             line += f", nearest {nearest_text(r)}"
+        if n.search == "index":
+            line += f" (approximate search: within {n.search_bound:g} of the exact maximum)"
     else:
         detail = f": {visible(n.detail)}" if n.detail else ""
         line = f"novelty: not measured ({visible(n.reason)}{detail})"

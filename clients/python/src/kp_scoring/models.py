@@ -56,6 +56,10 @@ class NoveltyOut(_Answer):
     tokens: int | None
     truncated: bool | None
     nearest: NearestOut | None = None
+    #: How max_cosine was found: "exact", or "index" (an approximate search of a large
+    #: memory, at most search_bound below the exact maximum); None when not measured.
+    search: str | None = None
+    search_bound: float | None = None
 
 
 class EvaluationOut(_Answer):
@@ -133,6 +137,8 @@ class CacheIndexOut(_Answer):
     audit_agreements_total: int
     builds_total: int
     adoptions_total: int
+    confirmations_total: int = 0
+    trained_on: int = 0
 
 
 class ReadyOut(_Answer):
