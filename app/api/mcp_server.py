@@ -30,6 +30,7 @@ from app import __version__
 from app.api.deps import Services
 from app.api.presenters import evaluation_out
 from app.core.signatures import unsignable_errors
+from app.schemas.ids import visible
 from app.schemas.responses import BatchIn, BatchOut, EvaluationOut
 from app.schemas.trace import ReasoningTrace
 from app.services.embeddings import OverloadedError
@@ -112,7 +113,8 @@ def summary(answer: EvaluationOut) -> str:
     novelty = answer.novelty
     nearest = novelty.nearest  # the stored trace with the largest cosine
     if nearest is not None:
-        name = nearest.trace_id or "(stored without an id)"
+        # Stored by another caller, maybe before ids had a rule: escaped, never raw.
+        name = visible(nearest.trace_id) if nearest.trace_id else "(stored without an id)"
         line += f"; nearest earlier trace {name} (cosine {nearest.cosine:.4f})"
     elif novelty.measured and novelty.max_cosine is not None:
         line += f"; max cosine {novelty.max_cosine:.4f} with {novelty.cache_size} earlier traces"
@@ -191,7 +193,7 @@ class McpTools:
 def _result(answers: list[EvaluationOut], *, batch: bool) -> types.CallToolResult:
     if batch:
         structured = BatchOut(results=answers).model_dump(mode="json")
-        text = "\n".join(f"{a.trace_id}: {summary(a)}" for a in answers)
+        text = "\n".join(f"{visible(a.trace_id)}: {summary(a)}" for a in answers)
     else:
         (answer,) = answers
         structured = answer.model_dump(mode="json")
