@@ -184,7 +184,7 @@ class McpTools:
             return _tool_error(f"overloaded, nothing was scored; retry in a second: {exc}")
         signer = s.signer
         answers = [
-            evaluation_out(e, None if signer is None else signer.sign(e, trace))
+            evaluation_out(e, None if signer is None else signer.sign(e, trace, dry_run=dry_run))
             for e, trace in zip(evaluations, sent, strict=True)
         ]
         return _result(answers, batch=batch)

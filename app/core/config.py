@@ -75,6 +75,25 @@ class Settings(BaseSettings):
     #: PEM public keys of earlier signing keys, still published in the JWKS after a rotation.
     signing_previous_keys_file: Path | None = None
     signing_issuer: Annotated[str, Field(min_length=1, max_length=200)] = "kp-scoring"
+    signing_audience: Annotated[
+        str | None,
+        Field(
+            min_length=1,
+            max_length=200,
+            description="Set: every signed score's payload carries it as `aud`, the party the "
+            "scores are for (a registry's name); a verifier that is not this audience refuses "
+            "them (docs/operating/signatures.md).",
+        ),
+    ] = None
+    signing_lifetime_s: Annotated[
+        int | None,
+        Field(
+            ge=1,
+            description="Set: every signed score's payload carries `exp`, this many seconds "
+            "after it was signed; past it the signature no longer verifies "
+            "(docs/operating/signatures.md). Unset: signed scores do not expire.",
+        ),
+    ] = None
     #: Vectors of recently embedded texts kept (by SHA-256 of the text), so that a commit after
     #: a dry run or a retry runs no model; about 1.6 KiB each; 0: off.
     embed_memo_capacity: Annotated[int, Field(ge=0, le=1_000_000)] = 4096

@@ -89,7 +89,7 @@ async def evaluate(
     services = services_of(request)
     sent = await _sent_traces(services, request, batch=False)
     (evaluation,) = await _score(services, request, [trace], dry_run=dry_run, batch=False)
-    return _answer(services, evaluation, sent, 0)
+    return _answer(services, evaluation, sent, 0, dry_run=dry_run)
 
 
 @router.post(
@@ -107,7 +107,9 @@ async def evaluate_batch(
     services = services_of(request)
     sent = await _sent_traces(services, request, batch=True)
     evaluations = await _score(services, request, batch.traces, dry_run=dry_run, batch=True)
-    return BatchOut(results=[_answer(services, e, sent, i) for i, e in enumerate(evaluations)])
+    return BatchOut(
+        results=[_answer(services, e, sent, i, dry_run=dry_run) for i, e in enumerate(evaluations)]
+    )
 
 
 async def _sent_traces(services: Services, request: Request, *, batch: bool) -> list[Any] | None:
@@ -125,10 +127,19 @@ async def _sent_traces(services: Services, request: Request, *, batch: bool) -> 
 
 
 def _answer(
-    services: Services, evaluation: Evaluation, sent: list[Any] | None, index: int
+    services: Services,
+    evaluation: Evaluation,
+    sent: list[Any] | None,
+    index: int,
+    *,
+    dry_run: bool,
 ) -> EvaluationOut:
     signer = services.signer
-    signature = None if signer is None or sent is None else signer.sign(evaluation, sent[index])
+    signature = (
+        None
+        if signer is None or sent is None
+        else signer.sign(evaluation, sent[index], dry_run=dry_run)
+    )
     return evaluation_out(evaluation, signature)
 
 
