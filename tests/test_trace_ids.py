@@ -163,7 +163,7 @@ def test_what_evaluate_accepts_the_export_gives_and_the_import_takes_back(
             tail = (tail + "z" * MAX_TRACE_ID_CHARS)[: MAX_TRACE_ID_CHARS - len(TRACE_ID_PREFIX)]
         trace: dict[str, Any] = make_trace(trace_id=TRACE_ID_PREFIX + tail)
         ids.append(ReasoningTrace.model_validate(trace).id)  # /evaluate's own validation
-    cache = VectorCache(capacity=8, dimensions=384, search="exact")
+    cache = VectorCache(capacity=8, dimensions=384)
     rng = np.random.default_rng(len(ids))
     for trace_id in ids:
         v = rng.standard_normal(384).astype(np.float32)
