@@ -18,8 +18,10 @@ import httpx
 import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
+from typer.testing import CliRunner
 
-from app.core.signatures import SignatureInvalidError, verify
+from kp_scoring.cli import cli
+from kp_scoring.signatures import SignatureInvalidError, verify
 from tests.factories import make_trace
 from tests.server import ROOT, Server, running_server
 
@@ -159,3 +161,33 @@ def test_the_registry_example_accepts_a_committed_score_only(
         assert refused.returncode == 1, (reason, refused.stdout)
         assert refused.stderr.startswith("refused: ")
         assert reason in refused.stderr.lower(), refused.stderr
+
+
+def test_the_cli_fails_an_edited_answer_and_a_dry_run_when_committed_is_asked(
+    signing: Server, tmp_path: Path
+) -> None:
+    trace = make_trace(trace_id="kp:trace:cli")
+    (tmp_path / "trace.json").write_text(json.dumps(trace))
+    env = {"KP_URL": signing.url, "NO_COLOR": "1", "COLUMNS": "200"}
+    runner = CliRunner()
+
+    def run(answer: dict[str, Any], *options: str) -> Any:
+        (tmp_path / "answer.json").write_text(json.dumps(answer))
+        args = ["verify", str(tmp_path / "trace.json"), str(tmp_path / "answer.json")]
+        return runner.invoke(cli, [*args, "--audience", AUDIENCE, *options], env=env)
+
+    committed = scored(signing, trace, dry_run=False)
+    ok = run(committed, "--issuer", ISSUER, "--committed")
+    assert ok.exit_code == 0, ok.output
+    assert ok.stdout.startswith("valid: kp:trace:cli scored ")
+
+    edited = run(committed | {"score": 0.99})
+    assert edited.exit_code == 1
+    assert "invalid: the answer's score is 0.99, the signed one" in edited.stderr
+
+    dry = scored(signing, trace, dry_run=True)
+    assert "a dry run" in run(dry).stdout
+    refused = run(dry, "--committed")
+    assert refused.exit_code == 1
+    assert "dry run" in refused.stderr
+    assert run(committed, "--issuer", "kp-scoring").exit_code == 1
