@@ -65,6 +65,19 @@ class Settings(BaseSettings):
     cache_import_max_bytes: Annotated[int, Field(ge=1_048_576)] = 64 * 1_048_576
     cache_snapshot_path: Path | None = None
     cache_snapshot_interval_s: Annotated[float, Field(gt=0)] = 30.0
+    cache_journal_fsync: Annotated[
+        Literal["everysec", "always", "off"],
+        Field(
+            description="With KP_CACHE_SNAPSHOT_PATH: every trace added (and every import and "
+            "clear) is appended to a journal beside the snapshot before it is answered, and "
+            "replayed after the snapshot at start, so a killed process loses nothing it "
+            "answered. everysec: the journal is flushed to disk once a second (a power loss "
+            "costs at most about the last second); always: before every answer (slower on "
+            "slow disks); off: no journal (a crash loses what came after the last snapshot). "
+            "Imports and clears are flushed before their answer either way "
+            "(docs/operating/persistence.md)."
+        ),
+    ] = "everysec"
 
     admin_token: SecretStr | None = None
     #: Set: scoring needs an API key of this JSON file with scope `evaluate`, /cache one with
