@@ -27,8 +27,10 @@ from mcp.shared.exceptions import MCPError
 from pydantic import BaseModel, ValidationError
 
 from app import __version__
+from app.api.batch_cost import charge_batch
 from app.api.deps import Services
 from app.api.presenters import evaluation_out
+from app.core.api_keys import ApiKey
 from app.core.signatures import unsignable_errors
 from app.schemas.ids import visible
 from app.schemas.responses import BatchIn, BatchOut, EvaluationOut
@@ -96,6 +98,13 @@ def _field(loc: Sequence[str | int]) -> str:
     return ".".join(path) or "(arguments)"
 
 
+def _api_key(ctx: Any) -> ApiKey | None:
+    """The caller's key, as the API-key middleware left it in the HTTP request's scope."""
+    scope = getattr(getattr(ctx, "request", None), "scope", None) or {}
+    key = scope.get("state", {}).get("api_key")
+    return key if isinstance(key, ApiKey) else None
+
+
 def _tool_error(text: str) -> types.CallToolResult:
     return types.CallToolResult(content=[types.TextContent(text=text)], is_error=True)
 
@@ -138,7 +147,7 @@ class McpTools:
         self, ctx: Any, params: types.CallToolRequestParams
     ) -> types.CallToolResult:
         try:
-            return await self._call(params)
+            return await self._call(ctx, params)
         except MCPError:
             raise
         except Exception:
@@ -146,7 +155,7 @@ class McpTools:
             log.exception("mcp: unhandled error", extra={"tool": params.name})
             raise MCPError(types.INTERNAL_ERROR, "internal error") from None
 
-    async def _call(self, params: types.CallToolRequestParams) -> types.CallToolResult:
+    async def _call(self, ctx: Any, params: types.CallToolRequestParams) -> types.CallToolResult:
         if params.name not in (SCORE_TRACE, SCORE_TRACES):
             raise MCPError(types.INVALID_PARAMS, f"unknown tool: {params.name}")
         arguments = dict(params.arguments or {})
@@ -163,6 +172,10 @@ class McpTools:
             )
         except ValidationError as exc:
             return _invalid(exc.errors(include_url=False, include_input=False))
+        if batch:
+            refused = await charge_batch(self.services.rate_limiter, _api_key(ctx), len(traces), ())
+            if refused is not None:
+                return _tool_error(f"nothing was scored: {refused.error['msg']}")
         sent = arguments["traces"] if batch else [arguments]
         unsignable = unsignable_errors(sent, batch=batch) if self.services.signer else []
         if unsignable:
