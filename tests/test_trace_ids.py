@@ -175,3 +175,25 @@ def test_what_evaluate_accepts_the_export_gives_and_the_import_takes_back(
     imported = reader.finish()
     assert list(imported.ids()) == ids
     assert np.array_equal(imported.vectors, cache.entries().vectors)
+
+
+def test_a_memory_built_at_the_id_bound_exports_and_imports_back(
+    make_client: ClientFactory,
+) -> None:
+    tail = MAX_TRACE_ID_CHARS - len(TRACE_ID_PREFIX)
+    ids = [
+        TRACE_ID_PREFIX + ("é" * tail),
+        TRACE_ID_PREFIX + ("東" * tail),
+        TRACE_ID_PREFIX + ("🚀" * tail),  # outside the BMP: one character, two UTF-16 units
+        TRACE_ID_PREFIX + (" x" * tail)[:tail],
+    ]
+    first = make_client(admin_token=TOKEN)
+    for i, trace_id in enumerate(ids):
+        trace = make_trace(trace_id=trace_id, objective=f"bound {i}", steps=[step(0)])
+        assert first.post("/evaluate", json=trace).status_code == 200
+    exported = first.get("/cache/export", headers=AUTH).content
+    second = make_client(admin_token=TOKEN)
+    r = second.post("/cache/import", content=exported, headers=AUTH | NDJSON)
+    assert r.status_code == 200, r.text
+    assert r.json()["imported"] == len(ids)
+    assert second.get("/cache/export", headers=AUTH).content == exported
