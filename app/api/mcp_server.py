@@ -111,7 +111,8 @@ def _tool_error(text: str) -> types.CallToolResult:
 
 def _invalid(errors: Sequence[Any]) -> types.CallToolResult:
     # Field paths and messages only: like the REST 422, never the input itself.
-    fields = "; ".join(f"{_field(e['loc'])}: {e['msg']} ({e['type']})" for e in errors)
+    # Escaped: a path may name a key of the caller's own JSON (limit errors do).
+    fields = visible("; ".join(f"{_field(e['loc'])}: {e['msg']} ({e['type']})" for e in errors))
     return _tool_error(f"invalid arguments, nothing was scored: {fields}")
 
 
