@@ -58,7 +58,7 @@ def servers(env: dict[str, str], tmp_path: Path) -> Iterator[list[LiveServer]]:
             server.stop(signal.SIGKILL)
 
 
-@pytest.mark.parametrize("fsync", ["everysec", "always"])
+@pytest.mark.parametrize("fsync", ["everysec", pytest.param("always", marks=pytest.mark.slow)])
 def test_kill_9_right_after_the_answers_loses_nothing_acknowledged(
     env: dict[str, str], tmp_path: Path, servers: list[LiveServer], fsync: str
 ) -> None:
