@@ -65,6 +65,19 @@ class Settings(BaseSettings):
     cache_import_max_bytes: Annotated[int, Field(ge=1_048_576)] = 64 * 1_048_576
     cache_snapshot_path: Path | None = None
     cache_snapshot_interval_s: Annotated[float, Field(gt=0)] = 30.0
+    cache_journal_fsync: Annotated[
+        Literal["everysec", "always", "off"],
+        Field(
+            description="With KP_CACHE_SNAPSHOT_PATH: every trace added (and every import and "
+            "clear) is appended to a journal beside the snapshot before it is answered, and "
+            "replayed after the snapshot at start, so a killed process loses nothing it "
+            "answered. everysec: the journal is flushed to disk once a second (a power loss "
+            "costs at most about the last second); always: before every answer (slower on "
+            "slow disks); off: no journal (a crash loses what came after the last snapshot). "
+            "Imports and clears are flushed before their answer either way "
+            "(docs/operating/persistence.md)."
+        ),
+    ] = "everysec"
 
     admin_token: SecretStr | None = None
     #: Set: scoring needs an API key of this JSON file with scope `evaluate`, /cache one with
@@ -75,6 +88,25 @@ class Settings(BaseSettings):
     #: PEM public keys of earlier signing keys, still published in the JWKS after a rotation.
     signing_previous_keys_file: Path | None = None
     signing_issuer: Annotated[str, Field(min_length=1, max_length=200)] = "kp-scoring"
+    signing_audience: Annotated[
+        str | None,
+        Field(
+            min_length=1,
+            max_length=200,
+            description="Set: every signed score's payload carries it as `aud`, the party the "
+            "scores are for (a registry's name); a verifier that is not this audience refuses "
+            "them (docs/operating/signatures.md).",
+        ),
+    ] = None
+    signing_lifetime_s: Annotated[
+        int | None,
+        Field(
+            ge=1,
+            description="Set: every signed score's payload carries `exp`, this many seconds "
+            "after it was signed; past it the signature no longer verifies "
+            "(docs/operating/signatures.md). Unset: signed scores do not expire.",
+        ),
+    ] = None
     #: Vectors of recently embedded texts kept (by SHA-256 of the text), so that a commit after
     #: a dry run or a retry runs no model; about 1.6 KiB each; 0: off.
     embed_memo_capacity: Annotated[int, Field(ge=0, le=1_000_000)] = 4096

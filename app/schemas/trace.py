@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 from pydantic_core import PydanticCustomError
 
+from app.schemas.ids import TraceId
+
 # Some doc pages show the second address; the spec accepts both.
 KpContext = Literal[
     "https://openknowledgepulse.org/schema/v1",
@@ -139,7 +141,7 @@ class ReasoningTrace(_Strict):
 
     context: KpContext = Field(alias="@context")
     type: Literal["ReasoningTrace"] = Field(alias="@type")
-    id: Annotated[str, Field(pattern=r"^kp:trace:")]
+    id: TraceId
     source_skill: Omittable[str] = None
     metadata: Metadata
     task: Task

@@ -29,6 +29,7 @@ from app.services.trust import build_trust_stores
 from app.store.base import NoveltyMemory
 from app.store.in_process import InProcessMemory
 from app.store.indexed_memory import IndexedCache
+from app.store.journal import Journal
 
 log = logging.getLogger("app")
 #: Each rerun is an exact scan (about 66 ms of one core at a million entries, done in chunks
@@ -57,10 +58,24 @@ class Runtime:
         if needs_identity and files is not None:
             model_id = _model_identity(files, self.embeddings.precision or "float32")
         self.memory = build_memory(settings, model_id)
-        # Snapshots are the in-process memory's persistence; with Redis, Redis's own (AOF):
-        # the settings refuse KP_CACHE_SNAPSHOT_PATH there.
+        # Snapshots (and their journal) are the in-process memory's persistence; with Redis,
+        # Redis's own (AOF): the settings refuse KP_CACHE_SNAPSHOT_PATH there.
+        journal = None
+        if (
+            isinstance(self.memory, InProcessMemory)
+            and settings.cache_snapshot_path is not None
+            and settings.cache_journal_fsync != "off"
+            and model_id is not None
+        ):
+            journal = Journal(
+                settings.cache_snapshot_path,
+                model_id,
+                self.memory.dimensions,
+                settings.cache_journal_fsync,
+            )
+            self.memory.journal = journal
         self.snapshots = SnapshotStore(
-            settings.cache_snapshot_path, self.memory.local_cache, model_id
+            settings.cache_snapshot_path, self.memory.local_cache, model_id, journal
         )
         self.memo = EmbeddingMemo(self.embeddings, settings.embed_memo_capacity)
         self.evaluator = Evaluator(self.memory, self.memo)

@@ -320,10 +320,29 @@ class KpScoringClient(_Base):
         keys: dict[str, Any] = self._request("GET", "/.well-known/jwks.json")
         return keys
 
-    def verify(self, signature: str, trace: TraceLike) -> dict[str, Any]:
+    def verify(
+        self,
+        signature: str,
+        trace: TraceLike,
+        *,
+        issuer: str | None = None,
+        audience: str | None = None,
+        committed: bool = False,
+        answer: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         """The claims of a signed score about `trace` (as this client sent it), checked against
-        the service's JWKS; SignatureInvalidError if it does not verify."""
-        return verify(signature, _trace_json(trace), self.jwks())
+        the service's JWKS and, when given, the issuer, the audience, a committed score and
+        the answer's visible fields (kp_scoring.signatures.verify); SignatureInvalidError if
+        it does not verify."""
+        return verify(
+            signature,
+            _trace_json(trace),
+            self.jwks(),
+            issuer=issuer,
+            audience=audience,
+            committed=committed,
+            answer=answer,
+        )
 
     def cache_stats(self) -> CacheOut:
         return CacheOut.model_validate(self._request("GET", "/cache", headers=self._headers))
@@ -427,9 +446,26 @@ class AsyncKpScoringClient(_Base):
         keys: dict[str, Any] = await self._request("GET", "/.well-known/jwks.json")
         return keys
 
-    async def verify(self, signature: str, trace: TraceLike) -> dict[str, Any]:
+    async def verify(
+        self,
+        signature: str,
+        trace: TraceLike,
+        *,
+        issuer: str | None = None,
+        audience: str | None = None,
+        committed: bool = False,
+        answer: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         """As `KpScoringClient.verify`."""
-        return verify(signature, _trace_json(trace), await self.jwks())
+        return verify(
+            signature,
+            _trace_json(trace),
+            await self.jwks(),
+            issuer=issuer,
+            audience=audience,
+            committed=committed,
+            answer=answer,
+        )
 
     async def cache_stats(self) -> CacheOut:
         body = await self._request("GET", "/cache", headers=self._headers)
