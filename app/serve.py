@@ -38,7 +38,7 @@ def prepare(*, reload: bool = False) -> None:
     # The start creates some 140,000 objects (modules, classes, schemas) that live as long as
     # the process; the cyclic collector would walk them again and again while they are made.
     # Off until the app has started: its lifespan freezes them and turns it back on
-    # (app/main.py). Figures: docs/decisions/start-up-tricks.md.
+    # (app/main.py). Figures: docs/decisions/collector-off-during-start.md.
     if not reload:  # with reload the app lives in a child process, which loads its own
         gc.disable()
 
