@@ -8,9 +8,8 @@ BIN := $(VENV)/bin
 PYTHON ?= python3
 HOST ?= 127.0.0.1
 PORT ?= 8000
-GLIBC_TUNABLES ?= glibc.malloc.hugetlb=1
 
-.PHONY: run test test-fast lint unit typescript openapi image-test bench bench-precision redis-server clean
+.PHONY: run test test-fast lint unit typescript openapi image-test bench redis-server clean
 
 CLIENT := clients/python
 INSTALLED := pyproject.toml $(CLIENT)/pyproject.toml $(CLIENT)/VERSION
@@ -29,12 +28,8 @@ $(BIN)/.installed-test: $(BIN)/.installed
 	touch $@
 
 ## run: start the service on http://$(HOST):$(PORT) (settings from KP_* variables)
-# compileall: the bytecode an installed service has (an editable install writes none, and where
-# PYTHONDONTWRITEBYTECODE is set every start would compile every module); changed files only.
-# GLIBC_TUNABLES: huge pages for a large memory's graph, as the image has them (Dockerfile).
 run: $(BIN)/.installed
-	$(BIN)/python -m compileall -q app
-	GLIBC_TUNABLES=$(GLIBC_TUNABLES) $(BIN)/python -m app.serve --host $(HOST) --port $(PORT)
+	$(BIN)/python -m app.serve --host $(HOST) --port $(PORT)
 
 ## test: lint, type-check and run the whole test suite (the TypeScript client's included)
 test: lint typescript unit
@@ -75,13 +70,11 @@ openapi: $(BIN)/.installed
 image-test:
 	bash scripts/image_test.sh
 
-## bench: measure latency and throughput against the bare-onnxruntime floor
+## bench: every phase of the benchmark (floor, load, window, shared, reference, memory);
+## one phase: make bench PHASE=load (floor|load|cold|window|reference|memory|shared|precision)
+PHASE ?= all
 bench: $(BIN)/.installed-test redis-server
-	$(BIN)/python -m bench
-
-## bench-precision: int8 mode against float32 (model speed and score deviation, in process)
-bench-precision: $(BIN)/.installed-test
-	$(BIN)/python -m bench.precision
+	$(BIN)/python -m bench $(PHASE) $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis build *.egg-info

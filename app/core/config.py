@@ -25,9 +25,6 @@ class Settings(BaseSettings):
     model_path: Path | None = None
     tokenizer_path: Path | None = None
     embedder_preload: bool = False
-    #: With `python -m app.serve`: the model starts loading when the process starts, beside
-    #: the imports and uvicorn's start-up, without holding readiness back (the preload does).
-    embedder_early_load: bool = True
     embedder_threads: Annotated[int, Field(ge=0)] = 0  # 0: onnxruntime's choice (all cores)
     #: false: the intra-op threads sleep when idle instead of spinning (hosts with busy cores).
     embedder_spinning: bool = True
@@ -169,6 +166,14 @@ class Settings(BaseSettings):
         return self.admin_token is None and self.api_keys_file is None
 
     @property
+    def model_cache_location(self) -> Path | None:
+        """Where the model's optimised graph is kept (None: not kept, KP_MODEL_CACHE=false or
+        no user cache directory)."""
+        if not self.model_cache:
+            return None
+        return self.model_cache_dir or user_cache_directory()
+
+    @property
     def embedder_worker_count(self) -> int:
         """KP_EMBEDDER_WORKERS, with 0 resolved to the cores this process may run on."""
         return self.embedder_workers or len(os.sched_getaffinity(0))
@@ -225,6 +230,19 @@ class Settings(BaseSettings):
                 for err in exc.errors()
             )
             raise ConfigError(f"kp-scoring: invalid configuration: {problems}") from None
+
+
+def user_cache_directory() -> Path | None:
+    """$XDG_CACHE_HOME/kp-scoring/onnx, or ~/.cache/kp-scoring/onnx; None when neither is
+    known (no HOME, a uid without a passwd entry): no cache then, rather than a shared place
+    such as /tmp, where another user could plant a graph."""
+    base = os.environ.get("XDG_CACHE_HOME")
+    if not base:
+        try:
+            base = str(Path.home() / ".cache")
+        except (KeyError, RuntimeError):
+            return None
+    return Path(base) / "kp-scoring" / "onnx"
 
 
 def config_error(variable: str, problem: str) -> ConfigError:
