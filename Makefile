@@ -8,12 +8,12 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 GLIBC_TUNABLES ?= glibc.malloc.hugetlb=1
 
-.PHONY: run test test-fast lint unit typescript openapi image-test bench bench-precision redis-server clean
+.PHONY: run test test-fast lint unit docs typescript openapi image-test bench bench-precision redis-server promtool clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[server,test]'
+	$(BIN)/python -m pip install --quiet -e '.[server,test,docs]'
 	touch $@
 
 ## run: start the service on http://$(HOST):$(PORT) (settings from KP_* variables)
@@ -24,8 +24,9 @@ run: $(BIN)/.installed
 	$(BIN)/python -m compileall -q app
 	GLIBC_TUNABLES=$(GLIBC_TUNABLES) $(BIN)/python -m app.serve --host $(HOST) --port $(PORT)
 
-## test: lint, type-check and run the whole test suite (the TypeScript client's included)
-test: lint typescript unit
+## test: lint, type-check, build the docs and run the whole test suite (the TypeScript
+## client's included)
+test: lint docs typescript unit
 
 ## test-fast: the tests that need no live server, no redis-server and no long run
 test-fast: $(BIN)/.installed
@@ -36,8 +37,13 @@ lint: $(BIN)/.installed
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-unit: $(BIN)/.installed redis-server
+unit: $(BIN)/.installed redis-server promtool
 	$(BIN)/python -m pytest
+
+## docs: build the documentation site into site/ (mkdocs --strict: a broken link or a missing
+## page fails); `.venv/bin/mkdocs serve` serves it while you edit
+docs: $(BIN)/.installed
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 ## typescript: install the TypeScript client's pinned dev packages (npm ci: node 20, npm) and
 ## build it; tests/test_typescript_client.py runs its tests against a live server
@@ -54,6 +60,14 @@ redis-server:
 		echo "installing Debian's redis-server (the shared-cache tests need it)"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
 	@redis-server --version
+
+## promtool: Debian's prometheus package, for tests/test_monitoring.py (promtool check and
+## test the alert rules of deploy/prometheus/). Installed with apt-get when missing (needs root).
+promtool:
+	@command -v promtool >/dev/null || { \
+		echo "installing Debian's prometheus package (the alert rules' tests need promtool)"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
+	@promtool --version | head -1
 
 ## openapi: regenerate openapi/ after an API change
 openapi: $(BIN)/.installed
@@ -72,4 +86,4 @@ bench-precision: $(BIN)/.installed
 	$(BIN)/python -m bench.precision
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis build *.egg-info
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis build site *.egg-info
