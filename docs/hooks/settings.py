@@ -51,6 +51,16 @@ def _default(value: Any) -> str:
     return f"`{value}`"
 
 
+def _constraints(field: Any) -> list[Any]:
+    """The field's own constraints, and those of an `Annotated[...] | None` it is declared as."""
+    found = list(field.metadata)
+    for member in typing.get_args(field.annotation):
+        if typing.get_origin(member) is typing.Annotated:
+            for item in getattr(member, "__metadata__", ()):
+                found += list(getattr(item, "metadata", [item]))  # a Field(...) holds its own
+    return found
+
+
 def _bounds(field: Any) -> str:
     words = {
         "ge": ">=",
@@ -62,18 +72,18 @@ def _bounds(field: Any) -> str:
         "pattern": "matches",
     }
     found = []
-    for item in field.metadata:
+    for item in _constraints(field):
         for attribute, word in words.items():
             value = getattr(item, attribute, None)
-            if value is not None:
-                shown = (
-                    f"`{value}`"
-                    if attribute == "pattern"
-                    else f"{value:,}"
-                    if isinstance(value, int)
-                    else str(value)
-                )
-                found.append(f"{word} {shown}")
+            if value is None:
+                continue
+            if attribute == "pattern":
+                shown = f"`{value}`"
+            elif isinstance(value, int):
+                shown = f"{value:,}"
+            else:
+                shown = str(value)
+            found.append(f"{word} {shown}")
     return ", ".join(found)
 
 
