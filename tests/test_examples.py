@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -95,7 +96,8 @@ def test_the_readme_and_the_getting_started_page_have_examples_that_run() -> Non
 
 @pytest.fixture(scope="module")
 def live() -> Iterator[Server]:
-    with running_server(embedder="onnx", token=None) as server:
+    # Default settings: the model, no admin token, the default log level.
+    with running_server(embedder="onnx", token=None, log_level="info") as server:
         yield server
 
 
@@ -153,7 +155,8 @@ def test_the_examples_of_a_page_run_as_shown(page: Path, live: Server) -> None:
     for block in _marked(page):
         required = block.option("requires")
         if required and importlib.util.find_spec(required) is None:
-            continue  # its package is not installed here
+            warnings.warn(f"{block.where} not run: {required} is not installed", stacklevel=1)
+            continue
         if block.language == "console":
             found = _run_console(block, live.url, env)
         else:
