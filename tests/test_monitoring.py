@@ -40,6 +40,12 @@ def test_the_alert_rules_pass_their_unit_tests() -> None:
     assert tested.returncode == 0, tested.stdout + tested.stderr
 
 
+def test_the_example_configuration_is_valid_and_loads_the_rules() -> None:
+    checked = promtool("check", "config", "prometheus.yml")
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "1 rule files found" in checked.stdout
+
+
 def test_every_alert_has_a_unit_test() -> None:
     rules = set(re.findall(r"^\s+- alert: (\w+)", (PROMETHEUS / "alerts.yml").read_text(), re.M))
     tested = set(re.findall(r"alertname: (\w+)", (PROMETHEUS / "alerts_test.yml").read_text()))
