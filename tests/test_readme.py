@@ -53,5 +53,3 @@ def test_the_readme_links_every_page_of_the_docs_nav() -> None:
 def test_the_readme_has_no_performance_figures() -> None:
     """Figures belong to docs/performance.md, where they are rendered from bench/results."""
     assert not re.search(r"\d\s?(ms|µs|us|req/s|/s)\b", TEXT), "figures in the README"
-    assert "../shared" not in TEXT
-    assert "SPEC.md" not in TEXT

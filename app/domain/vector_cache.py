@@ -1,4 +1,4 @@
-"""The process-wide vector cache that novelty is measured against (SPEC section 6).
+"""The process-wide vector cache that novelty is measured against (docs/scoring.md).
 
 A ring buffer of float32 rows: adding never moves data, eviction is oldest first. Every entry
 has a sequence number (its place in the order since the cache was made) and a trace id, so an

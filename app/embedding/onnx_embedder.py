@@ -230,7 +230,8 @@ def _session_options(intra_op_threads: int, spinning: bool) -> ort.SessionOption
     options.log_severity_level = 3
     if not spinning:
         # Idle pool threads sleep instead of spinning: on a host whose cores are busy with other
-        # work a spinning thread takes a core from the one doing the run (README, Performance).
+        # work a spinning thread takes a core from the one doing the run
+        # (docs/decisions/spinning-stays-on.md).
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     # No `session.x64quantprecision` for int8 mode: its weight rewrite runs at the EXTENDED
     # level only. The weights' type does that work (int8_support.py).

@@ -21,7 +21,7 @@ import orjson
 from app.domain.vector_cache import CacheEntries
 
 _WIRE = np.dtype("<f4")
-#: A trace id is at most this long (SPEC 2 caps strings; ids are far shorter).
+#: A trace id is at most this long (KP_MAX_STRING_CHARS caps strings; ids are far shorter).
 MAX_TRACE_ID = 1024
 
 
