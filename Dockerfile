@@ -75,8 +75,8 @@ HEALTHCHECK --interval=30s --timeout=5s --start-period=60s --retries=3 \
 # 1024 (hard: 524288 or more); at start the service raises the soft limit to
 # KP_OPEN_FILES_LIMIT, as far as the hard limit allows, and logs it. A limit below it needs
 # `docker run --ulimit nofile=65536:65536` (the compose files set it). Slow clients cannot
-# hold them: KP_HEADER_TIMEOUT_S and KP_BODY_TIMEOUT_S close them (README, "Slow and hostile
-# clients").
+# hold them: KP_HEADER_TIMEOUT_S and KP_BODY_TIMEOUT_S close them
+# (docs/operating/slow-clients.md).
 ENV KP_OPEN_FILES_LIMIT=65536
 
 # The model's optimised graph (KP_MODEL_CACHE) is kept in the volume: written by the first

@@ -9,7 +9,7 @@ PYTHON ?= python3
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: run test test-fast lint unit typescript openapi image-test bench redis-server clean
+.PHONY: run test test-fast lint unit docs typescript openapi image-test bench redis-server promtool clean
 
 CLIENT := clients/python
 INSTALLED := pyproject.toml $(CLIENT)/pyproject.toml $(CLIENT)/VERSION
@@ -31,8 +31,9 @@ $(BIN)/.installed-test: $(BIN)/.installed
 run: $(BIN)/.installed
 	$(BIN)/python -m app.serve --host $(HOST) --port $(PORT)
 
-## test: lint, type-check and run the whole test suite (the TypeScript client's included)
-test: lint typescript unit
+## test: lint, type-check, build the docs and run the whole test suite (the TypeScript
+## client's included)
+test: lint docs typescript unit
 
 ## test-fast: the tests that need no live server, no redis-server and no long run
 test-fast: $(BIN)/.installed-test
@@ -43,8 +44,13 @@ lint: $(BIN)/.installed-test
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-unit: $(BIN)/.installed-test redis-server
+unit: $(BIN)/.installed-test redis-server promtool
 	$(BIN)/python -m pytest
+
+## docs: build the documentation site into site/ (mkdocs --strict: a broken link or a missing
+## page fails); `.venv/bin/mkdocs serve` serves it while you edit
+docs: $(BIN)/.installed-test
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 ## typescript: install the TypeScript client's pinned dev packages (npm ci: node 20, npm) and
 ## build it; tests/test_typescript_client.py runs its tests against a live server
@@ -62,6 +68,14 @@ redis-server:
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
 	@redis-server --version
 
+## promtool: Debian's prometheus package, for tests/test_monitoring.py (promtool check and
+## test the alert rules of deploy/prometheus/). Installed with apt-get when missing (needs root).
+promtool:
+	@command -v promtool >/dev/null || { \
+		echo "installing Debian's prometheus package (the alert rules' tests need promtool)"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
+	@promtool --version | head -1
+
 ## openapi: regenerate openapi/ after an API change
 openapi: $(BIN)/.installed
 	$(BIN)/python -m app.api.openapi_export
@@ -77,4 +91,4 @@ bench: $(BIN)/.installed-test redis-server
 	$(BIN)/python -m bench $(PHASE) $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis build *.egg-info
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis build site *.egg-info

@@ -47,7 +47,7 @@ from tests.server import RedisServer
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "shared.json"
 #: Simulated replicas in the Redis throughput part.
 REPLICAS = (4, 16, 64)
-#: Evaluations a second of one replica (README: 80-300 by CPU and mode) the capacity is quoted for.
+#: Evaluations a second of one replica (80-300 by CPU and mode) the capacity is quoted for.
 REPLICA_RATES = (150, 300)
 CAPACITY = 1000
 

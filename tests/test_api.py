@@ -1,4 +1,4 @@
-"""The HTTP API (SPEC section 8): answers, dry runs, batches, admin auth, health."""
+"""The HTTP API (docs/api.md): answers, dry runs, batches, admin auth, health."""
 
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ def test_dry_run_scores_without_touching_the_cache(client: TestClient) -> None:
 
 
 def test_long_text_reports_the_window_read_and_truncation(client: TestClient) -> None:
-    """SPEC section 8: `tokens` is what the model read (at most 512), `truncated` whether the
+    """docs/api.md: `tokens` is what the model read (at most 512), `truncated` whether the
     text went past the window."""
     long_trace = make_trace(steps=[step(0, "thought", "alpha beta gamma " * 400)])
     novelty = client.post("/evaluate", json=long_trace).json()["novelty"]

@@ -1,4 +1,4 @@
-"""What the API answers (SPEC section 8)."""
+"""What the API answers (docs/api.md)."""
 
 from __future__ import annotations
 

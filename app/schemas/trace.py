@@ -1,4 +1,4 @@
-"""The ReasoningTrace input schema (SPEC section 2).
+"""The ReasoningTrace input schema (docs/scoring.md, "The trace").
 
 Mirrors the reference SDK's zod `ReasoningTraceSchema`: unknown keys are ignored, types are
 strict (no "true" for a boolean, no "1" for a number), numbers must be finite, and an optional

@@ -15,7 +15,7 @@ from those copies in a worker thread, without joining them into one more buffer.
 is one unbroken run of the cache's entries, the header also says where it stands (`lineage`,
 `first_seq`: optional keys, so format 2 readers still load it).
 
-The graph of a large memory (README, "A large memory") is kept beside the snapshot, in
+The graph of a large memory (docs/operating/large-memory.md) is kept beside the snapshot, in
 `<path>.graph` (faiss's serialized index) and `<path>.graph.json` (what it covers: the lineage
 and sequence number of its first entry, its count, dimensions, m, efConstruction, model, size
 and SHA-256; after a restore, also the numbering the snapshot file still uses: Numbering). It
