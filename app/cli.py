@@ -423,15 +423,14 @@ def _signature_of(value: str) -> str:
 def serve(
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535, help="Port to listen on.")] = 8000,
-    reload: Annotated[bool, typer.Option(help="Restart on code changes (development).")] = False,
 ) -> None:
-    """Run the service (one uvicorn process); settings come from KP_* variables."""
+    """Run the service (one process, served by granian); settings come from KP_* variables."""
     try:
         from app.serve import run  # the server's dependencies: not in the client-only install
     except ImportError as exc:
         out.print(f"[red]{exc}[/red]: install the server with pip install 'kp-scoring[server]'")
         raise typer.Exit(Code.INPUT_ERROR) from None
-    run(host, port, reload=reload)
+    run(host, port)
 
 
 @cache_cli.command("stats")

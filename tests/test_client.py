@@ -1,4 +1,4 @@
-"""app.client against a real uvicorn server: every method, sync and async, and the error types."""
+"""app.client against a real server: every method, sync and async, and the error types."""
 
 from __future__ import annotations
 

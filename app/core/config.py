@@ -104,24 +104,28 @@ class Settings(BaseSettings):
     #: 140 ms, so bursts and closed-loop clients on slow CPUs are served, later, not refused.
     embed_max_wait_ms: Annotated[float, Field(gt=0)] = 10_000.0
 
-    # Connection bounds, enforced by the HTTP protocol (app/server/protocol.py) so that slow
-    # or silent clients cannot hold descriptors (README, "Slow and hostile clients").
-    #: From connect (or the end of the previous answer) to the request's last header line;
-    #: past it, 408 and close (a connection that sent nothing is closed without an answer).
-    #: An honest request's headers are under 1 KB, one packet; 15 s outlasts several TCP
-    #: retransmissions (1 s, 2 s, 4 s...) on a lossy link.
-    header_timeout_s: Annotated[float, Field(gt=0, le=600)] = 15.0
-    #: From the last header line to the body's last byte; past it, 408 and close. 30 s takes
-    #: the 1 MiB body limit at 35 KB/s and a typical trace (a few KB) at well under 1 KB/s.
-    body_timeout_s: Annotated[float, Field(gt=0, le=600)] = 30.0
-    #: Request line plus header lines, in bytes; past it, 431. 32 KiB: nginx's default
-    #: (large_client_header_buffers 4 8k), twice h11's.
-    max_header_bytes: Annotated[int, Field(ge=1024, le=1_048_576)] = 32_768
-    #: Header lines per request; past it, 431 (Apache's LimitRequestFields).
-    max_header_count: Annotated[int, Field(ge=8, le=10_000)] = 100
-    #: The soft file-descriptor limit (RLIMIT_NOFILE) is raised to this at start, as far as
-    #: the hard limit allows (one descriptor per open connection); 0 leaves it as it is.
-    open_files_limit: Annotated[int, Field(ge=0)] = 65_536
+    # Connection bounds (docs/operating/slow-clients.md): the header deadline and size are
+    # granian's (app/serve.py hands them over), the body deadline the app's own
+    # (app/api/asgi/request_bounds.py), so that slow or silent clients cannot hold descriptors.
+    header_timeout_s: Annotated[float, Field(gt=0, le=60)] = Field(
+        15.0,
+        description="From connect (or the end of the previous answer) to the request's last "
+        "header line; past it the connection is closed (an idle kept-alive one too). An honest "
+        "request's headers are under 1 KB, one packet; 15 s outlasts several TCP "
+        "retransmissions on a lossy link. At most 60 (granian's bound).",
+    )
+    body_timeout_s: Annotated[float, Field(gt=0, le=600)] = Field(
+        30.0,
+        description="From the request's headers to its body's last byte; past it, 408 and "
+        "close. 30 s takes the 1 MiB body limit at 35 KB/s and a typical trace (a few KB) at "
+        "well under 1 KB/s.",
+    )
+    max_header_bytes: Annotated[int, Field(ge=8192, le=1_048_576)] = Field(
+        32_768,
+        description="Request line plus header lines, in bytes (granian's HTTP/1 buffer); past "
+        "it, 431 and close. 32 KiB: nginx's default (large_client_header_buffers 4 8k). At "
+        "most 100 header lines are taken whatever their size (431 past them).",
+    )
 
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 

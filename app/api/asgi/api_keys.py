@@ -4,7 +4,10 @@ query string (URLs end up in logs and proxies' histories)."""
 
 from __future__ import annotations
 
-from app.api.asgi.base import ASGIApp, Receive, Scope, Send, detail, header, send_json, state
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from app.api.asgi.base import detail, send_json, state
 from app.core.api_keys import KeyRing
 from app.core.api_keys import Scope as KeyScope
 from app.core.metrics import Metrics
@@ -55,7 +58,7 @@ class ApiKeys:
             msg = "API keys go in the Authorization header (Bearer), never in the URL"
             await send_json(send, 400, detail(("query", in_query), msg, "key_in_query"))
             return
-        presented = _bearer(header(scope, b"authorization"))
+        presented = _bearer(Headers(scope=scope).get("authorization"))
         key = None if presented is None else self.keys.identify(presented)
         if self.evaluate_open if needed == "evaluate" else self.admin_open:
             if key is not None and needed in key.scopes:
