@@ -34,6 +34,7 @@ def run(host: str = "127.0.0.1", port: int = 8000) -> None:
     from app.main import create_app
 
     app = create_app(settings)
+    # asyncio's own loop: uvloop measured no different here (docs/decisions/connection-edge.md).
     asyncio.run(_serve(app, host, port, settings))
 
 
