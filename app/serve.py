@@ -72,9 +72,9 @@ async def _serve(app: object, host: str, port: int, settings: Settings) -> None:
         http=HTTPModes.http1,
         # No WebSocket endpoint: an upgrade request is answered as plain HTTP.
         websockets=False,
-        # Connections served at once: granian accepts no more past it (the rest wait in the
-        # kernel's queue). uvicorn's default backlog; descriptors are the real bound
-        # (granian raises the soft limit to the hard one; app/server/descriptors.py).
+        # Also the connections served at once: granian accepts no more past it (the rest wait
+        # in the kernel's queue); its embedded default, 128, would cap a crowd of kept-alive
+        # clients. Descriptors are the real bound (app/server/descriptors.py).
         backlog=2048,
         http1_settings=HTTP1Settings(
             header_read_timeout=round(settings.header_timeout_s * 1000),

@@ -26,7 +26,7 @@ class Settings(BaseSettings):
     tokenizer_path: Path | None = None
     embedder_preload: bool = False
     #: With `python -m app.serve`: the model starts loading when the process starts, beside
-    #: the imports and uvicorn's start-up, without holding readiness back (the preload does).
+    #: the imports and the server's start-up, without holding readiness back (the preload does).
     embedder_early_load: bool = True
     embedder_threads: Annotated[int, Field(ge=0)] = 0  # 0: onnxruntime's choice (all cores)
     #: false: the intra-op threads sleep when idle instead of spinning (hosts with busy cores).

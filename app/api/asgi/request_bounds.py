@@ -36,8 +36,10 @@ class RequestBounds:
             msg = "an HTTP/1.1 request must have exactly one Host header (RFC 9112, 3.2)"
             await send_json(send, 400, detail(("header", "host"), msg, "host"), _CLOSE)
             return
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.body_timeout_s
+        if not _may_have_body(scope):
+            await self.app(scope, receive, send)
+            return
+        deadline = asyncio.get_running_loop().time() + self.body_timeout_s
         body_ended = False
         started = False
 
@@ -70,3 +72,13 @@ class RequestBounds:
                 "(KP_BODY_TIMEOUT_S)"
             )
             await send_json(send, 408, detail(("body",), msg, "body_timeout"), _CLOSE)
+
+
+def _may_have_body(scope: Scope) -> bool:
+    """A body may come: a chunked one, or a declared length that is not 0."""
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            return value.strip() != b"0"
+        if name == b"transfer-encoding":
+            return True
+    return False
