@@ -78,7 +78,8 @@ def _may_have_body(scope: Scope) -> bool:
     """A body may come: a chunked one, or a declared length that is not 0."""
     for name, value in scope["headers"]:
         if name == b"content-length":
-            return value.strip() != b"0"
+            declared: bytes = value
+            return declared.strip() != b"0"
         if name == b"transfer-encoding":
             return True
     return False
