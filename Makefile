@@ -1,5 +1,7 @@
 # The two commands a newcomer needs: `make run` and `make test` (`make test-fast` while working).
-# Both create ./.venv on first use and install the project into it (nothing else is needed).
+# Both create ./.venv on first use and install the project into it (nothing else is needed):
+# `make run` the service and the client (clients/python: the `kp-scoring` command), `make test`
+# the test tools as well.
 
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -10,10 +12,20 @@ GLIBC_TUNABLES ?= glibc.malloc.hugetlb=1
 
 .PHONY: run test test-fast lint unit typescript openapi image-test bench bench-precision redis-server clean
 
-$(BIN)/.installed: pyproject.toml
+CLIENT := clients/python
+INSTALLED := pyproject.toml $(CLIENT)/pyproject.toml $(CLIENT)/VERSION
+
+# The service (package `app`) and the client (package `kp_scoring`), in one pip command: the
+# client distribution is not on any registry, so the server does not name it as a dependency.
+$(BIN)/.installed: $(INSTALLED)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[server,test]'
+	$(BIN)/python -m pip install --quiet -e ./$(CLIENT) -e .
+	touch $@
+
+# ... and the test tools (pytest, schemathesis, ruff, mypy, ...).
+$(BIN)/.installed-test: $(BIN)/.installed
+	$(BIN)/python -m pip install --quiet -e ./$(CLIENT) -e '.[test]'
 	touch $@
 
 ## run: start the service on http://$(HOST):$(PORT) (settings from KP_* variables)
@@ -28,15 +40,15 @@ run: $(BIN)/.installed
 test: lint typescript unit
 
 ## test-fast: the tests that need no live server, no redis-server and no long run
-test-fast: $(BIN)/.installed
+test-fast: $(BIN)/.installed-test
 	$(BIN)/python -m pytest -m "not server and not redis and not slow"
 
-lint: $(BIN)/.installed
+lint: $(BIN)/.installed-test
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-unit: $(BIN)/.installed redis-server
+unit: $(BIN)/.installed-test redis-server
 	$(BIN)/python -m pytest
 
 ## typescript: install the TypeScript client's pinned dev packages (npm ci: node 20, npm) and
@@ -64,11 +76,11 @@ image-test:
 	bash scripts/image_test.sh
 
 ## bench: measure latency and throughput against the bare-onnxruntime floor
-bench: $(BIN)/.installed redis-server
+bench: $(BIN)/.installed-test redis-server
 	$(BIN)/python -m bench
 
 ## bench-precision: int8 mode against float32 (model speed and score deviation, in process)
-bench-precision: $(BIN)/.installed
+bench-precision: $(BIN)/.installed-test
 	$(BIN)/python -m bench.precision
 
 clean:

@@ -39,7 +39,7 @@ import faiss
 import numpy as np
 import numpy.typing as npt
 
-from app.domain.vector_cache import VectorCache
+from app.store.indexed_memory import IndexedCache
 from bench import memory_corpus
 from bench.server import rss_mb
 from bench.stats import percentile
@@ -143,7 +143,7 @@ def measure_size(stored: Matrix, near: Matrix, fresh: Matrix, threshold: int) ->
     rss_before = rss_mb(os.getpid())
     # As the service runs it: index builds in a background thread (the adds measured are the
     # foreground's), waited for before the queries.
-    cache = VectorCache(capacity=n, index_threshold=threshold)
+    cache = IndexedCache(capacity=n, index_threshold=threshold)
     add_ms: list[float] = []
     started = time.perf_counter()
     for i, v in enumerate(stored):
@@ -203,7 +203,7 @@ def measure_size(stored: Matrix, near: Matrix, fresh: Matrix, threshold: int) ->
     result["query_p50_ms"] = max(b["query_p50_ms"] for b in both)
     result["query_p99_ms"] = max(b["query_p99_ms"] for b in both)
     # The exact scan at this size, for comparison (a few queries: it is the slow path).
-    exact = VectorCache(capacity=n, search="exact")
+    exact = IndexedCache(capacity=n, search="exact")
     exact.load(cache.entries())
     t = time.perf_counter()
     for q in fresh[:20]:
@@ -242,7 +242,7 @@ class GcPauses:
         }
 
 
-def sustained_feed(cache: VectorCache, stored: Matrix) -> dict[str, Any]:
+def sustained_feed(cache: IndexedCache, stored: Matrix) -> dict[str, Any]:
     """How fast the feeder thread (one core) inserts into a full memory's graph: a burst of
     entries is added at once (each evicting the oldest), then the time until the graph holds
     them all. A sustained rate of adds above it lengthens the exactly-scanned tail."""

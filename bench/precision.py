@@ -32,7 +32,6 @@ from typing import Any
 import numpy as np
 
 from app.core.states import Precision
-from app.domain.vector_cache import VectorCache
 from app.embedding import model_files
 from app.embedding.int8_support import int8_support
 from app.embedding.onnx_embedder import OnnxEmbedder, TokenizedText
@@ -40,6 +39,7 @@ from app.schemas.trace import ReasoningTrace
 from app.services.embeddings import EmbeddingService
 from app.services.evaluator import Evaluator
 from app.store.in_process import InProcessMemory
+from app.store.indexed_memory import IndexedCache
 from bench import corpus
 from bench.__main__ import machine
 from bench.stats import percentile
@@ -95,7 +95,7 @@ def scored(embedder: OnnxEmbedder, traces: list[ReasoningTrace]) -> dict[str, li
     async def run() -> dict[str, list[Any]]:
         service = EmbeddingService(lambda: embedder, model_name="bench", workers=1)
         await service.load()
-        evaluator = Evaluator(InProcessMemory(VectorCache(1000)), service)
+        evaluator = Evaluator(InProcessMemory(IndexedCache(1000)), service)
         out: dict[str, list[Any]] = {"score": [], "max_cosine": []}
         for trace in traces:
             (evaluation,) = await evaluator.evaluate([trace])

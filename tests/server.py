@@ -38,7 +38,9 @@ def entry_point() -> str:
     script = Path(sys.executable).parent / "kp-scoring"
     found = str(script) if script.is_file() else shutil.which("kp-scoring")
     if found is None:
-        raise RuntimeError("the kp-scoring script is not installed: pip install -e .")
+        raise RuntimeError(
+            "the kp-scoring script is not installed: pip install -e ./clients/python"
+        )
     return found
 
 

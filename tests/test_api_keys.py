@@ -13,10 +13,10 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from app.cli import cli
-from app.client import Forbidden, KpScoringClient, Unauthorized
 from app.core.config import ConfigError, Settings
 from app.main import create_app
+from kp_scoring import Forbidden, KpScoringClient, Unauthorized
+from kp_scoring.cli import cli
 from tests.factories import make_trace
 from tests.keys import AGENT_A, OPS, bearer, entry, sha256, write_keys
 from tests.server import TOKEN, LiveServer, Server, running_server

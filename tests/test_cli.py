@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -13,11 +14,12 @@ import httpx
 import pytest
 from typer.testing import CliRunner, Result
 
-from app import cli as cli_module
-from app.cli import cli
-from app.client import KpScoringClient
-from app.schemas.responses import EvaluationOut, NoveltyOut
+from kp_scoring import KpScoringClient
+from kp_scoring import cli as cli_module
+from kp_scoring.cli import cli
+from kp_scoring.models import EvaluationOut, NoveltyOut
 from tests.factories import make_trace, step
+from tests.keys import SLOW
 from tests.server import TOKEN, Server, entry_point, free_port, running_server
 
 # Plain output whatever the caller's terminal settings; KP_* come from each test.
@@ -221,18 +223,84 @@ def test_an_unreachable_service_exits_3(tmp_path: Path) -> None:
     assert "kp-scoring serve" in result.stderr
 
 
-def test_an_overloaded_service_exits_3(monkeypatch: pytest.MonkeyPatch) -> None:
-    busy = httpx.MockTransport(
-        lambda request: httpx.Response(
-            503, json={"detail": "overloaded, try again shortly"}, headers={"Retry-After": "1"}
+def answering(*statuses: int, then: Server | None = None) -> tuple[httpx.MockTransport, list[int]]:
+    """A transport whose first answers are `statuses` (429 or 503, Retry-After 0), then the
+    live server's (`then`) or 503 again; and the statuses it has answered."""
+    answered: list[int] = []
+    live = httpx.HTTPTransport()
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if len(answered) < len(statuses) or then is None:
+            status = statuses[min(len(answered), len(statuses) - 1)]
+            answered.append(status)
+            return httpx.Response(
+                status, json={"detail": "busy, try again shortly"}, headers={"Retry-After": "0"}
+            )
+        request.url = request.url.copy_with(
+            scheme="http", host="127.0.0.1", port=httpx.URL(then.url).port
         )
-    )
+        response = live.handle_request(request)
+        answered.append(response.status_code)
+        return response
+
+    return httpx.MockTransport(handle), answered
+
+
+def through(monkeypatch: pytest.MonkeyPatch, transport: httpx.MockTransport) -> None:
     monkeypatch.setattr(
-        cli_module, "KpScoringClient", functools.partial(KpScoringClient, transport=busy)
+        cli_module, "KpScoringClient", functools.partial(KpScoringClient, transport=transport)
     )
+
+
+@pytest.mark.parametrize(("status", "said"), [(503, "overloaded"), (429, "rate limited")])
+def test_a_busy_service_exits_4_after_the_retries(
+    monkeypatch: pytest.MonkeyPatch, status: int, said: str
+) -> None:
+    """429 and 503 are "try later", not bad input (2) nor unreachable (3)."""
+    transport, answered = answering(status)
+    through(monkeypatch, transport)
     result = run(["evaluate", "-"], "http://kp.invalid", stdin=json.dumps(make_trace()))
-    assert result.exit_code == 3
-    assert "503 Service Unavailable: overloaded" in result.stderr
+    assert result.exit_code == 4
+    assert answered == [status] * 3  # the first try and the two default retries
+    assert f"the service is {said}" in result.stderr
+    assert "busy, try again shortly" in result.stderr
+    assert "nothing was scored; try again in 0 s" in result.stderr
+    assert "rejected" not in result.stderr
+
+
+def test_a_retry_after_a_503_scores_the_trace(
+    server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    transport, answered = answering(503, 429, then=server)
+    through(monkeypatch, transport)
+    trace = json.dumps(make_trace())
+    result = run(["evaluate", "-", "--json", "--dry-run"], server.url, stdin=trace)
+    assert result.exit_code == 1, result.output  # scored: below the threshold
+    assert answered == [503, 429, 200]
+    assert json.loads(result.stdout)["score"] == 0.57625
+    transport, answered = answering(503, then=server)
+    through(monkeypatch, transport)
+    result = run(["evaluate", "-", "--retries", "0"], server.url, stdin=trace)
+    assert (result.exit_code, answered) == (4, [503])
+
+
+def test_a_rate_limited_key_exits_4_at_once_when_the_wait_is_long(
+    keyed: Server, tmp_path: Path
+) -> None:
+    """The key `slow` has one request a minute: the second is refused with a Retry-After
+    longer than --max-wait, so the command does not wait for it and says when to come back."""
+    path = str(write(tmp_path / "trace.json", make_trace()))
+    first = run(["evaluate", path, "--dry-run", "--api-key", SLOW], keyed.url)
+    assert first.exit_code == 1, first.output
+    again = run(["evaluate", path, "--dry-run", "--api-key", SLOW, "--max-wait", "5"], keyed.url)
+    assert again.exit_code == 4, again.output
+    match = re.search(
+        r"rate limited \(429 Too Many Requests: .*\): nothing was scored; "
+        r"try again in (\d+) s",
+        " ".join(again.stderr.split()),
+    )
+    assert match, again.stderr
+    assert 5 < int(match[1]) <= 60
 
 
 # --- cache ---------------------------------------------------------------------------------

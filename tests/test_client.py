@@ -1,4 +1,5 @@
-"""app.client against a real server: every method, sync and async, and the error types."""
+"""kp_scoring (the client) against a real server: every method, sync and async, and the
+error types."""
 
 from __future__ import annotations
 
@@ -9,18 +10,21 @@ from typing import Any
 import httpx
 import pytest
 
-from app.client import (
+from app.schemas.trace import ReasoningTrace
+from kp_scoring import (
     AsyncKpScoringClient,
     KpScoringClient,
     KpScoringError,
     Overloaded,
+    RateLimited,
+    TryLater,
     Unauthorized,
     Unreachable,
     ValidationFailed,
 )
-from app.schemas.responses import CacheOut, EvaluationOut, ReadyOut
-from app.schemas.trace import ReasoningTrace
+from kp_scoring.models import CacheOut, EvaluationOut, ReadyOut
 from tests.factories import make_trace, step
+from tests.keys import SLOW
 from tests.server import TOKEN, Server, free_port, running_server
 
 WORKED_EXAMPLE = 0.57625  # SPEC section 5, novelty fixed at 0.5
@@ -196,3 +200,101 @@ def test_async_overloaded_carries_retry_after() -> None:
     assert overloaded.status_code == 503
     assert overloaded.retry_after == 1.0
     assert "overloaded" in str(overloaded.detail)
+
+
+# --- try later: 429 and 503 ------------------------------------------------------------------
+
+
+def busy_then(server: Server, *answers: tuple[int, str | None]) -> httpx.MockTransport:
+    """Answers (status, Retry-After) first, then forwards to the live server."""
+    pending = list(answers)
+    live = httpx.HTTPTransport()
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if pending:
+            status, retry_after = pending.pop(0)
+            headers = {} if retry_after is None else {"Retry-After": retry_after}
+            return httpx.Response(status, json={"detail": "busy"}, headers=headers)
+        request.url = request.url.copy_with(host="127.0.0.1", port=httpx.URL(server.url).port)
+        return live.handle_request(request)
+
+    return httpx.MockTransport(handle)
+
+
+def test_retries_wait_the_retry_after_of_each_answer(server: Server) -> None:
+    slept: list[float] = []
+    transport = busy_then(server, (503, "2"), (429, None), (429, "0.5"))
+    with KpScoringClient(
+        "http://kp.invalid", retries=3, transport=transport, sleep=slept.append
+    ) as kp:
+        result = kp.evaluate(make_trace(), dry_run=True)
+    assert result.score == pytest.approx(WORKED_EXAMPLE, abs=1e-12)
+    assert slept == [2.0, 1.0, 0.5]  # 1 s where the answer gave no Retry-After
+
+
+@pytest.mark.parametrize(
+    ("retries", "answers", "slept"),
+    [
+        (0, [(503, "1")], []),  # the default: no retry
+        (1, [(503, "1"), (429, "1")], [1.0]),  # retries spent
+        (5, [(429, "31")], []),  # longer than max_retry_wait (30 s): not waited for
+    ],
+)
+def test_try_later_is_raised_when_the_retries_end(
+    server: Server, retries: int, answers: list[tuple[int, str]], slept: list[float]
+) -> None:
+    waited: list[float] = []
+    transport = busy_then(server, *answers)
+    with (
+        KpScoringClient(
+            "http://kp.invalid", retries=retries, transport=transport, sleep=waited.append
+        ) as kp,
+        pytest.raises(TryLater) as raised,
+    ):
+        kp.evaluate(make_trace(), dry_run=True)
+    status, retry_after = answers[-1]
+    assert type(raised.value) is (Overloaded if status == 503 else RateLimited)
+    assert (raised.value.status_code, raised.value.retry_after) == (status, float(retry_after))
+    assert waited == slept
+
+
+def test_the_async_client_retries_too(server: Server) -> None:
+    slept: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        slept.append(seconds)
+
+    async def scenario() -> EvaluationOut:
+        transport = busy_then(server, (429, "0.25"))
+        async with AsyncKpScoringClient(
+            "http://kp.invalid", retries=1, transport=AsyncTransport(transport), sleep=sleep
+        ) as kp:
+            return await kp.evaluate(make_trace(), dry_run=True)
+
+    assert asyncio.run(scenario()).score == pytest.approx(WORKED_EXAMPLE, abs=1e-12)
+    assert slept == [0.25]
+
+
+class AsyncTransport(httpx.AsyncBaseTransport):
+    """A sync transport, for the async client (the forwarding above is blocking)."""
+
+    def __init__(self, sync: httpx.MockTransport) -> None:
+        self.sync = sync
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        await request.aread()
+        response = self.sync.handle_request(request)
+        response.read()
+        return httpx.Response(
+            response.status_code, headers=response.headers, content=response.content
+        )
+
+
+def test_a_live_rate_limit_is_try_later_with_its_retry_after(keyed: Server) -> None:
+    with KpScoringClient(keyed.url, api_key=SLOW, retries=3, max_retry_wait=5) as kp:
+        kp.evaluate(make_trace(), dry_run=True)
+        with pytest.raises(RateLimited) as raised:  # one a minute: not waited for
+            kp.evaluate(make_trace(), dry_run=True)
+    assert raised.value.retry_after is not None
+    assert 5 < raised.value.retry_after <= 60
+    assert isinstance(raised.value, TryLater)

@@ -18,16 +18,16 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from app.domain.ann_index import AnnIndex
-from app.domain.vector_cache import (
+from app.domain.vector_cache import CacheEntries
+from app.services.cache_transfer import export_lines
+from app.services.snapshots import SnapshotStore, graph_paths
+from app.store.ann_index import AnnIndex
+from app.store.indexed_memory import (
     HAND_ON_GROWTH,
     TAIL_BATCH,
     BuiltGraph,
-    CacheEntries,
-    VectorCache,
+    IndexedCache,
 )
-from app.services.cache_transfer import export_lines
-from app.services.snapshots import SnapshotStore, graph_paths
 from app.store.redis_shared import RedisSharedMemory
 from tests.factories import TOPICS, make_trace
 from tests.server import TOKEN, LiveServer, RedisServer
@@ -44,14 +44,14 @@ def stored() -> npt.NDArray[np.float32]:
     return clustered(N, seed=21)
 
 
-def exact_of(entries: CacheEntries) -> VectorCache:
-    cache = VectorCache(capacity=N, search="exact")
+def exact_of(entries: CacheEntries) -> IndexedCache:
+    cache = IndexedCache(capacity=N, search="exact")
     cache.load(entries)
     return cache
 
 
 def assert_finds_planted(
-    stored: npt.NDArray[np.float32], answer: Any, truth: VectorCache, count: int = 60
+    stored: npt.NDArray[np.float32], answer: Any, truth: IndexedCache, count: int = 60
 ) -> None:
     """`answer(query)` -> (max_cosine, trace id) equals the exact scan's and names the
     planted entry, for near-duplicates of stored vectors."""
@@ -64,14 +64,14 @@ def assert_finds_planted(
         assert expected.trace_id == f"t{i}"
 
 
-def cache_of_snapshot(path: Path) -> tuple[VectorCache, SnapshotStore]:
-    cache = VectorCache(capacity=N, index_threshold=THRESHOLD, background=False)
+def cache_of_snapshot(path: Path) -> tuple[IndexedCache, SnapshotStore]:
+    cache = IndexedCache(capacity=N, index_threshold=THRESHOLD, background=False)
     store = SnapshotStore(path, cache, MODEL)
     store.restore()
     return cache, store
 
 
-def nearest_of(cache: VectorCache) -> Any:
+def nearest_of(cache: IndexedCache) -> Any:
     def answer(query: npt.NDArray[np.float32]) -> tuple[float, str]:
         found = cache.nearest(query)
         assert found is not None
@@ -84,7 +84,7 @@ def nearest_of(cache: VectorCache) -> Any:
 def saved(tmp_path: Path, stored: npt.NDArray[np.float32]) -> Path:
     """A snapshot of N entries whose cache built its graph (saved beside it by the build)."""
     path = tmp_path / "cache.snapshot"
-    cache = VectorCache(capacity=N, index_threshold=THRESHOLD, background=False)
+    cache = IndexedCache(capacity=N, index_threshold=THRESHOLD, background=False)
     store = SnapshotStore(path, cache, MODEL)
     for i, v in enumerate(stored):
         cache.add(v, trace_id=f"t{i}")
@@ -191,15 +191,15 @@ def test_an_adopted_graph_may_hold_evicted_entries_but_must_cover_the_oldest_liv
     since are a dead prefix (filtered by the id range, as after evictions); a graph that
     misses the oldest live entry, or is mapped one entry off, is refused and nothing changes."""
     built: list[BuiltGraph] = []
-    source = VectorCache(capacity=N, index_threshold=THRESHOLD, background=False)
+    source = IndexedCache(capacity=N, index_threshold=THRESHOLD, background=False)
     source.on_graph_built = built.append
     for i, v in enumerate(stored[:3000]):
         source.add(v, trace_id=f"t{i}")
     (graph,) = built
     assert (graph.first_seq, graph.count) == (0, THRESHOLD)
 
-    def holding() -> VectorCache:
-        cache = VectorCache(capacity=2500, index_threshold=THRESHOLD, background=False)
+    def holding() -> IndexedCache:
+        cache = IndexedCache(capacity=2500, index_threshold=THRESHOLD, background=False)
         cache.hold_index(True)
         for i, v in enumerate(stored[:3000]):
             cache.add(v, trace_id=f"t{i}")
@@ -239,12 +239,12 @@ def test_entries_after_an_adopted_graph_join_it_before_the_cache_is_ready(
     inserted into it while the cache warms (as a build's would be), so once ready the graph
     covers all but a tail shorter than a batch; that is not counted as a build."""
     built: list[BuiltGraph] = []
-    source = VectorCache(capacity=N, index_threshold=THRESHOLD, background=False)
+    source = IndexedCache(capacity=N, index_threshold=THRESHOLD, background=False)
     source.on_graph_built = built.append
     for i, v in enumerate(stored[:THRESHOLD]):
         source.add(v, trace_id=f"t{i}")
     (graph,) = built
-    cache = VectorCache(capacity=N, index_threshold=THRESHOLD)  # background threads
+    cache = IndexedCache(capacity=N, index_threshold=THRESHOLD)  # background threads
     cache.hold_index(True)
     cache.extend(stored, np.arange(N, dtype=np.float64), [f"t{i}" for i in range(N)])
     assert cache.adopt_index(AnnIndex.from_bytes(graph.data, DIMS, 0), 0) is None
@@ -263,7 +263,7 @@ def test_the_feeder_hands_on_the_graph_it_grew_by_a_tenth(
     """The entries the feeder adds to a serving graph reach its owner too (every tenth of
     growth): a cache adopting the last graph handed on has nothing left to insert."""
     built: list[BuiltGraph] = []
-    cache = VectorCache(capacity=N, index_threshold=THRESHOLD)  # background threads
+    cache = IndexedCache(capacity=N, index_threshold=THRESHOLD)  # background threads
     cache.on_graph_built = built.append
     first = THRESHOLD + TAIL_BATCH
     for i, v in enumerate(stored[:first]):
@@ -281,7 +281,7 @@ def test_the_feeder_hands_on_the_graph_it_grew_by_a_tenth(
     assert all(b >= a * (1 + HAND_ON_GROWTH) for a, b in itertools.pairwise(counts))
     assert cache.index_status().builds_total == 1  # grown, not built again
     latest = built[-1]
-    adopter = VectorCache(capacity=N, index_threshold=THRESHOLD)
+    adopter = IndexedCache(capacity=N, index_threshold=THRESHOLD)
     adopter.hold_index(True)
     adopter.extend(
         stored[: latest.count], np.zeros(latest.count), cache.entries().ids()[: latest.count]

@@ -19,11 +19,11 @@ import numpy.typing as npt
 import pytest
 
 from app.core.config import ConfigError, Settings
-from app.domain.ann_index import DEFAULT_PARAMS
-from app.domain.vector_cache import DEAD_PER_LIVE, TAIL_BATCH, VectorCache
 from app.services.runtime import build_memory
+from app.store.ann_index import DEFAULT_PARAMS
 from app.store.base import Comparison
 from app.store.in_process import InProcessMemory
+from app.store.indexed_memory import DEAD_PER_LIVE, TAIL_BATCH, IndexedCache
 
 DIMS = 384
 
@@ -48,8 +48,8 @@ def edit(v: npt.NDArray[np.float32], rng: np.random.Generator, amount: float) ->
     return (out / np.linalg.norm(out)).astype(np.float32)
 
 
-def filled(vectors: npt.NDArray[np.float32], **options: object) -> VectorCache:
-    cache = VectorCache(
+def filled(vectors: npt.NDArray[np.float32], **options: object) -> IndexedCache:
+    cache = IndexedCache(
         capacity=int(options.pop("capacity", len(vectors))),  # type: ignore[call-overload]
         background=False,
         **options,  # type: ignore[arg-type]
@@ -65,21 +65,21 @@ def stored() -> npt.NDArray[np.float32]:
 
 
 @pytest.fixture(scope="module")
-def indexed(stored: npt.NDArray[np.float32]) -> VectorCache:
+def indexed(stored: npt.NDArray[np.float32]) -> IndexedCache:
     cache = filled(stored, index_threshold=5_000)
     assert cache.index_status().state == "ready"
     return cache
 
 
 @pytest.fixture(scope="module")
-def exact(stored: npt.NDArray[np.float32]) -> VectorCache:
+def exact(stored: npt.NDArray[np.float32]) -> IndexedCache:
     cache = filled(stored, search="exact", index_threshold=5_000)
     assert cache.index_status().state == "off"
     return cache
 
 
 def test_the_index_finds_planted_near_duplicates_among_distractors(
-    stored: npt.NDArray[np.float32], indexed: VectorCache, exact: VectorCache
+    stored: npt.NDArray[np.float32], indexed: IndexedCache, exact: IndexedCache
 ) -> None:
     rng = np.random.default_rng(7)
     planted = rng.choice(len(stored), 300, replace=False)
@@ -98,8 +98,8 @@ def test_the_index_finds_planted_near_duplicates_among_distractors(
 
 def agreement(
     stored: npt.NDArray[np.float32],
-    indexed: VectorCache,
-    exact: VectorCache,
+    indexed: IndexedCache,
+    exact: IndexedCache,
     queries: npt.NDArray[np.float32],
 ) -> tuple[float, float]:
     """(share of queries answered with the exact maximum, worst difference); every answer is
@@ -124,7 +124,7 @@ def agreement(
 
 @pytest.mark.slow  # seconds of index work: make test runs it, make test-fast does not
 def test_answers_are_true_cosines_and_nearly_always_the_exact_maximum(
-    stored: npt.NDArray[np.float32], indexed: VectorCache, exact: VectorCache
+    stored: npt.NDArray[np.float32], indexed: IndexedCache, exact: IndexedCache
 ) -> None:
     # Fresh traces on the stored topics (new points of the same clusters).
     share, worst = agreement(stored, indexed, exact, clustered(400, seed=99, topics=1))
@@ -134,7 +134,7 @@ def test_answers_are_true_cosines_and_nearly_always_the_exact_maximum(
 
 @pytest.mark.slow  # seconds of index work: make test runs it, make test-fast does not
 def test_far_queries_get_true_cosines_and_mostly_the_maximum(
-    stored: npt.NDArray[np.float32], indexed: VectorCache, exact: VectorCache
+    stored: npt.NDArray[np.float32], indexed: IndexedCache, exact: IndexedCache
 ) -> None:
     """Queries far from every stored vector (new clusters: the best cosine is about 0.2, all
     nearly equal) are a graph's weak case (README, "A large memory"): the second, wider search
@@ -145,7 +145,7 @@ def test_far_queries_get_true_cosines_and_mostly_the_maximum(
 
 
 def test_exact_search_at_size_equals_the_plain_scan(
-    stored: npt.NDArray[np.float32], exact: VectorCache
+    stored: npt.NDArray[np.float32], exact: IndexedCache
 ) -> None:
     query = clustered(1, seed=5)[0]
     q = query.astype(np.float64)
@@ -157,8 +157,8 @@ def test_exact_search_at_size_equals_the_plain_scan(
     assert found.trace_id == f"t{int(np.flatnonzero(cosines == cosines.max())[-1])}"
 
 
-def test_ties_name_the_newest(indexed: VectorCache) -> None:
-    cache = VectorCache(capacity=10, background=False)
+def test_ties_name_the_newest(indexed: IndexedCache) -> None:
+    cache = IndexedCache(capacity=10, background=False)
     v = clustered(1, seed=3)[0]
     for name in ("old", "mid", "new"):
         cache.add(v, trace_id=name)
@@ -174,7 +174,7 @@ def test_eviction_and_expiry_keep_the_index_flat_and_its_recall() -> None:
     still found at the end as at the start."""
     capacity = 8_000
     clock = [0.0]
-    cache = VectorCache(
+    cache = IndexedCache(
         capacity=capacity,
         ttl_ms=7 * 24 * 3600 * 1000.0,  # a week: the TTLs of days the issue asks for
         clock_ms=lambda: clock[0],
@@ -226,7 +226,7 @@ def test_a_cleared_cache_drops_its_index_and_builds_it_again(
     assert found.cosine == pytest.approx(1.0, abs=1e-9)
 
 
-def test_the_self_check_reruns_sampled_answers_exactly(indexed: VectorCache) -> None:
+def test_the_self_check_reruns_sampled_answers_exactly(indexed: IndexedCache) -> None:
     for query in clustered(500, seed=21, topics=1):
         indexed.nearest(query)
     checked = indexed.run_audit(limit=1_000)
@@ -237,7 +237,7 @@ def test_the_self_check_reruns_sampled_answers_exactly(indexed: VectorCache) -> 
 
 
 def test_a_background_build_answers_exactly_meanwhile(stored: npt.NDArray[np.float32]) -> None:
-    cache = VectorCache(capacity=len(stored), index_threshold=5_000)
+    cache = IndexedCache(capacity=len(stored), index_threshold=5_000)
     for i, v in enumerate(stored[:8_000]):
         cache.add(v, trace_id=f"t{i}")
     found = cache.nearest(stored[10])  # building or built: the answer is the same
@@ -265,7 +265,7 @@ def test_the_feeder_indexes_new_entries_without_another_add(
 ) -> None:
     """Entries added after the build wait in the exactly-scanned tail only until the feeder
     thread has inserted them: no further add (or request) is needed."""
-    cache = VectorCache(capacity=20_000, index_threshold=5_000)
+    cache = IndexedCache(capacity=20_000, index_threshold=5_000)
     for i, v in enumerate(stored[:6_000]):
         cache.add(v, trace_id=f"t{i}")
     assert cache.wait_for_index(120)
@@ -287,7 +287,7 @@ def test_a_build_outgrown_while_it_runs_trains_again_without_another_add(
     were trained on. The graph that ends up serving is trained on the grown memory, without
     waiting for an add after the build (the old caveat of a start: trained on the first
     entries forever)."""
-    cache = VectorCache(capacity=len(stored), index_threshold=5_000)
+    cache = IndexedCache(capacity=len(stored), index_threshold=5_000)
     for i, v in enumerate(stored[:5_000]):
         cache.add(v, trace_id=f"t{i}")
     rest = stored[5_000:]
@@ -304,7 +304,7 @@ def test_the_warming_progress_never_goes_back(stored: npt.NDArray[np.float32]) -
     """/readyz's "N% done" while a start's first graph builds: the memory grows meanwhile (a
     replica catching up; past four times the sample the build starts over), and the share
     reported never drops."""
-    cache = VectorCache(capacity=len(stored), index_threshold=2_000)
+    cache = IndexedCache(capacity=len(stored), index_threshold=2_000)
     seen: list[float] = []
     done = threading.Event()
 
@@ -346,7 +346,7 @@ def test_queries_during_background_feeding_and_rebuilds_stay_true() -> None:
     is a true cosine; nearly all find the copy; at the end the graph holds the live entries
     and few evicted ones."""
     capacity = 4_000
-    cache = VectorCache(capacity=capacity, index_threshold=2_000)
+    cache = IndexedCache(capacity=capacity, index_threshold=2_000)
     vectors = clustered(4 * capacity, seed=31)
     for i, v in enumerate(vectors[:capacity]):
         cache.add(v, trace_id=f"w{i}")
@@ -393,7 +393,7 @@ def test_queries_during_background_feeding_and_rebuilds_stay_true() -> None:
 
 @pytest.mark.slow  # two graphs of 30,000: make test runs it, make test-fast does not
 def test_the_search_breadth_setting_reaches_the_graph_and_widens_the_search(
-    stored: npt.NDArray[np.float32], exact: VectorCache
+    stored: npt.NDArray[np.float32], exact: IndexedCache
 ) -> None:
     """KP_CACHE_INDEX_EF_SEARCH: the service's cache gets it, and a wider search finds the
     exact maximum of far queries (the graph's weak case) more often than a narrow one."""
@@ -414,7 +414,7 @@ def test_the_search_breadth_setting_reaches_the_graph_and_widens_the_search(
 
 @pytest.mark.slow  # two graphs of 30,000: make test runs it, make test-fast does not
 def test_a_far_query_gets_a_second_wider_search_and_a_near_duplicate_does_not(
-    stored: npt.NDArray[np.float32], exact: VectorCache
+    stored: npt.NDArray[np.float32], exact: IndexedCache
 ) -> None:
     """KP_CACHE_INDEX_EF_SEARCH_FAR: a query whose best candidate is below far_below is
     searched again, wider, and finds the exact maximum more often than the first search
@@ -464,7 +464,7 @@ def test_a_negative_far_search_breadth_is_refused_by_name(monkeypatch: pytest.Mo
     with pytest.raises(ConfigError, match="KP_CACHE_INDEX_EF_SEARCH_FAR"):
         Settings.from_env()
     with pytest.raises(ValueError, match="index_ef_search_far"):
-        VectorCache(index_ef_search_far=-1)
+        IndexedCache(index_ef_search_far=-1)
 
 
 @pytest.mark.slow
@@ -478,12 +478,12 @@ def test_a_process_exits_cleanly_while_its_graph_is_built() -> None:
     code = """
 import time
 import numpy as np
-from app.domain import vector_cache
-from app.domain.vector_cache import VectorCache
+from app.store import indexed_memory
+from app.store.indexed_memory import IndexedCache
 
-vector_cache._CHUNK = 40_000
+indexed_memory._CHUNK = 40_000
 rows = np.random.default_rng(1).standard_normal((40_000, 384)).astype(np.float32)
-cache = VectorCache(capacity=100_000, index_threshold=1_000)
+cache = IndexedCache(capacity=100_000, index_threshold=1_000)
 cache.extend(rows, np.zeros(len(rows)), [f"t{i}" for i in range(len(rows))])
 time.sleep(0.5)  # the thread is inside faiss's insert
 assert cache.index_status().indexed < len(rows)  # still at work when the process ends
@@ -500,7 +500,7 @@ class _HeldSearch:
     """Wraps a cache's `nearest` so that its first call blocks until released; records the
     threads the calls ran on."""
 
-    def __init__(self, cache: VectorCache) -> None:
+    def __init__(self, cache: IndexedCache) -> None:
         self.entered = threading.Event()
         self.release = threading.Event()
         self.threads: list[threading.Thread] = []

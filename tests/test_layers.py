@@ -1,4 +1,5 @@
-"""The layers point one way and the client stays light: read from the source with `ast`."""
+"""The layers point one way, the client (clients/python) and the service import nothing of each
+other, and the client stays light: read from the source with `ast`."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 APP = Path(__file__).resolve().parent.parent / "app"
+CLIENT = APP.parent / "clients" / "python" / "src" / "kp_scoring"
 
 #: What each part of app/ may import from app/ (besides itself). Lower layers first:
 #: core (a leaf) <- domain <- embedding, store <- services <- api <- entry points.
@@ -24,12 +26,11 @@ ALLOWED: dict[str, frozenset[str]] = {
     "schemas": frozenset({"core", "domain"}),
     "services": frozenset({"core", "domain", "embedding", "store", "schemas"}),
     "api": frozenset({"app", "core", "domain", "embedding", "store", "schemas", "services"}),
-    "client": frozenset({"app", "core", "schemas"}),
     # The HTTP protocol and the descriptor watch, under the app: settings, metrics, errors.
     "server": frozenset({"core"}),
 }
 #: Entry points: they put the layers together, so they may import any of them.
-ENTRY_POINTS = frozenset({"app.main", "app.serve", "app.cli", "app.api.openapi_export"})
+ENTRY_POINTS = frozenset({"app.main", "app.serve", "app.api.openapi_export"})
 #: What a process that only calls the service must not load.
 HEAVY = ("onnxruntime", "numpy", "tokenizers", "redis", "onnx")
 
@@ -46,8 +47,9 @@ def _modules() -> dict[str, Path]:
 MODULES = _modules()
 
 
-def _imports(path: Path) -> set[str]:
-    """The app modules a file imports, at any depth of its code (lazy imports count)."""
+def _imported_names(path: Path) -> set[str]:
+    """The modules (and `module.name`s) a file imports, at any depth of its code (lazy imports
+    count)."""
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
@@ -55,7 +57,12 @@ def _imports(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
             names.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return {name for name in names if name in MODULES}
+    return names
+
+
+def _imports(path: Path) -> set[str]:
+    """The app modules a file imports."""
+    return {name for name in _imported_names(path) if name in MODULES}
 
 
 GRAPH = {name: _imports(path) - {name} for name, path in MODULES.items()}
@@ -124,16 +131,35 @@ def _loaded_by(statement: str) -> set[str]:
     return {line.split(".")[0] for line in printed}
 
 
+def _top_level_imports(root: Path) -> dict[str, set[str]]:
+    return {
+        str(path.relative_to(root.parent)): {name.split(".")[0] for name in _imported_names(path)}
+        for path in root.rglob("*.py")
+    }
+
+
+def test_the_client_and_the_service_import_nothing_of_each_other() -> None:
+    """The client is its own distribution (clients/python), installed without the service;
+    the service runs without the client."""
+    client = _top_level_imports(CLIENT)
+    assert "kp_scoring/cli.py" in client  # the check reads the client's files
+    assert {f: names & {"app"} for f, names in client.items() if "app" in names} == {}
+    service = _top_level_imports(APP)
+    assert {
+        f: names & {"kp_scoring"} for f, names in service.items() if "kp_scoring" in names
+    } == {}
+
+
 def test_the_client_loads_none_of_the_servers_libraries() -> None:
-    loaded = _loaded_by("import app.client")
+    loaded = _loaded_by("import kp_scoring")
     assert "httpx" in loaded  # the check sees what the client does load
-    assert not loaded & set(HEAVY)
+    assert not loaded & {*HEAVY, "app"}
 
 
 def test_the_cli_loads_none_of_the_servers_libraries() -> None:
-    loaded = _loaded_by("import app.cli")
+    loaded = _loaded_by("import kp_scoring.cli")
     assert "typer" in loaded
-    assert not loaded & {*HEAVY, "fastapi", "uvicorn"}
+    assert not loaded & {*HEAVY, "app", "fastapi", "uvicorn"}
 
 
 def test_the_app_loads_no_library_its_default_start_does_not_use() -> None:
@@ -160,19 +186,10 @@ def test_the_server_loads_no_websocket_library_and_no_uvicorn() -> None:
     assert not loaded & {"websockets", "wsproto", "uvicorn", "httptools"}
 
 
-#: Who may read the process environment. The service's settings are read once, by the
-#: settings module, called by the launcher; the client side (the client library and the CLI)
-#: reads its own KP_API_KEY. The other two are start-up and model-cache tricks under review
-#: (their reads go with them).
+#: Who may read the process environment: the settings module, called once by the launcher.
+#: The other two are start-up and model-cache tricks under review (their reads go with them).
 ENV_READERS = frozenset(
-    {
-        "app.core.config",
-        "app.serve",
-        "app.client",
-        "app.cli",
-        "app.services.early_load",
-        "app.embedding.session_cache",
-    }
+    {"app.core.config", "app.serve", "app.services.early_load", "app.embedding.session_cache"}
 )
 
 
@@ -263,3 +280,51 @@ def test_a_start_builds_fastapis_openapi_models_only_when_the_document_is_asked_
     assert json.loads(out[1]) is True
     committed = (APP.parent / "openapi" / "openapi.json").read_text(encoding="utf-8")
     assert json.loads(out[2]) == json.loads(committed)
+
+
+#: What the domain must not use: it is pure (no threads, no processes, no files, no sockets);
+#: the machinery that needs them lives with the store (app.store.indexed_memory).
+_NOT_IN_THE_DOMAIN = frozenset(
+    {
+        "threading",
+        "_thread",
+        "atexit",
+        "concurrent",
+        "multiprocessing",
+        "asyncio",
+        "os",
+        "pathlib",
+        "io",
+        "shutil",
+        "socket",
+        "subprocess",
+        "faiss",
+    }
+)
+
+
+def test_the_domain_is_pure() -> None:
+    used = []
+    for module, path in MODULES.items():
+        if _layer(module) != "domain":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module]
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id == "open"
+            ):
+                names = ["open()"]
+            else:
+                continue
+            used += [
+                f"{module}: {name}"
+                for name in names
+                if name.split(".")[0] in _NOT_IN_THE_DOMAIN or name == "open()"
+            ]
+    assert "app.domain.vector_cache" in MODULES  # the check sees the domain
+    assert not used

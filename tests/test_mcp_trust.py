@@ -15,7 +15,7 @@ from mcp import Client, MCPError
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared._httpx_utils import create_mcp_http_client
 
-from app.core.signatures import verify
+from kp_scoring.signatures import verify
 from tests.factories import make_trace
 from tests.keys import AGENT_A, OPS, SLOW, bearer
 from tests.server import Server, running_server

@@ -258,8 +258,8 @@ def test_a_large_cache_is_saved_in_chunks_and_restored_with_its_trace_ids(
     tmp_path: Path,
 ) -> None:
     """Written from the cache's chunks (never one joined copy); an empty cache saves too."""
-    from app.domain.vector_cache import VectorCache
     from app.services.snapshots import SnapshotStore
+    from app.store.indexed_memory import IndexedCache as VectorCache
 
     cache = VectorCache(capacity=20_000, search="exact")
     original = entries(10_000)

@@ -19,12 +19,12 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
 from typer.testing import CliRunner
 
-from app.cli import cli
-from app.client import KpScoringClient, SignatureInvalidError, verify_signature
 from app.core.config import ConfigError, Settings
 from app.core.signatures import unsignable_errors
 from app.main import create_app
 from app.schemas.trace import ReasoningTrace
+from kp_scoring import KpScoringClient, SignatureInvalidError, verify_signature
+from kp_scoring.cli import cli
 from tests.factories import make_trace, step
 from tests.server import Server, running_server
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from app.domain.vector_cache import IndexStatus
 from app.schemas.responses import (
     CacheBackendOut,
     CacheIndexOut,
@@ -18,6 +17,7 @@ from app.schemas.responses import (
 from app.services.evaluator import Evaluation
 from app.services.snapshots import SnapshotStatus
 from app.store.base import BackendInfo
+from app.store.indexed_memory import IndexStatus
 
 
 def evaluation_out(evaluation: Evaluation, signature: str | None = None) -> EvaluationOut:

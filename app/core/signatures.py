@@ -1,14 +1,13 @@
-"""Checking signed scores, for anyone holding a trace and the service's JWKS (the client, the
-CLI, the registry): the JWS must verify against a key of the set (by its kid) and be about the
-trace, whose `trace_sha256` is the SHA-256 of its RFC 8785 (JCS) canonical JSON, so that it is
-the same whatever the trace's whitespace or key order. `joserfc` checks the JWS, the `rfc8785`
-package makes the canonical form; app/services/signing.py signs.
+"""What a signed score is about: `trace_sha256`, the SHA-256 of the trace's RFC 8785 (JCS)
+canonical JSON, so that it is the same whatever the trace's whitespace or key order (the
+`rfc8785` package makes the canonical form); app/services/signing.py signs. Checking a
+signature is the client's (`kp_scoring.signatures.verify`, clients/python), which hashes the
+same way: tests/test_signatures.py holds the two to the same value.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -21,10 +20,6 @@ ALGORITHM = "EdDSA"
 # RFC 9864 prefers the fully specified "Ed25519"; the registry and the issue ask for "EdDSA",
 # which every JOSE library verifies. joserfc warns on each use: it is the choice made here.
 warnings.filterwarnings("ignore", message="EdDSA is deprecated", module=r"joserfc\b")
-
-
-class SignatureInvalidError(Exception):
-    """A signature that does not verify, or that is not about the trace given."""
 
 
 class TraceNotCanonicalError(ValueError):
@@ -53,33 +48,3 @@ def unsignable_errors(traces: Sequence[Any], *, batch: bool, at: Loc = ()) -> li
             loc = [*at, "traces", i] if batch else list(at)
             errors.append(field_error(loc, msg, "not_canonicalizable"))
     return errors
-
-
-def verify(signature: str, trace: Any, jwks: dict[str, Any]) -> dict[str, Any]:
-    """The claims of `signature` if it verifies against a key of `jwks` (by its kid) and is
-    about `trace` (parsed JSON, any key order); else SignatureInvalidError saying why."""
-    # joserfc (and cryptography under it) only where a signature is checked: not on the
-    # service's start, where most deployments sign nothing.
-    from joserfc import jws
-    from joserfc.errors import JoseError
-    from joserfc.jwk import KeySet
-    from joserfc.util import to_bytes
-
-    try:
-        keys = KeySet.import_key_set(jwks)  # type: ignore[arg-type]  # joserfc checks it
-        found = jws.deserialize_compact(to_bytes(signature), keys, algorithms=[ALGORITHM])
-    except (JoseError, ValueError, KeyError, TypeError) as exc:
-        raise SignatureInvalidError(f"the signature does not verify: {exc}") from None
-    if found.headers().get("alg") != ALGORITHM:
-        raise SignatureInvalidError(f"the signature's alg is not {ALGORITHM}")
-    try:
-        claims: dict[str, Any] = json.loads(found.payload)
-    except ValueError:
-        raise SignatureInvalidError("the signed claims are not JSON") from None
-    expected = trace_sha256(trace)
-    if claims.get("trace_sha256") != expected:
-        raise SignatureInvalidError(
-            f"the signature is about another trace (trace_sha256 {claims.get('trace_sha256')}, "
-            f"this trace's is {expected})"
-        )
-    return claims

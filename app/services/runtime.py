@@ -15,7 +15,6 @@ from prometheus_client.registry import Collector
 from app.core.config import Settings, redis_location
 from app.core.health import UNMEASURED, Health
 from app.core.states import EmbedderState, Precision
-from app.domain.vector_cache import VectorCache
 from app.embedding import model_files
 from app.embedding.int8_support import CpuFeatures, Int8Support, int8_support
 from app.embedding.onnx_embedder import ModelError
@@ -29,6 +28,7 @@ from app.services.snapshots import SnapshotStore
 from app.services.trust import build_trust_stores
 from app.store.base import NoveltyMemory
 from app.store.in_process import InProcessMemory
+from app.store.indexed_memory import IndexedCache
 
 log = logging.getLogger("app")
 #: Each rerun is an exact scan (about 66 ms of one core at a million entries, done in chunks
@@ -310,7 +310,7 @@ def build_memory(settings: Settings, model_id: str | None) -> NoveltyMemory:
     """This process's memory, or the one shared through KP_REDIS_URL (connected by start())."""
     if settings.redis_url is None:
         return InProcessMemory(
-            VectorCache(
+            IndexedCache(
                 settings.cache_capacity,
                 ttl_ms=settings.cache_ttl_ms,
                 search=settings.cache_search,

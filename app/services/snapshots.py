@@ -45,8 +45,9 @@ import orjson
 
 from app.core.health import Health
 from app.core.states import SnapshotState
-from app.domain.ann_index import DEFAULT_PARAMS, AnnIndex
-from app.domain.vector_cache import BuiltGraph, CacheEntries, VectorCache
+from app.domain.vector_cache import CacheEntries
+from app.store.ann_index import DEFAULT_PARAMS, AnnIndex
+from app.store.indexed_memory import BuiltGraph, IndexedCache
 
 log = logging.getLogger(__name__)
 
@@ -305,7 +306,7 @@ class Numbering:
 class SnapshotStore:
     """Loads the cache from its snapshot at start and saves it when it changed."""
 
-    def __init__(self, path: Path | None, cache: VectorCache, model_id: str | None) -> None:
+    def __init__(self, path: Path | None, cache: IndexedCache, model_id: str | None) -> None:
         self.cache = cache
         self.model_id = model_id
         enabled = path is not None and model_id is not None

@@ -11,7 +11,8 @@ import numpy.typing as npt
 
 from app.core.health import Health
 from app.core.states import BackendKind
-from app.domain.vector_cache import CacheEntries, CacheStats, IndexStatus, VectorCache
+from app.domain.vector_cache import CacheEntries, CacheStats
+from app.store.indexed_memory import IndexedCache, IndexStatus
 
 Vector = npt.NDArray[np.float32]
 
@@ -79,7 +80,7 @@ class NoveltyMemory(Protocol):
         ...
 
     @property
-    def local_cache(self) -> VectorCache:
+    def local_cache(self) -> IndexedCache:
         """The vectors this process holds (the memory itself, or its mirror of the shared
         one): what cache snapshots save and restore."""
         ...

@@ -1,4 +1,4 @@
-"""The default novelty memory: a VectorCache in this process (no Redis needed)."""
+"""The default novelty memory: an IndexedCache in this process (no Redis needed)."""
 
 from __future__ import annotations
 
@@ -10,20 +10,14 @@ from typing import TypeVar
 import numpy as np
 
 from app.core.health import Health
-from app.domain.vector_cache import (
-    CacheEntries,
-    CacheStats,
-    IndexStatus,
-    Nearest,
-    VectorCache,
-    exact_cosine,
-)
+from app.domain.vector_cache import CacheEntries, CacheStats, Nearest, exact_cosine
 from app.store.base import BackendInfo, Comparison, NearestTrace, Vector
+from app.store.indexed_memory import IndexedCache, IndexStatus
 
 T = TypeVar("T")
 
 
-def searches_take_milliseconds(cache: VectorCache) -> bool:
+def searches_take_milliseconds(cache: IndexedCache) -> bool:
     """From the index threshold on, a search (or an exact scan) takes milliseconds: compares
     run off the event loop, so that other requests' HTTP work does not wait for them. Below
     it a scan costs less than a thread's hand-off."""
@@ -31,7 +25,7 @@ def searches_take_milliseconds(cache: VectorCache) -> bool:
 
 
 def compare_in_order(
-    cache: VectorCache, vectors: Sequence[Vector], trace_ids: Sequence[str], *, add: bool
+    cache: IndexedCache, vectors: Sequence[Vector], trace_ids: Sequence[str], *, add: bool
 ) -> list[Comparison]:
     """Each vector against `cache`, then added to it when `add`. Without `add` (a dry run)
     several vectors still see the ones before them: the cache is left as it is, and each is
@@ -69,7 +63,7 @@ class InProcessMemory:
     loop's other requests would otherwise wait for. The loop takes the work back only once
     that thread has nothing left to do, so the order holds across the switch."""
 
-    def __init__(self, cache: VectorCache) -> None:
+    def __init__(self, cache: IndexedCache) -> None:
         self.cache = cache
         self._in_order_thread = ThreadPoolExecutor(1, thread_name_prefix="kp-memory")
         self._on_thread = 0  # calls handed to the thread and not yet returned
@@ -106,7 +100,7 @@ class InProcessMemory:
         return self.cache.evictions_total
 
     @property
-    def local_cache(self) -> VectorCache:
+    def local_cache(self) -> IndexedCache:
         return self.cache
 
     def health(self) -> Health:

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from app.domain.ann_index import DEFAULT_PARAMS
+from app.store.ann_index import DEFAULT_PARAMS
 
 #: Bytes a chunk of the graph holds (a million entries' graph, about 0.9 GB, is 110 of them).
 CHUNK = 8 << 20

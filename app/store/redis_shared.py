@@ -7,7 +7,7 @@ Why the answers of all replicas equal one-at-a-time scoring in one order (SPEC 8
   (XADD: the entry's id is its place in the order and Redis's clock in ms) and returns, in the
   same round trip, every entry added since this replica last looked: all of them come before
   its own.
-- Each replica keeps a mirror of the log: a VectorCache with the same capacity and TTL, so the
+- Each replica keeps a mirror of the log: an IndexedCache with the same capacity and TTL, so the
   exact maximum-cosine code is the in-process one. It applies the returned entries in log
   order; each of its own traces is compared with the mirror as it stands just before that
   trace's entry (at that entry's time, for the TTL), then added. That is the answer
@@ -54,18 +54,17 @@ from redis.exceptions import RedisError
 from redis.retry import Retry
 
 from app.core.health import UNMEASURED, Health
-from app.domain.ann_index import DEFAULT_PARAMS, AnnIndex
-from app.domain.vector_cache import (
-    DEFAULT_INDEX_THRESHOLD,
-    BuiltGraph,
-    CacheEntries,
-    CacheStats,
-    IndexStatus,
-    SearchMode,
-    VectorCache,
-)
+from app.domain.vector_cache import CacheEntries, CacheStats
+from app.store.ann_index import DEFAULT_PARAMS, AnnIndex
 from app.store.base import BackendInfo, Comparison, MemoryUnavailableError, Vector
 from app.store.in_process import compare_in_order, searches_take_milliseconds
+from app.store.indexed_memory import (
+    DEFAULT_INDEX_THRESHOLD,
+    BuiltGraph,
+    IndexedCache,
+    IndexStatus,
+    SearchMode,
+)
 from app.store.redis_graph import GraphCover, GraphDescription, SharedGraph
 
 log = logging.getLogger(__name__)
@@ -188,7 +187,7 @@ class RedisSharedMemory:
         self._import_script = self._client.register_script(script_text("import.lua"))
         self._keys = [f"{prefix}novelty:log", f"{prefix}novelty:meta"]
         self._now_ms = 0.0  # Redis's clock as of the step being applied
-        self.mirror = VectorCache(
+        self.mirror = IndexedCache(
             capacity,
             dimensions,
             ttl_ms,
@@ -273,7 +272,7 @@ class RedisSharedMemory:
         return self._evictions_total
 
     @property
-    def local_cache(self) -> VectorCache:
+    def local_cache(self) -> IndexedCache:
         return self.mirror
 
     def health(self) -> Health:

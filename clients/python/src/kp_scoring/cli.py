@@ -1,8 +1,10 @@
-"""The `kp-scoring` command: run the service, score traces from files, look after the cache.
+"""The `kp-scoring` command: score traces from files, check signed scores, look after the
+cache, and run the service where it is installed. The exit codes are `Code` (and `--help`).
 
-Exit codes of `evaluate`: 0 every score is at or above the threshold, 1 some score is below it,
-2 usage or input error (bad JSON, a trace the service rejects), 3 the service is unreachable
-or unavailable.
+Everything printed that came from the service or from a file (trace ids, the nearest stored
+trace's id, error messages, file names) goes through `visible`: control and bidirectional
+characters are shown as escapes, never sent to the terminal. `--json` output is JSON with
+ASCII escapes, so it holds none either.
 """
 
 from __future__ import annotations
@@ -10,10 +12,11 @@ from __future__ import annotations
 import json
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import IntEnum
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -23,16 +26,19 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from app.client import (
+from kp_scoring import __version__
+from kp_scoring.client import (
     DEFAULT_URL,
     KpScoringClient,
     KpScoringError,
     SignatureInvalidError,
+    TryLater,
     Unauthorized,
     Unreachable,
     verify_signature,
 )
-from app.schemas.responses import EvaluationOut
+from kp_scoring.models import EvaluationOut
+from kp_scoring.text import visible
 
 # The reference SDK captures a trace when its score reaches this value.
 DEFAULT_THRESHOLD = 0.75
@@ -45,12 +51,28 @@ OVERRIDE_EFFECTS = {
 
 
 class Code(IntEnum):
-    """Exit codes."""
+    """Exit codes (docs/clients.md lists them too)."""
 
     OK = 0
+    #: evaluate: a score is below the threshold; verify: the signature does not verify.
     BELOW_THRESHOLD = 1
+    #: Usage or input error: bad arguments, unreadable file, bad JSON, a trace the service
+    #: rejects (4xx other than 429), a missing or refused key.
     INPUT_ERROR = 2
+    #: No answer from the service, or a server error (5xx other than 503).
     UNREACHABLE = 3
+    #: Try later: rate limited (429) or overloaded (503); nothing was scored. The message says
+    #: after how long (the answer's Retry-After), once the retries (--retries) are spent.
+    TRY_LATER = 4
+
+
+EXIT_CODES = """\b
+Exit codes:
+  0  done (evaluate: every score at or above the threshold; verify: valid)
+  1  evaluate: a score below the threshold; verify: the signature does not verify
+  2  bad input or usage: unreadable file, bad JSON, a trace the service rejects, a key refused
+  3  the service is unreachable or failed (5xx other than 503)
+  4  try later: rate limited (429) or overloaded (503); nothing was scored"""
 
 
 out = Console(highlight=False)
@@ -58,7 +80,8 @@ err = Console(stderr=True, highlight=False)
 
 cli = typer.Typer(
     name="kp-scoring",
-    help="KnowledgePulse trace scoring: run the service, score traces, manage the cache.",
+    help="KnowledgePulse trace scoring: score traces, check signed scores, manage the cache, "
+    "run the service.\n\n" + EXIT_CODES,
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -85,6 +108,40 @@ ApiKey = Annotated[
     ),
 ]
 AsJson = Annotated[bool, typer.Option("--json", help="Print the raw JSON answer.")]
+Retries = Annotated[
+    int,
+    typer.Option(
+        min=0,
+        help="Times to send a request again after a 429 or 503, each after its Retry-After.",
+    ),
+]
+MaxWait = Annotated[
+    float,
+    typer.Option(
+        min=0,
+        help="Longest Retry-After (seconds) to wait for; a longer one exits 4 at once.",
+    ),
+]
+DEFAULT_RETRIES = 2
+DEFAULT_MAX_WAIT = 30.0
+
+
+def show_version(value: bool) -> None:
+    if value:
+        typer.echo(f"kp-scoring {__version__}")
+        raise typer.Exit()
+
+
+@cli.callback()
+def main_options(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=show_version, is_eager=True, help="Print the version and exit."
+        ),
+    ] = False,
+) -> None:
+    pass
 
 
 class InputError(ValueError):
@@ -108,6 +165,8 @@ def service_errors(token: str | None = None, *, api_key: bool = False) -> Iterat
             "or point --url (or KP_URL) at it.",
             Code.UNREACHABLE,
         ) from None
+    except TryLater as exc:
+        raise fail(try_later(exc), Code.TRY_LATER) from None
     except Unauthorized:
         if api_key:
             raise fail(
@@ -123,28 +182,48 @@ def service_errors(token: str | None = None, *, api_key: bool = False) -> Iterat
         raise fail(describe(exc), exit_code(exc)) from None
 
 
-def connect(url: str, token: str | None = None, api_key: str | None = None) -> KpScoringClient:
+def connect(
+    url: str,
+    token: str | None = None,
+    api_key: str | None = None,
+    *,
+    retries: int = DEFAULT_RETRIES,
+    max_wait: float = DEFAULT_MAX_WAIT,
+) -> KpScoringClient:
     if not url.startswith(("http://", "https://")):
         raise fail(
-            f"--url (or KP_URL) must start with http:// or https://, got {url!r}", Code.INPUT_ERROR
+            f"--url (or KP_URL) must start with http:// or https://, got {visible(url)!r}",
+            Code.INPUT_ERROR,
         )
-    return KpScoringClient(url, admin_token=token, api_key=api_key)
+    return KpScoringClient(
+        url, admin_token=token, api_key=api_key, retries=retries, max_retry_wait=max_wait
+    )
 
 
 def exit_code(exc: KpScoringError) -> Code:
+    if isinstance(exc, TryLater):
+        return Code.TRY_LATER
     if exc.status_code is not None and 400 <= exc.status_code < 500:
         return Code.INPUT_ERROR
     return Code.UNREACHABLE
 
 
+def try_later(exc: TryLater) -> str:
+    what = "rate limited" if exc.status_code == 429 else "overloaded"
+    when = "later" if exc.retry_after is None else f"in {exc.retry_after:g} s"
+    return f"the service is {what} ({exc}): nothing was scored; try again {when}"
+
+
 def describe(exc: KpScoringError) -> str:
     """A client error as lines a person reads: one per field path when the service gave them."""
+    if isinstance(exc, TryLater):
+        return try_later(exc)
     if not exc.errors:
         return str(exc)
     lines = [f"the service rejected the input ({exc.status_code}):"]
     for e in exc.errors:
         loc = e.loc[1:] if len(e.loc) > 1 and e.loc[0] == "body" else e.loc
-        lines.append(f"  {'.'.join(str(p) for p in loc)}: {e.msg}")
+        lines.append(visible(f"  {'.'.join(str(p) for p in loc)}: {e.msg}"))
     return "\n".join(lines)
 
 
@@ -153,13 +232,13 @@ def load_traces(text: str, source: str) -> tuple[list[Any], bool]:
     try:
         document = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise InputError(f"{source}: invalid JSON: {exc}") from None
+        raise InputError(f"{visible(source)}: invalid JSON: {exc}") from None
     if isinstance(document, dict) and isinstance(document.get("traces"), list):
         document = document["traces"]
     traces = document if isinstance(document, list) else [document]
     if not traces or not all(isinstance(t, dict) for t in traces):
         raise InputError(
-            f"{source}: expected a JSON object (one trace) or a non-empty array of objects"
+            f"{visible(source)}: expected a JSON object (one trace) or a non-empty array of objects"
         )
     return traces, isinstance(document, list)
 
@@ -170,7 +249,8 @@ def read_source(path: str) -> str:
     try:
         return Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from None
+        reason = getattr(exc, "strerror", None) or exc
+        raise InputError(f"cannot read {visible(path)}: {visible(reason)}") from None
 
 
 def score(kp: KpScoringClient, traces: list[Any], dry_run: bool) -> list[EvaluationOut]:
@@ -183,10 +263,16 @@ def verdict(value: float, threshold: float) -> str:
     return "[green]pass[/]" if value >= threshold else "[red]below[/]"
 
 
+def shown(text: object) -> str:
+    """Text from the service or a file, for a rich markup string: visible, markup escaped."""
+    return escape(visible(text))
+
+
 def print_breakdown(r: EvaluationOut, threshold: float) -> None:
     out.print(
-        f"[bold]{escape(r.trace_id)}[/]  score [bold]{r.score:.4f}[/]  "
-        f"{verdict(r.score, threshold)} (threshold {threshold})  weights: {r.weights.profile}"
+        f"[bold]{shown(r.trace_id)}[/]  score [bold]{r.score:.4f}[/]  "
+        f"{verdict(r.score, threshold)} (threshold {threshold})  "
+        f"weights: {shown(r.weights.profile)}"
     )
     table = Table("dimension", "value", "weight", "weighted", box=None, pad_edge=False)
     total = 0.0
@@ -196,7 +282,7 @@ def print_breakdown(r: EvaluationOut, threshold: float) -> None:
         table.add_row(name, f"{value:.3f}", f"{weight:.2f}", f"{value * weight:.3f}")
     table.add_row("weighted sum", "", "", f"{total:.3f}")
     out.print(table)
-    rules = [f"{rule} ({OVERRIDE_EFFECTS.get(rule, '?')})" for rule in r.overrides]
+    rules = [f"{visible(rule)} ({OVERRIDE_EFFECTS.get(rule, '?')})" for rule in r.overrides]
     out.print("overrides: " + ("; ".join(rules) or "none"), markup=False)
     out.print(novelty_line(r), markup=False)
 
@@ -208,7 +294,8 @@ def novelty_line(r: EvaluationOut) -> str:
         if n.nearest is not None:
             line += f", nearest {nearest_text(r)}"
     else:
-        line = f"novelty: not measured ({n.reason}{': ' + n.detail if n.detail else ''})"
+        detail = f": {visible(n.detail)}" if n.detail else ""
+        line = f"novelty: not measured ({visible(n.reason)}{detail})"
     if n.tokens is not None:
         line += f"; {n.tokens} tokens read" + (", the rest past the window" if n.truncated else "")
     return line
@@ -219,7 +306,8 @@ def nearest_text(r: EvaluationOut) -> str:
     nearest = r.novelty.nearest
     if nearest is None:
         return "-"
-    return f"{nearest.trace_id or '?'} ({nearest.cosine:.3f}, {nearest.age_ms / 1000:.1f} s ago)"
+    when = f"{nearest.cosine:.3f}, {nearest.age_ms / 1000:.1f} s ago"
+    return f"{visible(nearest.trace_id) or '?'} ({when})"
 
 
 def print_json(data: Any) -> None:
@@ -247,12 +335,16 @@ def evaluate(
         bool, typer.Option("--dry-run", help="Score without adding the traces to the cache.")
     ] = False,
     api_key: ApiKey = None,
+    retries: Retries = DEFAULT_RETRIES,
+    max_wait: MaxWait = DEFAULT_MAX_WAIT,
 ) -> None:
     """Score traces and print their breakdown.
 
-    Exit code: 0 all scores >= threshold, 1 some below, 2 bad input, 3 service unreachable.
+    Exit code: 0 all scores >= threshold, 1 some below, 2 bad input, 3 service unreachable,
+    4 try later (429 or 503).
     """
-    with connect(url, api_key=api_key) as kp, service_errors(api_key, api_key=True):
+    kp = connect(url, api_key=api_key, retries=retries, max_wait=max_wait)
+    with kp, service_errors(api_key, api_key=True):
         if path != "-" and Path(path).is_dir():
             results, failures = evaluate_directory(kp, Path(path), dry_run, threshold, as_json)
         else:
@@ -296,13 +388,13 @@ def evaluate_directory(
     """Scores each *.json file in turn; a bad file is reported and the others still scored."""
     files = sorted(p for p in directory.glob("*.json") if p.is_file())
     if not files:
-        raise fail(f"no *.json files in {directory}", Code.INPUT_ERROR)
+        raise fail(f"no *.json files in {visible(directory)}", Code.INPUT_ERROR)
     done: list[FileResult] = []
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
     with Progress(*columns, TimeElapsedColumn(), console=err) as progress:
         task = progress.add_task("scoring", total=len(files))
         for file in files:
-            progress.update(task, description=f"scoring {file.name}")
+            progress.update(task, description=f"scoring {shown(file.name)}")
             try:
                 traces, _ = load_traces(read_source(str(file)), file.name)
                 done.append(FileResult(file.name, score(kp, traces, dry_run)))
@@ -311,7 +403,7 @@ def evaluate_directory(
             except KpScoringError as exc:
                 if exit_code(exc) is not Code.INPUT_ERROR:
                     raise
-                done.append(FileResult(file.name, [], f"{file.name}: {describe(exc)}"))
+                done.append(FileResult(file.name, [], f"{visible(file.name)}: {describe(exc)}"))
             progress.advance(task)
         progress.update(task, description=f"scored {len(files)} files")
     results = [r for f in done for r in f.results]
@@ -334,16 +426,16 @@ def print_summary(done: list[FileResult], threshold: float) -> None:
         table.add_column(name, overflow="fold")
     for f in done:
         if f.error:
-            table.add_row(escape(f.file), *[""] * (len(table.columns) - 2), "[red]error[/]")
+            table.add_row(shown(f.file), *[""] * (len(table.columns) - 2), "[red]error[/]")
         for r in f.results:
             novelty = "measured" if r.novelty.measured else str(r.novelty.reason)
             table.add_row(
-                escape(f.file),
-                escape(r.trace_id),
+                shown(f.file),
+                shown(r.trace_id),
                 f"{r.score:.4f}",
-                r.weights.profile,
-                ", ".join(r.overrides) or "-",
-                novelty,
+                shown(r.weights.profile),
+                shown(", ".join(r.overrides) or "-"),
+                shown(novelty),
                 *([escape(nearest_text(r))] if nearest else []),
                 verdict(r.score, threshold),
             )
@@ -375,30 +467,32 @@ def verify(
     """Check a signed score against the trace and the service's public keys.
 
     Exit code: 0 the signature verifies and is about this trace, 1 it does not, 2 bad input,
-    3 service unreachable (when the JWKS is fetched from it).
+    3 service unreachable (when the JWKS is fetched from it), 4 try later (429 or 503).
     """
     try:
         traces, many = load_traces(read_source(trace_path), trace_path)
         if many:
-            raise InputError(f"{trace_path}: one trace, not an array: a signature is about one")
+            raise InputError(
+                f"{visible(trace_path)}: one trace, not an array: a signature is about one"
+            )
         trace = traces[0]
         token = _signature_of(signature)
         jwks = json.loads(read_source(str(jwks_path))) if jwks_path is not None else None
     except ValueError as exc:  # InputError, or a JWKS file that is not JSON
-        raise fail(str(exc), Code.INPUT_ERROR) from None
+        raise fail(visible(exc), Code.INPUT_ERROR) from None
     if jwks is None:
         with connect(url) as kp, service_errors():
             jwks = kp.jwks()
     try:
         claims = verify_signature(token, trace, jwks)
     except SignatureInvalidError as exc:
-        raise fail(f"invalid: {exc}", Code.BELOW_THRESHOLD) from None
+        raise fail(f"invalid: {visible(exc)}", Code.BELOW_THRESHOLD) from None
     if as_json:
         print_json(claims)
         return
     out.print(
-        f"valid: {escape(str(claims.get('trace_id')))} scored {claims.get('score')} "
-        f"by {escape(str(claims.get('iss')))}",
+        f"valid: {shown(claims.get('trace_id'))} scored {shown(claims.get('score'))} "
+        f"by {shown(claims.get('iss'))}",
     )
 
 
@@ -412,10 +506,14 @@ def _signature_of(value: str) -> str:
     try:
         answer = json.loads(read_source(value))
     except json.JSONDecodeError as exc:
-        raise InputError(f"{value}: neither a compact JWS nor an answer's JSON: {exc}") from None
+        raise InputError(
+            f"{visible(value)}: neither a compact JWS nor an answer's JSON: {exc}"
+        ) from None
     signature = answer.get("signature") if isinstance(answer, dict) else None
     if not isinstance(signature, str):
-        raise InputError(f"{value}: the answer has no signature (the service signs nothing?)")
+        raise InputError(
+            f"{visible(value)}: the answer has no signature (the service signs nothing?)"
+        )
     return signature
 
 
@@ -424,13 +522,32 @@ def serve(
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535, help="Port to listen on.")] = 8000,
 ) -> None:
-    """Run the service (one process, served by granian); settings come from KP_* variables."""
-    try:
-        from app.serve import run  # the server's dependencies: not in the client-only install
-    except ImportError as exc:
-        out.print(f"[red]{exc}[/red]: install the server with pip install 'kp-scoring[server]'")
-        raise typer.Exit(Code.INPUT_ERROR) from None
+    """Run the service (one process, served by granian); settings come from KP_* variables.
+    Needs the server (the kp-scoring distribution at the repository's root), not only this
+    client."""
+    run = server_runner()
+    if run is None:
+        raise fail(SERVER_MISSING, Code.INPUT_ERROR)
     run(host, port)
+
+
+SERVER_MISSING = (
+    "`serve` needs the kp-scoring server, which this install lacks: in a clone of the "
+    "repository, run `make run` (or `pip install ./clients/python .`)"
+)
+
+
+def server_runner() -> Callable[..., None] | None:
+    """The server's `run`, found by the entry point the server distribution declares (group
+    kp_scoring.server), so that an unrelated package named `app` is never taken for it; None
+    when the server or one of its dependencies is not installed."""
+    for found in entry_points(group="kp_scoring.server", name="run"):
+        try:
+            run: Callable[..., None] = found.load()
+        except ImportError:
+            return None
+        return run
+    return None
 
 
 @cache_cli.command("stats")
@@ -444,18 +561,18 @@ def cache_stats(url: Url = DEFAULT_URL, token: Token = None, as_json: AsJson = F
     table = Table("cache", "value", box=None, pad_edge=False)
     for key, value in stats.model_dump(exclude={"embedder", "backend"}).items():
         table.add_row(
-            key,
-            "-" if value is None else f"{value:.1f}" if isinstance(value, float) else str(value),
+            shown(key),
+            "-" if value is None else f"{value:.1f}" if isinstance(value, float) else shown(value),
         )
     e = stats.embedder
-    table.add_row("embedder", f"{e.state}" + (f" ({e.model})" if e.model else ""))
+    table.add_row("embedder", shown(e.state + (f" ({e.model})" if e.model else "")))
     if e.reason:
-        table.add_row("embedder reason", e.reason)
+        table.add_row("embedder reason", shown(e.reason))
     b = stats.backend
     where = f"shared: {b.location} (prefix {b.prefix})" if b.shared else "this process"
-    table.add_row("cache", where + ("" if b.available else " UNAVAILABLE"))
+    table.add_row("cache", shown(where + ("" if b.available else " UNAVAILABLE")))
     if b.reason:
-        table.add_row("cache reason", b.reason)
+        table.add_row("cache reason", shown(b.reason))
     out.print(table)
 
 

@@ -1,7 +1,9 @@
 """A typed Python client for the kp-scoring service, sync and async, on httpx.
 
+    from kp_scoring import KpScoringClient
+
     with KpScoringClient("http://127.0.0.1:8000") as kp:
-        result = kp.evaluate(trace)          # a dict or a ReasoningTrace
+        result = kp.evaluate(trace)          # a dict (parsed JSON) or a pydantic model
         print(result.score, result.dimensions.novelty)
         if result.novelty.nearest:           # the stored trace it resembles most
             print(result.novelty.nearest.trace_id, result.novelty.nearest.age_ms)
@@ -9,25 +11,33 @@
 Every failure is a `KpScoringError`: `Unreachable` (no answer), `ValidationFailed` (422, with
 the field paths), `Unauthorized` (401), `Forbidden` (403), `RateLimited` (429, with
 `retry_after`), `Overloaded` (503, with `retry_after`), or the base class for any other error
-status. `api_key` (default: the KP_API_KEY variable) is sent with every scoring request.
-`verify_signature` checks a signed score against the trace and the service's JWKS.
+status. `RateLimited` and `Overloaded` are both a `TryLater`: nothing was done, the same request
+may succeed later; with `retries=N` the client itself waits the answer's Retry-After (at most
+`max_retry_wait` seconds) and tries again, up to N times. `api_key` (default: the KP_API_KEY
+variable) is sent with every scoring request. `verify_signature` checks a signed score against
+the trace and the service's JWKS.
+
+Error messages hold text the service sent: they are made printable (`kp_scoring.text.visible`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Self
 
 import httpx
+from pydantic import BaseModel
 
-from app.core.signatures import SignatureInvalidError, trace_sha256, verify
-from app.schemas.responses import BatchOut, CacheOut, ClearedOut, EvaluationOut, ReadyOut
-from app.schemas.trace import ReasoningTrace
+from kp_scoring.models import BatchOut, CacheOut, ClearedOut, EvaluationOut, ReadyOut
+from kp_scoring.signatures import SignatureInvalidError, trace_sha256, verify
+from kp_scoring.text import visible
 
-#: Checks a signed score: the claims, or SignatureInvalidError (see app.services.signing).
+#: Checks a signed score: its claims, or SignatureInvalidError (kp_scoring.signatures).
 verify_signature = verify
 
 __all__ = [
@@ -40,6 +50,7 @@ __all__ = [
     "RateLimited",
     "SignatureInvalidError",
     "TraceLike",
+    "TryLater",
     "Unauthorized",
     "Unreachable",
     "ValidationFailed",
@@ -49,7 +60,12 @@ __all__ = [
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 
-TraceLike = ReasoningTrace | Mapping[str, Any]
+#: A trace as parsed JSON (a dict), or any pydantic model of one (dumped by alias, without
+#: the fields left unset as None).
+TraceLike = Mapping[str, Any] | BaseModel
+
+#: Without a Retry-After, a retry waits this long (seconds).
+DEFAULT_RETRY_WAIT = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +81,7 @@ class FieldError:
         return ".".join(str(part) for part in self.loc)
 
     def __str__(self) -> str:
-        return f"{self.path}: {self.msg}"
+        return visible(f"{self.path}: {self.msg}")
 
 
 class KpScoringError(Exception):
@@ -98,20 +114,29 @@ class Forbidden(KpScoringError):  # noqa: N818
     """403: the API key lacks the scope the request needs."""
 
 
-class RateLimited(KpScoringError):  # noqa: N818
+class TryLater(KpScoringError):  # noqa: N818
+    """429 or 503: nothing was done and the same request may succeed later, after
+    `retry_after` seconds (the answer's Retry-After; None when it gave none)."""
+
+    def __init__(
+        self, message: str, *, status_code: int, retry_after: float | None, detail: Any = None
+    ) -> None:
+        super().__init__(message, status_code=status_code, detail=detail)
+        self.retry_after = retry_after
+
+
+class RateLimited(TryLater):
     """429: the API key is over its rate; nothing was scored; retry after `retry_after` s."""
 
     def __init__(self, message: str, *, retry_after: float | None, detail: Any = None) -> None:
-        super().__init__(message, status_code=429, detail=detail)
-        self.retry_after = retry_after
+        super().__init__(message, status_code=429, retry_after=retry_after, detail=detail)
 
 
-class Overloaded(KpScoringError):  # noqa: N818
+class Overloaded(TryLater):
     """503: the service is busy; try again after `retry_after` seconds."""
 
     def __init__(self, message: str, *, retry_after: float | None, detail: Any = None) -> None:
-        super().__init__(message, status_code=503, detail=detail)
-        self.retry_after = retry_after
+        super().__init__(message, status_code=503, retry_after=retry_after, detail=detail)
 
 
 def _field_errors(detail: Any) -> list[FieldError]:
@@ -125,7 +150,7 @@ def _field_errors(detail: Any) -> list[FieldError]:
 
 
 def _trace_json(trace: TraceLike) -> dict[str, Any]:
-    if isinstance(trace, ReasoningTrace):
+    if isinstance(trace, BaseModel):
         return trace.model_dump(mode="json", by_alias=True, exclude_none=True)
     return dict(trace)
 
@@ -147,8 +172,8 @@ def _check(response: httpx.Response) -> Any:
     if isinstance(detail, list):
         text = "; ".join(str(e) for e in _field_errors(detail))
     else:
-        text = str(detail) if detail else response.reason_phrase
-    message = f"{status} {response.reason_phrase}: {text}"
+        text = visible(detail) if detail else response.reason_phrase
+    message = f"{status} {visible(response.reason_phrase)}: {text}"
     if status == 422:
         raise ValidationFailed(message, status_code=status, detail=detail)
     if status == 401:
@@ -163,18 +188,32 @@ def _check(response: httpx.Response) -> Any:
 
 
 def _retry_after(response: httpx.Response) -> float | None:
+    """Retry-After in seconds: the service sends delta-seconds (an HTTP date reads as None)."""
     try:
-        return float(response.headers["retry-after"])
+        seconds = float(response.headers["retry-after"])
     except (KeyError, ValueError):
         return None
+    return seconds if seconds >= 0 else None
 
 
 def _unreachable(base_url: httpx.URL, exc: httpx.TransportError) -> Unreachable:
-    return Unreachable(f"cannot reach kp-scoring at {base_url}: {str(exc) or type(exc).__name__}")
+    reason = visible(str(exc) or type(exc).__name__)
+    return Unreachable(f"cannot reach kp-scoring at {base_url}: {reason}")
 
 
 class _Base:
-    def __init__(self, base_url: str, admin_token: str | None, api_key: str | None) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        admin_token: str | None,
+        api_key: str | None,
+        retries: int,
+        max_retry_wait: float,
+    ) -> None:
+        if retries < 0 or max_retry_wait < 0:
+            raise ValueError("retries and max_retry_wait must not be negative")
+        self.retries = retries
+        self.max_retry_wait = max_retry_wait
         if api_key is None:
             api_key = os.environ.get("KP_API_KEY") or None
         admin = admin_token or api_key  # an API key with scope admin serves /cache too
@@ -191,9 +230,22 @@ class _Base:
     def _batch_body(traces: Iterable[TraceLike]) -> dict[str, Any]:
         return {"traces": [_trace_json(t) for t in traces]}
 
+    def _wait_before_retry(self, exc: TryLater, attempt: int) -> float | None:
+        """Seconds to wait before trying `exc`'s request again, or None to give up: no retries
+        left, or a Retry-After longer than `max_retry_wait`."""
+        if attempt >= self.retries:
+            return None
+        wait = DEFAULT_RETRY_WAIT if exc.retry_after is None else exc.retry_after
+        return wait if wait <= self.max_retry_wait else None
+
 
 class KpScoringClient(_Base):
-    """Blocking client. Use as a context manager, or call `close()`."""
+    """Blocking client. Use as a context manager, or call `close()`.
+
+    `retries`: how many times a request answered 429 or 503 is sent again, each after the
+    answer's Retry-After (1 s without one); a Retry-After above `max_retry_wait` seconds is
+    not waited for: the `TryLater` error is raised at once. `sleep`: how to wait (tests).
+    """
 
     def __init__(
         self,
@@ -202,17 +254,30 @@ class KpScoringClient(_Base):
         admin_token: str | None = None,
         api_key: str | None = None,
         timeout: float = 10.0,
+        retries: int = 0,
+        max_retry_wait: float = 30.0,
         transport: httpx.BaseTransport | None = None,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
-        super().__init__(base_url, admin_token, api_key)
+        super().__init__(base_url, admin_token, api_key, retries, max_retry_wait)
         self._http = httpx.Client(base_url=base_url, timeout=timeout, transport=transport)
+        self._sleep = sleep
 
     def _request(self, method: str, path: str, **kwargs: Any) -> Any:
-        try:
-            response = self._http.request(method, path, **kwargs)
-        except httpx.TransportError as exc:
-            raise _unreachable(self._http.base_url, exc) from exc
-        return _check(response)
+        attempt = 0
+        while True:
+            try:
+                response = self._http.request(method, path, **kwargs)
+            except httpx.TransportError as exc:
+                raise _unreachable(self._http.base_url, exc) from exc
+            try:
+                return _check(response)
+            except TryLater as exc:
+                wait = self._wait_before_retry(exc, attempt)
+                if wait is None:
+                    raise
+            self._sleep(wait)
+            attempt += 1
 
     def evaluate(
         self, trace: TraceLike, *, dry_run: bool = False, idempotency_key: str | None = None
@@ -295,17 +360,30 @@ class AsyncKpScoringClient(_Base):
         admin_token: str | None = None,
         api_key: str | None = None,
         timeout: float = 10.0,
+        retries: int = 0,
+        max_retry_wait: float = 30.0,
         transport: httpx.AsyncBaseTransport | None = None,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
-        super().__init__(base_url, admin_token, api_key)
+        super().__init__(base_url, admin_token, api_key, retries, max_retry_wait)
         self._http = httpx.AsyncClient(base_url=base_url, timeout=timeout, transport=transport)
+        self._sleep = sleep
 
     async def _request(self, method: str, path: str, **kwargs: Any) -> Any:
-        try:
-            response = await self._http.request(method, path, **kwargs)
-        except httpx.TransportError as exc:
-            raise _unreachable(self._http.base_url, exc) from exc
-        return _check(response)
+        attempt = 0
+        while True:
+            try:
+                response = await self._http.request(method, path, **kwargs)
+            except httpx.TransportError as exc:
+                raise _unreachable(self._http.base_url, exc) from exc
+            try:
+                return _check(response)
+            except TryLater as exc:
+                wait = self._wait_before_retry(exc, attempt)
+                if wait is None:
+                    raise
+            await self._sleep(wait)
+            attempt += 1
 
     async def evaluate(
         self, trace: TraceLike, *, dry_run: bool = False, idempotency_key: str | None = None

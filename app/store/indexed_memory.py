@@ -1,0 +1,564 @@
+"""The novelty memory at size: the domain's ring and exact scan (app.domain.vector_cache)
+with an approximate index, and the threads that build, feed and check it
+(docs/operating/large-memory.md).
+
+At or above `index_threshold` entries (search="auto") an HNSW graph (app.store.ann_index)
+proposes candidates (a second, wider search when the best of them is far: the graph's weak
+case) and the domain's float64 rescoring picks among them, so `max_cosine` is always a true
+cosine with a stored vector. Below it, or with search="exact", the exact scan answers.
+
+No graph insert is on the request path: the graph is built in a background thread on a copy
+of the rows (the exact scan answers meanwhile), and the newest entries wait in a tail, scanned
+exactly, until a second background thread (the feeder) inserts them a few at a time under the
+lock, so no search ever runs on a graph being added to. Evicted and expired entries are
+excluded from every search at once by the id range; once they are a third of the graph, a new
+graph is built on the live entries in the background and replaces the old one whole.
+
+A graph built elsewhere (beside a snapshot, published by another replica) can be adopted
+instead of built (`adopt_index`, checked against the rows; the entries newer than it are
+inserted as a build's are before it serves); each graph built here is handed, serialized while
+still private, to the owner (`on_graph_built`) to keep or share, and so is the serving graph
+each time the feeder has grown it by a tenth.
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from app.domain.vector_cache import (
+    CacheEntries,
+    Nearest,
+    Vector,
+    VectorCache,
+    unit,
+    unit_rows,
+    wall_clock_ms,
+)
+from app.store.ann_index import DEFAULT_PARAMS, AnnIndex, one_core_for_this_thread
+
+SearchMode = Literal["exact", "auto"]
+IndexState = Literal["off", "building", "ready"]
+
+#: Below this many entries the exact scan is about as fast as the index (about 1 ms a query on
+#: one core), so the index is not built.
+DEFAULT_INDEX_THRESHOLD = 20_000
+#: A build has caught up (and swaps its graph in) when fewer than this many entries wait;
+#: without background threads, the tail joins the graph when it reaches this many.
+TAIL_BATCH = 512
+#: Graph inserts the feeder makes per hold of the lock (about half a millisecond each at a
+#: million entries), so a query waits for at most about a millisecond of them.
+FEED_BATCH = 2
+#: The feeder hands the serving graph on (on_graph_built) when it has grown by this share of its
+#: entries since it was last handed on: a restart or a new replica then adopts a graph that
+#: lacks at most about this share, not everything since the last build (up to half of it).
+HAND_ON_GROWTH = 0.1
+#: An idle feeder waits this long for new entries before its thread ends.
+_FEED_LINGER_S = 5.0
+#: A new graph replaces the serving one when the evicted entries it still holds reach this
+#: share of its live ones (the graph's memory stays under 1.5 x the capacity's).
+DEAD_PER_LIVE = 0.5
+#: Rows the background work inserts or scans under the lock at a time, so a request never
+#: waits for more than about a millisecond of it.
+_CHUNK = 4_096
+
+#: Set at interpreter exit (_stop_background_work): graph builds and feeders stop at their
+#: next step.
+_EXITING = threading.Event()
+#: Every cache, for _stop_background_work (weakly: a cache no one holds is let go).
+_CACHES: weakref.WeakSet[IndexedCache] = weakref.WeakSet()
+#: How long exit waits for one background thread's current step (a chunk of a build, a
+#: graph's serialization: seconds at a million entries).
+_EXIT_JOIN_S = 60.0
+
+
+@atexit.register
+def _stop_background_work() -> None:
+    """The interpreter's finalization unwinds a daemon thread that is inside faiss (a build,
+    the feeder) through OpenMP's frames, which aborts the process ("terminate called without
+    an active exception", exit status 134): at exit they stop at their next step and are
+    waited for first."""
+    _EXITING.set()
+    threads: list[threading.Thread] = []
+    for cache in list(_CACHES):
+        with cache._lock:  # taken once the feeder's current insert is done
+            cache._feed_wake.notify_all()
+            threads += [t for t in (cache._building, cache._feeder) if t is not None]
+    for thread in threads:
+        thread.join(_EXIT_JOIN_S)
+
+
+#: One index query in this many is rerun exactly in the background (the self-check).
+AUDIT_EVERY = 100
+#: The graph is built again (in the background) when the memory has grown this many times past
+#: the sample its codes were trained on, up to a sample of _SAMPLE.
+RETRAIN_GROWTH = 4
+_SAMPLE = 131_072
+_AUDIT_QUEUE = 64
+
+
+@dataclass(frozen=True, slots=True)
+class IndexStatus:
+    """The approximate index, for operators (/cache, /readyz, metrics)."""
+
+    search: SearchMode
+    threshold: int
+    state: IndexState
+    indexed: int  # entries in the index (the rest are in the exactly-scanned tail)
+    progress: float | None  # while building: the share of entries indexed so far
+    warming: bool  # the first build since the cache was filled (restart, catch-up) runs
+    audits_total: int  # index answers rerun exactly
+    audit_agreements_total: int  # ... that found the same maximum
+    builds_total: int = 0  # graphs built here (and swapped in)
+    adoptions_total: int = 0  # graphs built elsewhere (a snapshot, another replica) adopted
+    far_searches_total: int = 0  # index answers that took the second, wider search
+
+
+@dataclass(frozen=True, slots=True)
+class BuiltGraph:
+    """A graph this cache just built and swapped in, or its serving graph grown by the
+    feeder, serialized (AnnIndex.to_bytes) for its owner to keep or share: its internal id 0
+    is the entry `first_seq` of `lineage`."""
+
+    data: bytes | bytearray
+    first_seq: int
+    count: int
+    lineage: str
+
+
+class IndexedCache(VectorCache):
+    """A thread-safe VectorCache with an approximate index past a threshold (module
+    docstring)."""
+
+    def __init__(
+        self,
+        capacity: int = 1000,
+        dimensions: int = 384,
+        ttl_ms: float | None = None,
+        clock_ms: Callable[[], float] = wall_clock_ms,
+        *,
+        search: SearchMode = "auto",
+        index_threshold: int = DEFAULT_INDEX_THRESHOLD,
+        index_ef_search: int = DEFAULT_PARAMS.ef_search,
+        index_ef_search_far: int = DEFAULT_PARAMS.ef_search_far,
+        background: bool = True,
+    ) -> None:
+        if index_threshold < 1:
+            raise ValueError("index_threshold must be at least 1")
+        if index_ef_search < 1:
+            raise ValueError("index_ef_search must be at least 1")
+        if index_ef_search_far < 0:
+            raise ValueError("index_ef_search_far must be 0 (off) or positive")
+        lock = threading.RLock()  # the background threads share the rows with requests
+        super().__init__(capacity, dimensions, ttl_ms, clock_ms, lock=lock)
+        self.search = search
+        self.index_threshold = index_threshold
+        self._index_params = replace(
+            DEFAULT_PARAMS, ef_search=index_ef_search, ef_search_far=index_ef_search_far
+        )
+        self._background = background
+        # The serving graph: the live entries with seq < _index.stop_id are in it.
+        self._index: AnnIndex | None = None
+        self._building: threading.Thread | None = None
+        self._feeding = False  # the feeder thread runs
+        self._feeder: threading.Thread | None = None
+        _CACHES.add(self)
+        self._feed_wake = threading.Condition(lock)
+        self._build_progress = 0.0
+        self._generation = 0  # changes with clear/load: a build of an older one is dropped
+        # Set once an index has served: later builds (after a clear, past the threshold
+        # again) happen while the exact scan answers and do not make the service unready.
+        self._ever_indexed = False
+        self._trained_on = 0  # the sample the graph's codes were trained on
+        self._queries = 0
+        self.far_searches_total = 0  # index answers that took the second, wider search
+        self._audit_queue: deque[tuple[Vector, float, int]] = deque(maxlen=_AUDIT_QUEUE)
+        self.audits_total = 0
+        self.audit_agreements_total = 0
+        self.index_builds_total = 0
+        self.index_adoptions_total = 0
+        # While held, no build starts (the owner expects a graph to adopt); the exact scan
+        # answers and the cache says warming.
+        self._hold = False
+        #: Called with every graph built (from the build thread, after the swap) and with the
+        #: serving graph the feeder grew by a tenth (from the feeder), outside the lock; must
+        #: not raise. Set by the owner (snapshots, the shared memory).
+        self.on_graph_built: Callable[[BuiltGraph], None] | None = None
+        #: Asked (first_seq, count, lineage), outside the lock, before the feeder serializes a
+        #: grown graph for on_graph_built: False when the owner has no use for it now (a
+        #: replica whose published graph another replica keeps current).
+        self.graph_wanted: Callable[[int, int, str], bool] | None = None
+        self._handed_stop = 0  # the stop_id of the serving graph when it was last handed on
+
+    # ── the hooks of VectorCache ────────────────────────────────────────────
+
+    def _search(self, q: Vector, first: int, next_seq: int) -> Nearest:
+        if self._index is None:
+            return self._best(q, self._exact_candidates(q, first, next_seq))
+        tail_from = max(first, self._index.stop_id)
+        proposed = self._index.search(unit(q), first)
+        candidates = np.concatenate([proposed, self._exact_candidates(q, tail_from, next_seq)])
+        if len(candidates) == 0:  # the graph held no live entry it could reach
+            candidates = self._exact_candidates(q, first, next_seq)
+        found = self._best(q, candidates)
+        params = self._index.params
+        if found.cosine < params.far_below and params.ef_search_far > params.ef_search:
+            # Far from everything found: the graph's weak case (ann_index.DEFAULT_PARAMS).
+            self.far_searches_total += 1
+            wider = self._index.search(unit(q), first, params.ef_search_far)
+            found = self._best(q, np.concatenate([candidates, wider]))
+        self._queries += 1
+        if self._queries % AUDIT_EVERY == 0:
+            self._audit_queue.append((q.copy(), found.cosine, next_seq))
+        return found
+
+    def _changed(self) -> None:
+        self._maintain_index()
+
+    def _reset(self) -> None:
+        self._generation += 1
+        self._trained_on = 0
+        self._index = None
+        self._building = None  # a build of the old generation ends at its next chunk
+        self._audit_queue.clear()
+
+    def _extra_memory_bytes(self) -> int:
+        return self._index.memory_bytes if self._index is not None else 0
+
+    def index_status(self) -> IndexStatus:
+        with self._lock:
+            building = self._building is not None and self._building.is_alive()
+            state: IndexState = (
+                "building" if building else "ready" if self._index is not None else "off"
+            )
+            indexed = 0
+            if self._index is not None:
+                indexed = max(0, self._index.stop_id - self._first_seq)
+            return IndexStatus(
+                search=self.search,
+                threshold=self.index_threshold,
+                state=state,
+                indexed=min(indexed, self._size),
+                progress=self._build_progress if building else None,
+                warming=(building and not self._ever_indexed)
+                or (self._hold and self._index is None and self._wants_index()),
+                audits_total=self.audits_total,
+                audit_agreements_total=self.audit_agreements_total,
+                builds_total=self.index_builds_total,
+                adoptions_total=self.index_adoptions_total,
+                far_searches_total=self.far_searches_total,
+            )
+
+    # ── the index and the self-check ────────────────────────────────────────
+
+    def hold_index(self, hold: bool) -> None:
+        """While held, no graph build starts (the owner is fetching one to adopt); the exact
+        scan answers and index_status says warming. Releasing starts what is due."""
+        with self._lock:
+            self._hold = hold
+            if not hold:
+                self._maintain_index()
+
+    def adopt_index(self, index: AnnIndex, first_id: int) -> str | None:
+        """Serves `index`, a graph built elsewhere (a snapshot, another replica), whose
+        internal id 0 is this cache's entry `first_id` (below first_seq: a dead prefix, as
+        after evictions). It must cover the oldest live entry and hold no entry this cache
+        has not; its codes are checked against the rows at a few entries. The entries after
+        it are inserted before it serves (as a build's, while the cache warms) when they are a
+        batch or more, else by the feeder. Returns None when adopted, else why not (nothing
+        changes)."""
+        with self._lock:
+            self._drop_expired()
+            next_seq = self._first_seq + self._size
+            stop = first_id + index.count
+            why = None
+            if self.search == "exact":
+                why = "KP_CACHE_SEARCH=exact"
+            elif index.dimensions != self.dimensions:
+                why = f"{index.dimensions} dimensions, the cache has {self.dimensions}"
+            elif (index.params.m, index.params.ef_construction) != (
+                self._index_params.m,
+                self._index_params.ef_construction,
+            ):
+                why = f"built with {index.params}, the cache builds with {self._index_params}"
+            elif not (first_id <= self._first_seq < stop <= next_seq):
+                why = (
+                    f"it covers entries {first_id}..{stop - 1}, the cache holds "
+                    f"{self._first_seq}..{next_seq - 1}"
+                )
+            else:
+                why = self._codes_differ(index, first_id, stop)
+            if why is not None:
+                return why
+            index.first_id = first_id
+            index.params = self._index_params  # the query-time settings are this cache's
+            self._generation += 1  # a build of the entries running meanwhile is dropped
+            self._building = None
+            self._trained_on = min(index.count, _SAMPLE)
+            self.index_adoptions_total += 1
+            self._handed_stop = index.stop_id  # its owner has it
+            if next_seq - stop >= TAIL_BATCH and self._background:
+                # Entries since the graph was made (a replica published it a while ago): they
+                # join it as a build's would, in bulk on every core while the cache warms,
+                # not two at a time on one core behind a ready flag with a long exact tail.
+                self._start_build(seed=index)
+                return None
+            self._index = index
+            self._ever_indexed = True
+            self._build_progress = 1.0
+            self._maintain_index()
+            return None
+
+    def _codes_differ(self, index: AnnIndex, first_id: int, stop: int) -> str | None:
+        """Why the graph's stored codes are not this cache's rows (at a few evenly spread
+        live entries), or None: a graph mapped onto other entries would propose the wrong
+        candidates."""
+        for seq in np.unique(np.linspace(self._first_seq, stop - 1, 16).astype(np.int64)):
+            stored = index.stored_vector(int(seq) - first_id + index.first_id)
+            row = self._unit_rows_between(int(seq), int(seq) + 1)[0]
+            norm = float(np.linalg.norm(stored))
+            if norm == 0 or float(stored @ row) / norm < 0.99:
+                return f"its entry {int(seq)} is not this cache's (cosine below 0.99)"
+        return None
+
+    def _wants_index(self) -> bool:
+        return self.search == "auto" and self._size >= self.index_threshold
+
+    def wait_for_index(self, timeout_s: float | None = None) -> bool:
+        """Waits for background builds (one may start another); True when none runs any more."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                thread = self._building
+            if thread is None:
+                return True
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            thread.join(remaining)
+            if thread.is_alive():
+                return False
+
+    def run_audit(self, limit: int = 4) -> int:
+        """Reruns up to `limit` sampled index answers with the exact scan (chunk by chunk, so
+        queries go on meanwhile); counts the agreements. Returns how many were checked."""
+        checked = 0
+        while checked < limit:
+            with self._lock:
+                if not self._audit_queue:
+                    break
+                q, answered, next_seq = self._audit_queue.popleft()
+                first = self._first_seq
+            best = self._chunked_exact_max(q, first, next_seq)
+            if best is None or best < answered - 1e-12:
+                continue  # the answer's entry has left since: nothing to compare
+            with self._lock:
+                self.audits_total += 1
+                if best <= answered + 1e-12:
+                    self.audit_agreements_total += 1
+            checked += 1
+        return checked
+
+    def _chunked_exact_max(self, q: Vector, first: int, stop: int) -> float | None:
+        best: float | None = None
+        seq = first
+        while seq < stop:
+            with self._lock:
+                seq = max(seq, self._first_seq)
+                end = min(stop, seq + _CHUNK, self._first_seq + self._size)
+                if seq >= end:
+                    break
+                found = self._best(q, self._exact_candidates(q, seq, end))
+            best = found.cosine if best is None else max(best, found.cosine)
+            seq = end
+        return best
+
+    def _maintain_index(self) -> None:
+        """After a change (under the lock): start a build when the memory is large enough, has
+        outgrown the graph's sample, or the graph holds too many evicted entries; hand the
+        tail to the feeder."""
+        if self.search == "exact":
+            return
+        idle = self._building is None and not self._hold
+        index = self._index
+        if index is None:
+            if self._size >= self.index_threshold and idle:
+                self._start_build()
+            return
+        live = index.stop_id - self._first_seq
+        if live <= 0 and index.stop_id < self._first_seq + self._size:
+            # Every entry of the graph left before the feeder reached the next ones: it can
+            # never be extended again (its ids are contiguous).
+            self._index = None
+            self._maintain_index()
+            return
+        dead = self._first_seq - index.first_id
+        if idle and dead >= max(TAIL_BATCH, DEAD_PER_LIVE * live):
+            if self._size < self.index_threshold:
+                self._index = None  # small again: the exact scan serves
+            else:
+                self._start_build()
+            return
+        if idle and self._trained_on < _SAMPLE and self._size >= RETRAIN_GROWTH * self._trained_on:
+            self._start_build()
+            return
+        waiting = self._first_seq + self._size - index.stop_id
+        if waiting <= 0:
+            return
+        if not self._background:
+            if waiting >= TAIL_BATCH:
+                index.add(self._unit_rows_between(index.stop_id, index.stop_id + waiting))
+            return
+        if self._feeding:
+            self._feed_wake.notify()
+        else:
+            self._feeding = True
+            self._feeder = threading.Thread(target=self._feed, name="kp-cache-feed", daemon=True)
+            self._feeder.start()
+
+    def _feedable(self) -> AnnIndex | None:
+        index = self._index
+        if index is None or _EXITING.is_set():
+            return None
+        next_seq = self._first_seq + self._size
+        return index if self._first_seq <= index.stop_id < next_seq else None
+
+    def _feed(self) -> None:
+        """The feeder thread: inserts the tail into the serving graph, FEED_BATCH entries per
+        hold of the lock (no search runs on the graph meanwhile); ends when idle a while."""
+        try:
+            self._feed_until_idle()
+        except BaseException:
+            with self._lock:  # the next change starts a new feeder
+                self._feeding = False
+            raise
+
+    def _feed_until_idle(self) -> None:
+        one_core_for_this_thread()  # one core for background work, the rest for requests
+        while True:
+            with self._lock:
+                index = self._feedable()
+                while index is None:
+                    notified = not _EXITING.is_set() and self._feed_wake.wait(_FEED_LINGER_S)
+                    index = self._feedable()
+                    if index is None and not notified:
+                        self._feeding = False  # under the lock: the next change starts one
+                        return
+                start = index.stop_id
+                stop = min(self._first_seq + self._size, start + FEED_BATCH)
+                index.add(self._unit_rows_between(start, stop))
+                sink = self.on_graph_built
+                grown = index.stop_id - self._handed_stop >= HAND_ON_GROWTH * index.count
+                if sink is not None and grown:
+                    self._handed_stop = index.stop_id
+                    lineage, first_id, count = self.lineage, index.first_id, index.count
+            if sink is not None and grown:
+                wanted = self.graph_wanted
+                if wanted is None or wanted(first_id, count, lineage):
+                    # Serialized outside the lock while searches go on: they only read the
+                    # graph, and this thread is the only one that adds to a serving graph.
+                    sink(BuiltGraph(index.to_bytes(), first_id, count, lineage))
+            time.sleep(0)  # let a waiting request take the lock first
+
+    def _start_build(self, seed: AnnIndex | None = None) -> None:
+        generation = self._generation
+        self._build_progress = 0.0
+        if not self._background:
+            self._build(generation, seed)
+            return
+        self._building = threading.Thread(
+            target=self._build, args=(generation, seed), name="kp-cache-index", daemon=True
+        )
+        self._building.start()
+
+    def _build(self, generation: int, seed: AnnIndex | None = None) -> None:
+        try:
+            self._build_graph(generation, seed)
+        finally:
+            with self._lock:  # also after an error: the next change may start a build
+                if self._building is threading.current_thread():
+                    self._building = None
+
+    def _build_graph(self, generation: int, seed: AnnIndex | None = None) -> None:
+        """Trains a new graph's codes on a sample of the newest entries, then inserts every
+        live entry, a chunk at a time, outside the lock (the graph is private until done); it
+        replaces the serving one once it has caught up, and the triggers are checked again.
+        `seed`: an adopted graph, still private, that only needs the entries after it (not
+        a build: not counted as one, and handed to the owner only if it grew by a batch)."""
+        if self._ever_indexed:
+            # A rebuild while a graph serves: one core, the others stay for requests. The
+            # first build (a start, warming, not ready) uses every core.
+            one_core_for_this_thread()
+        index: AnnIndex | None = seed
+        seed_stop = -1 if seed is None else seed.stop_id
+        sample: CacheEntries | None = None
+        # For the owner (on_graph_built): serialized once caught up, while still private,
+        # so the serving graph is never copied under the lock.
+        data: bytes | bytearray | None = None
+        built: BuiltGraph | None = None
+        while True:
+            with self._lock:
+                if generation != self._generation or _EXITING.is_set():
+                    return
+                first, stop = self._first_seq, self._first_seq + self._size
+                outgrown = sample is not None and (
+                    len(sample.vectors) < _SAMPLE
+                    and self._size >= RETRAIN_GROWTH * len(sample.vectors)
+                )
+                if index is None or outgrown or index.stop_id < first:
+                    # A new graph: the first, or the memory outgrew the sample (train on a
+                    # larger one), or every entry it holds was evicted meanwhile.
+                    index, data = None, None
+                else:
+                    seq = index.stop_id
+                    caught_up = stop - seq < TAIL_BATCH or data is not None
+                    sink = self.on_graph_built
+                    if index is seed and seq - seed_stop < TAIL_BATCH:
+                        sink = None  # as adopted: its owner has it already
+                    if caught_up and (sink is None or data is not None):
+                        # The rest goes to the feeder.
+                        self._index = index
+                        self._ever_indexed = True
+                        self._build_progress = 1.0
+                        if index is not seed:
+                            self.index_builds_total += 1
+                        if self._building is threading.current_thread():
+                            self._building = None
+                        if sink is not None and data is not None:
+                            built = BuiltGraph(data, index.first_id, index.count, self.lineage)
+                            self._handed_stop = index.stop_id
+                        self._maintain_index()
+                        break
+                    if not caught_up:
+                        end = min(stop, seq + _CHUNK)
+                        rows = self._unit_rows_between(seq, end)
+                        # Never back: a build that starts over on a larger sample (or a
+                        # memory that grows while it builds) keeps the share it reported.
+                        self._build_progress = max(
+                            self._build_progress, (seq - first) / max(1, self._size)
+                        )
+            if index is None:
+                if sample is None or outgrown:
+                    sample = self.entries_between(max(first, stop - _SAMPLE), stop)
+                    with self._lock:
+                        self._trained_on = max(self._trained_on, len(sample.vectors))
+                index = AnnIndex(self.dimensions, first, self._index_params)
+                index.train(unit_rows(sample.vectors, None))
+                continue
+            if caught_up:
+                data = index.to_bytes()
+                continue
+            index.add(rows)
+        if built is not None and sink is not None:
+            sink(built)
+
+    def _unit_rows_between(self, start_seq: int, stop_seq: int) -> npt.NDArray[np.float32]:
+        slots = self._slots(start_seq, stop_seq)
+        return unit_rows(self._vectors[slots], self._norms[slots])
