@@ -77,7 +77,7 @@ async def _serve(app: object, host: str, port: int, settings: Settings) -> None:
         # clients. Descriptors are the real bound (app/server/descriptors.py).
         backlog=2048,
         http1_settings=HTTP1Settings(
-            header_read_timeout=round(settings.header_timeout_s * 1000),
+            header_read_timeout=max(1, round(settings.header_timeout_s * 1000)),
             max_buffer_size=settings.max_header_bytes,
         ),
         # The service logs its own JSON lines (app/core/logging.py); granian's own (plain
