@@ -12,8 +12,7 @@ from fastapi import FastAPI
 from fastapi_offline import FastAPIOffline
 from starlette.middleware import Middleware
 
-from app import __version__
-from app.api import mcp
+from app.api import mcp, openapi_doc
 from app.api.asgi.access_log import AccessLog
 from app.api.asgi.api_keys import ApiKeys
 from app.api.asgi.body_limits import BodySize, JsonDepth
@@ -29,6 +28,7 @@ from app.api.routes import cache, evaluate, health, jwks
 from app.core.api_keys import KeyRing
 from app.core.config import Settings
 from app.core.metrics import Metrics
+from app.core.version import VERSION
 from app.embedding.int8_support import CpuFeatures
 from app.schemas.limits import TraceLimits
 from app.server.descriptors import watch_descriptors
@@ -75,7 +75,7 @@ def create_app(settings: Settings, *, cpu: CpuFeatures | None = None) -> FastAPI
     # /docs and /redoc load their JS and CSS from the service, not a CDN: they work offline.
     app = FastAPIOffline(
         title="kp-scoring",
-        version=__version__,
+        version=VERSION,
         summary="KnowledgePulse trace scoring: is this reasoning trace worth sharing?",
         lifespan=lifespan,
         middleware=pipeline(settings, metrics, keys),
@@ -83,6 +83,7 @@ def create_app(settings: Settings, *, cpu: CpuFeatures | None = None) -> FastAPI
     for router in (evaluate.router, mcp.router, cache.router, health.router, jwks.router):
         app.include_router(router)
     install_error_handlers(app)
+    openapi_doc.install(app, settings)
     return app
 
 

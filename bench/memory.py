@@ -14,12 +14,20 @@ Queries, each against the memory's answer and the exact maximum (float64 over ev
   embedded by the model; counted among near-duplicates when the exact maximum is >= 0.9;
 - fresh: real paragraphs that are not stored.
 
-Figures: how often the answer's max_cosine equals the exact one (both groups, and all), the
-worst difference, query p50/p99 on one core, the add rate (every add, index upkeep included),
-bytes per entry, the process's resident memory, PASS/FAIL against the issue's targets. With
-the service part (default), a snapshot of the 1,000,000 entries is written, a service is
-started on it (restart time to /healthz and to ready, the index built), and the dry-run
-latency of typical traces is compared with a service holding 1,000, in turns of 20 requests.
+The memory is loaded whole (as a restart without a saved graph is) and its graph built on
+every entry, its codes trained on all of them; then the queries, each answer with how it was
+found (`search`: exact, or index within its bound), then a burst of adds into the full memory
+(each evicting the oldest; the add's time, index upkeep included, and the feeder's rate).
+
+Figures: near-duplicates' exact maximum and nearest named right, fresh traces within 0.02 of
+the exact maximum and the worst difference, query p50/p99 on one core per group, the add's
+time, bytes per entry, resident memory, PASS/FAIL against the targets (TARGETS), the CPU
+named. With the service part (default), a snapshot of the largest memory and its graph beside
+it are written, a service is restarted on them (to /healthz, and to ready with the graph
+adopted, nothing built), and the dry-run latency of typical traces is compared with a service
+holding 1,000, in turns of 20 requests. With --replica, `python -m bench.replica` runs at the
+largest size (a new replica joining a shared memory, Redis memory per entry) and its figures
+join the checks.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import gc
 import json
 import os
 import random
+import subprocess
 import sys
 import tempfile
 import time
@@ -39,21 +48,35 @@ import faiss
 import numpy as np
 import numpy.typing as npt
 
+from app.domain.vector_cache import CacheEntries
 from app.store.indexed_memory import IndexedCache
 from bench import memory_corpus
 from bench.server import rss_mb
 from bench.stats import percentile
 
 Matrix = npt.NDArray[np.float32]
+#: The targets (docs/operating/large-memory.md), at every size measured.
 TARGETS = {
-    "near_duplicate_recall": 1.0,  # every near-duplicate (exact >= 0.9) found exactly
-    "recall_all": 0.99,
-    "worst_difference": 0.01,
-    "query_p99_ms": 1.0,  # at 1,000,000
+    "near_duplicate_recall": 1.0,  # every near-duplicate (exact >= 0.9): the exact maximum
+    "near_duplicate_nearest": 1.0,  # ... and the stored entry that has it named
+    "near_duplicate_query_p99_ms": 1.0,  # one core, if it can be had (else: what it costs)
+    "fresh_within_0_02": 0.999,  # fresh traces within 0.02 of the exact maximum
+    "fresh_worst_difference": 0.05,  # never more than this
     "add_ms_mean": 0.1,
-    "request_ratio": 1.25,
+    "request_ratio": 1.25,  # dry-run typical p50 against a 1,000-entry service's
+    "restart_to_ready_s": 30.0,  # from a snapshot with its graph
+    "replica_to_ready_s": 60.0,  # a new replica joining the shared memory
 }
 REAL_VECTORS = 100_000
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return f"{line.split(':', 1)[1].strip()}, {len(os.sched_getaffinity(0))} cores"
+    return f"{os.cpu_count()} cores"
+
+
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "memory.json"
 
 
@@ -138,18 +161,19 @@ def corpus_and_queries(count: int) -> tuple[Matrix, Matrix, Matrix]:
     return vectors, near, fresh
 
 
-def measure_size(stored: Matrix, near: Matrix, fresh: Matrix, threshold: int) -> dict[str, Any]:
+def measure_size(
+    stored: Matrix, near: Matrix, fresh: Matrix, threshold: int
+) -> tuple[dict[str, Any], IndexedCache]:
     n = len(stored)
     rss_before = rss_mb(os.getpid())
-    # As the service runs it: index builds in a background thread (the adds measured are the
-    # foreground's), waited for before the queries.
+    # Loaded whole, as a restart without a saved graph is: the graph is built in a background
+    # thread on every entry, its codes trained on all of them, waited for before the queries.
     cache = IndexedCache(capacity=n, index_threshold=threshold)
-    add_ms: list[float] = []
+    ids = [f"kp:trace:{i}" for i in range(n)]
+    now = time.time() * 1000
+    times = (now - 1000.0 + np.arange(n) * (1000.0 / n)).astype(np.float64)
     started = time.perf_counter()
-    for i, v in enumerate(stored):
-        t = time.perf_counter()
-        cache.add(v, trace_id=f"kp:trace:{i}")
-        add_ms.append((time.perf_counter() - t) * 1000)
+    cache.load(CacheEntries(stored, times, ids))
     fill_s = time.perf_counter() - started
     while not cache.wait_for_index(600) or cache.index_status().state != "ready":
         time.sleep(0.1)
@@ -162,40 +186,56 @@ def measure_size(stored: Matrix, near: Matrix, fresh: Matrix, threshold: int) ->
     result: dict[str, Any] = {
         "entries": n,
         "index": {"state": status.state, "indexed": status.indexed},
+        "trained_on": status.trained_on,
         "fill_s": round(fill_s, 1),
         "index_ready_s": round(ready_s, 1),
-        "add_ms_mean": float(np.mean(add_ms)),
-        "add_ms_p99": percentile(add_ms, 99),
-        "adds_per_s": n / fill_s,
         "bytes_per_entry": stats.memory_bytes / n,
         "rss_mb": rss_mb(os.getpid()),
         "rss_growth_mb": rss_mb(os.getpid()) - rss_before,
     }
     pauses = GcPauses()
     for name, queries in (("near_duplicates", near), ("fresh", fresh)):
-        truth = exact_max(stored, queries)
-        answers, times = [], []
+        truth, rows = exact_best(stored, queries)
+        answers, named, searched, times_ms = [], [], [], []
         with pauses:
             for q in queries:
                 t = time.perf_counter()
                 found = cache.nearest(q)
-                times.append((time.perf_counter() - t) * 1000)
+                times_ms.append((time.perf_counter() - t) * 1000)
                 assert found is not None
                 answers.append(found.cosine)
+                named.append(found.trace_id)
+                searched.append(found.search)
         got = np.asarray(answers)
         diff = truth - got
+        right = np.asarray([name_ == ids[row] for name_, row in zip(named, rows, strict=True)])
+        group: dict[str, Any] = {
+            "queries": len(queries),
+            "recall": float((np.abs(diff) <= 1e-9).mean()),
+            "within_0_02": float((diff <= 0.02).mean()),
+            "worst_difference": float(diff.max()),
+            "query_p50_ms": percentile(times_ms, 50),
+            "query_p99_ms": percentile(times_ms, 99),
+            "exact_max_median": float(np.median(truth)),
+            "answered_by_index": searched.count("index"),
+        }
         if name == "near_duplicates":
             mask = truth >= 0.9
             result["near_duplicate_count"] = int(mask.sum())
             result["near_duplicate_recall"] = float((np.abs(diff[mask]) <= 1e-9).mean())
-        result[name] = {
-            "queries": len(queries),
-            "recall": float((np.abs(diff) <= 1e-9).mean()),
-            "worst_difference": float(diff.max()),
-            "query_p50_ms": percentile(times, 50),
-            "query_p99_ms": percentile(times, 99),
-            "exact_max_median": float(np.median(truth)),
-        }
+            result["near_duplicate_nearest"] = float(right[mask].mean())
+            near_ms = [t for t, m in zip(times_ms, mask, strict=True) if m]
+            result["near_duplicate_query_p50_ms"] = percentile(near_ms, 50)
+            result["near_duplicate_query_p99_ms"] = percentile(near_ms, 99)
+            # An index answer at or above CONFIRM_FROM is rescanned exactly: its cost.
+            group["answered_exactly_from_0_85"] = int(
+                sum(
+                    1
+                    for a, s_ in zip(answers, searched, strict=True)
+                    if a >= 0.85 and s_ == "exact"
+                )
+            )
+        result[name] = group
     result["gc_during_queries"] = pauses.summary()
     both = result["near_duplicates"], result["fresh"]
     result["recall_all"] = float(np.mean([b["recall"] for b in both]))
@@ -211,7 +251,7 @@ def measure_size(stored: Matrix, near: Matrix, fresh: Matrix, threshold: int) ->
     result["exact_scan_ms"] = (time.perf_counter() - t) * 1000 / 20
     del exact
     result |= sustained_feed(cache, stored)
-    return result
+    return result, cache
 
 
 class GcPauses:
@@ -243,13 +283,18 @@ class GcPauses:
 
 
 def sustained_feed(cache: IndexedCache, stored: Matrix) -> dict[str, Any]:
-    """How fast the feeder thread (one core) inserts into a full memory's graph: a burst of
-    entries is added at once (each evicting the oldest), then the time until the graph holds
-    them all. A sustained rate of adds above it lengthens the exactly-scanned tail."""
+    """Adds into the full memory, each evicting the oldest: the add's own time (index upkeep
+    included: the feeder's hand-off, a rebuild's start), then how fast the feeder thread (one
+    core) inserts the burst into the graph. A sustained rate of adds above it lengthens the
+    exactly-scanned tail."""
     burst = min(20_000, len(stored) // 20)
+    adds = derived(stored[: min(len(stored), 100_000)], burst, seed=7)
+    add_ms: list[float] = []
     started = time.perf_counter()
-    for i in range(burst):
-        cache.add(stored[i], trace_id=f"kp:trace:again:{i}")
+    for i, v in enumerate(adds):
+        t = time.perf_counter()
+        cache.add(v, trace_id=f"kp:trace:new:{i}")
+        add_ms.append((time.perf_counter() - t) * 1000)
     added_s = time.perf_counter() - started
     size = cache.size
     deadline = time.monotonic() + 1800
@@ -258,6 +303,9 @@ def sustained_feed(cache: IndexedCache, stored: Matrix) -> dict[str, Any]:
     fed_s = time.perf_counter() - started
     status = cache.index_status()
     return {
+        "add_ms_mean": float(np.mean(add_ms)),
+        "add_ms_p99": percentile(add_ms, 99),
+        "adds_per_s": burst / added_s,
         "feed_burst": burst,
         "feed_caught_up": status.indexed >= size,
         "feed_builds_total": status.builds_total,
@@ -267,24 +315,30 @@ def sustained_feed(cache: IndexedCache, stored: Matrix) -> dict[str, Any]:
     }
 
 
-def checks(result: dict[str, Any], large: bool) -> list[dict[str, Any]]:
-    rows = [
-        ("near_duplicate_recall", result["near_duplicate_recall"], ">=", 1.0),
-        ("recall_all", result["recall_all"], ">=", TARGETS["recall_all"]),
-        ("worst_difference", result["worst_difference"], "<=", TARGETS["worst_difference"]),
-        ("add_ms_mean", result["add_ms_mean"], "<=", TARGETS["add_ms_mean"]),
-    ]
-    if large:
-        rows.append(("query_p99_ms", result["query_p99_ms"], "<=", TARGETS["query_p99_ms"]))
+def check(size: int, figure: str, value: float) -> dict[str, Any]:
+    """A figure against its target in TARGETS: at most, or at least for shares and recall."""
+    target = TARGETS[figure]
+    at_least = figure.startswith(
+        ("near_duplicate_recall", "near_duplicate_nearest", "fresh_within")
+    )
+    return {
+        "size": size,
+        "figure": figure,
+        "value": value,
+        "target": f"{'>=' if at_least else '<='} {target}",
+        "pass": value >= target if at_least else value <= target,
+    }
+
+
+def checks(result: dict[str, Any]) -> list[dict[str, Any]]:
+    n, fresh = result["entries"], result["fresh"]
     return [
-        {
-            "size": result["entries"],
-            "figure": name,
-            "value": value,
-            "target": f"{op} {target}",
-            "pass": value >= target if op == ">=" else value <= target,
-        }
-        for name, value, op, target in rows
+        check(n, "near_duplicate_recall", result["near_duplicate_recall"]),
+        check(n, "near_duplicate_nearest", result["near_duplicate_nearest"]),
+        check(n, "near_duplicate_query_p99_ms", result["near_duplicate_query_p99_ms"]),
+        check(n, "fresh_within_0_02", fresh["within_0_02"]),
+        check(n, "fresh_worst_difference", fresh["worst_difference"]),
+        check(n, "add_ms_mean", result["add_ms_mean"]),
     ]
 
 
@@ -292,11 +346,11 @@ def checks(result: dict[str, Any], large: bool) -> list[dict[str, Any]]:
 SERVICE_BLOCK = 20
 
 
-def service_phase(stored: Matrix, workdir: Path) -> dict[str, Any]:
-    """Restart on a snapshot of every entry; dry-run latency against a 1,000-entry service."""
-    from app.domain.vector_cache import CacheEntries
+def service_phase(stored: Matrix, cache: IndexedCache, workdir: Path) -> dict[str, Any]:
+    """Restart on a snapshot of `cache` with its graph beside it; dry-run latency against a
+    1,000-entry service."""
     from app.embedding import model_files
-    from app.services.snapshots import write_snapshot
+    from app.services.snapshots import SnapshotStore, write_graph, write_snapshot
     from bench import corpus
     from bench.server import Server
 
@@ -304,20 +358,30 @@ def service_phase(stored: Matrix, workdir: Path) -> dict[str, Any]:
     model_id = model_files.identity(files, "float32")
     now = time.time() * 1000
     big, small = workdir / "big.snapshot", workdir / "small.snapshot"
-    n = len(stored)
-    times = (now - 1000.0 + np.arange(n) * (1000.0 / n)).astype(np.float64)
-    ids = [f"kp:trace:{i}" for i in range(n)]
+    n = cache.size
     t = time.perf_counter()
-    write_snapshot(big, CacheEntries(stored, times, ids), model_id)
+    assert SnapshotStore(big, cache, model_id).save(force=True)
     write_s = time.perf_counter() - t
-    write_snapshot(small, CacheEntries(stored[-1000:], times[-1000:], ids[-1000:]), model_id)
+    t = time.perf_counter()
+    graph = cache.serving_graph()
+    assert graph is not None
+    write_graph(big, graph, model_id, cache.dimensions)
+    graph_write_s = time.perf_counter() - t
+    del graph
+    times = (now - 1000.0 + np.arange(1000) * 1.0).astype(np.float64)
+    ids = [f"kp:trace:{i}" for i in range(1000)]
+    write_snapshot(small, CacheEntries(stored[-1000:], times, ids), model_id)
     common = {
         "KP_EMBEDDER_PRELOAD": "true",
         "KP_EMBEDDER_WORKERS": "1",
         "KP_LOG_LEVEL": "warning",
         "KP_CACHE_SNAPSHOT_INTERVAL_S": "100000",
     }
-    out: dict[str, Any] = {"snapshot_write_s": round(write_s, 1), "entries": n}
+    out: dict[str, Any] = {
+        "snapshot_write_s": round(write_s, 1),
+        "graph_write_s": round(graph_write_s, 1),
+        "entries": n,
+    }
     started = time.perf_counter()
     large = Server(
         common | {"KP_CACHE_CAPACITY": str(n), "KP_CACHE_SNAPSHOT_PATH": str(big)},
@@ -328,9 +392,14 @@ def service_phase(stored: Matrix, workdir: Path) -> dict[str, Any]:
     import httpx
 
     with httpx.Client(base_url=f"http://127.0.0.1:{large.port}", timeout=60) as c:
-        while c.get("/readyz").json()["status"] != "ready":
+        while (ready := c.get("/readyz").json())["status"] != "ready":
             time.sleep(0.2)
     out["restart_to_ready_s"] = round(time.perf_counter() - started, 1)
+    index = ready["cache_index"]
+    out["restart_builds"], out["restart_adoptions"] = (
+        index["builds_total"],
+        index["adoptions_total"],
+    )
     out["service_rss_mb"] = rss_mb(large.pid)
     smaller = Server(
         common | {"KP_CACHE_CAPACITY": "1000", "KP_CACHE_SNAPSHOT_PATH": str(small)},
@@ -366,11 +435,25 @@ def service_phase(stored: Matrix, workdir: Path) -> dict[str, Any]:
     return out
 
 
-def run(sizes: list[int], queries: int, service: bool, threshold: int) -> dict[str, Any]:
+def replica_phase(size: int, workdir: Path) -> dict[str, Any]:
+    """`python -m bench.replica` at `size` in a process of its own (its figures file read
+    back): a new replica joining the shared memory, Redis memory per entry."""
+    out = workdir / "replica.json"
+    subprocess.run(
+        [sys.executable, "-m", "bench.replica", "--size", str(size), "--out", str(out)], check=True
+    )
+    doc: dict[str, Any] = json.loads(out.read_text())
+    return doc
+
+
+def run(
+    sizes: list[int], queries: int, service: bool, threshold: int, replica: bool = False
+) -> dict[str, Any]:
     faiss.omp_set_num_threads(1)  # one core, as the issue's budget is stated
     # The same corpus (and cache) whatever the sizes.
     vectors, near, fresh = corpus_and_queries(queries)
     doc: dict[str, Any] = {
+        "cpu": cpu_name(),
         "source": "docstrings of /usr/lib/python3.11 and /usr/lib/python3/dist-packages, "
         "then /usr/share/doc changelog items (bench/memory_corpus.py)",
         "real_vectors": len(vectors),
@@ -383,29 +466,29 @@ def run(sizes: list[int], queries: int, service: bool, threshold: int) -> dict[s
         # Past the real vectors embedded so far: derived ones (the module docstring).
         stored = memory_of(vectors, size)
         print(f"memory of {size} entries ...", file=sys.stderr, flush=True)
-        result = measure_size(stored, near, fresh, threshold)
+        result, cache = measure_size(stored, near, fresh, threshold)
         doc["sizes"].append(result)
-        doc["checks"] += checks(result, large=size >= 1_000_000)
+        doc["checks"] += checks(result)
         if service and size == max(sizes):
             with tempfile.TemporaryDirectory() as tmp:
-                doc["service"] = service_phase(stored, Path(tmp))
-            doc["checks"].append(
-                {
-                    "size": size,
-                    "figure": "request_ratio",
-                    "value": doc["service"]["request_ratio"],
-                    "target": f"<= {TARGETS['request_ratio']}",
-                    "pass": doc["service"]["request_ratio"] <= TARGETS["request_ratio"],
-                }
-            )
-        del stored
+                doc["service"] = s = service_phase(stored, cache, Path(tmp))
+            doc["checks"] += [
+                check(size, "request_ratio", s["request_ratio"]),
+                check(size, "restart_to_ready_s", s["restart_to_ready_s"]),
+            ]
+        del stored, cache
+    if replica:
+        with tempfile.TemporaryDirectory() as tmp:
+            doc["replica"] = r = replica_phase(max(sizes), Path(tmp))
+        joined = r["shared"]["replica_adopting"]
+        doc["checks"].append(check(r["entries"], "replica_to_ready_s", joined["to_ready_s"]))
     return doc
 
 
 def render(doc: dict[str, Any]) -> str:
     lines = [
-        f"memory phase: real vectors {doc['real_vectors']} ({doc['source']}); "
-        f"index from {doc['threshold']} entries",
+        f"memory phase on {doc.get('cpu', 'an unnamed CPU')}, one core a query: real vectors "
+        f"{doc['real_vectors']} ({doc['source']}); index from {doc['threshold']} entries",
         "entries   | near-dup recall (n) | fresh recall | all   | worst diff | query p50/p99 ms | exact scan ms | add ms mean/p99 | adds/s  | B/entry | RSS MB",
     ]
     for r in doc["sizes"]:
@@ -416,6 +499,20 @@ def render(doc: dict[str, Any]) -> str:
             f"    | {r['exact_scan_ms']:.1f}"
             f"          | {r['add_ms_mean']:.4f} / {r['add_ms_p99']:.3f}  | {r['adds_per_s']:>7.0f}"
             f" | {r['bytes_per_entry']:>7.0f} | {r['rss_mb']:.0f}"
+        )
+    for r in doc["sizes"]:
+        if "near_duplicate_nearest" not in r:
+            continue  # a results file from before these figures
+        near, fresh = r["near_duplicates"], r["fresh"]
+        lines.append(
+            f"{r['entries']:>9} near-duplicates ({r['near_duplicate_count']}): exact maximum "
+            f"{r['near_duplicate_recall']:.4f}, nearest named {r['near_duplicate_nearest']:.4f}, "
+            f"p50/p99 {r['near_duplicate_query_p50_ms']:.2f} / "
+            f"{r['near_duplicate_query_p99_ms']:.2f} ms ({near['answered_by_index']} answered "
+            f"by the index, the rest exactly); fresh: {fresh['within_0_02']:.4f} within 0.02, "
+            f"worst {fresh['worst_difference']:.4f}, p50/p99 {fresh['query_p50_ms']:.2f} / "
+            f"{fresh['query_p99_ms']:.2f} ms ({fresh['answered_by_index']} by the index); "
+            f"codes trained on {r['trained_on']} entries"
         )
     for r in doc["sizes"]:
         full = r["gc_during_queries"]["generation_2"]
@@ -433,10 +530,21 @@ def render(doc: dict[str, Any]) -> str:
         s = doc["service"]
         lines.append(
             f"service at {s['entries']}: snapshot written in {s['snapshot_write_s']} s; restart "
-            f"to /healthz {s['restart_to_healthz_s']} s, to ready (index built) "
-            f"{s['restart_to_ready_s']} s; RSS {s['service_rss_mb']:.0f} MB; dry-run p50 "
+            f"to /healthz {s['restart_to_healthz_s']} s, to ready "
+            f"{s['restart_to_ready_s']} s (graphs built {s.get('restart_builds')}, adopted "
+            f"{s.get('restart_adoptions')}); RSS {s['service_rss_mb']:.0f} MB; dry-run p50 "
             f"{s['large_p50_ms']:.2f} ms vs {s['small_p50_ms']:.2f} ms with 1,000 "
             f"(ratio {s['request_ratio']:.2f}); p99 {s['large_p99_ms']:.2f} vs {s['small_p99_ms']:.2f}"
+        )
+    if "replica" in doc:
+        shared = doc["replica"]["shared"]
+        joined = shared["replica_adopting"]
+        lines.append(
+            f"new replica at {doc['replica']['entries']}: /healthz {joined['to_healthz_s']} s, "
+            f"ready {joined['to_ready_s']} s (graphs built {joined['index_builds']}, adopted "
+            f"{joined['index_adoptions']}); Redis {shared['redis_bytes_per_entry']} B an entry "
+            f"({shared['redis_log_bytes_per_entry']} of log, "
+            f"{shared['published_graph_bytes_per_entry']} of published graph)"
         )
     for c in doc["checks"]:
         lines.append(
@@ -454,10 +562,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--queries", type=int, default=500)
     parser.add_argument("--threshold", type=int, default=20_000)
     parser.add_argument("--no-service", action="store_true", help="skip the service part")
+    parser.add_argument(
+        "--replica", action="store_true", help="also run bench.replica at the largest size"
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
-    doc = run(sizes, args.queries, not args.no_service, args.threshold)
+    doc = run(sizes, args.queries, not args.no_service, args.threshold, args.replica)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=2) + "\n")
     print(render(doc))

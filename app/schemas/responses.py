@@ -1,4 +1,4 @@
-"""What the API answers (SPEC section 8)."""
+"""What the API answers (docs/api.md)."""
 
 from __future__ import annotations
 
@@ -32,6 +32,14 @@ class WeightsOut(BaseModel):
     outcome_confidence: float
 
 
+class ProfileOut(BaseModel):
+    name: str = Field(description="The weight profile that applied (as weights.profile).")
+    domain_recognised: bool = Field(
+        description="Whether metadata.task_domain names a profile (finance, code, medical, "
+        "customer_service, default); when false, the default profile applied."
+    )
+
+
 class NearestOut(BaseModel):
     trace_id: str = Field(description="The id of the stored trace ('' if it was stored without).")
     cosine: float = Field(description="Its cosine with this trace: max_cosine.")
@@ -59,6 +67,18 @@ class NoveltyOut(BaseModel):
         description="When novelty is measured: the stored trace with the largest cosine "
         "(ties: the newest); null otherwise.",
     )
+    search: Literal["exact", "index"] | None = Field(
+        default=None,
+        description="How max_cosine was found: 'exact' (the exact scan, or an index answer "
+        "confirmed by it: always so from 0.85 up, where near-duplicates are) or 'index' (the "
+        "approximate index of a large memory: a true cosine with the trace it names, at most "
+        "search_bound below the exact maximum); null when novelty is not measured.",
+    )
+    search_bound: float | None = Field(
+        default=None,
+        description="With search 'index': how far below the exact maximum max_cosine may be "
+        "(docs/operating/large-memory.md); null otherwise.",
+    )
 
 
 class EvaluationOut(BaseModel):
@@ -66,6 +86,10 @@ class EvaluationOut(BaseModel):
     score: Annotated[float, Field(ge=0, le=1)]
     dimensions: DimensionsOut
     weights: WeightsOut
+    profile: ProfileOut = Field(
+        description="Which weight profile applied, and whether the trace's task_domain was "
+        "recognised (a domain with no profile of its own is scored with the default one)."
+    )
     overrides: list[OverrideName]
     novelty: NoveltyOut
     elapsed_ms: float
@@ -73,8 +97,10 @@ class EvaluationOut(BaseModel):
         default=None,
         description="With KP_SIGNING_KEY_FILE: a compact JWS (alg EdDSA, kid) over iss, iat, "
         "trace_id, trace_sha256 (SHA-256 of the trace's RFC 8785 canonical JSON), score, "
-        "dimensions, weights_profile and novelty_measured; its keys are at "
-        "/.well-known/jwks.json. null when the service signs nothing.",
+        "dimensions, weights_profile, novelty_measured and dry_run (true: the trace did not "
+        "enter the memory), with aud (KP_SIGNING_AUDIENCE) and exp (KP_SIGNING_LIFETIME_S) "
+        "when set; its keys are at /.well-known/jwks.json. null when the service signs "
+        "nothing.",
     )
 
 
@@ -157,8 +183,21 @@ class ImportedOut(BaseModel):
     lines: int = Field(description="Lines read (blank ones included).")
 
 
+class RootOut(BaseModel):
+    service: Literal["kp-scoring"]
+    version: str
+    docs: str = Field(description="The API's interactive documentation (Swagger UI).")
+    redoc: str = Field(description="The same, as ReDoc.")
+    openapi: str = Field(description="The OpenAPI document.")
+    health: str = Field(description="Liveness.")
+    ready: str = Field(description="Readiness, with the model's and the memory's state.")
+
+
 class HealthOut(BaseModel):
     status: Literal["ok"]
+    version: str = Field(
+        description="The service's version (also the OpenAPI document's info.version)."
+    )
 
 
 class SnapshotOut(BaseModel):
@@ -190,6 +229,15 @@ class CacheIndexOut(BaseModel):
     adoptions_total: int = Field(
         description="Graphs adopted instead of built since start: from the snapshot, or "
         "published by another replica of the shared cache."
+    )
+    confirmations_total: int = Field(
+        default=0,
+        description="Index answers of 0.85 or more (near a near-duplicate) answered by the "
+        "exact scan instead since start: near-duplicates are always exact.",
+    )
+    trained_on: int = Field(
+        default=0,
+        description="Entries the serving index's codes were trained on (0: no index).",
     )
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from app.core.states import NoveltyReason
 from app.domain import scoring
+from app.domain.vector_cache import SearchMethod
 from app.schemas.trace import ReasoningTrace
 from app.services.embedding_memo import Embedder
 from app.services.embeddings import EmbedderUnavailableError, Embedding
@@ -30,6 +31,8 @@ class NoveltyReport:
     tokens: int | None
     truncated: bool | None
     nearest: NearestTrace | None = None
+    search: SearchMethod | None = None  # how max_cosine was found (None: not measured)
+    search_bound: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,4 +109,6 @@ def _report(comparison: Comparison, embedding: Embedding) -> NoveltyReport:
         embedding.token_count,
         embedding.truncated,
         comparison.nearest,
+        comparison.search,
+        comparison.search_bound,
     )

@@ -11,7 +11,7 @@ import numpy.typing as npt
 
 from app.core.health import Health
 from app.core.states import BackendKind
-from app.domain.vector_cache import CacheEntries, CacheStats
+from app.domain.vector_cache import CacheEntries, CacheStats, SearchMethod
 from app.store.indexed_memory import IndexedCache, IndexStatus
 
 Vector = npt.NDArray[np.float32]
@@ -39,6 +39,8 @@ class Comparison:
     max_cosine: float | None  # None: the memory was empty
     size: int  # vectors compared against
     nearest: NearestTrace | None = None
+    search: SearchMethod = "exact"  # how max_cosine was found
+    search_bound: float | None = None  # "index": how far below the exact maximum it may be
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +57,8 @@ class BackendInfo:
 
 
 class NoveltyMemory(Protocol):
-    """The vectors novelty is measured against (SPEC 6), one order for every request."""
+    """The vectors novelty is measured against (docs/scoring.md), one order for every
+    request."""
 
     @property
     def backend(self) -> BackendInfo: ...

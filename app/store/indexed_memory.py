@@ -6,6 +6,9 @@ At or above `index_threshold` entries (search="auto") an HNSW graph (app.store.a
 proposes candidates (a second, wider search when the best of them is far: the graph's weak
 case) and the domain's float64 rescoring picks among them, so `max_cosine` is always a true
 cosine with a stored vector. Below it, or with search="exact", the exact scan answers.
+Where the score turns the answer is exact whichever path: an index answer of CONFIRM_FROM or
+more is answered by the exact scan (unless its entry is the query's own vector), and ties go
+to the newest copy on both paths. Every answer says how it was found (Nearest.search).
 
 No graph insert is on the request path: the graph is built in a background thread on a copy
 of the rows (the exact scan answers meanwhile), and the newest entries wait in a tail, scanned
@@ -36,7 +39,6 @@ import numpy as np
 import numpy.typing as npt
 
 from app.domain.vector_cache import (
-    CacheEntries,
     Nearest,
     Vector,
     VectorCache,
@@ -97,12 +99,24 @@ def _stop_background_work() -> None:
         thread.join(_EXIT_JOIN_S)
 
 
+#: A true maximum cosine from here on makes a near-duplicate: novelty falls to almost nothing
+#: and the score turns (docs/decisions/large-memory-search.md).
+NEAR_DUPLICATE = 0.9
+#: How far below the exact maximum an index answer may be (the bound bench.memory checks at
+#: size: within 0.02 for 99.9% of fresh traces, never more than this).
+INDEX_BOUND = 0.05
+#: An index answer this high is confirmed by the exact scan: a trace whose true maximum is a
+#: near-duplicate's has an index answer at most INDEX_BOUND below it, so it is always
+#: answered exactly.
+CONFIRM_FROM = NEAR_DUPLICATE - INDEX_BOUND
+
 #: One index query in this many is rerun exactly in the background (the self-check).
 AUDIT_EVERY = 100
-#: The graph is built again (in the background) when the memory has grown this many times past
-#: the sample its codes were trained on, up to a sample of _SAMPLE.
+#: The graph is built again (in the background) when the memory has grown to this many times
+#: the entries its codes were trained on (every live entry at the time): from the threshold's
+#: 20,000, at 80,000 and 320,000, so a graph's codes always come from at least a quarter of
+#: the memory (and from all of it after the rebuild eviction brings: DEAD_PER_LIVE).
 RETRAIN_GROWTH = 4
-_SAMPLE = 131_072
 _AUDIT_QUEUE = 64
 
 
@@ -121,6 +135,8 @@ class IndexStatus:
     builds_total: int = 0  # graphs built here (and swapped in)
     adoptions_total: int = 0  # graphs built elsewhere (a snapshot, another replica) adopted
     far_searches_total: int = 0  # index answers that took the second, wider search
+    confirmations_total: int = 0  # index answers at or above CONFIRM_FROM rescanned exactly
+    trained_on: int = 0  # entries the serving graph's codes were trained on
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,9 +194,10 @@ class IndexedCache(VectorCache):
         # Set once an index has served: later builds (after a clear, past the threshold
         # again) happen while the exact scan answers and do not make the service unready.
         self._ever_indexed = False
-        self._trained_on = 0  # the sample the graph's codes were trained on
+        self._trained_on = 0  # the live entries the graph's codes were trained on
         self._queries = 0
         self.far_searches_total = 0  # index answers that took the second, wider search
+        self.confirmations_total = 0  # index answers confirmed by the exact scan
         self._audit_queue: deque[tuple[Vector, float, int]] = deque(maxlen=_AUDIT_QUEUE)
         self.audits_total = 0
         self.audit_agreements_total = 0
@@ -202,24 +219,37 @@ class IndexedCache(VectorCache):
     # ── the hooks of VectorCache ────────────────────────────────────────────
 
     def _search(self, q: Vector, first: int, next_seq: int) -> Nearest:
+        """The exact scan below the threshold; else the graph's candidates, rescored exactly,
+        with the exact scan's answer instead when they come near a near-duplicate (the score
+        turns there), and ties resolved as the exact scan does (the newest)."""
         if self._index is None:
-            return self._best(q, self._exact_candidates(q, first, next_seq))
+            return super()._search(q, first, next_seq)
         tail_from = max(first, self._index.stop_id)
         proposed = self._index.search(unit(q), first)
         candidates = np.concatenate([proposed, self._exact_candidates(q, tail_from, next_seq)])
         if len(candidates) == 0:  # the graph held no live entry it could reach
             candidates = self._exact_candidates(q, first, next_seq)
-        found = self._best(q, candidates)
+        found, seq = self._best_at(q, candidates)
         params = self._index.params
         if found.cosine < params.far_below and params.ef_search_far > params.ef_search:
             # Far from everything found: the graph's weak case (ann_index.DEFAULT_PARAMS).
             self.far_searches_total += 1
             wider = self._index.search(unit(q), first, params.ef_search_far)
-            found = self._best(q, np.concatenate([candidates, wider]))
+            found, seq = self._best_at(q, np.concatenate([candidates, wider]))
+        copies = self._copies_after(seq, next_seq)
+        if len(copies):  # the same vector stored again later: ties go to the newest
+            found = self._best(q, np.concatenate([[seq], copies]))
+        if found.cosine >= CONFIRM_FROM:
+            if np.array_equal(self._vectors[self._row(seq)], q):
+                # The trace is stored already (a resubmission): nothing is closer to a vector
+                # than itself, and its later copies were looked up: the exact answer, no scan.
+                return found
+            self.confirmations_total += 1
+            return super()._search(q, first, next_seq)
         self._queries += 1
         if self._queries % AUDIT_EVERY == 0:
             self._audit_queue.append((q.copy(), found.cosine, next_seq))
-        return found
+        return replace(found, search="index", bound=INDEX_BOUND)
 
     def _changed(self) -> None:
         self._maintain_index()
@@ -256,6 +286,8 @@ class IndexedCache(VectorCache):
                 builds_total=self.index_builds_total,
                 adoptions_total=self.index_adoptions_total,
                 far_searches_total=self.far_searches_total,
+                confirmations_total=self.confirmations_total,
+                trained_on=self._trained_on if self._index is not None else 0,
             )
 
     # ── the index and the self-check ────────────────────────────────────────
@@ -303,7 +335,7 @@ class IndexedCache(VectorCache):
             index.params = self._index_params  # the query-time settings are this cache's
             self._generation += 1  # a build of the entries running meanwhile is dropped
             self._building = None
-            self._trained_on = min(index.count, _SAMPLE)
+            self._trained_on = index.count
             self.index_adoptions_total += 1
             self._handed_stop = index.stop_id  # its owner has it
             if next_seq - stop >= TAIL_BATCH and self._background:
@@ -332,6 +364,16 @@ class IndexedCache(VectorCache):
 
     def _wants_index(self) -> bool:
         return self.search == "auto" and self._size >= self.index_threshold
+
+    def serving_graph(self) -> BuiltGraph | None:
+        """The serving graph serialized now, under the lock (seconds at a million entries, while
+        queries wait): for tools and benches. A serving cache hands its graphs on through
+        on_graph_built instead, never under the lock."""
+        with self._lock:
+            index = self._index
+            if index is None:
+                return None
+            return BuiltGraph(index.to_bytes(), index.first_id, index.count, self.lineage)
 
     def wait_for_index(self, timeout_s: float | None = None) -> bool:
         """Waits for background builds (one may start another); True when none runs any more."""
@@ -382,8 +424,8 @@ class IndexedCache(VectorCache):
 
     def _maintain_index(self) -> None:
         """After a change (under the lock): start a build when the memory is large enough, has
-        outgrown the graph's sample, or the graph holds too many evicted entries; hand the
-        tail to the feeder."""
+        outgrown what the graph was trained on, or the graph holds too many evicted entries;
+        hand the tail to the feeder."""
         if self.search == "exact":
             return
         idle = self._building is None and not self._hold
@@ -406,7 +448,7 @@ class IndexedCache(VectorCache):
             else:
                 self._start_build()
             return
-        if idle and self._trained_on < _SAMPLE and self._size >= RETRAIN_GROWTH * self._trained_on:
+        if idle and self._size >= RETRAIN_GROWTH * self._trained_on:
             self._start_build()
             return
         waiting = self._first_seq + self._size - index.stop_id
@@ -487,7 +529,7 @@ class IndexedCache(VectorCache):
                     self._building = None
 
     def _build_graph(self, generation: int, seed: AnnIndex | None = None) -> None:
-        """Trains a new graph's codes on a sample of the newest entries, then inserts every
+        """Trains a new graph's codes on every live entry (_code_ranges), then inserts every
         live entry, a chunk at a time, outside the lock (the graph is private until done); it
         replaces the serving one once it has caught up, and the triggers are checked again.
         `seed`: an adopted graph, still private, that only needs the entries after it (not
@@ -498,7 +540,7 @@ class IndexedCache(VectorCache):
             one_core_for_this_thread()
         index: AnnIndex | None = seed
         seed_stop = -1 if seed is None else seed.stop_id
-        sample: CacheEntries | None = None
+        trained = 0  # the live entries the new graph's codes were trained on (0: none yet)
         # For the owner (on_graph_built): serialized once caught up, while still private,
         # so the serving graph is never copied under the lock.
         data: bytes | bytearray | None = None
@@ -508,12 +550,9 @@ class IndexedCache(VectorCache):
                 if generation != self._generation or _EXITING.is_set():
                     return
                 first, stop = self._first_seq, self._first_seq + self._size
-                outgrown = sample is not None and (
-                    len(sample.vectors) < _SAMPLE
-                    and self._size >= RETRAIN_GROWTH * len(sample.vectors)
-                )
+                outgrown = trained > 0 and self._size >= RETRAIN_GROWTH * trained
                 if index is None or outgrown or index.stop_id < first:
-                    # A new graph: the first, or the memory outgrew the sample (train on a
+                    # A new graph: the first, or the memory outgrew its training (train on a
                     # larger one), or every entry it holds was evicted meanwhile.
                     index, data = None, None
                 else:
@@ -539,18 +578,22 @@ class IndexedCache(VectorCache):
                     if not caught_up:
                         end = min(stop, seq + _CHUNK)
                         rows = self._unit_rows_between(seq, end)
-                        # Never back: a build that starts over on a larger sample (or a
+                        # Never back: a build that starts over on a larger memory (or a
                         # memory that grows while it builds) keeps the share it reported.
                         self._build_progress = max(
                             self._build_progress, (seq - first) / max(1, self._size)
                         )
             if index is None:
-                if sample is None or outgrown:
-                    sample = self.entries_between(max(first, stop - _SAMPLE), stop)
+                if trained == 0 or outgrown:
+                    low, high, trained = self._code_ranges()
+                    if trained == 0:  # cleared meanwhile: the next change starts what is due
+                        return
                     with self._lock:
-                        self._trained_on = max(self._trained_on, len(sample.vectors))
+                        self._trained_on = trained
                 index = AnnIndex(self.dimensions, first, self._index_params)
-                index.train(unit_rows(sample.vectors, None))
+                # The codes' per-dimension ranges (faiss's min-max training): the minimum and
+                # the maximum of every live entry train them exactly as the entries would.
+                index.train(np.stack([low, high]))
                 continue
             if caught_up:
                 data = index.to_bytes()
@@ -558,6 +601,26 @@ class IndexedCache(VectorCache):
             index.add(rows)
         if built is not None and sink is not None:
             sink(built)
+
+    def _code_ranges(self) -> tuple[Vector, Vector, int]:
+        """Each dimension's minimum and maximum over the live entries' unit vectors, a chunk at
+        a time under the lock (no copy of the memory), and how many entries they cover."""
+        low = np.full(self.dimensions, np.inf, dtype=np.float32)
+        high = np.full(self.dimensions, -np.inf, dtype=np.float32)
+        with self._lock:
+            seq, counted = self._first_seq, 0
+        while True:
+            with self._lock:
+                seq = max(seq, self._first_seq)
+                end = min(self._first_seq + self._size, seq + _CHUNK)
+                if seq >= end:
+                    break
+                rows = self._unit_rows_between(seq, end)
+            np.minimum(low, rows.min(axis=0), out=low)
+            np.maximum(high, rows.max(axis=0), out=high)
+            counted += end - seq
+            seq = end
+        return low, high, counted
 
     def _unit_rows_between(self, start_seq: int, stop_seq: int) -> npt.NDArray[np.float32]:
         slots = self._slots(start_seq, stop_seq)

@@ -31,6 +31,13 @@ class WeightsOut(_Answer):
     outcome_confidence: float
 
 
+class ProfileOut(_Answer):
+    #: The weight profile that applied (as weights.profile).
+    name: str
+    #: Whether the trace's task_domain names a profile; if not, the default one applied.
+    domain_recognised: bool
+
+
 class NearestOut(_Answer):
     #: The id of the stored trace ('' if it was stored without one). Stored data: print it
     #: through `kp_scoring.text.visible`.
@@ -49,6 +56,10 @@ class NoveltyOut(_Answer):
     tokens: int | None
     truncated: bool | None
     nearest: NearestOut | None = None
+    #: How max_cosine was found: "exact", or "index" (an approximate search of a large
+    #: memory, at most search_bound below the exact maximum); None when not measured.
+    search: str | None = None
+    search_bound: float | None = None
 
 
 class EvaluationOut(_Answer):
@@ -56,6 +67,7 @@ class EvaluationOut(_Answer):
     score: float
     dimensions: DimensionsOut
     weights: WeightsOut
+    profile: ProfileOut | None = None  # None from an older service, which did not say it
     #: single_thought, error_recovery_bonus, low_tool_diversity.
     overrides: list[str]
     novelty: NoveltyOut
@@ -125,6 +137,8 @@ class CacheIndexOut(_Answer):
     audit_agreements_total: int
     builds_total: int
     adoptions_total: int
+    confirmations_total: int = 0
+    trained_on: int = 0
 
 
 class ReadyOut(_Answer):
