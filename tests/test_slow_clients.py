@@ -219,7 +219,8 @@ def test_headers_at_the_limits_are_served(bounded: Server) -> None:
         )
         data, closed = _read_until_closed(sock)
     assert closed
-    assert _response(data)[:3:2] == (200, {"status": "ok"})
+    status, _, body = _response(data)
+    assert (status, body["status"]) == (200, "ok")
 
 
 @pytest.mark.parametrize(
@@ -274,7 +275,7 @@ def test_a_body_answered_before_it_is_read_is_not_taken_for_the_next_headers(
             + half
         )
         first = b""
-        while not first.endswith(b'{"status":"ok"}'):
+        while not (b'"status":"ok"' in first and first.endswith(b"}")):
             first += sock.recv(65536)
         try:
             sock.sendall(half + b"x")
