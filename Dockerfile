@@ -1,4 +1,4 @@
-# kp-scoring: the KnowledgePulse trace scoring service, one uvicorn process. Several containers
+# kp-scoring: the KnowledgePulse trace scoring service, one process (granian serving FastAPI). Several containers
 # share one novelty cache through Redis (KP_REDIS_URL; docker-compose.scale.yml).
 #
 # BASE is any Debian-family image with python3 >= 3.11 and its venv module:
@@ -66,26 +66,25 @@ VOLUME ["/data"]
 USER 10001:10001
 EXPOSE 8000
 
-# Liveness only (the model loads before uvicorn answers, hence the start period).
+# Liveness only (the model loads before the server answers, hence the start period).
 # No curl in slim images: python's urllib. Exits non-zero on any error or non-200.
 HEALTHCHECK --interval=30s --timeout=5s --start-period=60s --retries=3 \
     CMD ["python3", "-c", "import sys, urllib.request; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:8000/healthz', timeout=4).status == 200 else 1)"]
 
 # Descriptors: each open connection holds one. Docker starts a container with a soft limit of
-# 1024 (hard: 524288 or more); at start the service raises the soft limit to
-# KP_OPEN_FILES_LIMIT, as far as the hard limit allows, and logs it. A limit below it needs
-# `docker run --ulimit nofile=65536:65536` (the compose files set it). Slow clients cannot
-# hold them: KP_HEADER_TIMEOUT_S and KP_BODY_TIMEOUT_S close them
+# 1024 (hard: 524288 or more); at start the server (granian) raises the soft limit to the hard
+# one; `docker run --ulimit nofile=65536:65536` sets both (the compose files do). Slow clients
+# cannot hold them: KP_HEADER_TIMEOUT_S and KP_BODY_TIMEOUT_S close them
 # (docs/operating/slow-clients.md).
-ENV KP_OPEN_FILES_LIMIT=65536
 
 # The model's optimised graph (KP_MODEL_CACHE) is kept in the volume: written by the first
 # start on a CPU, loaded by the next ones (the home, /app, is not writable).
 ENV KP_MODEL_CACHE_DIR=/data/model-cache
 
-# One process: the in-process cache lives in it (no --workers); to scale, run more containers
-# on one Redis (KP_REDIS_URL), where the cache is shared. app.serve runs uvicorn with the
-# protocol that bounds slow clients and header sizes (app/server/protocol.py).
+# One process: the in-process cache lives in it (no workers); to scale, run more containers
+# on one Redis (KP_REDIS_URL), where the cache is shared. app.serve serves the app with
+# granian, whose HTTP/1 server bounds slow clients and header sizes
+# (docs/operating/slow-clients.md).
 CMD ["python3", "-m", "app.serve", "--host", "0.0.0.0", "--port", "8000"]
 
 # Last, so that a new revision or date does not invalidate the cached layers above.

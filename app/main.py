@@ -1,4 +1,5 @@
-"""The ASGI app factory: `uvicorn --factory app.main:create_app` (app/serve.py runs it)."""
+"""The app, built in one place from Settings: routes, the request pipeline in the order a
+request meets it, and the lifespan that starts the runtime (app/serve.py serves it)."""
 
 from __future__ import annotations
 
@@ -9,30 +10,35 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 from fastapi_offline import FastAPIOffline
+from starlette.middleware import Middleware
 
 from app.api import mcp, openapi_doc
-from app.api.asgi import pipeline
+from app.api.asgi.access_log import AccessLog
+from app.api.asgi.api_keys import ApiKeys
+from app.api.asgi.body_limits import BodySize, JsonDepth
+from app.api.asgi.content_type import ContentType
+from app.api.asgi.idempotency import IdempotencyKeys
+from app.api.asgi.lingering_close import LingeringClose
+from app.api.asgi.rate_limit import RateLimit
+from app.api.asgi.request_bounds import RequestBounds
+from app.api.asgi.request_id import RequestId
 from app.api.deps import Services
 from app.api.errors import install_error_handlers
 from app.api.routes import cache, evaluate, health, jwks
+from app.core.api_keys import KeyRing
 from app.core.config import Settings
-from app.core.logging import configure_logging
 from app.core.metrics import Metrics
 from app.core.version import VERSION
 from app.embedding.int8_support import CpuFeatures
 from app.schemas.limits import TraceLimits
-from app.server.descriptors import raise_open_files_limit, watch_descriptors
+from app.server.descriptors import watch_descriptors
 from app.services.runtime import Runtime
 from app.services.trust import load_keys, load_signer
 
 
-def create_app(settings: Settings | None = None, *, cpu: CpuFeatures | None = None) -> FastAPI:
-    """Called by uvicorn with no arguments: settings and logging then come from KP_*
-    variables, read now rather than at import. `cpu`: the CPU int8 mode decides on (default:
-    this machine's; tests pass another)."""
-    if settings is None:
-        settings = Settings.from_env()
-        configure_logging(settings.log_level)
+def create_app(settings: Settings, *, cpu: CpuFeatures | None = None) -> FastAPI:
+    """`settings`: read from the environment by the launcher (app/serve.py) or given by a
+    test. `cpu`: the CPU int8 mode decides on (default: this machine's; tests pass another)."""
     metrics = Metrics()
     limits = TraceLimits(settings.max_batch, settings.max_steps, settings.max_string_chars)
     # Bad key files stop the start here, naming the variable, before anything is served.
@@ -41,7 +47,6 @@ def create_app(settings: Settings | None = None, *, cpu: CpuFeatures | None = No
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        raise_open_files_limit(settings.open_files_limit)
         runtime = Runtime(settings, cpu, observer=metrics)
         await runtime.start()
         metrics.registry.register(runtime.collector)
@@ -73,18 +78,35 @@ def create_app(settings: Settings | None = None, *, cpu: CpuFeatures | None = No
         version=VERSION,
         summary="KnowledgePulse trace scoring: is this reasoning trace worth sharing?",
         lifespan=lifespan,
+        middleware=pipeline(settings, metrics, keys),
     )
     for router in (evaluate.router, mcp.router, cache.router, health.router, jwks.router):
         app.include_router(router)
     install_error_handlers(app)
     openapi_doc.install(app, settings)
-    chain = pipeline.pieces(
-        metrics=metrics,
-        keys=keys,
-        evaluate_open=settings.scoring_open,
-        admin_open=settings.cache_open,
-        max_body_bytes=settings.max_body_bytes,
-        max_json_depth=settings.max_json_depth,
-    )
-    pipeline.install(app, chain)
     return app
+
+
+def pipeline(settings: Settings, metrics: Metrics, keys: KeyRing) -> list[Middleware]:
+    """The request pipeline, outermost first. The request's own bounds (Host, body deadline)
+    come before keys and limits; keys and limits before the body is read, so a refused
+    request costs a header lookup; the body's limits before any parsing; the idempotency
+    record before the route parses and scores the trace."""
+    return [
+        Middleware(RequestId),
+        Middleware(AccessLog, metrics=metrics),
+        Middleware(RequestBounds, body_timeout_s=settings.body_timeout_s),
+        Middleware(LingeringClose),
+        Middleware(
+            ApiKeys,
+            keys=keys,
+            evaluate_open=settings.scoring_open,
+            admin_open=settings.cache_open,
+            metrics=metrics,
+        ),
+        Middleware(RateLimit, metrics=metrics),
+        Middleware(ContentType),
+        Middleware(BodySize, max_body_bytes=settings.max_body_bytes),
+        Middleware(JsonDepth, max_json_depth=settings.max_json_depth),
+        Middleware(IdempotencyKeys, metrics=metrics),
+    ]

@@ -1,46 +1,100 @@
 """The one way the service starts: `python -m app.serve` (make run, the image's CMD, the tests'
-and the bench's servers) and `kp-scoring serve` both call `run`, which has uvicorn build the
-app with its factory. No CLI framework is imported on this path: it is the cold start's."""
+and the bench's servers) and `kp-scoring serve` both call `run`. It reads the settings once,
+builds the app from them and serves it with granian, whose HTTP/1 server (hyper) holds the
+connection bounds: the header deadline (which also closes idle connections), the header size
+and count limits (docs/operating/slow-clients.md). No CLI framework is imported on this path:
+it is the cold start's."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import errno
 import gc
+import signal
+import socket
+from typing import TYPE_CHECKING
 
-#: uvicorn imports this and calls it (`--factory`): the settings are read then, not at import.
-FACTORY = "app.main:create_app"
-#: uvicorn's httptools protocol with header and body deadlines and header limits (KP_*).
-HTTP_PROTOCOL = "app.server.protocol:LimitedHttpToolsProtocol"
-#: The service has no WebSocket endpoint: uvicorn's WebSocket protocol and the websockets
-#: library (about 7 ms of the cold start's imports) are not loaded. A request asking to
-#: upgrade is answered as plain HTTP (app/server/protocol.py).
-WEBSOCKETS = "none"
+if TYPE_CHECKING:
+    from app.core.config import Settings
 
 
-def run(host: str = "127.0.0.1", port: int = 8000, *, reload: bool = False) -> None:
-    """One uvicorn process (the in-process cache lives in it): no workers, settings from KP_*."""
-    prepare(reload=reload)
-    import uvicorn
+def run(host: str = "127.0.0.1", port: int = 8000) -> None:
+    """One process (the in-process cache lives in it): granian's server embedded in this
+    process's event loop, no worker processes; settings from KP_*."""
+    check_port_free(host, port)
+    prepare()
+    from app.core.config import Settings
+    from app.core.logging import configure_logging
 
-    uvicorn.run(
-        FACTORY,
-        factory=True,
-        host=host,
+    settings = Settings.from_env()
+    configure_logging(settings.log_level)
+    from app.main import create_app
+
+    app = create_app(settings)
+    # asyncio's own loop: uvloop measured no different here (docs/decisions/connection-edge.md).
+    asyncio.run(_serve(app, host, port, settings))
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Stops the start with one clear line when the address is taken (granian's own error is
+    a long backtrace). granian binds with SO_REUSEPORT, so two services could otherwise share
+    a port unnoticed: this plain bind fails for any listener already there."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise SystemExit(
+                    f"kp-scoring: cannot listen on {host}:{port}: the port is taken (another "
+                    "server runs there?); choose another with --port (make run PORT=8001)"
+                ) from None
+            raise SystemExit(
+                f"kp-scoring: cannot listen on {host}:{port}: {exc.strerror}"
+            ) from None
+
+
+async def _serve(app: object, host: str, port: int, settings: Settings) -> None:
+    from granian.constants import HTTPModes, Interfaces
+    from granian.http import HTTP1Settings
+    from granian.log import LogLevels
+    from granian.server.embed import Server
+
+    server = Server(
+        app,
+        address=host,
         port=port,
-        reload=reload,
-        http=HTTP_PROTOCOL,
-        ws=WEBSOCKETS,
+        interface=Interfaces.ASGI,
+        http=HTTPModes.http1,
+        # No WebSocket endpoint: an upgrade request is answered as plain HTTP.
+        websockets=False,
+        # Also the connections served at once: granian accepts no more past it (the rest wait
+        # in the kernel's queue); its embedded default, 128, would cap a crowd of kept-alive
+        # clients. Descriptors are the real bound (app/server/descriptors.py).
+        backlog=2048,
+        http1_settings=HTTP1Settings(
+            header_read_timeout=max(1, round(settings.header_timeout_s * 1000)),
+            max_buffer_size=settings.max_header_bytes,
+        ),
+        # The service logs its own JSON lines (app/core/logging.py); granian's own (plain
+        # text) only for its errors.
+        log_level=LogLevels.error,
     )
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, server.signal_handler_interrupt)
+    await server.serve()
 
 
-def prepare(*, reload: bool = False) -> None:
-    """What the process does before uvicorn is imported (run's first step)."""
+def prepare() -> None:
+    """What the process does before the web stack is imported (run's first step)."""
     # The start creates some 140,000 objects (modules, classes, schemas) that live as long as
     # the process; the cyclic collector would walk them again and again while they are made.
     # Off until the app has started: its lifespan freezes them and turns it back on
     # (app/main.py). Figures: docs/decisions/collector-off-during-start.md.
-    if not reload:  # with reload the app lives in a child process, which loads its own
-        gc.disable()
+    gc.disable()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -49,9 +103,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
-    parser.add_argument("--reload", action="store_true", help="restart on code changes")
     args = parser.parse_args(argv)
-    run(args.host, args.port, reload=args.reload)
+    run(args.host, args.port)
 
 
 if __name__ == "__main__":

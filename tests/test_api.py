@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import re
+import socket
+import subprocess
 
 import pytest
 from fastapi.testclient import TestClient
 
-from app.core.config import ConfigError
 from app.core.version import VERSION
 from tests.conftest import ClientFactory
 from tests.factories import make_trace, step
+from tests.server import SERVE, free_port
 
 
 def test_evaluate_answers_the_spec_example_without_embedder(client_no_embedder: TestClient) -> None:
@@ -295,16 +298,47 @@ def test_readyz_collects_every_part_s_warnings(client_no_embedder: TestClient) -
     assert any(w.startswith("novelty is not measured") for w in warnings)  # the embedder
 
 
-def test_the_factory_reads_the_settings_when_uvicorn_calls_it(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_the_app_is_built_from_the_settings_it_is_given() -> None:
+    """The launcher reads the environment (app/serve.py) and hands the settings over; the
+    app reads none itself (tests/test_layers.py) and nothing is built at import."""
+    import inspect
+
     import app.main
 
-    assert not hasattr(app.main, "app")  # nothing is built at import
-    monkeypatch.setenv("KP_CACHE_CAPACITY", "-5")
-    with pytest.raises(ConfigError, match="KP_CACHE_CAPACITY"):
-        app.main.create_app()
-    # Built from the environment by the live-server tests (tests/server.py: kp-scoring serve).
+    assert not hasattr(app.main, "app")
+    parameter = inspect.signature(app.main.create_app).parameters["settings"]
+    assert parameter.default is inspect.Parameter.empty
+
+
+def test_a_bad_setting_stops_the_start_with_a_line_naming_it() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KP_")}
+    env |= {"KP_EMBEDDER": "none", "KP_CACHE_CAPACITY": "-5"}
+    done = subprocess.run(
+        [*SERVE, "--port", str(free_port())], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode != 0
+    assert "kp-scoring: invalid configuration: KP_CACHE_CAPACITY" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_a_taken_port_stops_the_start_with_one_clear_line() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KP_")}
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [*SERVE, "--port", str(port)],
+            env={**env, "KP_EMBEDDER": "none"},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert done.returncode != 0
+    assert done.stderr.strip() == (
+        f"kp-scoring: cannot listen on 127.0.0.1:{port}: the port is taken (another server "
+        "runs there?); choose another with --port (make run PORT=8001)"
+    )
 
 
 def test_request_id_is_echoed_when_given(client_no_embedder: TestClient) -> None:
@@ -314,19 +348,17 @@ def test_request_id_is_echoed_when_given(client_no_embedder: TestClient) -> None
     assert r.headers["x-request-id"] != "bad id with spaces"
 
 
-def test_log_lines_are_json_without_terminal_colours() -> None:
+def test_log_lines_are_json() -> None:
     import json
     import logging
 
     from app.core.logging import JsonFormatter
 
-    record = logging.LogRecord("uvicorn.error", logging.INFO, "", 0, "Started %d", (7,), None)
-    record.color_message = "\x1b[36m%d\x1b[0m"
+    record = logging.LogRecord("app", logging.INFO, "", 0, "Started %d", (7,), None)
     record.cache_size = 3
     line = json.loads(JsonFormatter().format(record))
     assert line["msg"] == "Started 7"
     assert line["cache_size"] == 3
-    assert "color_message" not in line
 
 
 def test_a_method_a_path_lacks_is_a_405_allowing_every_documented_method(

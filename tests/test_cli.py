@@ -1,4 +1,4 @@
-"""The kp-scoring CLI against a real uvicorn server: typer's runner, and the installed script."""
+"""The kp-scoring CLI against a real server: typer's runner, and the installed script."""
 
 from __future__ import annotations
 

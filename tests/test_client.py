@@ -1,4 +1,4 @@
-"""kp_scoring (the client) against a real uvicorn server: every method, sync and async, and the
+"""kp_scoring (the client) against a real server: every method, sync and async, and the
 error types."""
 
 from __future__ import annotations

@@ -170,15 +170,61 @@ def test_the_app_loads_no_library_its_default_start_does_not_use() -> None:
     assert not loaded & {"mcp", "faiss", "joserfc", "cryptography"}
 
 
-def test_the_server_loads_no_websocket_protocol() -> None:
-    """The service has no WebSocket endpoint: uvicorn, configured as app.serve runs it, loads
-    neither its WebSocket protocol nor a WebSocket library (imports a cold start would pay)."""
+def test_the_server_loads_no_websocket_library_and_no_uvicorn() -> None:
+    """The service has no WebSocket endpoint and granian serves it (app/serve.py): a start
+    loads no WebSocket library, and nothing of uvicorn (imports a cold start would pay)."""
     loaded = _loaded_by(
-        "import uvicorn, app.serve; uvicorn.Config(app.serve.FACTORY, factory=True, "
-        "http=app.serve.HTTP_PROTOCOL, ws=app.serve.WEBSOCKETS).load()"
+        "import app.serve, app.main; from app.core.config import Settings; "
+        "from granian.server.embed import Server; "
+        "Server(app.main.create_app(Settings()), websockets=False)"
     )
-    assert {"uvicorn", "fastapi", "httptools"} <= loaded  # the check sees what it does load
-    assert not loaded & {"websockets", "wsproto"}
+    assert {"granian", "fastapi"} <= loaded  # the check sees what it does load
+    assert not loaded & {"websockets", "wsproto", "uvicorn", "httptools"}
+
+
+#: Who may read the process environment: the settings module, called once by the launcher.
+ENV_READERS = frozenset({"app.core.config", "app.serve"})
+
+
+def _reads_environment(path: Path) -> list[str]:
+    """Where a file reads the environment: os.environ, os.getenv, Settings.from_env() or a
+    Settings() built from the environment (no arguments)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "from_env"):
+            found.append(f"{path.name}:{node.lineno} {node.attr}")
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("Settings", "cls", "getenv")
+            and not node.args
+            and not node.keywords
+        ):
+            found.append(f"{path.name}:{node.lineno} {node.func.id}()")
+        elif isinstance(node, ast.ImportFrom) and node.module == "os":
+            names = {alias.name for alias in node.names}
+            if names & {"environ", "getenv"}:
+                found.append(f"{path.name}:{node.lineno} from os import")
+    return found
+
+
+def test_the_environment_is_read_by_the_settings_and_the_launcher_only() -> None:
+    readers = {name for name, path in MODULES.items() if _reads_environment(path)}
+    assert {"app.core.config", "app.serve"} <= readers  # the check sees the reads there are
+    assert readers <= ENV_READERS, sorted(readers - ENV_READERS)
+
+
+def test_the_app_is_wired_in_one_place() -> None:
+    """The app is put together by app.main alone: the lifespan builds the runtime, the
+    pipeline is one list of Starlette middleware there."""
+    builders = [name for name, imported in GRAPH.items() if "app.services.runtime" in imported]
+    assert sorted(builders) == ["app.api.deps", "app.main"]
+    middleware = [
+        name
+        for name, path in MODULES.items()
+        if "starlette.middleware" in path.read_text(encoding="utf-8")
+    ]
+    assert middleware == ["app.main"]
 
 
 #: What the domain must not use: it is pure (no threads, no processes, no files, no sockets);

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from app.api.asgi import pipeline
-from app.api.asgi.base import ASGIApp
+from starlette.types import ASGIApp
+
 from app.core.api_keys import ApiKeyEntry, KeyRing
+from app.core.config import Settings
 from app.core.metrics import Metrics
+from app.main import pipeline
 from app.services.idempotency import Idempotency
 from app.store.idempotency import InProcessIdempotencyStore
 from app.store.rate_limit import InProcessRateLimiter
@@ -55,20 +58,17 @@ def guarded() -> tuple[ASGIApp, list[bytes]]:
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": payload, "more_body": False})
 
-    chain = pipeline.pieces(
-        metrics=Metrics(),
-        keys=KEYS,
-        evaluate_open=False,
-        admin_open=False,
-        max_body_bytes=4096,
-        max_json_depth=8,
-    )
+    # Keys required (any existing file: the pipeline is handed KEYS itself).
+    settings = Settings(api_keys_file=Path(__file__), max_body_bytes=4096, max_json_depth=8)
     services = SimpleNamespace(
         rate_limiter=InProcessRateLimiter(),
         idempotency=Idempotency(InProcessIdempotencyStore()),
     )
     app = SimpleNamespace(state=SimpleNamespace(services=services))
-    inner = pipeline.wrap(route, chain)
+    inner: ASGIApp = route
+    # As Starlette builds its stack: the first middleware outermost.
+    for cls, args, kwargs in reversed(pipeline(settings, Metrics(), KEYS)):
+        inner = cls(inner, *args, **kwargs)
 
     async def with_app(scope: Any, receive: Any, send: Any) -> None:
         await inner({**scope, "app": app}, receive, send)
@@ -95,8 +95,9 @@ def test_a_missing_key_is_answered_before_the_body_is_read() -> None:
     app, reached = guarded()
     client = Client(BODY)
     post(app, client, JSON)
-    # The answer first; the reads after it are the lingering close dropping the rest.
-    assert client.events == ["answer 401", "read", "read", "read", "read"]
+    # Not read by the pipeline: the reads are the lingering close dropping the body before
+    # the answer goes out.
+    assert client.events == ["read", "read", "read", "read", "answer 401"]
     assert reached == []
 
 
@@ -107,7 +108,7 @@ def test_a_key_over_its_rate_is_answered_before_the_body_is_read() -> None:
     assert first.events[-1] == "answer 200"
     second = Client(BODY)
     post(app, second, {**JSON, "authorization": f"Bearer {SLOW}"})
-    assert second.events[0] == "answer 429"
+    assert second.events == ["read", "read", "read", "read", "answer 429"]
     assert reached == [BODY]
 
 
@@ -132,4 +133,4 @@ def test_the_idempotency_key_comes_after_the_key_and_before_the_route() -> None:
     assert reached == [BODY]  # the second was a replay
     unauthorized = Client(BODY)
     post(app, unauthorized, {**JSON, "idempotency-key": "k1"})
-    assert unauthorized.events[0] == "answer 401"
+    assert unauthorized.events[-1] == "answer 401"

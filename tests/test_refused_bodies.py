@@ -1,8 +1,8 @@
 """Refused bodies: a client that sends its whole body before it reads gets the 4xx, not a reset.
 
-Against a live uvicorn with Python's urllib, which writes the whole request before it reads the
-answer: the server must read and drop the rest of a refused body (within bounds) before it closes
-the connection, or the client sees "connection reset" instead of the 413.
+Against a live server with Python's urllib, which writes the whole request before it reads the
+answer: the service must read and drop the rest of a refused body (within bounds) before it
+answers and closes the connection, or the client sees "connection reset" instead of the 413.
 """
 
 from __future__ import annotations
@@ -16,12 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from starlette.types import ASGIApp
 
-from app.api.asgi.base import ASGIApp
 from app.api.asgi.body_limits import BodySize, JsonDepth
 from app.api.asgi.content_type import ContentType
 from app.api.asgi.lingering_close import DISCARD_BYTES, LingeringClose
-from app.api.asgi.pipeline import Piece, wrap
 from tests.factories import make_trace
 from tests.server import TOKEN, LiveServer
 
@@ -171,14 +170,9 @@ def _guard(max_body_bytes: int, **bounds: Any) -> ASGIApp:
     async def app(scope: Any, receive: Any, send: Any) -> None:
         raise AssertionError("a refused request reached the app")
 
-    return wrap(
-        app,
-        [
-            Piece(LingeringClose, bounds),
-            Piece(ContentType, {}),
-            Piece(BodySize, {"max_body_bytes": max_body_bytes}),
-            Piece(JsonDepth, {"max_json_depth": 32}),
-        ],
+    return LingeringClose(
+        ContentType(BodySize(JsonDepth(app, max_json_depth=32), max_body_bytes=max_body_bytes)),
+        **bounds,
     )
 
 

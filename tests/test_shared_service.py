@@ -1,4 +1,4 @@
-"""Three uvicorn replicas with the real model on one redis-server (KP_REDIS_URL): one novelty
+"""Three replicas with the real model on one redis-server (KP_REDIS_URL): one novelty
 memory for all, one order, one reset; Redis killed with kill -9 under load and restarted."""
 
 from __future__ import annotations

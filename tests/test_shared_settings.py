@@ -1,4 +1,4 @@
-"""A rolling change of KP_CACHE_* settings with real uvicorn replicas on a real redis-server:
+"""A rolling change of KP_CACHE_* settings with real replicas on a real redis-server:
 replicas with new settings are refused by the shared memory that has the old ones; a reset
 from one of them gives it the new settings, and every replica with those settings recovers
 by itself within seconds, without a request of its own."""

@@ -297,18 +297,19 @@ class Settings(BaseSettings):
         ),
     ] = 10_000.0
 
-    # Connection bounds, enforced by the HTTP protocol (app/server/protocol.py) so that slow
-    # or silent clients cannot hold descriptors (docs/operating/slow-clients.md).
+    # Connection bounds (docs/operating/slow-clients.md): the header deadline and size are
+    # granian's (app/serve.py hands them over), the body deadline the app's own
+    # (app/api/asgi/request_bounds.py), so that slow or silent clients cannot hold descriptors.
     # An honest request's headers are under 1 KB, one packet; 15 s outlasts several TCP
     # retransmissions (1 s, 2 s, 4 s...) on a lossy link.
     header_timeout_s: Annotated[
         float,
         Field(
             gt=0,
-            le=600,
+            le=60,
             description="From connect (or the end of the previous answer) to the request's last "
-            "header line; past it, 408 and close (a connection that sent nothing is closed "
-            "without an answer).",
+            "header line; past it the connection is closed without an answer (an idle "
+            "kept-alive one too). At most 60 (the server's bound).",
         ),
     ] = 15.0
     body_timeout_s: Annotated[
@@ -316,34 +317,20 @@ class Settings(BaseSettings):
         Field(
             gt=0,
             le=600,
-            description="From the last header line to the body's last byte; past it, 408 and "
+            description="From the request's headers to its body's last byte; past it, 408 and "
             "close (1 MiB at 35 KB/s fits).",
         ),
     ] = 30.0
     max_header_bytes: Annotated[
         int,
         Field(
-            ge=1024,
+            ge=8192,
             le=1_048_576,
-            description="Request line plus header lines, in bytes; past it, 431 (nginx's default).",
+            description="Request line plus header lines, in bytes (the server's HTTP/1 buffer); "
+            "past it, 431 (nginx's default). At most 100 header lines are taken, whatever "
+            "their size.",
         ),
     ] = 32_768
-    max_header_count: Annotated[
-        int,
-        Field(
-            ge=8,
-            le=10_000,
-            description="Header lines per request; past it, 431 (Apache's LimitRequestFields).",
-        ),
-    ] = 100
-    open_files_limit: Annotated[
-        int,
-        Field(
-            ge=0,
-            description="The soft file-descriptor limit is raised to this at start, as far as "
-            "the hard limit allows (one descriptor per open connection); `0`: left alone.",
-        ),
-    ] = 65_536
 
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Log lines below this level are not written."

@@ -1,6 +1,7 @@
-"""Process-wide metrics of the HTTP connections: what the server's protocol and the
-descriptor watch count. One server runs per process, whereas apps (each with its own
-registry, app/core/metrics.py) may be several: every app's /metrics shows these too."""
+"""Process-wide metrics of the HTTP connections: what the request bounds
+(app/api/asgi/request_bounds.py) and the descriptor watch count. One server runs per process,
+whereas apps (each with its own registry, app/core/metrics.py) may be several: every app's
+/metrics shows these too."""
 
 from __future__ import annotations
 
@@ -12,12 +13,10 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
 #: The bound that closed a connection (label `limit` of kp_http_closed_by_limit).
+#: The header deadline and size limits are granian's: it closes or answers 431 before the
+#: app sees a request, so they are not counted here (docs/operating/slow-clients.md).
 LIMITS = (
-    "idle",  # connected, sent nothing within KP_HEADER_TIMEOUT_S: closed without an answer
-    "header_timeout",  # headers incomplete at KP_HEADER_TIMEOUT_S: 408
     "body_timeout",  # body incomplete at KP_BODY_TIMEOUT_S: 408 (or a close, once answered)
-    "header_bytes",  # past KP_MAX_HEADER_BYTES: 431
-    "header_count",  # past KP_MAX_HEADER_COUNT: 431
     "host",  # HTTP/1.1 without Host, or several Host lines: 400
 )
 
@@ -28,9 +27,8 @@ class ConnectionMetrics:
         r = self.registry
         self.closed_by_limit = Counter(
             "kp_http_closed_by_limit",
-            "Connections closed by a bound on slow or oversized requests, by limit: idle, "
-            "header_timeout, body_timeout (KP_HEADER_TIMEOUT_S, KP_BODY_TIMEOUT_S), "
-            "header_bytes, header_count (KP_MAX_HEADER_BYTES, KP_MAX_HEADER_COUNT), host.",
+            "Requests refused and their connections closed by a bound, by limit: "
+            "body_timeout (KP_BODY_TIMEOUT_S), host (HTTP/1.1 without exactly one Host).",
             ["limit"],
             registry=r,
         )

@@ -9,11 +9,6 @@ from typing import Any
 
 Loc = Sequence[str | int]
 
-#: Scope key under which the HTTP protocol leaves the (status, body) it answered a request
-#: with when a connection bound ended it (app/server/protocol.py): the app, which then sees
-#: the client gone, logs and counts that answer rather than a disconnect.
-SERVER_REFUSAL = "kp.server_refusal"
-
 
 def field_error(loc: Loc, msg: str, kind: str) -> dict[str, Any]:
     """One entry: where (`loc`), what rule (`msg`), and its machine-readable `type`."""

@@ -15,12 +15,7 @@ import orjson
 from app.core.request_context import request_id_var
 
 # Attributes every LogRecord has; anything else on a record came from `extra=`.
-# uvicorn adds color_message, a copy of the message with terminal colour codes.
-_STANDARD = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {
-    "message",
-    "asctime",
-    "color_message",
-}
+_STANDARD = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime"}
 
 
 class JsonFormatter(logging.Formatter):
@@ -44,13 +39,11 @@ class JsonFormatter(logging.Formatter):
 
 
 def configure_logging(level: str) -> None:
-    """JSON lines on stderr for the service's loggers and uvicorn's."""
+    """JSON lines on stderr for the service's loggers (granian logs only its own errors, as
+    plain lines: app/serve.py)."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter())
-    for name in ("app", "uvicorn", "uvicorn.error"):
-        logger = logging.getLogger(name)
-        logger.handlers[:] = [handler]
-        logger.setLevel(level.upper())
-        logger.propagate = False
-    # The service writes its own access line (with the request id); uvicorn's would repeat it.
-    logging.getLogger("uvicorn.access").disabled = True
+    logger = logging.getLogger("app")
+    logger.handlers[:] = [handler]
+    logger.setLevel(level.upper())
+    logger.propagate = False

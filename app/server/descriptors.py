@@ -1,9 +1,9 @@
-"""File descriptors: the soft limit raised at start, and a watch that says (once, in the log
-and in /metrics) when the process runs out of them.
+"""File descriptors: a watch that says (once, in the log and in /metrics) when the process
+runs out of them.
 
-Each open connection holds a descriptor. At the limit the event loop cannot accept: uvloop
-(libuv) accepts and drops new connections without a word, asyncio retries a second later.
-Neither tells the operator, hence the watch.
+Each open connection holds a descriptor; granian raises the soft limit to the hard one at
+start (`ulimit -n`, docker run --ulimit nofile=N:N). At the limit it cannot accept and tells
+no one, hence the watch.
 """
 
 from __future__ import annotations
@@ -22,26 +22,6 @@ log = logging.getLogger("app.server")
 _FD_DIR = Path("/proc/self/fd")
 #: How often the watch counts the open descriptors.
 WATCH_INTERVAL_S = 1.0
-
-
-def raise_open_files_limit(target: int) -> None:
-    """Raises the soft RLIMIT_NOFILE to `target`, or to the hard limit when that is lower
-    (no privilege needed); never lowers it. Logs the limit in force."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    wanted = target if hard == resource.RLIM_INFINITY else min(target, hard)
-    if target > 0 and soft != resource.RLIM_INFINITY and wanted > soft:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
-        log.info(
-            "file descriptor limit raised",
-            extra={"from": soft, "to": wanted, "hard": hard, "setting": "KP_OPEN_FILES_LIMIT"},
-        )
-        soft = wanted
-    elif soft != resource.RLIM_INFINITY and soft < target:
-        log.info(
-            "file descriptor limit below KP_OPEN_FILES_LIMIT: the hard limit allows no more "
-            "(raise it with `ulimit -n`, or docker run --ulimit nofile=N:N)",
-            extra={"limit": soft, "hard": hard, "wanted": target},
-        )
 
 
 def _can_count() -> bool:
@@ -80,7 +60,7 @@ async def watch_descriptors(interval_s: float = WATCH_INTERVAL_S) -> None:
                 log.error(
                     "out of file descriptors: new connections are refused until some close "
                     "(KP_HEADER_TIMEOUT_S and KP_BODY_TIMEOUT_S bound slow ones; raise the "
-                    "limit with KP_OPEN_FILES_LIMIT and the hard limit)",
+                    "hard limit: ulimit -n, docker run --ulimit nofile=N:N)",
                     extra={"open": open_fds, "limit": limit},
                 )
             elif low and open_fds < limit * 0.9:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 import time
 
-from app.api.asgi.base import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
 from app.core.metrics import Metrics
 
 log = logging.getLogger("app.access")

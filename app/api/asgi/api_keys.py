@@ -6,7 +6,10 @@ from __future__ import annotations
 
 from urllib.parse import unquote_plus
 
-from app.api.asgi.base import ASGIApp, Receive, Scope, Send, detail, header, send_json, state
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from app.api.asgi.base import detail, send_json, state
 from app.core.api_keys import KeyRing
 from app.core.api_keys import Scope as KeyScope
 from app.core.metrics import Metrics
@@ -76,7 +79,7 @@ class ApiKeys:
             msg = f"one Authorization header, not {given}"
             await send_json(send, 400, detail(("header", "authorization"), msg, "repeated_header"))
             return
-        presented = _bearer(header(scope, b"authorization"))
+        presented = _bearer(Headers(scope=scope).get("authorization"))
         key = None if presented is None else self.keys.identify(presented)
         if self.evaluate_open if needed == "evaluate" else self.admin_open:
             if key is not None and needed in key.scopes:

@@ -1,28 +1,14 @@
-"""What the pipeline's pieces share: ASGI types, header lookup, a JSON answer, body replay."""
+"""What the pipeline's pieces share: a JSON answer, body replay, the request's state."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import MutableMapping
 from typing import Any
 
 import orjson
+from starlette.types import Message, Receive, Send
 
 from app.core.errors import error_body, field_error
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
-
-
-def header(scope: Scope, name: bytes) -> str | None:
-    """The first value of header `name` (lower case), or None."""
-    for key, value in scope["headers"]:
-        if key.lower() == name:
-            text: str = value.decode("latin-1")
-            return text
-    return None
 
 
 def detail(loc: tuple[str, ...], msg: str, kind: str) -> dict[str, Any]:
@@ -63,7 +49,7 @@ async def read_replayed(receive: Receive) -> bytes:
     return data
 
 
-def state(scope: Scope) -> MutableMapping[str, Any]:
+def state(scope: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
     """The request's state (Starlette's `request.state` reads the same mapping)."""
     found: MutableMapping[str, Any] = scope.setdefault("state", {})
     return found

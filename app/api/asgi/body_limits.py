@@ -4,18 +4,11 @@ recursion on it). Later pieces and the route get it replayed."""
 
 from __future__ import annotations
 
-from app.api.asgi.base import (
-    ASGIApp,
-    Receive,
-    Scope,
-    Send,
-    detail,
-    header,
-    replaying,
-    send_json,
-)
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from app.api.asgi.base import detail, replaying, send_json
 from app.api.asgi.content_type import has_json_body
-from app.core.errors import SERVER_REFUSAL
 from app.schemas.limits import json_depth_exceeds
 
 
@@ -28,7 +21,7 @@ class BodySize:
         if scope["type"] != "http" or not has_json_body(scope):
             await self.app(scope, receive, send)
             return
-        declared = header(scope, b"content-length")
+        declared = Headers(scope=scope).get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             await self._too_large(send)
             return
@@ -37,11 +30,8 @@ class BodySize:
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                status, refusal = scope.get(SERVER_REFUSAL) or (
-                    400,
-                    detail(("body",), "the client closed the connection", "disconnect"),
-                )
-                await send_json(send, status, refusal)
+                refusal = detail(("body",), "the client closed the connection", "disconnect")
+                await send_json(send, 400, refusal)
                 return
             chunk = message.get("body", b"")
             size += len(chunk)

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import re
 
-from app.api.asgi.base import ASGIApp, Receive, Scope, Send, detail, header, send_json
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from app.api.asgi.base import detail, send_json
 
 _JSON_TYPE = re.compile(r"^application/([a-z0-9.+-]*\+)?json\s*(;.*)?$", re.IGNORECASE)
 BODY_METHODS = ("POST", "PUT", "PATCH")
@@ -23,7 +26,7 @@ class ContentType:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        content_type = header(scope, b"content-type") if scope["type"] == "http" else None
+        content_type = Headers(scope=scope).get("content-type") if scope["type"] == "http" else None
         if content_type is not None and has_json_body(scope) and not _JSON_TYPE.match(content_type):
             body = detail(
                 ("header", "content-type"),

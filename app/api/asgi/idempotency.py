@@ -7,18 +7,10 @@ from __future__ import annotations
 import logging
 import re
 
-from app.api.asgi.base import (
-    ASGIApp,
-    Message,
-    Receive,
-    Scope,
-    Send,
-    detail,
-    header,
-    read_replayed,
-    replaying,
-    send_json,
-)
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from app.api.asgi.base import detail, read_replayed, replaying, send_json
 from app.core.api_keys import ApiKey
 from app.core.metrics import Metrics
 from app.services.idempotency import Idempotency, fingerprint, scoped_key
@@ -54,7 +46,7 @@ class IdempotencyKeys:
         self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        given = header(scope, b"idempotency-key") if scope["type"] == "http" else None
+        given = Headers(scope=scope).get("idempotency-key") if scope["type"] == "http" else None
         if given is None or scope["method"] != "POST" or scope["path"] not in ROUTES:
             await self.app(scope, receive, send)
             return

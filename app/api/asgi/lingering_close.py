@@ -1,21 +1,23 @@
-"""Lingering close: a request refused before its body was read to the end (401, 413, 415,
-429...) is answered at once, then the rest of the body is read and dropped, within bounds,
-before the connection closes, as nginx does: a client that sends its whole body before it reads
-(Python's urllib, many simple clients) then gets the answer instead of a connection reset."""
+"""A request refused before its body was read to the end (401, 413, 415, 429...): the rest of
+the body is read and dropped, within bounds, before the answer goes out and the connection
+closes. The HTTP server (granian) closes a connection whose request body was left unread,
+and a client that sends its whole body before it reads (Python's urllib, many simple clients)
+would then see a reset instead of the answer; nginx, in front, does the same itself."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 
-from app.api.asgi.base import ASGIApp, Message, Receive, Scope, Send, header
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 log = logging.getLogger("app.access")
 
 # 64 MiB covers the usual mistakes (a batch of many traces, a trace with a file pasted in) and
 # is dropped on loopback in well under a second; 10 s lets it come over a link of ~50 Mbit/s.
-# Dropping costs what reading a body costs and keeps no memory; a body past either bound is
-# cut off (the client sees a reset).
+# Dropping costs what reading a body costs and keeps no memory; past either bound the answer
+# goes out at once (the client may see a reset).
 DISCARD_BYTES = 64 * 1024 * 1024
 DISCARD_SECONDS = 10.0
 
@@ -37,7 +39,7 @@ class LingeringClose:
             await self.app(scope, receive, send)
             return
         body_ended = False
-        lingering = False
+        held: list[Message] = []
 
         async def receive_seen() -> Message:
             nonlocal body_ended
@@ -46,30 +48,28 @@ class LingeringClose:
                 body_ended = True
             return message
 
-        async def send_then_drop(message: Message) -> None:
-            nonlocal lingering
+        async def send_after_drop(message: Message) -> None:
             if message["type"] == "http.response.start" and not body_ended:
-                # Answered before the body was read to the end: close after dropping the rest.
-                lingering = True
+                # Answered before the body was read to the end: close after this answer.
                 message["headers"] = [*message.get("headers", []), (b"connection", b"close")]
-            if (
-                lingering
-                and message["type"] == "http.response.body"
-                and not message.get("more_body", False)
-            ):
-                # The answer goes out before the body is dropped, so a client that reads while
-                # it sends sees it at once; the response ends only after the drop.
-                await send({**message, "more_body": True})
-                await self._drop_rest(scope, receive)
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                held.append(message)
                 return
-            await send(message)
+            if not held:
+                await send(message)
+                return
+            held.append(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                await self._drop_rest(scope, receive)
+                for each in held:
+                    await send(each)
+                held.clear()
 
-        await self.app(scope, receive_seen, send_then_drop)
+        await self.app(scope, receive_seen, send_after_drop)
 
     async def _drop_rest(self, scope: Scope, receive: Receive) -> None:
-        declared = header(scope, b"content-length") or ""
-        if (header(scope, b"expect") or "").lower() == "100-continue":
+        headers = Headers(scope=scope)
+        declared = headers.get("content-length", "")
+        if headers.get("expect", "").lower() == "100-continue":
             pass  # the client waits for "100 Continue" before it sends: there is nothing to drop
         elif declared.isdigit() and int(declared) > self.discard_bytes:
             log.info("refused body not read: larger than the discard bound")
@@ -97,4 +97,4 @@ def _has_body(scope: Scope) -> bool:
     """Whether a body may come (a method that has one, not declared empty)."""
     if scope["method"] not in ("POST", "PUT", "PATCH"):
         return False
-    return (header(scope, b"content-length") or "").strip() != "0"
+    return Headers(scope=scope).get("content-length", "").strip() != "0"

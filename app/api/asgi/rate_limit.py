@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import logging
 
-from app.api.asgi.base import ASGIApp, Receive, Scope, Send, detail, send_json
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from app.api.asgi.base import detail, send_json
 from app.core.api_keys import ApiKey
 from app.core.metrics import Metrics
 from app.store.rate_limit import RateLimiter, RateLimitUnavailableError, retry_after

@@ -6,7 +6,9 @@ from __future__ import annotations
 import re
 import uuid
 
-from app.api.asgi.base import ASGIApp, Message, Receive, Scope, Send, header
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
 from app.core.request_context import request_id_var
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -20,7 +22,7 @@ class RequestId:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        given = header(scope, b"x-request-id") or ""
+        given = Headers(scope=scope).get("x-request-id") or ""
         request_id = given if _REQUEST_ID.match(given) else uuid.uuid4().hex
         token = request_id_var.set(request_id)
 

@@ -561,14 +561,14 @@ def _signature_of(value: str) -> tuple[str, dict[str, Any] | None]:
 def serve(
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535, help="Port to listen on.")] = 8000,
-    reload: Annotated[bool, typer.Option(help="Restart on code changes (development).")] = False,
 ) -> None:
-    """Run the service (one process); settings come from KP_* variables. Needs the server
-    (the kp-scoring distribution at the repository's root), not only this client."""
+    """Run the service (one process, served by granian); settings come from KP_* variables.
+    Needs the server (the kp-scoring distribution at the repository's root), not only this
+    client."""
     run = server_runner()
     if run is None:
         raise fail(SERVER_MISSING, Code.INPUT_ERROR)
-    run(host, port, reload=reload)
+    run(host, port)
 
 
 SERVER_MISSING = (
