@@ -29,7 +29,7 @@ def run(factory: Callable[[], Awaitable[T]]) -> T:
         import uvloop
 
         loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = uvloop.new_event_loop
-    except ImportError:  # pragma: no cover - uvicorn[standard] brings uvloop
+    except ImportError:  # pragma: no cover - uvloop is optional here
         loop_factory = None
     with asyncio.Runner(loop_factory=loop_factory) as runner:
         return runner.run(_call(factory))

@@ -37,7 +37,7 @@ def machine() -> dict[str, Any]:
         "onnxruntime": _version("onnxruntime"),
         "numpy": _version("numpy"),
         "tokenizers": _version("tokenizers"),
-        "uvicorn": _version("uvicorn"),
+        "granian": _version("granian"),
         "fastapi": _version("fastapi"),
         "kernel": platform.release(),
         "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),

@@ -48,7 +48,7 @@ def rss_mb(pid: int, field: str = "VmRSS") -> float:
 
 def cpu_seconds(pid: int, *, main_thread_only: bool = False) -> float:
     """User + system CPU time of a process, all its threads, from /proc/PID/stat; with
-    `main_thread_only`, of its main thread alone (uvicorn's event loop: HTTP, validation,
+    `main_thread_only`, of its main thread alone (the event loop: HTTP, validation,
     scoring; the model runs on other threads)."""
     path = f"/proc/{pid}/task/{pid}/stat" if main_thread_only else f"/proc/{pid}/stat"
     stat = Path(path).read_text()
@@ -57,7 +57,7 @@ def cpu_seconds(pid: int, *, main_thread_only: bool = False) -> float:
 
 
 class Server:
-    """A uvicorn process with exactly the given KP_* settings (others from the environment
+    """A service process with exactly the given KP_* settings (others from the environment
     are dropped), logging to `log_path`. `started_s` is the time until /healthz answered."""
 
     def __init__(
