@@ -75,16 +75,9 @@ HEALTHCHECK --interval=30s --timeout=5s --start-period=60s --retries=3 \
 # 1024 (hard: 524288 or more); at start the service raises the soft limit to
 # KP_OPEN_FILES_LIMIT, as far as the hard limit allows, and logs it. A limit below it needs
 # `docker run --ulimit nofile=65536:65536` (the compose files set it). Slow clients cannot
-# hold them: KP_HEADER_TIMEOUT_S and KP_BODY_TIMEOUT_S close them (README, "Slow and hostile
-# clients").
+# hold them: KP_HEADER_TIMEOUT_S and KP_BODY_TIMEOUT_S close them
+# (docs/operating/slow-clients.md).
 ENV KP_OPEN_FILES_LIMIT=65536
-
-# A large memory's graph (KP_CACHE_CAPACITY in the millions) is gigabytes of pointers read at
-# random: on 2 MB pages its searches spend less on address translation (README, "A large
-# memory"). glibc then asks for transparent huge pages on its large allocations, where the
-# host's THP mode is `madvise` (the default of most distributions); a small memory's process
-# grows by a few megabytes. Ignored by a glibc older than 2.35 and where THP is off.
-ENV GLIBC_TUNABLES=glibc.malloc.hugetlb=1
 
 # The model's optimised graph (KP_MODEL_CACHE) is kept in the volume: written by the first
 # start on a CPU, loaded by the next ones (the home, /app, is not writable).

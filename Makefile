@@ -8,9 +8,8 @@ BIN := $(VENV)/bin
 PYTHON ?= python3
 HOST ?= 127.0.0.1
 PORT ?= 8000
-GLIBC_TUNABLES ?= glibc.malloc.hugetlb=1
 
-.PHONY: run test test-fast lint unit typescript openapi image-test bench bench-precision redis-server clean
+.PHONY: run test test-fast lint unit docs typescript openapi image-test bench redis-server promtool clean
 
 CLIENT := clients/python
 INSTALLED := pyproject.toml $(CLIENT)/pyproject.toml $(CLIENT)/VERSION
@@ -29,15 +28,12 @@ $(BIN)/.installed-test: $(BIN)/.installed
 	touch $@
 
 ## run: start the service on http://$(HOST):$(PORT) (settings from KP_* variables)
-# compileall: the bytecode an installed service has (an editable install writes none, and where
-# PYTHONDONTWRITEBYTECODE is set every start would compile every module); changed files only.
-# GLIBC_TUNABLES: huge pages for a large memory's graph, as the image has them (Dockerfile).
 run: $(BIN)/.installed
-	$(BIN)/python -m compileall -q app
-	GLIBC_TUNABLES=$(GLIBC_TUNABLES) $(BIN)/python -m app.serve --host $(HOST) --port $(PORT)
+	$(BIN)/python -m app.serve --host $(HOST) --port $(PORT)
 
-## test: lint, type-check and run the whole test suite (the TypeScript client's included)
-test: lint typescript unit
+## test: lint, type-check, build the docs and run the whole test suite (the TypeScript
+## client's included)
+test: lint docs typescript unit
 
 ## test-fast: the tests that need no live server, no redis-server and no long run
 test-fast: $(BIN)/.installed-test
@@ -48,8 +44,13 @@ lint: $(BIN)/.installed-test
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-unit: $(BIN)/.installed-test redis-server
+unit: $(BIN)/.installed-test redis-server promtool
 	$(BIN)/python -m pytest
+
+## docs: build the documentation site into site/ (mkdocs --strict: a broken link or a missing
+## page fails); `.venv/bin/mkdocs serve` serves it while you edit
+docs: $(BIN)/.installed-test
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 ## typescript: install the TypeScript client's pinned dev packages (npm ci: node 20, npm) and
 ## build it; tests/test_typescript_client.py runs its tests against a live server
@@ -67,6 +68,14 @@ redis-server:
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
 	@redis-server --version
 
+## promtool: Debian's prometheus package, for tests/test_monitoring.py (promtool check and
+## test the alert rules of deploy/prometheus/). Installed with apt-get when missing (needs root).
+promtool:
+	@command -v promtool >/dev/null || { \
+		echo "installing Debian's prometheus package (the alert rules' tests need promtool)"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
+	@promtool --version | head -1
+
 ## openapi: regenerate openapi/ after an API change
 openapi: $(BIN)/.installed
 	$(BIN)/python -m app.api.openapi_export
@@ -75,13 +84,11 @@ openapi: $(BIN)/.installed
 image-test:
 	bash scripts/image_test.sh
 
-## bench: measure latency and throughput against the bare-onnxruntime floor
+## bench: every phase of the benchmark (floor, load, window, shared, reference, memory);
+## one phase: make bench PHASE=load (floor|load|cold|window|reference|memory|shared|precision)
+PHASE ?= all
 bench: $(BIN)/.installed-test redis-server
-	$(BIN)/python -m bench
-
-## bench-precision: int8 mode against float32 (model speed and score deviation, in process)
-bench-precision: $(BIN)/.installed-test
-	$(BIN)/python -m bench.precision
+	$(BIN)/python -m bench $(PHASE) $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis build *.egg-info
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis build site *.egg-info

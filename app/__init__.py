@@ -1,3 +1,1 @@
-"""kp-scoring: the KnowledgePulse trace scoring service."""
-
-__version__ = "0.1.0"
+"""kp-scoring: the KnowledgePulse trace scoring service (its version: app.core.version)."""

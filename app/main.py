@@ -10,8 +10,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi_offline import FastAPIOffline
 
-from app import __version__
-from app.api import mcp
+from app.api import mcp, openapi_doc
 from app.api.asgi import pipeline
 from app.api.deps import Services
 from app.api.errors import install_error_handlers
@@ -19,6 +18,7 @@ from app.api.routes import cache, evaluate, health, jwks
 from app.core.config import Settings
 from app.core.logging import configure_logging
 from app.core.metrics import Metrics
+from app.core.version import VERSION
 from app.embedding.int8_support import CpuFeatures
 from app.schemas.limits import TraceLimits
 from app.server.descriptors import raise_open_files_limit, watch_descriptors
@@ -70,13 +70,14 @@ def create_app(settings: Settings | None = None, *, cpu: CpuFeatures | None = No
     # /docs and /redoc load their JS and CSS from the service, not a CDN: they work offline.
     app = FastAPIOffline(
         title="kp-scoring",
-        version=__version__,
+        version=VERSION,
         summary="KnowledgePulse trace scoring: is this reasoning trace worth sharing?",
         lifespan=lifespan,
     )
     for router in (evaluate.router, mcp.router, cache.router, health.router, jwks.router):
         app.include_router(router)
     install_error_handlers(app)
+    openapi_doc.install(app, settings)
     chain = pipeline.pieces(
         metrics=metrics,
         keys=keys,

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 
 #: uvicorn imports this and calls it (`--factory`): the settings are read then, not at import.
 FACTORY = "app.main:create_app"
@@ -35,43 +34,13 @@ def run(host: str = "127.0.0.1", port: int = 8000, *, reload: bool = False) -> N
 
 
 def prepare(*, reload: bool = False) -> None:
-    """What the process does before uvicorn is imported (run's first step; bench.cold_probe
-    calls it as well, then finds it done)."""
-    # The service uses no pydantic plugin: the search for them (every installed package's
-    # entry points, at the first model's build; about 4 ms) is skipped. A value set by the
-    # user (e.g. empty: plugins on) is kept.
-    os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
+    """What the process does before uvicorn is imported (run's first step)."""
     # The start creates some 140,000 objects (modules, classes, schemas) that live as long as
-    # the process; the cyclic collector would walk them again and again while they are made,
-    # about a tenth of the start's CPU. Off until the app has started: its lifespan turns it
-    # back on (app/main.py).
+    # the process; the cyclic collector would walk them again and again while they are made.
+    # Off until the app has started: its lifespan freezes them and turns it back on
+    # (app/main.py). Figures: docs/decisions/collector-off-during-start.md.
     if not reload:  # with reload the app lives in a child process, which loads its own
         gc.disable()
-        from app.services import early_load
-
-        # First, so that the model loads while the web stack is imported and started.
-        early_load.start()
-        import_fastapi_deferring_its_models()
-
-
-def import_fastapi_deferring_its_models() -> None:
-    """FastAPI defines the pydantic models of an OpenAPI document (some 60 classes) when it is
-    imported, and only /openapi.json and /docs use them: imported with pydantic's
-    `defer_build`, they build their validators on that first use instead of at every start
-    (about a tenth of the start's import CPU). The setting is put back at once, so only the
-    models FastAPI defines here are deferred: the app's own build as before."""
-    from pydantic import BaseModel
-
-    config = BaseModel.model_config
-    before = config.get("defer_build")
-    config["defer_build"] = True
-    try:
-        import fastapi  # noqa: F401 - imported for its side effect, under the setting
-    finally:
-        if before is None:
-            del config["defer_build"]
-        else:
-            config["defer_build"] = before
 
 
 def main(argv: list[str] | None = None) -> None:

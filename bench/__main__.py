@@ -1,41 +1,43 @@
 """kp-scoring benchmark: the service over HTTP against the floor of the bare model.
 
-    python -m bench [--quick] [--repeat N] [--out bench/results/latest.json] [--env KP_X=Y]
+    python -m bench [PHASE] [--quick] ...
 
-Starts `python -m app.serve` on a free loopback port, as a user would, measures
-latency and throughput on a fixed corpus, and, in the same run, the floor: the same texts
-tokenized and run through a bare onnxruntime session one at a time. Prints a table with
-absolute figures, service / floor ratios and the targets (PASS/FAIL), and writes the same
-as JSON. See bench/README.md.
+Phases (default: all; `python -m bench PHASE --help` for each one's options):
+
+- floor: the bare onnxruntime session, one text at a time (tokenization included);
+- load: one client (typical and long traces) and 1 to 64 clients, the floor measured
+  before and after, ratios service / floor;
+- cold: fresh service processes' first answer against the floor's own load and first run;
+- window: megabyte traces against full-window ones, and /healthz meanwhile;
+- reference: the reference SDK in node side by side (bench/reference.py);
+- memory: the novelty memory at size (bench/memory.py);
+- shared: the shared mode over Redis (bench/shared.py);
+- precision: int8 mode against float32, in process (bench/precision.py);
+- all: every figure of bench/results/latest.json (floor, load, window, shared, first
+  requests), then the reference and memory phases. See bench/README.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import tempfile
 import time
-from datetime import UTC, datetime
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from app.domain.vector_cache import VectorCache
-from app.embedding.int8_support import RELEVANT_FLAGS, CpuFeatures
-from bench import corpus, floor, load, megabyte, memory, reference, shared
-from bench.corpus import WORDS, Item
+from bench import cold_start, corpus, floor, load, megabyte, memory, precision, reference, shared
+from bench.corpus import Item
 from bench.floor import Floor
-from bench.report import render, targets
+from bench.machine import loadavg, machine, parse_env
+from bench.report import megabyte_table, render, targets
 from bench.server import Server, rss_mb
 from bench.stats import latency_summary, median_of_runs, percentile
-
-__all__ = ["WORDS", "main", "rss_mb"]  # scripts/soak.py imports WORDS and rss_mb from here
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "latest.json"
 CONCURRENCY = (1, 4, 16, 64)
@@ -257,39 +259,6 @@ def preload(env: dict[str, str], tmp: Path, item: Item) -> dict[str, float]:
 # ── the document ──────────────────────────────────────────────────────────
 
 
-def _version(package: str) -> str:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return "absent"
-
-
-def machine() -> dict[str, Any]:
-    cpuinfo = Path("/proc/cpuinfo").read_text()
-    model = next(
-        (ln.split(":", 1)[1].strip() for ln in cpuinfo.splitlines() if ln.startswith("model name")),
-        platform.processor(),
-    )
-    return {
-        "cpu": model,
-        "nproc": len(os.sched_getaffinity(0)),
-        "cpu_flags": sorted(CpuFeatures.of_this_machine().flags & RELEVANT_FLAGS),
-        "python": platform.python_version(),
-        "onnxruntime": _version("onnxruntime"),
-        "numpy": _version("numpy"),
-        "tokenizers": _version("tokenizers"),
-        "uvicorn": _version("uvicorn"),
-        "fastapi": _version("fastapi"),
-        "kernel": platform.release(),
-        "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "loadavg_start": _loadavg(),
-    }
-
-
-def _loadavg() -> str:
-    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-
-
 def notes(doc: dict[str, Any]) -> list[str]:
     m, r = doc["machine"], doc["results"]
     c16 = r["concurrency"]["16"]
@@ -311,7 +280,7 @@ def notes(doc: dict[str, Any]) -> list[str]:
     if doc["settings"]["env"].get("KP_EMBEDDER_PRECISION") == "int8":
         out.append(
             "The service runs in int8 mode; the floor is still the float32 model of the default "
-            "mode, so the ratios say what int8 mode gains over it (python -m bench.precision "
+            "mode, so the ratios say what int8 mode gains over it (python -m bench precision "
             "compares the two modes' model runs directly)."
         )
     load1 = float(m["loadavg_start"].split()[0])
@@ -336,24 +305,35 @@ def _floor_spread(f: dict[str, Any]) -> str:
     )
 
 
-def parse_env(pairs: list[str]) -> dict[str, str]:
-    env = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key.startswith("KP_"):
-            raise SystemExit(f"--env takes KP_NAME=value, got {pair!r}")
-        env[key] = value
-    return env
+#: Phases with a module and options of their own: `python -m bench PHASE ARGS` is its main(ARGS).
+DELEGATED = {
+    "cold": cold_start.main,
+    "reference": reference.main,
+    "memory": memory.main,
+    "shared": shared.main,
+    "precision": precision.main,
+}
+PHASES = ("all", "floor", "load", "window", *DELEGATED)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer requests: a smoke run")
-    parser.add_argument(
-        "--repeat", type=int, default=1, help="whole runs; each figure is their median"
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in DELEGATED:
+        return DELEGATED[argv[0]](argv[1:])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
-        "--out", type=Path, default=DEFAULT_OUT, help="JSON results (default %(default)s)"
+        "phase", nargs="?", default="all", choices=PHASES, help="what to measure (default: all)"
+    )
+    parser.add_argument("--quick", action="store_true", help="fewer requests: a smoke run")
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="whole runs (all); each figure is their median"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=DEFAULT_OUT, help="JSON results of all (default %(default)s)"
     )
     parser.add_argument(
         "--env",
@@ -366,30 +346,94 @@ def main(argv: list[str] | None = None) -> int:
         "--memory",
         default="100000,1000000",
         metavar="SIZES",
-        help="the memory phase's sizes (bench.memory: real MiniLM vectors, recall, latency); "
-        "'off' to skip; --quick skips it",
+        help="all: the memory phase's sizes (bench.memory: real MiniLM vectors, recall, "
+        "latency); 'off' to skip; --quick skips it",
     )
     parser.add_argument(
         "--reference",
-        choices=("auto", "only", "skip"),
+        choices=("auto", "skip"),
         default="auto",
-        help="the reference SDK side by side (bench/reference.py): when it is set up (auto), "
-        "alone (only), or not at all",
+        help="all: the reference SDK side by side (bench/reference.py) when it is set up "
+        "(auto), or not at all",
     )
     args = parser.parse_args(argv)
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
     sizes = Sizes(args.quick)
     env = parse_env(args.env)
-    doc: dict[str, Any] = {"machine": machine()}
     items = {
         "typical": corpus.build("typical", sizes.typical, seed=1),
         "long": corpus.build("long", sizes.long, seed=2),
         "warm": corpus.build("typical", sizes.warmup, seed=3),
         "cold": corpus.build("typical", 10, seed=4),
     }
+    if args.phase == "floor":
+        return _print_floor(measure_floor(sizes, items["typical"], items["long"], items["warm"]))
+    if args.phase == "load":
+        return _load_phase(sizes, env, items)
     for kind in corpus.MEGABYTE_KINDS:
         items[f"megabyte_{kind}"] = corpus.megabyte(kind, sizes.megabyte, seed=5)
+    if args.phase == "window":
+        return _window_phase(sizes, env, items)
+    return _all(args, sizes, env, items)
+
+
+def _print_floor(f: dict[str, Any]) -> int:
+    m = machine()
+    print(f"floor: bare onnxruntime, one text at a time; {m['cpu']}, {m['nproc']} cores")
+    for kind in ("typical", "long"):
+        x = f[kind]
+        print(
+            f"  {kind}: p50 {x['p50_ms']:.2f} ms, p99 {x['p99_ms']:.2f} ms, "
+            f"{x['throughput_rps']:.0f} texts/s"
+        )
+    return 0
+
+
+def _load_phase(sizes: Sizes, env: dict[str, str], items: dict[str, list[Item]]) -> int:
+    """One client and 1 to 64 clients, the floor measured before and after (no server up)."""
+    typical, long, warm = items["typical"], items["long"], items["warm"]
+    tmp = Path(tempfile.mkdtemp(prefix="kp-bench-"))
+    floors = [measure_floor(sizes, typical, long, warm)]
+    r = embedder_server(sizes, env, tmp, typical, long, warm)
+    floors.append(measure_floor(sizes, typical, long, warm))
+    f = floor.combine(floors)
+    m = machine()
+    print(f"load: {m['cpu']}, {m['nproc']} cores; settings {env or 'default'}")
+    for kind in ("typical", "long"):
+        s, b = r["single_client"][kind], f[kind]
+        print(
+            f"  one client, {kind}: p50 {s['p50_ms']:.2f} ms ({s['p50_ms'] / b['p50_ms']:.2f}x "
+            f"the floor's {b['p50_ms']:.2f}), p99 {s['p99_ms']:.2f} ms"
+        )
+    for n, c in r["concurrency"].items():
+        print(
+            f"  {n} client(s), typical: {c['throughput_rps']:.0f}/s "
+            f"({c['throughput_rps'] / f['typical']['throughput_rps']:.2f}x the floor's one at a "
+            f"time), p50 {c['p50_ms']:.1f} ms, p99 {c['p99_ms']:.1f} ms, "
+            f"{c['turned_away']} turned away"
+        )
+    return 0
+
+
+def _window_phase(sizes: Sizes, env: dict[str, str], items: dict[str, list[Item]]) -> int:
+    """Megabyte traces against full-window ones (the 512-token window's cost)."""
+    tmp = Path(tempfile.mkdtemp(prefix="kp-bench-"))
+    m = megabyte.measure(
+        env,
+        tmp / "megabyte.log",
+        items["long"][: sizes.megabyte],
+        {kind: items[f"megabyte_{kind}"] for kind in corpus.MEGABYTE_KINDS},
+        sizes.megabyte_load_seconds,
+    )
+    print("\n".join(megabyte_table(m)))
+    return 0
+
+
+def _all(
+    args: argparse.Namespace, sizes: Sizes, env: dict[str, str], items: dict[str, list[Item]]
+) -> int:
+    doc: dict[str, Any] = {"machine": machine()}
     doc["settings"] = {"quick": args.quick, "repeat": args.repeat, "env": env}
     doc["corpus"] = {
         "typical": corpus.describe(items["typical"]),
@@ -401,14 +445,6 @@ def main(argv: list[str] | None = None) -> int:
     }
     started = time.perf_counter()
     where = reference.available() if args.reference != "skip" else "--reference skip"
-    if args.reference == "only":
-        if isinstance(where, str):
-            raise SystemExit(f"reference phase unavailable: {where}")
-        return reference.main(
-            ["--rounds", str(max(3, args.repeat))]
-            + (["--quick"] if args.quick else [])
-            + [f"--env={pair}" for pair in args.env]
-        )
     runs = []
     for i in range(args.repeat):
         print(f"run {i + 1} of {args.repeat} ...", file=sys.stderr, flush=True)
@@ -422,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         doc["reference_skipped"] = where
         print(f"reference phase skipped: {where}", file=sys.stderr)
-    doc["loadavg_end"] = _loadavg()
+    doc["loadavg_end"] = loadavg()
     doc["duration_s"] = round(time.perf_counter() - started, 1)
     doc["targets"] = [t.as_json() for t in targets(doc["results"])]
     if "reference" in doc:

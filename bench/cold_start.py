@@ -3,7 +3,7 @@
 Alternates N fresh service processes (python -m app.serve, lazy model load) with N fresh bare processes
 (onnxruntime session + tokenizers, one run), so a host whose speed drifts skews both alike:
 
-    python -m bench.cold_start [N]
+    python -m bench cold [--n N]
 
 Per pair: the service's first POST /evaluate (its server already answering /healthz) against
 the floor's load + first run in its own process, and both from process start to first answer.
@@ -11,6 +11,7 @@ the floor's load + first run in its own process, and both from process start to 
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -121,7 +122,19 @@ def floor_once() -> tuple[float, float]:
     return (time.perf_counter() - started) * 1000, float(out.stdout.strip())
 
 
-def main(n: int) -> None:
+#: The service's start to its first answer, at most this many times the floor's start to its
+#: first vector (docs/decisions/start-up-tricks.md).
+TARGET = 1.5
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench cold", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--n", type=int, default=5, help="pairs of fresh processes")
+    parser.add_argument("--quick", action="store_true", help="3 pairs")
+    args = parser.parse_args(argv)
+    n = 3 if args.quick else args.n
     rows = []
     for _ in range(n):
         service_total, first_request = service_once()
@@ -136,13 +149,16 @@ def main(n: int) -> None:
     med = [statistics.median(col) for col in zip(*rows, strict=True)]
     first = [r[1] / r[3] for r in rows]
     total = [r[0] / r[2] for r in rows]
+    ratio = med[0] / med[2]
     print(
         f"median: first request / floor load+run = {med[1]:.0f}/{med[3]:.0f} ms = "
         f"{med[1] / med[3]:.2f}x (pairs {min(first):.2f}-{max(first):.2f}); "
         f"start->answer / floor start->vector = {med[0]:.0f}/{med[2]:.0f} ms = "
-        f"{med[0] / med[2]:.2f}x (pairs {min(total):.2f}-{max(total):.2f})"
+        f"{ratio:.2f}x (pairs {min(total):.2f}-{max(total):.2f})"
     )
+    print(f"{'PASS' if ratio <= TARGET else 'FAIL'}  start->answer <= {TARGET}x the floor's")
+    return 0
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 5)
+    raise SystemExit(main())

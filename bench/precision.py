@@ -41,7 +41,7 @@ from app.services.evaluator import Evaluator
 from app.store.in_process import InProcessMemory
 from app.store.indexed_memory import IndexedCache
 from bench import corpus
-from bench.__main__ import machine
+from bench.machine import machine
 from bench.stats import percentile
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "precision.json"

@@ -35,6 +35,7 @@ from typing import Any
 from bench import corpus, load
 from bench.corpus import Item
 from bench.floor import Floor
+from bench.machine import machine, parse_env
 from bench.server import HOST, ROOT, SERVE, Server, compile_app, free_port
 from bench.stats import percentile
 
@@ -383,8 +384,6 @@ def table(ref: dict[str, Any]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.__main__ import machine, parse_env
-
     parser = argparse.ArgumentParser(prog="python -m bench.reference", description=__doc__)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--rounds", type=int, default=3)

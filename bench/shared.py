@@ -39,6 +39,7 @@ from redis.asyncio import Redis
 from app.store.redis_shared import script_text
 from bench import corpus, load
 from bench.corpus import Item
+from bench.machine import machine, parse_env
 from bench.server import Server, cpu_seconds
 from bench.stats import median_of_runs, percentile
 from tests.server import RedisServer
@@ -46,7 +47,7 @@ from tests.server import RedisServer
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "shared.json"
 #: Simulated replicas in the Redis throughput part.
 REPLICAS = (4, 16, 64)
-#: Evaluations a second of one replica (README: 80-300 by CPU and mode) the capacity is quoted for.
+#: Evaluations a second of one replica (80-300 by CPU and mode) the capacity is quoted for.
 REPLICA_RATES = (150, 300)
 CAPACITY = 1000
 
@@ -259,8 +260,6 @@ def targets(s: dict[str, Any]) -> list[tuple[str, str, bool]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.__main__ import machine, parse_env  # bench.__main__ imports this module
-
     parser = argparse.ArgumentParser(
         prog="python -m bench.shared", description=__doc__.split("\n\n")[0]
     )

@@ -149,7 +149,7 @@ phase "preconditions"
 [[ -f /etc/debian_version ]] || fail "needs a Debian host (apt-get, debootstrap)"
 cd "$ROOT"
 for f in Dockerfile .dockerignore docker-compose.yml docker-compose.scale.yml deploy/nginx.conf \
-    pyproject.toml app/main.py tests/factories.py; do
+    pyproject.toml clients/python/pyproject.toml clients/python/VERSION app/main.py tests/factories.py; do
     [[ -f $f ]] || fail "$ROOT/$f is missing"
 done
 [[ -f README.md ]] || fail "README.md is missing: pyproject.toml's readme field needs it, so 'pip install .' (and the image build) cannot work"
@@ -225,6 +225,7 @@ podman image ls "$BASE_REF"
 phase "image build (podman)"
 declare -a BUILD_ARGS=(
     --build-arg "BASE=$BASE_REF"
+    --build-arg "VERSION=$(<"$ROOT/clients/python/VERSION")"
     --build-arg "REVISION=$(git -C "$ROOT" rev-parse HEAD 2>/dev/null || echo unknown)"
     --build-arg "CREATED=$(date -u +%Y-%m-%dT%H:%M:%SZ)"
 )

@@ -24,7 +24,8 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.__main__ import WORDS, rss_mb
+from bench.corpus import WORDS
+from bench.server import rss_mb
 from tests.factories import make_trace, step
 from tests.server import LiveServer
 

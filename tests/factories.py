@@ -28,7 +28,7 @@ def make_trace(
     confidence: float = 1.0,
     trace_id: str = "kp:trace:test-0001",
 ) -> dict[str, Any]:
-    """A valid trace; by default SPEC section 5's worked example (0.57625 with no embedder)."""
+    """A valid trace; by default docs/scoring.md's worked example (0.57625 with no embedder)."""
     return {
         "@context": CONTEXT,
         "@type": "ReasoningTrace",

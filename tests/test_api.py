@@ -1,4 +1,4 @@
-"""The HTTP API (SPEC section 8): answers, dry runs, batches, admin auth, health."""
+"""The HTTP API (docs/api.md): answers, dry runs, batches, admin auth, health."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from app.core.config import ConfigError
+from app.core.version import VERSION
 from tests.conftest import ClientFactory
 from tests.factories import make_trace, step
 
@@ -31,6 +32,7 @@ def test_evaluate_answers_the_spec_example_without_embedder(client_no_embedder: 
         "tool_diversity": 0.15,
         "outcome_confidence": 0.25,
     }
+    assert body["profile"] == {"name": "default", "domain_recognised": True}
     assert body["overrides"] == ["low_tool_diversity"]
     assert body["novelty"] == {
         "measured": False,
@@ -83,7 +85,7 @@ def test_dry_run_scores_without_touching_the_cache(client: TestClient) -> None:
 
 
 def test_long_text_reports_the_window_read_and_truncation(client: TestClient) -> None:
-    """SPEC section 8: `tokens` is what the model read (at most 512), `truncated` whether the
+    """docs/api.md: `tokens` is what the model read (at most 512), `truncated` whether the
     text went past the window."""
     long_trace = make_trace(steps=[step(0, "thought", "alpha beta gamma " * 400)])
     novelty = client.post("/evaluate", json=long_trace).json()["novelty"]
@@ -132,6 +134,54 @@ def test_one_bad_trace_rejects_the_whole_batch(client: TestClient) -> None:
     assert r.status_code == 422
     assert r.json()["detail"][0]["loc"] == ["body", "traces", 1, "outcome", "confidence"]
     assert client.get("/cache").json()["size"] == 0
+
+
+@pytest.mark.parametrize(
+    ("domain", "profile", "recognised"),
+    [
+        ("code", "code", True),
+        ("finance", "finance", True),
+        ("medical", "medical", True),
+        ("customer_service", "customer_service", True),
+        ("default", "default", True),
+        ("code-review", "default", False),
+        ("Finance", "default", False),  # names are exact
+        ("constructor", "default", False),
+    ],
+)
+def test_the_answer_says_which_profile_applied_and_whether_the_domain_was_recognised(
+    client_no_embedder: TestClient, domain: str, profile: str, recognised: bool
+) -> None:
+    r = client_no_embedder.post("/evaluate?dry_run=true", json=make_trace(domain=domain))
+    assert r.status_code == 200, r.text
+    assert r.json()["profile"] == {"name": profile, "domain_recognised": recognised}
+    assert r.json()["weights"]["profile"] == profile
+
+
+@pytest.mark.parametrize("path", ["/evaluate", "/evaluate/batch"])
+@pytest.mark.parametrize("content_type", [None, "application/json"])
+def test_an_empty_body_is_said_to_be_empty(
+    client_no_embedder: TestClient, path: str, content_type: str | None
+) -> None:
+    headers = {"content-type": content_type} if content_type else {}
+    r = client_no_embedder.post(path, content=b"", headers=headers)
+    assert r.status_code == 422
+    (error,) = r.json()["detail"]
+    assert error["loc"] == ["body"]
+    assert error["type"] == "body_empty"
+    assert error["msg"].startswith("the request body is empty")
+    assert "Field required" not in r.text
+    assert client_no_embedder.get("/cache").json()["adds_total"] == 0
+
+
+def test_the_root_points_to_the_docs(client_no_embedder: TestClient) -> None:
+    r = client_no_embedder.get("/")
+    assert r.status_code == 200
+    links = r.json()
+    assert links["docs"] == "/docs"
+    assert links["version"] == VERSION
+    for name in ("docs", "redoc", "openapi", "health", "ready"):
+        assert client_no_embedder.get(links[name]).status_code == 200, name
 
 
 def test_empty_batch_is_refused(client_no_embedder: TestClient) -> None:
@@ -190,7 +240,7 @@ def test_open_cache_is_announced_in_readyz(client_no_embedder: TestClient) -> No
 
 
 def test_health_and_readiness(client: TestClient) -> None:
-    assert client.get("/healthz").json() == {"status": "ok"}
+    assert client.get("/healthz").json() == {"status": "ok", "version": VERSION}
     ready = client.get("/readyz").json()
     assert ready["status"] == "ready"
     assert ready["degraded"] is False
@@ -277,3 +327,17 @@ def test_log_lines_are_json_without_terminal_colours() -> None:
     assert line["msg"] == "Started 7"
     assert line["cache_size"] == 3
     assert "color_message" not in line
+
+
+def test_a_method_a_path_lacks_is_a_405_allowing_every_documented_method(
+    client_no_embedder: TestClient,
+) -> None:
+    """GET and DELETE /cache are two routes: the 405 names both, as the document does."""
+    paths = client_no_embedder.get("/openapi.json").json()["paths"]
+    assert sorted(paths["/cache"]) == ["delete", "get"]
+    for path, methods in paths.items():
+        for method in ("OPTIONS", "PUT", "PATCH"):
+            r = client_no_embedder.request(method, path)
+            assert r.status_code == 405, (method, path)
+            allowed = sorted(m.strip().lower() for m in r.headers["allow"].split(","))
+            assert allowed == sorted(methods), (method, path)

@@ -198,3 +198,42 @@ def test_a_client_that_sends_its_whole_body_first_gets_the_401(keyed: Server) ->
     assert refused.value.code == 401
     assert refused.value.headers["connection"] == "close"
     assert json.loads(refused.value.read())["detail"][0]["loc"] == ["header", "authorization"]
+
+
+@pytest.mark.parametrize(
+    "query",
+    [
+        "api%5Fkey=",
+        "apiKey=",
+        "API_KEY=",
+        "api-key=",
+        "Api.Key=",
+        "x-api-key=",
+        "ACCESS%5FTOKEN=",
+        "dry_run=true&authToken=",
+        "dry_run=true;token=",
+        "api+key=",
+    ],
+)
+def test_any_spelling_of_a_key_in_the_query_string_is_refused(keyed: Server, query: str) -> None:
+    r = httpx.post(
+        f"{keyed.url}/evaluate?{query}{AGENT_A}", json=make_trace(), headers=bearer(AGENT_A)
+    )
+    assert r.status_code == 400, (query, r.text)
+    (error,) = r.json()["detail"]
+    assert error["loc"][0] == "query"
+    assert error["type"] == "key_in_query"
+    assert AGENT_A not in r.text
+
+
+def test_two_authorization_headers_are_a_400(keyed: Server) -> None:
+    for first, second in ((AGENT_A, AGENT_A), (AGENT_A, OPS), (OPS, AGENT_A)):
+        headers = [("Authorization", f"Bearer {first}"), ("Authorization", f"Bearer {second}")]
+        r = httpx.post(f"{keyed.url}/evaluate", json=make_trace(), headers=headers)
+        assert r.status_code == 400, r.text
+        assert r.json()["detail"][0] == {
+            "loc": ["header", "authorization"],
+            "msg": "one Authorization header, not 2",
+            "type": "repeated_header",
+        }
+    assert post(keyed, bearer(AGENT_A)).status_code == 200

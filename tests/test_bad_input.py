@@ -67,6 +67,16 @@ FIELD_CASES: list[tuple[str, Callable[[Trace], Trace], list[Any]]] = [
         _set(("metadata", "created_at"), "2025-06-15"),
         ["body", "metadata", "created_at"],
     ),
+    (
+        "created_at with an offset",  # the reference's zod: the Z form only
+        _set(("metadata", "created_at"), "2025-06-15T10:00:00.123456+02:00"),
+        ["body", "metadata", "created_at"],
+    ),
+    (
+        "created_at February 30",
+        _set(("metadata", "created_at"), "2025-02-30T10:00:00Z"),
+        ["body", "metadata", "created_at"],
+    ),
     ("domain empty", _set(("metadata", "task_domain"), ""), ["body", "metadata", "task_domain"]),
     ("domain missing", _drop(("metadata", "task_domain")), ["body", "metadata", "task_domain"]),
     ("success string", _set(("metadata", "success"), "true"), ["body", "metadata", "success"]),
@@ -350,7 +360,8 @@ def test_unknown_fields_are_ignored(client_no_embedder: TestClient) -> None:
     [
         (("@context",), "https://knowledgepulse.dev/schema/v1"),
         (("metadata", "created_at"), "2025-06-15T10:00:00Z"),
-        (("metadata", "created_at"), "2025-06-15T10:00:00.123456+02:00"),
+        (("metadata", "created_at"), "2024-02-29T23:59:59.123456789Z"),
+        (("metadata", "created_at"), "2025-06-15T10:00Z"),
         (("steps", 0, "step_id"), 3.0),
         (("steps", 0, "latency_ms"), 0),
         (("task", "objective"), "   "),

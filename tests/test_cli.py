@@ -96,6 +96,18 @@ def test_exit_code_follows_the_threshold(
     assert ("pass" if code == 0 else "below") in result.stdout
 
 
+def test_a_domain_with_no_profile_is_said(server: Server, tmp_path: Path) -> None:
+    path = write(tmp_path / "trace.json", make_trace(domain="code-review"))
+    result = run(["evaluate", str(path), "--dry-run"], server.url, COLUMNS="200")
+    assert lines(result.stdout)[0] == (
+        "kp:trace:test-0001  score 0.5763  below (threshold 0.75)  "
+        "weights: default (task_domain not recognised)"
+    )
+    known = write(tmp_path / "known.json", make_trace(domain="code"))
+    result = run(["evaluate", str(known), "--dry-run"], server.url, COLUMNS="200")
+    assert lines(result.stdout)[0].endswith("weights: code")
+
+
 def test_the_novelty_line_says_what_the_model_read() -> None:
     novelty = NoveltyOut(
         measured=True, reason=None, max_cosine=0.5, cache_size=3, tokens=512, truncated=True

@@ -27,7 +27,7 @@ from tests.factories import make_trace, step
 from tests.keys import SLOW
 from tests.server import TOKEN, Server, free_port, running_server
 
-WORKED_EXAMPLE = 0.57625  # SPEC section 5, novelty fixed at 0.5
+WORKED_EXAMPLE = 0.57625  # docs/scoring.md's worked example, novelty fixed at 0.5
 
 
 @pytest.fixture

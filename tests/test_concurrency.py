@@ -1,4 +1,4 @@
-"""Concurrent requests equal some one-at-a-time order of the same requests (SPEC section 8)."""
+"""Concurrent requests equal some one-at-a-time order of the same requests (docs/scoring.md)."""
 
 from __future__ import annotations
 

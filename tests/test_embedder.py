@@ -1,4 +1,5 @@
-"""The embedder: its pipeline, its states, and how faults degrade (SPEC sections 3, 9, 10)."""
+"""The embedder: its pipeline, its states, and how faults degrade (docs/scoring.md,
+docs/configuration.md)."""
 
 from __future__ import annotations
 

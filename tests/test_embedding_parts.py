@@ -14,7 +14,7 @@ from app.core.states import EmbedderState
 from app.embedding.onnx_embedder import ModelError, OnnxEmbedder
 from app.services.embeddings_admission import Admission
 from app.services.embeddings_lifecycle import ModelLifecycle
-from app.services.embeddings_queue import SIMILAR_SLACK_CHARS, Job, JobQueue, similar
+from app.services.embeddings_queue import Job, JobQueue
 from app.services.embeddings_scheduler import RunScheduler
 from app.services.embeddings_types import (
     EmbedderUnavailableError,
@@ -63,13 +63,6 @@ def test_a_request_expires_only_past_the_max_wait() -> None:
 # ── queue ───────────────────────────────────────────────────────────────────
 
 
-def test_similar_lengths_allow_a_ratio_and_a_few_characters() -> None:
-    assert similar(1000, 1150 + SIMILAR_SLACK_CHARS)
-    assert not similar(1000, 1150 + SIMILAR_SLACK_CHARS + 1)
-    assert similar(2, 2 + SIMILAR_SLACK_CHARS)  # short texts still find company
-    assert not similar(2000, 1000)
-
-
 def test_take_follows_arrival_order_up_to_the_text_limit() -> None:
     queue = JobQueue()
     jobs = [job("a", "b"), job("c"), job("d", "e")]
@@ -79,15 +72,6 @@ def test_take_follows_arrival_order_up_to_the_text_limit() -> None:
     assert queue.take(3) == jobs[:2]
     assert queue.texts == 2
     assert len(queue) == 1
-
-
-def test_take_similar_skips_other_lengths_and_keeps_them_in_order() -> None:
-    queue = JobQueue()
-    short, long, short_too, long_too = job("x" * 100), job("y" * 2000), job("z" * 105), job("w")
-    for j in (short, long, short_too, long_too):
-        queue.put(j)
-    assert queue.take(2, similar_only=True) == [short, short_too]
-    assert queue.take(2) == [long, long_too]
 
 
 def test_pop_stale_stops_at_the_first_fresh_job() -> None:

@@ -1,7 +1,7 @@
 """A graph built once serves again: a restart adopts the one saved beside its snapshot, and a
 replica of a shared memory adopts the one another replica published in Redis, instead of
-building (README, "A large memory"). A graph that does not fit is ignored and the cache builds
-as without it; every answer stays the exact scan's on planted near-duplicates."""
+building (docs/decisions/index-graph-adopted.md). A graph that does not fit is ignored and
+the cache builds as without it; every answer stays the exact scan's on planted near-duplicates."""
 
 from __future__ import annotations
 

@@ -191,9 +191,9 @@ def test_the_clients_errors_and_results_print_escaped() -> None:
             422, json={"detail": [{"loc": ["body", HOSTILE], "msg": HOSTILE, "type": "x"}]}
         )
     )
-    with KpScoringClient("http://kp.invalid", transport=transport) as kp:
-        with pytest.raises(ValidationFailed) as refused:
-            kp.evaluate(make_trace())
+    kp = KpScoringClient("http://kp.invalid", transport=transport)
+    with kp, pytest.raises(ValidationFailed) as refused:
+        kp.evaluate(make_trace())
     assert raw_controls(str(refused.value)) == []
     assert raw_controls(str(refused.value.errors[0])) == []
     assert refused.value.errors[0].loc[1] == HOSTILE  # the data itself is kept as sent
@@ -205,9 +205,9 @@ def test_the_clients_errors_and_results_print_escaped() -> None:
     assert raw_controls(str(result)) == raw_controls(repr(result)) == []
 
     transport = httpx.MockTransport(lambda request: httpx.Response(500, text=HOSTILE))
-    with KpScoringClient("http://kp.invalid", transport=transport) as kp:
-        with pytest.raises(KpScoringError) as failed:
-            kp.cache_stats()
+    kp = KpScoringClient("http://kp.invalid", transport=transport)
+    with kp, pytest.raises(KpScoringError) as failed:
+        kp.cache_stats()
     assert raw_controls(str(failed.value)) == []
 
 

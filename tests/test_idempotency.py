@@ -4,6 +4,9 @@ under the key is a 422; eight concurrent copies add one entry; keys are scoped p
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -53,16 +56,24 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
 
 
 @pytest.fixture(scope="module")
-def pair(
+def shared_env(
     tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer
-) -> Iterator[tuple[LiveServer, LiveServer]]:
-    directory = tmp_path_factory.mktemp("idem-pair")
-    shared = env(
+) -> dict[str, str]:
+    directory = tmp_path_factory.mktemp("idem-shared")
+    return env(
         standard_keys(directory / "keys.json"),
         KP_REDIS_URL=redis_server.url,
         KP_REDIS_PREFIX=f"kp-idem-{uuid.uuid4().hex[:8]}:",
         KP_REDIS_TIMEOUT_MS="10000",
     )
+
+
+@pytest.fixture(scope="module")
+def pair(
+    tmp_path_factory: pytest.TempPathFactory, shared_env: dict[str, str]
+) -> Iterator[tuple[LiveServer, LiveServer]]:
+    directory = tmp_path_factory.mktemp("idem-pair")
+    shared = shared_env
     with ThreadPoolExecutor(2) as pool:
         a, b = pool.map(lambda i: LiveServer(shared, directory / f"replica-{i}.log"), range(2))
     yield a, b
@@ -177,3 +188,68 @@ def test_eight_copies_spread_over_two_replicas_add_one_entry(
     ok = [r for r in answers if r.status_code == 200]
     assert len({r.content for r in ok}) == 1
     assert adds(a) == before + 1
+
+
+def test_a_claim_whose_holder_is_gone_frees_the_key_after_a_redis_crash(
+    tmp_path: Path,
+) -> None:
+    """The holder claimed the key, then Redis was killed (-9) and the holder's answer could
+    not be recorded nor its claim freed: the claim comes back from the AOF, but as a lease
+    that lapses within seconds, and a retry runs instead of waiting 30 s for a 409."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from app.services.idempotency import Idempotency
+    from app.store.idempotency import IdempotencyUnavailableError
+    from app.store.idempotency_redis import RedisIdempotencyStore
+
+    server = RedisServer(tmp_path)
+    try:
+
+        async def claim_then_crash() -> str:
+            client = aioredis.Redis.from_url(server.url)
+            holder = Idempotency(RedisIdempotencyStore(client, "kp-lease:"))
+            assert (await holder.begin("k", "fp")).action == "run"
+            server.stop(signal.SIGKILL)
+            # The holder answers meanwhile; its record cannot be written, nor the claim freed.
+            with contextlib.suppress(IdempotencyUnavailableError):
+                await holder.finish("k", "fp", None)
+            server.start()  # the claim is back from the AOF
+            other = aioredis.Redis.from_url(server.url)  # the retry, on another replica
+            retry = Idempotency(RedisIdempotencyStore(other, "kp-lease:"))
+            decision = await retry.begin("k", "fp")
+            await retry.finish("k", "fp", None)
+            await client.aclose()
+            await other.aclose()
+            return decision.action
+
+        assert asyncio.run(claim_then_crash()) == "run"
+    finally:
+        server.stop()
+
+
+def test_a_retry_after_the_replica_holding_its_key_died_is_answered(
+    shared_env: dict[str, str], pair: tuple[LiveServer, LiveServer], tmp_path: Path
+) -> None:
+    _, b = pair
+    victim = LiveServer(shared_env, tmp_path / "victim.log")
+    # A batch long enough that the victim is still embedding when it is killed.
+    traces = [
+        make_trace(
+            trace_id=f"kp:trace:victim-{i}",
+            objective=f"Crash check {i} {uuid.uuid4()} " + "many words of a long objective " * 40,
+        )
+        for i in range(16)
+    ]
+    body, key = orjson.dumps({"traces": traces}), uuid.uuid4().hex
+    headers = {**bearer(AGENT_A), "content-type": "application/json", "Idempotency-Key": key}
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(victim.client.post, "/evaluate/batch", content=body, headers=headers)
+        time.sleep(0.3)  # the victim has claimed the key and is embedding
+        victim.stop(signal.SIGKILL)
+        with contextlib.suppress(httpx.TransportError):
+            first.result()
+    retry = b.client.post("/evaluate/batch", content=body, headers=headers)
+    assert retry.status_code == 200, retry.text
+    assert [r["trace_id"] for r in retry.json()["results"]] == [t["id"] for t in traces]

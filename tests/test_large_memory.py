@@ -137,8 +137,8 @@ def test_far_queries_get_true_cosines_and_mostly_the_maximum(
     stored: npt.NDArray[np.float32], indexed: IndexedCache, exact: IndexedCache
 ) -> None:
     """Queries far from every stored vector (new clusters: the best cosine is about 0.2, all
-    nearly equal) are a graph's weak case (README, "A large memory"): the second, wider search
-    finds nearly every maximum, and the answers are true cosines."""
+    nearly equal) are a graph's weak case (docs/decisions/second-search-for-far-queries.md): the
+    second, wider search finds nearly every maximum, and the answers are true cosines."""
     share, worst = agreement(stored, indexed, exact, clustered(400, seed=99))
     assert share >= 0.95  # 0.9975 in a run here (0.83 with the first search alone)
     assert worst < 0.02  # 0.00015 (0.06)

@@ -4,13 +4,9 @@ other, and the client stays light: read from the source with `ast`."""
 from __future__ import annotations
 
 import ast
-import json
-import os
 import subprocess
 import sys
 from pathlib import Path
-
-import pytest
 
 APP = Path(__file__).resolve().parent.parent / "app"
 CLIENT = APP.parent / "clients" / "python" / "src" / "kp_scoring"
@@ -183,54 +179,6 @@ def test_the_server_loads_no_websocket_protocol() -> None:
     )
     assert {"uvicorn", "fastapi", "httptools"} <= loaded  # the check sees what it does load
     assert not loaded & {"websockets", "wsproto"}
-
-
-@pytest.mark.parametrize(("setting", "searched"), [(None, False), ("", True)])
-def test_a_start_searches_no_pydantic_plugins_unless_asked(
-    setting: str | None, searched: bool
-) -> None:
-    """The service uses no pydantic plugin: app.serve skips pydantic's search for them (every
-    installed package's entry points) unless PYDANTIC_DISABLE_PLUGINS says otherwise."""
-    code = (
-        "import uvicorn, app.serve\n"
-        "uvicorn.run = lambda *args, **kwargs: None\n"
-        "app.serve.run(reload=True)\n"
-        "import app.main\n"
-        "from pydantic.plugin import _loader\n"
-        "print(_loader._plugins is not None)\n"
-    )
-    env = {k: v for k, v in os.environ.items() if k != "PYDANTIC_DISABLE_PLUGINS"}
-    if setting is not None:
-        env["PYDANTIC_DISABLE_PLUGINS"] = setting
-    assert _printed_by(code, env) == [str(searched)]
-
-
-def test_a_start_builds_fastapis_openapi_models_only_when_the_document_is_asked_for() -> None:
-    """app.serve imports FastAPI with pydantic's defer_build on: the models of an OpenAPI
-    document build on the first /openapi.json, not at every start. The setting is put back
-    at once (the app's own models build at import, as before), and the document served is
-    still the committed one."""
-    code = (
-        "import json, pydantic, app.serve\n"
-        "app.serve.prepare()\n"
-        "from fastapi.openapi import models\n"
-        "import app.main\n"
-        "from app.core.config import Settings\n"
-        "from app.schemas.trace import ReasoningTrace\n"
-        "built = app.main.create_app(Settings())\n"
-        "print(json.dumps([models.OpenAPI.__pydantic_complete__,\n"
-        "    ReasoningTrace.__pydantic_complete__,\n"
-        "    'defer_build' in pydantic.BaseModel.model_config]))\n"
-        "document = built.openapi()\n"
-        "print(json.dumps(models.OpenAPI.__pydantic_complete__))\n"
-        "print(json.dumps(document))\n"
-    )
-    env = {**os.environ, "KP_EMBEDDER": "none"}  # nothing for the early load to load
-    out = _printed_by(code, env)
-    assert json.loads(out[0]) == [False, True, False]
-    assert json.loads(out[1]) is True
-    committed = (APP.parent / "openapi" / "openapi.json").read_text(encoding="utf-8")
-    assert json.loads(out[2]) == json.loads(committed)
 
 
 #: What the domain must not use: it is pure (no threads, no processes, no files, no sockets);

@@ -174,6 +174,12 @@ def test_the_summary_line_says_score_verdict_and_novelty(server: Server) -> None
         {"step_id": i, "type": "tool_call", "content": f"call {name}", "tool": {"name": name}}
         for i, name in enumerate(["search", "read", "write"])
     ]
+    unknown = call(server, "kp_score_trace", {**make_trace(domain="code-review"), "dry_run": True})
+    assert text_of(unknown) == (
+        "score 0.57625 is below the 0.75 sharing threshold; task_domain not recognised, "
+        "scored with the default weights; novelty not measured (embedder_unavailable)"
+    )
+    assert unknown.structured_content["profile"] == {"name": "default", "domain_recognised": False}
     meets = call(server, "kp_score_trace", {**make_trace(steps=steps), "dry_run": True})
     score = meets.structured_content["score"]
     verdict = "meets" if score >= 0.75 else "is below"

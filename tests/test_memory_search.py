@@ -107,6 +107,7 @@ def test_mcp_text_says_when_the_index_answered() -> None:
             "score": 0.8,
             "dimensions": scores,
             "weights": {"profile": "default"} | scores,
+            "profile": {"name": "default", "domain_recognised": True},
             "overrides": [],
             "novelty": {
                 "measured": True,

@@ -8,6 +8,7 @@ import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -201,3 +202,52 @@ def test_the_bucket_refills_at_its_rate() -> None:
     assert take() > 0
     assert rate_limit.retry_after(0.2) == 1
     assert rate_limit.retry_after(1.5) == 2
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_batch_costs_one_token_per_trace(
+    tmp_path: Path, redis_server: RedisServer, shared: bool
+) -> None:
+    keys = write_keys(
+        tmp_path / "keys.json",
+        [
+            entry("batcher", PAIR, ["evaluate"], rate=10),
+            entry("agent", AGENT_B, ["evaluate"], rate=4),
+        ],
+    )
+    more = (
+        {"KP_REDIS_URL": redis_server.url, "KP_REDIS_PREFIX": f"kp-batch-{tmp_path.name}:"}
+        if shared
+        else {}
+    )
+    server = LiveServer(keyed_env(keys, KP_EMBEDDER="none", **more), tmp_path / "server.log")
+
+    def batch(n: int, start: int) -> Any:
+        traces = [make_trace(trace_id=f"kp:trace:{start + i}") for i in range(n)]
+        return server.client.post("/evaluate/batch", json={"traces": traces}, headers=bearer(PAIR))
+
+    def mcp_batch(n: int) -> Any:
+        call = {"name": "kp_score_traces", "arguments": {"traces": [make_trace()] * n}}
+        rpc = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": call}
+        headers = bearer(AGENT_B) | {
+            "accept": "application/json, text/event-stream",
+            "mcp-protocol-version": "2025-11-25",
+        }
+        return server.client.post("/mcp", json=rpc, headers=headers).json()["result"]
+
+    try:
+        too_big = batch(11, 0)  # more than the bucket ever holds: never retry it as it is
+        assert too_big.status_code == 422, too_big.text
+        assert too_big.json()["detail"][0]["loc"] == ["body", "traces"]
+        assert batch(6, 0).status_code == 200  # 10 - 1 (the refused one's) - 6 = 3 left
+        over = batch(4, 10)
+        assert over.status_code == 429, over.text
+        assert int(over.headers["retry-after"]) >= 1
+        assert "a batch of 4 costs 4" in over.json()["detail"][0]["msg"]
+        assert batch(2, 20).status_code == 200  # 3 - 1 (the 429's first) = 2: exactly
+        assert mcp_batch(3)["isError"] is False  # 4 - 3 = 1 left
+        refused = mcp_batch(2)  # its first token was there, its second is not
+        assert refused["isError"] is True
+        assert "over its rate of 4 traces a minute" in refused["content"][0]["text"]
+    finally:
+        server.stop()

@@ -1,82 +1,55 @@
-"""The README's examples, run as they stand in the README."""
+"""README.md is the front door: short, its links lead into the docs, its two commands and its
+example are there (tests/test_examples.py runs the example and compares its answer)."""
 
 from __future__ import annotations
 
-import contextlib
-import io
-import json
-import math
 import re
 from pathlib import Path
-from typing import Any
 
-import pytest
-from fastapi.testclient import TestClient
-
-from tests.factories import make_trace
-from tests.server import TOKEN, running_server
+from tests.doc_examples import blocks
 
 ROOT = Path(__file__).resolve().parents[1]
-README = (ROOT / "README.md").read_text(encoding="utf-8")
+README = ROOT / "README.md"
+TEXT = README.read_text(encoding="utf-8")
 
 
-def blocks(language: str) -> list[str]:
-    return re.findall(rf"```{language}\n(.*?)```", README, flags=re.DOTALL)
+def test_the_readme_is_short() -> None:
+    assert len(TEXT.splitlines()) <= 200
 
 
-def _same(got: Any, shown: Any) -> bool:
-    """Equal, floats within 1e-12: the README shows this machine's last bits of a float64,
-    another CPU's may differ there (README says so), any real change is far larger."""
-    if isinstance(shown, float) and isinstance(got, float):
-        return math.isclose(got, shown, rel_tol=0, abs_tol=1e-12)
-    if isinstance(shown, dict) and isinstance(got, dict):
-        return got.keys() == shown.keys() and all(_same(got[k], shown[k]) for k in shown)
-    if isinstance(shown, list) and isinstance(got, list):
-        return len(got) == len(shown) and all(map(_same, got, shown))
-    return bool(got == shown) and type(got) is type(shown)
+def test_the_readme_shows_the_two_commands_and_runs_its_curl() -> None:
+    shown = [b for b in blocks(README) if b.language == "console"]
+    commands = "\n".join(b.text for b in shown)
+    assert "$ make run" in commands
+    assert "$ make test" in commands
+    (curl,) = [b for b in shown if "curl" in b.text]
+    assert curl.mark == "run"
+    assert "-d @examples/trace.json" in curl.text
 
 
-def test_the_curl_example_and_its_repeat_answer_what_the_readme_shows(
-    client: TestClient,
-) -> None:
-    (curl,) = [b for b in blocks("console") if "curl" in b]
-    assert "-d @examples/trace.json" in curl
-    trace = json.loads((ROOT / "examples" / "trace.json").read_text())
-    first_shown, again_shown = (json.loads(b) for b in blocks("json")[:2])
-    for shown in (first_shown, again_shown):
-        got = client.post("/evaluate", json=trace).json()
-        got["elapsed_ms"] = shown["elapsed_ms"]  # a time, not a result
-        if got["novelty"]["nearest"] is not None:  # so is the nearest trace's age
-            got["novelty"]["nearest"]["age_ms"] = shown["novelty"]["nearest"]["age_ms"]
-        assert _same(got, shown), (got, shown)
-    assert again_shown["novelty"]["measured"] is True
+def test_the_readme_shows_the_client_from_its_own_package() -> None:
+    (python,) = [b for b in blocks(README) if b.language == "python"]
+    assert "from kp_scoring import KpScoringClient" in python.text
+    assert python.mark == "run"
+    assert python.output is not None
+    assert "pip install ./clients/python" in TEXT
+    assert "pip install kp-scoring\n" not in TEXT  # no registry serves it
 
 
-@pytest.mark.server
-def test_the_python_client_examples_run_as_written() -> None:
-    # The client's package is kp_scoring (clients/python); README's blocks may still say app.client.
-    sync_block, async_block = [
-        b.replace("from app.client import", "from kp_scoring import")
-        for b in blocks("python")
-        if "app.client" in b or "kp_scoring" in b
-    ]
-    with running_server() as server:
-        namespace = {"trace": make_trace(), "traces": [make_trace(), make_trace()]}
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out):
-            for block in (sync_block, async_block):
-                code = block.replace("http://127.0.0.1:8000", server.url).replace("s3cret", TOKEN)
-                exec(compile(code, "README.md", "exec"), namespace)
-    assert out.getvalue().splitlines() == [
-        "0.57625 default ['low_tool_diversity']",
-        "2 degraded 0",
-        "['body.@context', 'body.id', 'body.metadata']",
-        "[0.57625, 0.57625]",
-    ]
+def test_every_link_of_the_readme_leads_to_a_file() -> None:
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", TEXT)
+    local = [link for link in links if "://" not in link]
+    assert any(link.startswith("docs/") for link in local)
+    missing = [link for link in local if not (ROOT / link).exists()]
+    assert not missing, missing
 
 
-def test_every_setting_is_documented() -> None:
-    from app.core.config import Settings
+def test_the_readme_links_every_page_of_the_docs_nav() -> None:
+    nav = re.findall(r":\s*([\w/-]+\.md)\s*$", (ROOT / "mkdocs.yml").read_text(), flags=re.M)
+    linked = set(re.findall(r"\(docs/([\w/-]+\.md)", TEXT))
+    assert set(nav) - {"index.md"} <= linked, set(nav) - linked
 
-    for name in Settings.model_fields:
-        assert f"`KP_{name.upper()}`" in README, name
+
+def test_the_readme_has_no_performance_figures() -> None:
+    """Figures belong to docs/performance.md, where they are rendered from bench/results."""
+    assert not re.search(r"\d\s?(ms|µs|us|req/s|/s)\b", TEXT), "figures in the README"

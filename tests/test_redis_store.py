@@ -1,5 +1,5 @@
 """The shared novelty memory against a real redis-server: several RedisSharedMemory objects,
-each with its own connections, are replicas as far as Redis can tell (SPEC 6 and 8)."""
+each with its own connections, are replicas as far as Redis can tell (docs/operating/scaling.md)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Differential tests against the reference SDK's own outputs (tests/fixtures/reference/README.md).
 
 The reference scored these traces; the service must give the same scores within 1e-6, the same
-tokens, and the same vectors to float32 rounding (SPEC section 11 aside: see expected_score).
+tokens, and the same vectors to float32 rounding (the differences of docs/scoring.md aside: see
+expected_score).
 """
 
 from __future__ import annotations

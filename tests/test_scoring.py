@@ -1,4 +1,4 @@
-"""The formulas of SPEC sections 3 to 5, checked by hand-computed values and properties."""
+"""The formulas of docs/scoring.md, checked by hand-computed values and properties."""
 
 from __future__ import annotations
 

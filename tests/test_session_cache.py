@@ -15,13 +15,13 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from app.core.config import Settings
+from app.core.config import Settings, user_cache_directory
 from app.embedding import model_files
 from app.embedding.int8_support import int8_support
 from app.embedding.onnx_embedder import OnnxEmbedder
-from app.embedding.session_cache import SessionCache, default_directory
-from app.services.early_load import load_embedder
+from app.embedding.session_cache import SessionCache
 from app.services.embeddings_lifecycle import ModelLifecycle
+from app.services.runtime import load_embedder
 
 TEXTS = [
     "Review PR #42 for security issues Analyzing diff for injection vectors",
@@ -222,20 +222,20 @@ def test_int8_mode_has_entries_of_its_own_with_the_same_vectors(
     np.testing.assert_array_equal(_vectors(again), _vectors(plain))
 
 
-def test_the_default_directory_is_the_user_cache_or_none(
+def test_the_cache_directory_is_the_user_cache_or_none(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert default_directory() == tmp_path / "kp-scoring" / "onnx"
+    assert user_cache_directory() == tmp_path / "kp-scoring" / "onnx"
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert default_directory() == tmp_path / "home" / ".cache" / "kp-scoring" / "onnx"
+    assert user_cache_directory() == tmp_path / "home" / ".cache" / "kp-scoring" / "onnx"
 
     def unknown() -> Path:
         raise RuntimeError("Could not determine home directory.")
 
     monkeypatch.setattr(Path, "home", unknown)
-    assert default_directory() is None  # no cache rather than a shared place such as /tmp
+    assert user_cache_directory() is None  # no cache rather than a shared place such as /tmp
 
 
 def test_a_session_loaded_from_the_cache_does_not_read_the_model(

@@ -39,6 +39,7 @@ CLAIMS = {
     "dimensions",
     "weights_profile",
     "novelty_measured",
+    "dry_run",
 }
 
 

@@ -1,4 +1,4 @@
-"""The vector cache (SPEC section 6): eviction, TTL, exactness, thread safety."""
+"""The vector cache (docs/scoring.md): eviction, TTL, exactness, thread safety."""
 
 from __future__ import annotations
 
@@ -164,7 +164,7 @@ def test_nearest_names_the_newest_of_the_best_through_wraparound(
     seeds: list[int], capacity: int, query: int, skip_oldest: int
 ) -> None:
     """Which entry is named, full ring or not: the newest of those with the reference's
-    maximal cosine (SPEC section 6), and none of the `skip_oldest` oldest."""
+    maximal cosine (docs/scoring.md), and none of the `skip_oldest` oldest."""
     cache = VectorCache(capacity=capacity, dimensions=16)
     for i, s in enumerate(seeds):
         cache.add(unit(s, 16), trace_id=f"t{i}")

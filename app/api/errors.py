@@ -10,8 +10,10 @@ import logging
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
 from app.core.errors import error_body
 from app.services.embeddings import OverloadedError
@@ -41,9 +43,38 @@ def error_response(status: int, detail: str) -> JSONResponse:
     return JSONResponse(status_code=status, content={"detail": detail}, headers=headers)
 
 
+#: What a request with no body hears, rather than pydantic's "Field required" at `body`:
+#: `curl -d @file` sends an empty body when the file is not found.
+EMPTY_BODY = (
+    "the request body is empty: send the JSON document (with curl, -d @FILE sends nothing "
+    "when FILE is not found from the current directory)"
+)
+
+
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
-    return JSONResponse(status_code=422, content=error_body(exc.errors()))
+    errors = [
+        {**e, "msg": EMPTY_BODY, "type": "body_empty"}
+        if tuple(e["loc"]) == ("body",) and e["type"] == "missing"
+        else e
+        for e in exc.errors()
+    ]
+    return JSONResponse(status_code=422, content=error_body(errors))
+
+
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
+    """FastAPI's answer, but a 405's Allow lists every method the document gives the path:
+    each route knows only its own (GET /cache would say `Allow: GET`, though DELETE exists)."""
+    assert isinstance(exc, HTTPException)
+    documented = (
+        request.app.openapi()["paths"].get(request.url.path) if exc.status_code == 405 else None
+    )
+    if documented:  # the paths have no templates: the request's path is the key
+        allowed = ", ".join(sorted(method.upper() for method in documented))
+        exc = HTTPException(405, exc.detail, headers={**(exc.headers or {}), "Allow": allowed})
+    response = await http_exception_handler(request, exc)
+    assert isinstance(response, JSONResponse)
+    return response
 
 
 async def _typed_error(request: Request, exc: Exception) -> JSONResponse:
@@ -59,6 +90,7 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
 
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(HTTPException, _http_error)
     for error in ERRORS:
         app.add_exception_handler(error, _typed_error)
     app.add_exception_handler(Exception, _unexpected)

@@ -26,10 +26,13 @@ from mcp.server.transport_security import TransportSecuritySettings
 from mcp.shared.exceptions import MCPError
 from pydantic import BaseModel, ValidationError
 
-from app import __version__
+from app.api.batch_cost import charge_batch
 from app.api.deps import Services
 from app.api.presenters import evaluation_out
+from app.core.api_keys import ApiKey
 from app.core.signatures import unsignable_errors
+from app.core.version import VERSION
+from app.schemas.ids import visible
 from app.schemas.responses import BatchIn, BatchOut, EvaluationOut
 from app.schemas.trace import ReasoningTrace
 from app.services.embeddings import OverloadedError
@@ -95,13 +98,21 @@ def _field(loc: Sequence[str | int]) -> str:
     return ".".join(path) or "(arguments)"
 
 
+def _api_key(ctx: Any) -> ApiKey | None:
+    """The caller's key, as the API-key middleware left it in the HTTP request's scope."""
+    scope = getattr(getattr(ctx, "request", None), "scope", None) or {}
+    key = scope.get("state", {}).get("api_key")
+    return key if isinstance(key, ApiKey) else None
+
+
 def _tool_error(text: str) -> types.CallToolResult:
     return types.CallToolResult(content=[types.TextContent(text=text)], is_error=True)
 
 
 def _invalid(errors: Sequence[Any]) -> types.CallToolResult:
     # Field paths and messages only: like the REST 422, never the input itself.
-    fields = "; ".join(f"{_field(e['loc'])}: {e['msg']} ({e['type']})" for e in errors)
+    # Escaped: a path may name a key of the caller's own JSON (limit errors do).
+    fields = visible("; ".join(f"{_field(e['loc'])}: {e['msg']} ({e['type']})" for e in errors))
     return _tool_error(f"invalid arguments, nothing was scored: {fields}")
 
 
@@ -109,10 +120,13 @@ def summary(answer: EvaluationOut) -> str:
     """One line an agent (or its model) reads: the score, the verdict, the nearest trace."""
     verdict = "meets" if answer.score >= SHARE_THRESHOLD else "is below"
     line = f"score {answer.score:.6g} {verdict} the {SHARE_THRESHOLD} sharing threshold"
+    if not answer.profile.domain_recognised:
+        line += f"; task_domain not recognised, scored with the {answer.profile.name} weights"
     novelty = answer.novelty
     nearest = novelty.nearest  # the stored trace with the largest cosine
     if nearest is not None:
-        name = nearest.trace_id or "(stored without an id)"
+        # Stored by another caller, maybe before ids had a rule: escaped, never raw.
+        name = visible(nearest.trace_id) if nearest.trace_id else "(stored without an id)"
         line += f"; nearest earlier trace {name} (cosine {nearest.cosine:.4f})"
     elif novelty.measured and novelty.max_cosine is not None:
         line += f"; max cosine {novelty.max_cosine:.4f} with {novelty.cache_size} earlier traces"
@@ -139,7 +153,7 @@ class McpTools:
         self, ctx: Any, params: types.CallToolRequestParams
     ) -> types.CallToolResult:
         try:
-            return await self._call(params)
+            return await self._call(ctx, params)
         except MCPError:
             raise
         except Exception:
@@ -147,7 +161,7 @@ class McpTools:
             log.exception("mcp: unhandled error", extra={"tool": params.name})
             raise MCPError(types.INTERNAL_ERROR, "internal error") from None
 
-    async def _call(self, params: types.CallToolRequestParams) -> types.CallToolResult:
+    async def _call(self, ctx: Any, params: types.CallToolRequestParams) -> types.CallToolResult:
         if params.name not in (SCORE_TRACE, SCORE_TRACES):
             raise MCPError(types.INVALID_PARAMS, f"unknown tool: {params.name}")
         arguments = dict(params.arguments or {})
@@ -164,6 +178,10 @@ class McpTools:
             )
         except ValidationError as exc:
             return _invalid(exc.errors(include_url=False, include_input=False))
+        if batch:
+            refused = await charge_batch(self.services.rate_limiter, _api_key(ctx), len(traces), ())
+            if refused is not None:
+                return _tool_error(f"nothing was scored: {refused.error['msg']}")
         sent = arguments["traces"] if batch else [arguments]
         unsignable = unsignable_errors(sent, batch=batch) if self.services.signer else []
         if unsignable:
@@ -185,7 +203,7 @@ class McpTools:
             return _tool_error(f"overloaded, nothing was scored; retry in a second: {exc}")
         signer = s.signer
         answers = [
-            evaluation_out(e, None if signer is None else signer.sign(e, trace))
+            evaluation_out(e, None if signer is None else signer.sign(e, trace, dry_run=dry_run))
             for e, trace in zip(evaluations, sent, strict=True)
         ]
         return _result(answers, batch=batch)
@@ -194,7 +212,7 @@ class McpTools:
 def _result(answers: list[EvaluationOut], *, batch: bool) -> types.CallToolResult:
     if batch:
         structured = BatchOut(results=answers).model_dump(mode="json")
-        text = "\n".join(f"{a.trace_id}: {summary(a)}" for a in answers)
+        text = "\n".join(f"{visible(a.trace_id)}: {summary(a)}" for a in answers)
     else:
         (answer,) = answers
         structured = answer.model_dump(mode="json")
@@ -215,7 +233,7 @@ class McpTransport:
         tools = McpTools(services)
         server: Server[Any] = Server(
             "kp-scoring",
-            version=__version__,
+            version=VERSION,
             title="KnowledgePulse trace scoring",
             instructions=(
                 f"Call {SCORE_TRACE} with a ReasoningTrace before contributing it: a score of "

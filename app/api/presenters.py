@@ -11,6 +11,7 @@ from app.schemas.responses import (
     DimensionsOut,
     EvaluationOut,
     NoveltyOut,
+    ProfileOut,
     SnapshotOut,
     WeightsOut,
 )
@@ -38,6 +39,7 @@ def evaluation_out(evaluation: Evaluation, signature: str | None = None) -> Eval
             tool_diversity=w.tool_diversity,
             outcome_confidence=w.outcome_confidence,
         ),
+        profile=ProfileOut(name=w.name, domain_recognised=s.domain_recognised),
         overrides=list(s.overrides),
         novelty=NoveltyOut.model_validate(n, from_attributes=True),
         elapsed_ms=round(evaluation.elapsed_ms, 3),

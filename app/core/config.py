@@ -1,4 +1,7 @@
-"""Service settings, read once from `KP_*` environment variables (SPEC section 9)."""
+"""Service settings, read once from `KP_*` environment variables.
+
+Each field's `description` is the user's documentation: docs/configuration.md is generated
+from it at build time (docs/hooks/settings.py)."""
 
 from __future__ import annotations
 
@@ -21,109 +24,330 @@ class ConfigError(SystemExit):
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", frozen=True)
 
-    embedder: Literal["onnx", "none"] = "onnx"
-    model_path: Path | None = None
-    tokenizer_path: Path | None = None
-    embedder_preload: bool = False
-    #: With `python -m app.serve`: the model starts loading when the process starts, beside
-    #: the imports and uvicorn's start-up, without holding readiness back (the preload does).
-    embedder_early_load: bool = True
-    embedder_threads: Annotated[int, Field(ge=0)] = 0  # 0: onnxruntime's choice (all cores)
-    #: false: the intra-op threads sleep when idle instead of spinning (hosts with busy cores).
-    embedder_spinning: bool = True
-    #: Model runs side by side under load, one core each; 0: one per core this process may use.
-    embedder_workers: Annotated[int, Field(ge=0, le=64)] = 0
-    #: int8: 1.4-1.9x faster per text, scores within 0.01 of float32, on x86-64 CPUs with VNNI
-    #: or AVX2; declined (float32, said in /readyz and the log) elsewhere (README, "int8 mode").
-    embedder_precision: Literal["float32", "int8"] = "float32"
-    #: The model's optimised graph is kept here between starts and loaded as it is (a faster
-    #: start, the same vectors); unset: $XDG_CACHE_HOME/kp-scoring/onnx (~/.cache/...).
-    model_cache_dir: Path | None = None
-    #: false: the graph is optimised at every start and nothing is written.
-    model_cache: bool = True
+    embedder: Literal["onnx", "none"] = Field(
+        "onnx",
+        description="`onnx`: all-MiniLM-L6-v2 through onnxruntime measures novelty; `none`: no "
+        "model, novelty is 0.5 and every answer says it was not measured.",
+    )
+    model_path: Path | None = Field(
+        None,
+        description="Another all-MiniLM-L6-v2 ONNX export (inputs `input_ids`, "
+        "`attention_mask`, `token_type_ids`; output `last_hidden_state`), e.g. the reference's "
+        "fp32 `model.onnx`. Unset: the packaged int8 model, checked by its sha256.",
+    )
+    tokenizer_path: Path | None = Field(
+        None,
+        description="The `tokenizer.json` to use with that model. Unset: the bundled one.",
+    )
+    embedder_preload: bool = Field(
+        False,
+        description="Load the model before the service reports ready, instead of on the first "
+        "trace.",
+    )
+    embedder_threads: Annotated[
+        int,
+        Field(
+            ge=0,
+            description="onnxruntime intra-op threads of a request that runs alone; `0`: one "
+            "per core.",
+        ),
+    ] = 0
+    embedder_spinning: bool = Field(
+        True,
+        description="`false`: onnxruntime's idle intra-op threads sleep instead of spinning "
+        "(steadier latency on hosts whose cores other work keeps busy; the same vectors).",
+    )
+    embedder_workers: Annotated[
+        int,
+        Field(
+            ge=0,
+            le=64,
+            description="Model runs side by side under load, one core each; `0`: one per core "
+            "this process may use. Above 1 a second, single-threaded session is loaded (about "
+            "110 MiB more); `1`: one run at a time over all cores.",
+        ),
+    ] = 0
+    embedder_precision: Literal["float32", "int8"] = Field(
+        "float32",
+        description="`float32`: the reference's vectors. `int8`: int8 activations, about twice "
+        "the throughput under load with scores within 0.01, on x86-64 CPUs with VNNI or AVX2; "
+        "elsewhere declined (float32 served, said in `/readyz` and the log).",
+    )
+    model_cache_dir: Path | None = Field(
+        None,
+        description="Where onnxruntime's optimised graph of the model is kept between starts "
+        "(about 90 MB per model, precision, onnxruntime version and CPU). Unset: "
+        "`$XDG_CACHE_HOME/kp-scoring/onnx` (`~/.cache/...`); a directory the service cannot "
+        "write leaves the start as without a cache, with a warning.",
+    )
+    model_cache: bool = Field(
+        True,
+        description="Keep the model's optimised graph on disk and load it as it is at later "
+        "starts (a faster start, the same vectors bit for bit); `false`: optimised at every "
+        "start, nothing written.",
+    )
 
-    cache_capacity: Annotated[int, Field(ge=1)] = 1000
-    cache_ttl_ms: Annotated[float, Field(gt=0)] | None = None
-    #: exact: the exact scan at any size (operators check the index with it); auto: an
-    #: approximate index proposes candidates, rescored exactly, from KP_CACHE_INDEX_THRESHOLD
-    #: entries on (README, "A large memory").
-    cache_search: Literal["exact", "auto"] = "auto"
-    cache_index_threshold: Annotated[int, Field(ge=1_000)] = 20_000
-    #: The graph's search breadth (faiss efSearch): higher finds the exact maximum more often,
-    #: for more time a query (README, "The memory at size").
-    cache_index_ef_search: Annotated[int, Field(ge=16, le=4_096)] = 128
-    #: The breadth of a second search for a query whose best candidate's cosine is below 0.75
-    #: (far from everything: where the first search misses); 0: no second search (README,
-    #: "The memory at size").
-    cache_index_ef_search_far: Annotated[int, Field(ge=0, le=8_192)] = 1024
-    #: With KP_REDIS_URL: a replica that builds the graph publishes it in Redis (about 0.9 kB
-    #: an entry more there), and a starting replica adopts the published one instead of
-    #: building (README, "A large memory"). false: each replica builds its own.
-    cache_index_share: bool = True
-    #: Largest POST /cache/import body (NDJSON, about 2.1 kB a 384-float entry); the lines
-    #: are checked before any is added, so a request's entries are held until its end.
-    cache_import_max_bytes: Annotated[int, Field(ge=1_048_576)] = 64 * 1_048_576
-    cache_snapshot_path: Path | None = None
-    cache_snapshot_interval_s: Annotated[float, Field(gt=0)] = 30.0
+    cache_capacity: Annotated[
+        int,
+        Field(ge=1, description="Vectors the novelty memory keeps; the oldest is evicted first."),
+    ] = 1000
+    cache_ttl_ms: Annotated[float, Field(gt=0)] | None = Field(
+        None,
+        description="Entries expire after this many milliseconds (`604800000` is a week). "
+        "Unset: they never expire.",
+    )
+    cache_search: Literal["exact", "auto"] = Field(
+        "auto",
+        description="`auto`: from `KP_CACHE_INDEX_THRESHOLD` entries on, an approximate index "
+        "proposes candidates that are rescored exactly; `exact`: the exact scan at any size "
+        "(to check the index).",
+    )
+    cache_index_threshold: Annotated[
+        int,
+        Field(
+            ge=1_000,
+            description="Entries from which the approximate index answers; below it the search "
+            "is the reference's exact scan.",
+        ),
+    ] = 20_000
+    cache_index_ef_search: Annotated[
+        int,
+        Field(
+            ge=16,
+            le=4_096,
+            description="The index's search breadth (faiss HNSW efSearch): higher finds the "
+            "exact maximum more often, for more time a query.",
+        ),
+    ] = 128
+    cache_index_ef_search_far: Annotated[
+        int,
+        Field(
+            ge=0,
+            le=8_192,
+            description="The breadth of a second search, only for a query whose best "
+            "candidate's cosine is below 0.75 (far from everything stored, where the first "
+            "search misses); `0`, or a value not above `KP_CACHE_INDEX_EF_SEARCH`: no second "
+            "search.",
+        ),
+    ] = 1024
+    cache_index_share: bool = Field(
+        True,
+        description="With `KP_REDIS_URL`: a replica that builds the index's graph publishes it "
+        "in Redis (about 0.9 kB an entry more there) and a starting replica adopts it instead "
+        "of building; `false`: every replica builds its own.",
+    )
+    # The lines are checked before any is added, so a request's entries are held until its end.
+    cache_import_max_bytes: Annotated[
+        int,
+        Field(
+            ge=1_048_576,
+            description="Largest `POST /cache/import` body (NDJSON, about 2.1 kB an entry: 64 "
+            "MiB is about 30,000 entries); send more in several requests.",
+        ),
+    ] = 64 * 1_048_576
+    cache_snapshot_path: Path | None = Field(
+        None,
+        description="File the in-process memory is saved to, so that it survives a restart. "
+        "Refused with `KP_REDIS_URL` (Redis's own persistence keeps a shared memory).",
+    )
+    cache_snapshot_interval_s: Annotated[
+        float,
+        Field(gt=0, description="How often a changed memory is saved (also at shutdown)."),
+    ] = 30.0
+    cache_journal_fsync: Annotated[
+        Literal["everysec", "always", "off"],
+        Field(
+            description="With KP_CACHE_SNAPSHOT_PATH: every trace added (and every import and "
+            "clear) is appended to a journal beside the snapshot before it is answered, and "
+            "replayed after the snapshot at start, so a killed process loses nothing it "
+            "answered. everysec: the journal is flushed to disk once a second (a power loss "
+            "costs at most about the last second); always: before every answer (slower on "
+            "slow disks); off: no journal (a crash loses what came after the last snapshot). "
+            "Imports and clears are flushed before their answer either way "
+            "(docs/operating/persistence.md)."
+        ),
+    ] = "everysec"
 
-    admin_token: SecretStr | None = None
-    #: Set: scoring needs an API key of this JSON file with scope `evaluate`, /cache one with
-    #: `admin` (or KP_ADMIN_TOKEN); keys are stored as SHA-256 (app/core/api_keys.py).
-    api_keys_file: Path | None = None
-    #: Set: every 200 answer carries a JWS signed with this Ed25519 private key (PEM).
-    signing_key_file: Path | None = None
-    #: PEM public keys of earlier signing keys, still published in the JWKS after a rotation.
-    signing_previous_keys_file: Path | None = None
-    signing_issuer: Annotated[str, Field(min_length=1, max_length=200)] = "kp-scoring"
-    #: Vectors of recently embedded texts kept (by SHA-256 of the text), so that a commit after
-    #: a dry run or a retry runs no model; about 1.6 KiB each; 0: off.
-    embed_memo_capacity: Annotated[int, Field(ge=0, le=1_000_000)] = 4096
+    admin_token: SecretStr | None = Field(
+        None,
+        description="Bearer token for the `/cache` routes, beside the admin keys of "
+        "`KP_API_KEYS_FILE`. With neither, `/cache` is open (logged, and shown in `/readyz`).",
+    )
+    api_keys_file: Path | None = Field(
+        None,
+        description="JSON file of API keys (stored as their SHA-256), scopes and rates: scoring "
+        "then needs a key of scope `evaluate`, `/cache` one of scope `admin` (or "
+        "`KP_ADMIN_TOKEN`). Unset: scoring is open.",
+    )
+    signing_key_file: Path | None = Field(
+        None,
+        description="PEM Ed25519 private key: every 200 answer carries `signature`, a compact "
+        "JWS. Unset: `signature` is `null`.",
+    )
+    signing_previous_keys_file: Path | None = Field(
+        None,
+        description="PEM public keys of earlier signing keys, still published in the JWKS "
+        "after a rotation.",
+    )
+    signing_issuer: Annotated[
+        str,
+        Field(min_length=1, max_length=200, description="The `iss` claim of signed scores."),
+    ] = "kp-scoring"
+    signing_audience: Annotated[
+        str | None,
+        Field(
+            min_length=1,
+            max_length=200,
+            description="Set: every signed score's payload carries it as `aud`, the party the "
+            "scores are for (a registry's name); a verifier that is not this audience refuses "
+            "them (docs/operating/signatures.md).",
+        ),
+    ] = None
+    signing_lifetime_s: Annotated[
+        int | None,
+        Field(
+            ge=1,
+            description="Set: every signed score's payload carries `exp`, this many seconds "
+            "after it was signed; past it the signature no longer verifies "
+            "(docs/operating/signatures.md). Unset: signed scores do not expire.",
+        ),
+    ] = None
+    embed_memo_capacity: Annotated[
+        int,
+        Field(
+            ge=0,
+            le=1_000_000,
+            description="Vectors of recently embedded texts kept by the SHA-256 of the text "
+            "(about 1.6 KiB each), so that a commit after a dry run or a retry runs no model; "
+            "`0`: off.",
+        ),
+    ] = 4096
 
-    #: Set: the novelty cache is shared, through this Redis, by every replica that uses it and
-    #: the same prefix (SPEC 6). A secret: it may carry a password.
-    redis_url: SecretStr | None = None
-    redis_prefix: Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[^\s]+$")] = "kp:"
-    #: Longest a request waits for Redis; past it, novelty is not measured (cache_unavailable).
-    #: A healthy exchange takes well under 1 ms locally and a few ms across a network; 250 ms
-    #: is past an fsync stall of a slow disk (appendfsync always) and past the event loop's
-    #: delays on a busy two-core machine, so it does not fire under load, yet keeps a request
-    #: within a few times SPEC 7's 100 ms when Redis is gone.
-    redis_timeout_ms: Annotated[float, Field(gt=0, le=60_000)] = 250.0
+    # A secret: it may carry a password.
+    redis_url: SecretStr | None = Field(
+        None,
+        description="`redis://[[user]:password@]host[:port][/db]` or `rediss://...` (TLS): the "
+        "novelty memory is shared by every replica with the same URL and prefix. Unset: the "
+        "memory lives in the process.",
+    )
+    redis_prefix: Annotated[
+        str,
+        Field(
+            min_length=1,
+            max_length=200,
+            pattern=r"^[^\s]+$",
+            description="Key prefix in that Redis (several services or environments can share "
+            "one Redis).",
+        ),
+    ] = "kp:"
+    # A healthy exchange takes well under 1 ms locally and a few ms across a network; 250 ms
+    # is past an fsync stall of a slow disk (appendfsync always) and past the event loop's
+    # delays on a busy two-core machine, so it does not fire under load, yet keeps a request
+    # within a few times the 100 ms budget (docs/performance.md) when Redis is gone.
+    redis_timeout_ms: Annotated[
+        float,
+        Field(
+            gt=0,
+            le=60_000,
+            description="Longest a request waits for Redis; past it novelty is not measured "
+            "(`cache_unavailable`).",
+        ),
+    ] = 250.0
 
-    max_body_bytes: Annotated[int, Field(ge=1024)] = 1_048_576
-    max_batch: Annotated[int, Field(ge=1, le=10_000)] = 64
-    max_steps: Annotated[int, Field(ge=1)] = 1000
-    max_string_chars: Annotated[int, Field(ge=1)] = 100_000
-    max_json_depth: Annotated[int, Field(ge=4, le=1000)] = 32
-    #: Texts one model run takes at most (micro-batching of concurrent requests).
-    embed_batch_size: Annotated[int, Field(ge=1, le=1024)] = 32
-    #: Texts waiting for the model beyond which requests are turned away with 503 at once.
-    embed_queue_limit: Annotated[int, Field(ge=1)] = 256
-    #: Longest wait for the model before a request's run starts; past it, 503. A limit for real
-    #: overload, not for latency: 10 s is about 70 full-window texts on a CPU where one takes
-    #: 140 ms, so bursts and closed-loop clients on slow CPUs are served, later, not refused.
-    embed_max_wait_ms: Annotated[float, Field(gt=0)] = 10_000.0
+    max_body_bytes: Annotated[int, Field(ge=1024, description="Larger request bodies get 413.")] = (
+        1_048_576
+    )
+    max_batch: Annotated[int, Field(ge=1, le=10_000, description="Traces per batch request.")] = 64
+    max_steps: Annotated[int, Field(ge=1, description="Steps per trace.")] = 1000
+    max_string_chars: Annotated[
+        int, Field(ge=1, description="Characters in any one string of a trace.")
+    ] = 100_000
+    max_json_depth: Annotated[
+        int,
+        Field(
+            ge=4,
+            le=1000,
+            description="Nesting of arrays and objects in a body (checked before parsing).",
+        ),
+    ] = 32
+    embed_batch_size: Annotated[
+        int,
+        Field(
+            ge=1,
+            le=1024,
+            description="Texts one model run takes at most (concurrent requests share runs; "
+            "`int8` runs each text alone).",
+        ),
+    ] = 32
+    embed_queue_limit: Annotated[
+        int,
+        Field(
+            ge=1,
+            description="Texts waiting for the model beyond which requests get 503 at once.",
+        ),
+    ] = 256
+    # A limit for real overload, not for latency: 10 s is about 70 full-window texts on a CPU
+    # where one takes 140 ms, so bursts and closed-loop clients on slow CPUs are served, later.
+    embed_max_wait_ms: Annotated[
+        float,
+        Field(
+            gt=0,
+            description="Longest a request may wait for the model before its run starts; past "
+            "it, 503.",
+        ),
+    ] = 10_000.0
 
     # Connection bounds, enforced by the HTTP protocol (app/server/protocol.py) so that slow
-    # or silent clients cannot hold descriptors (README, "Slow and hostile clients").
-    #: From connect (or the end of the previous answer) to the request's last header line;
-    #: past it, 408 and close (a connection that sent nothing is closed without an answer).
-    #: An honest request's headers are under 1 KB, one packet; 15 s outlasts several TCP
-    #: retransmissions (1 s, 2 s, 4 s...) on a lossy link.
-    header_timeout_s: Annotated[float, Field(gt=0, le=600)] = 15.0
-    #: From the last header line to the body's last byte; past it, 408 and close. 30 s takes
-    #: the 1 MiB body limit at 35 KB/s and a typical trace (a few KB) at well under 1 KB/s.
-    body_timeout_s: Annotated[float, Field(gt=0, le=600)] = 30.0
-    #: Request line plus header lines, in bytes; past it, 431. 32 KiB: nginx's default
-    #: (large_client_header_buffers 4 8k), twice h11's.
-    max_header_bytes: Annotated[int, Field(ge=1024, le=1_048_576)] = 32_768
-    #: Header lines per request; past it, 431 (Apache's LimitRequestFields).
-    max_header_count: Annotated[int, Field(ge=8, le=10_000)] = 100
-    #: The soft file-descriptor limit (RLIMIT_NOFILE) is raised to this at start, as far as
-    #: the hard limit allows (one descriptor per open connection); 0 leaves it as it is.
-    open_files_limit: Annotated[int, Field(ge=0)] = 65_536
+    # or silent clients cannot hold descriptors (docs/operating/slow-clients.md).
+    # An honest request's headers are under 1 KB, one packet; 15 s outlasts several TCP
+    # retransmissions (1 s, 2 s, 4 s...) on a lossy link.
+    header_timeout_s: Annotated[
+        float,
+        Field(
+            gt=0,
+            le=600,
+            description="From connect (or the end of the previous answer) to the request's last "
+            "header line; past it, 408 and close (a connection that sent nothing is closed "
+            "without an answer).",
+        ),
+    ] = 15.0
+    body_timeout_s: Annotated[
+        float,
+        Field(
+            gt=0,
+            le=600,
+            description="From the last header line to the body's last byte; past it, 408 and "
+            "close (1 MiB at 35 KB/s fits).",
+        ),
+    ] = 30.0
+    max_header_bytes: Annotated[
+        int,
+        Field(
+            ge=1024,
+            le=1_048_576,
+            description="Request line plus header lines, in bytes; past it, 431 (nginx's default).",
+        ),
+    ] = 32_768
+    max_header_count: Annotated[
+        int,
+        Field(
+            ge=8,
+            le=10_000,
+            description="Header lines per request; past it, 431 (Apache's LimitRequestFields).",
+        ),
+    ] = 100
+    open_files_limit: Annotated[
+        int,
+        Field(
+            ge=0,
+            description="The soft file-descriptor limit is raised to this at start, as far as "
+            "the hard limit allows (one descriptor per open connection); `0`: left alone.",
+        ),
+    ] = 65_536
 
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="Log lines below this level are not written."
+    )
 
     @property
     def scoring_open(self) -> bool:
@@ -135,6 +359,14 @@ class Settings(BaseSettings):
         """/cache needs no key: neither KP_ADMIN_TOKEN nor KP_API_KEYS_FILE is set (a keys file
         without an admin key closes /cache to all but KP_ADMIN_TOKEN)."""
         return self.admin_token is None and self.api_keys_file is None
+
+    @property
+    def model_cache_location(self) -> Path | None:
+        """Where the model's optimised graph is kept (None: not kept, KP_MODEL_CACHE=false or
+        no user cache directory)."""
+        if not self.model_cache:
+            return None
+        return self.model_cache_dir or user_cache_directory()
 
     @property
     def embedder_worker_count(self) -> int:
@@ -193,6 +425,19 @@ class Settings(BaseSettings):
                 for err in exc.errors()
             )
             raise ConfigError(f"kp-scoring: invalid configuration: {problems}") from None
+
+
+def user_cache_directory() -> Path | None:
+    """$XDG_CACHE_HOME/kp-scoring/onnx, or ~/.cache/kp-scoring/onnx; None when neither is
+    known (no HOME, a uid without a passwd entry): no cache then, rather than a shared place
+    such as /tmp, where another user could plant a graph."""
+    base = os.environ.get("XDG_CACHE_HOME")
+    if not base:
+        try:
+            base = str(Path.home() / ".cache")
+        except (KeyError, RuntimeError):
+            return None
+    return Path(base) / "kp-scoring" / "onnx"
 
 
 def config_error(variable: str, problem: str) -> ConfigError:

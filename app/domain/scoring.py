@@ -1,6 +1,6 @@
 """The value score of a reasoning trace: four dimensions, domain weights, rule overrides.
 
-Pure arithmetic (SPEC sections 3 to 5), written in the reference SDK's operation order so that
+Pure arithmetic (docs/scoring.md), written in the reference SDK's operation order so that
 every float comes out bit-for-bit as the reference's `evaluateValue` computes it.
 Novelty arrives here as a number; how it is measured lives in `app.services.evaluator`.
 """
@@ -101,7 +101,8 @@ def novelty_text(objective: str, contents: Sequence[str | None]) -> str:
 
 
 def novelty(max_cosine: float) -> float:
-    """1 - the nearest cached vector's cosine, clamped to [0, 1] (SPEC section 11, point 1)."""
+    """1 - the nearest cached vector's cosine, clamped to [0, 1]: a deliberate difference from
+    the reference SDK (docs/scoring.md)."""
     return min(1.0, max(0.0, 1.0 - max_cosine))
 
 
@@ -119,6 +120,8 @@ class Score:
     dimensions: Dimensions
     weights: WeightProfile
     overrides: tuple[OverrideName, ...]
+    #: Whether `task_domain` named a profile; if not, the default profile applied.
+    domain_recognised: bool
 
 
 def score(
@@ -129,7 +132,7 @@ def score(
     success: bool,
     task_domain: str,
 ) -> Score:
-    """The composite score with its breakdown (SPEC sections 3 to 5)."""
+    """The composite score with its breakdown (docs/scoring.md)."""
     dims = Dimensions(
         complexity=complexity(stats),
         novelty=novelty,
@@ -153,4 +156,10 @@ def score(
     if stats.unique_tools <= 1 and stats.uses_tools:
         value = max(0.0, value - 0.1)
         fired.append("low_tool_diversity")
-    return Score(value=value, dimensions=dims, weights=w, overrides=tuple(fired))
+    return Score(
+        value=value,
+        dimensions=dims,
+        weights=w,
+        overrides=tuple(fired),
+        domain_recognised=task_domain in WEIGHT_PROFILES,
+    )

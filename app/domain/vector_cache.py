@@ -6,9 +6,10 @@ older than the TTL leave as a prefix. Every entry has a sequence number (its pla
 order since the cache was made) and a trace id, so an answer names the stored trace it
 resembles most (ties: the newest).
 
-The search is one matrix-vector product over every row; cosines are then recomputed in
+The search is one matrix-vector product over every row, each divided by the row's norm (a
+cosine, so that a long row cannot crowd out the true nearest); cosines are then recomputed in
 float64 for the few rows that can be the maximum, so the result equals the reference's
-double-precision loop, not just nearly.
+double-precision loop, not just nearly, whatever the rows' lengths.
 
 Pure: no threads, no I/O. A cache shared between threads is given a lock (`lock=`); the
 approximate index of a large memory, and the threads that build and feed it, live with the
@@ -415,22 +416,28 @@ class VectorCache:
         return (self._head + offsets) % max(1, len(self._vectors))
 
     def _exact_candidates(self, q: Vector, start_seq: int, stop_seq: int) -> npt.NDArray[np.int64]:
-        """Sequence numbers in [start, stop) whose float32 cosine can be the maximum."""
+        """Sequence numbers in [start, stop) whose float32 cosine can be the maximum.
+
+        Rows are ranked by cosine (their dot product with the unit query over their norm),
+        not by dot product, so that a row's length never crowds out the true nearest; a row
+        whose length float32 cannot rank safely (_RANKED_NORMS) is always rescored."""
         if start_seq >= stop_seq:
             return np.empty(0, dtype=np.int64)
+        qu = unit_query(q)
         length = len(self._vectors)
         if stop_seq - start_seq == length:
             # Every row (a full ring, the common case): one product over the whole array
             # instead of one per run and their concatenation.
-            scores = self._vectors @ q
-            slots = np.flatnonzero(scores >= float(scores.max()) - _RESCORE_MARGIN)
+            estimates = _cosine_estimates(self._vectors, self._norms, qu)
+            slots = np.flatnonzero(_may_be_best(estimates, float(_finite_max(estimates))))
             return (start_seq + (slots - self._row(start_seq)) % length).astype(np.int64)
         parts = []
         for seq, row_start, row_stop in self._runs(start_seq, stop_seq):
-            parts.append((seq, self._vectors[row_start:row_stop] @ q))
-        best = max(float(p.max()) for _, p in parts)
+            rows, norms = self._vectors[row_start:row_stop], self._norms[row_start:row_stop]
+            parts.append((seq, _cosine_estimates(rows, norms, qu)))
+        best = max(_finite_max(p) for _, p in parts)
         return np.concatenate(
-            [seq + np.flatnonzero(p >= best - _RESCORE_MARGIN) for seq, p in parts]
+            [seq + np.flatnonzero(_may_be_best(p, best)) for seq, p in parts]
         ).astype(np.int64)
 
     def _row(self, seq: int) -> int:
@@ -525,6 +532,41 @@ class VectorCache:
             self._size -= expired
             self._first_seq += expired
             self._changed()
+
+
+#: Rows whose norm is in this range are ranked by their float32 product with the unit query
+#: (neither it nor its terms overflow or lose precision to underflow); the others (never seen
+#: from the model or a checked import) are always rescored exactly in float64.
+_RANKED_NORMS = (1e-20, 1e20)
+
+
+def unit_query(q: Vector) -> Vector:
+    """`q` at length 1, computed in float64 (a zero query stays zero)."""
+    wide = q.astype(np.float64)
+    norm = float(np.sqrt((wide * wide).sum()))
+    return q if norm == 0 else (wide / norm).astype(np.float32)
+
+
+def _cosine_estimates(
+    rows: npt.NDArray[np.float32], norms: npt.NDArray[np.float64], qu: Vector
+) -> npt.NDArray[np.float64]:
+    """Each row's float32 cosine with the unit query `qu` (0 for a zero row; +inf, always a
+    candidate, for a row outside _RANKED_NORMS)."""
+    scores = (rows @ qu).astype(np.float64)
+    estimates = np.divide(scores, norms, out=np.zeros_like(scores), where=norms != 0)
+    odd = (norms != 0) & ((norms < _RANKED_NORMS[0]) | (norms > _RANKED_NORMS[1]))
+    if odd.any():
+        estimates[odd] = np.inf
+    return estimates
+
+
+def _finite_max(estimates: npt.NDArray[np.float64]) -> float:
+    finite = estimates[np.isfinite(estimates)]
+    return float(finite.max()) if len(finite) else -np.inf
+
+
+def _may_be_best(estimates: npt.NDArray[np.float64], best: float) -> npt.NDArray[np.bool_]:
+    return (estimates >= best - _RESCORE_MARGIN) | np.isinf(estimates)
 
 
 def exact_cosine(a: Vector, b: Vector) -> float:

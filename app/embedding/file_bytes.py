@@ -2,8 +2,8 @@
 
 hashlib and zlib leave the GIL for the whole of one call over a large buffer. Read a chunk at
 a time, a hash retook the GIL after every read and every chunk, and during a start each retake
-waited for the main thread's imports to let it go: the early load's checks of the model and
-the cached graph took several times their CPU in wall clock, on the way to the first answer.
+waited for the loading thread to let it go: the checks of the model and of the cached graph,
+which run beside the session's load, took several times their CPU in wall clock.
 """
 
 from __future__ import annotations

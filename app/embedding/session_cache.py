@@ -54,19 +54,6 @@ class Outcome:
     detail: str | None = None
 
 
-def default_directory() -> Path | None:
-    """$XDG_CACHE_HOME/kp-scoring/onnx, or ~/.cache/kp-scoring/onnx; None when neither is
-    known (no HOME, a uid without a passwd entry): no cache then, rather than a shared place
-    such as /tmp, where another user could plant a graph."""
-    base = os.environ.get("XDG_CACHE_HOME")
-    if not base:
-        try:
-            base = str(Path.home() / ".cache")
-        except (KeyError, RuntimeError):
-            return None
-    return Path(base) / "kp-scoring" / "onnx"
-
-
 class SessionCache:
     """Entries in `directory`, each three files named by its key: KEY.onnx (the graph),
     KEY-NONCE.data (its initializers, named by the graph), KEY.json (the record of both,

@@ -1,4 +1,4 @@
-"""What the API answers (SPEC section 8)."""
+"""What the API answers (docs/api.md)."""
 
 from __future__ import annotations
 
@@ -30,6 +30,14 @@ class WeightsOut(BaseModel):
     novelty: float
     tool_diversity: float
     outcome_confidence: float
+
+
+class ProfileOut(BaseModel):
+    name: str = Field(description="The weight profile that applied (as weights.profile).")
+    domain_recognised: bool = Field(
+        description="Whether metadata.task_domain names a profile (finance, code, medical, "
+        "customer_service, default); when false, the default profile applied."
+    )
 
 
 class NearestOut(BaseModel):
@@ -78,6 +86,10 @@ class EvaluationOut(BaseModel):
     score: Annotated[float, Field(ge=0, le=1)]
     dimensions: DimensionsOut
     weights: WeightsOut
+    profile: ProfileOut = Field(
+        description="Which weight profile applied, and whether the trace's task_domain was "
+        "recognised (a domain with no profile of its own is scored with the default one)."
+    )
     overrides: list[OverrideName]
     novelty: NoveltyOut
     elapsed_ms: float
@@ -85,8 +97,10 @@ class EvaluationOut(BaseModel):
         default=None,
         description="With KP_SIGNING_KEY_FILE: a compact JWS (alg EdDSA, kid) over iss, iat, "
         "trace_id, trace_sha256 (SHA-256 of the trace's RFC 8785 canonical JSON), score, "
-        "dimensions, weights_profile and novelty_measured; its keys are at "
-        "/.well-known/jwks.json. null when the service signs nothing.",
+        "dimensions, weights_profile, novelty_measured and dry_run (true: the trace did not "
+        "enter the memory), with aud (KP_SIGNING_AUDIENCE) and exp (KP_SIGNING_LIFETIME_S) "
+        "when set; its keys are at /.well-known/jwks.json. null when the service signs "
+        "nothing.",
     )
 
 
@@ -169,8 +183,21 @@ class ImportedOut(BaseModel):
     lines: int = Field(description="Lines read (blank ones included).")
 
 
+class RootOut(BaseModel):
+    service: Literal["kp-scoring"]
+    version: str
+    docs: str = Field(description="The API's interactive documentation (Swagger UI).")
+    redoc: str = Field(description="The same, as ReDoc.")
+    openapi: str = Field(description="The OpenAPI document.")
+    health: str = Field(description="Liveness.")
+    ready: str = Field(description="Readiness, with the model's and the memory's state.")
+
+
 class HealthOut(BaseModel):
     status: Literal["ok"]
+    version: str = Field(
+        description="The service's version (also the OpenAPI document's info.version)."
+    )
 
 
 class SnapshotOut(BaseModel):

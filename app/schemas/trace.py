@@ -1,4 +1,4 @@
-"""The ReasoningTrace input schema (SPEC section 2).
+"""The ReasoningTrace input schema (docs/scoring.md, "The trace").
 
 Mirrors the reference SDK's zod `ReasoningTraceSchema`: unknown keys are ignored, types are
 strict (no "true" for a boolean, no "1" for a number), numbers must be finite, and an optional
@@ -8,11 +8,12 @@ field may be left out but is never null (zod's `.optional()` rejects null).
 from __future__ import annotations
 
 import re
-from datetime import datetime
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 from pydantic_core import PydanticCustomError
+
+from app.schemas.ids import TraceId
 
 # Some doc pages show the second address; the spec accepts both.
 KpContext = Literal[
@@ -22,19 +23,24 @@ KpContext = Literal[
 
 StepType = Literal["thought", "tool_call", "observation", "error_recovery"]
 
-# zod's `z.string().datetime()` shape, also allowing a numeric UTC offset.
-_DATETIME = re.compile(
-    r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}(:\d{2}(\.\d+)?)?(Z|[+-]\d{2}:?\d{2})$",
+# zod's `z.string().datetime()`: UTC in the Z form, seconds and their fraction optional. The
+# pattern is the whole rule (dates that exist, 0001 to 9999, leap years; no offset, no leap
+# second), so that the published schema states it exactly; ASCII digits only.
+_YEAR = "(?:000[1-9]|00[1-9][0-9]|0[1-9][0-9]{2}|[1-9][0-9]{3})"
+_MONTH_DAY = (
+    "(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])"
+    "|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
+    "|02-(?:0[1-9]|1[0-9]|2[0-8]))"
 )
+_LEAP_YEAR = "(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
+_TIME = "T(?:[01][0-9]|2[0-3]):[0-5][0-9](?::[0-5][0-9](?:[.][0-9]+)?)?Z"
+DATETIME_PATTERN = f"^(?:{_YEAR}-{_MONTH_DAY}|{_LEAP_YEAR}-02-29){_TIME}$"
+_DATETIME = re.compile(DATETIME_PATTERN)
 
 
 def _iso_datetime(value: str) -> str:
-    if not _DATETIME.match(value):
-        raise ValueError("must be an ISO 8601 date-time such as 2025-06-15T10:00:00.000Z")
-    try:
-        datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError as exc:
-        raise ValueError(f"is not a valid date-time: {exc}") from None
+    if not _DATETIME.fullmatch(value):  # fullmatch: `$` alone would allow a final newline
+        raise ValueError("must be a UTC date-time in the Z form, such as 2025-06-15T10:00:00.000Z")
     return value
 
 
@@ -72,7 +78,9 @@ class _Strict(BaseModel):
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 UnitInterval = Annotated[float, Field(ge=0, le=1)]
-IsoDateTime = Annotated[str, AfterValidator(_iso_datetime)]
+IsoDateTime = Annotated[
+    str, AfterValidator(_iso_datetime), Field(json_schema_extra={"pattern": DATETIME_PATTERN})
+]
 JsonObject = dict[str, Any]
 
 
@@ -133,7 +141,7 @@ class ReasoningTrace(_Strict):
 
     context: KpContext = Field(alias="@context")
     type: Literal["ReasoningTrace"] = Field(alias="@type")
-    id: Annotated[str, Field(pattern=r"^kp:trace:")]
+    id: TraceId
     source_skill: Omittable[str] = None
     metadata: Metadata
     task: Task

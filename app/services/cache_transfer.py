@@ -4,7 +4,11 @@ One line a line: `{"trace_id": "kp:trace:...", "added_at_ms": 1732400000000.0, "
 "<base64 of the little-endian float32 values>"}`. Exports go out a chunk of entries at a time
 and imports are read a network chunk at a time, so a million entries are never one document.
 An import is all or nothing: every line is checked before any is added, and the first bad one
-is named by its line number (1-based).
+is named by its line number (1-based) and the rule it breaks. A trace id follows the rule of
+app/schemas/ids.py (or is empty: a trace stored without one); a vector must be finite, not zero
+and of the model's dimension, and is stored normalised to length 1, as the model's own are. A
+time in the future is lowered to the time of the import (by the memory, in either mode): a
+backup taken on a host whose clock ran ahead still restores, and no entry outlives its TTL.
 """
 
 from __future__ import annotations
@@ -19,10 +23,11 @@ import numpy as np
 import orjson
 
 from app.domain.vector_cache import CacheEntries
+from app.schemas.ids import trace_id_problem
 
 _WIRE = np.dtype("<f4")
-#: A trace id is at most this long (SPEC 2 caps strings; ids are far shorter).
-MAX_TRACE_ID = 1024
+#: A vector whose length is this close to 1 is already a unit vector (float32 rounding).
+_UNIT_TOLERANCE = 1e-5
 
 
 class ImportLineError(ValueError):
@@ -107,10 +112,11 @@ class LineReader:
         if missing:
             raise ImportLineError(self._line, f"missing {', '.join(sorted(missing))}")
         trace_id, added_at, encoded = item["trace_id"], item["added_at_ms"], item["vector"]
-        if not isinstance(trace_id, str) or len(trace_id) > MAX_TRACE_ID:
-            raise ImportLineError(
-                self._line, f"trace_id must be a string of at most {MAX_TRACE_ID} characters"
-            )
+        if not isinstance(trace_id, str):
+            raise ImportLineError(self._line, "trace_id must be a string")
+        problem = trace_id_problem(trace_id)
+        if problem is not None:
+            raise ImportLineError(self._line, f"trace_id {problem}")
         if (
             isinstance(added_at, bool)
             or not isinstance(added_at, int | float)
@@ -130,10 +136,18 @@ class LineReader:
                 f"vector holds {len(data)} bytes, not {self.dimensions} float32 "
                 f"({self.dimensions * _WIRE.itemsize} bytes)",
             )
-        vector = np.frombuffer(data, dtype=_WIRE).astype(np.float32)
-        if not np.isfinite(vector).all():
-            raise ImportLineError(self._line, "vector has non-finite values")
-        self._vectors.append(vector)
+        wide = np.frombuffer(data, dtype=_WIRE).astype(np.float64)
+        if not np.isfinite(wide).all():
+            raise ImportLineError(self._line, "vector must be finite (it has NaN or infinity)")
+        norm = float(np.sqrt((wide * wide).sum()))
+        if norm == 0.0:
+            raise ImportLineError(self._line, "vector must not be zero (it has no direction)")
+        # The memory holds unit vectors, as the model makes them: a vector of another length
+        # would weigh more (or less) than the traces it is compared with. One the model made
+        # (unit to float32's precision) is kept bit for bit, so export then import is exact.
+        if abs(norm - 1.0) > _UNIT_TOLERANCE:
+            wide /= norm
+        self._vectors.append(wide.astype(np.float32))
         self._times.append(float(added_at))
         self._ids.append(trace_id)
 

@@ -126,12 +126,6 @@ class EmbeddingService:
         """Load the model once; the rest of the start-up follows the first answer."""
         await self.lifecycle.load()
 
-    def begin_load(self) -> None:
-        """Start loading the model without waiting for it (the load began with the process):
-        its end shows in `state`, /readyz and the log as a lazy load's would."""
-        if self.state is EmbedderState.NOT_LOADED:
-            self.lifecycle.begin_load()
-
     async def preload(self) -> None:
         """Load and warm up before the first request (KP_EMBEDDER_PRELOAD): nobody waits yet."""
         await self.lifecycle.load()

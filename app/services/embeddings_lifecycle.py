@@ -51,15 +51,9 @@ class ModelLifecycle:
         for the same load."""
         if self._factory is None or self.state in (EmbedderState.READY, EmbedderState.UNAVAILABLE):
             return
-        await asyncio.shield(self.begin_load())
-
-    def begin_load(self) -> asyncio.Task[None]:
-        """The load, started once (by the first caller of load(), or at start when the load
-        began with the process); its end shows in `state`."""
-        assert self._factory is not None  # a disabled embedder has nothing to load
         if self._load_task is None:
             self._load_task = asyncio.create_task(self._load(self._factory))
-        return self._load_task
+        await asyncio.shield(self._load_task)
 
     async def _load(self, factory: EmbedderFactory) -> None:
         self.state = EmbedderState.LOADING

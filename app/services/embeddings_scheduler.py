@@ -6,8 +6,8 @@ through the event loop (busy with HTTP under load, it would leave the cores idle
 - a request alone (nothing else waiting, every worker idle) gets one run over all cores, the
   lowest latency one text can have;
 - under load each free worker takes a share of the queue and runs it on one core: runs side by
-  side do more per second than runs one after another over all cores. A share holds requests
-  of similar length, which keeps padding small. No request ever waits for others to arrive.
+  side do more per second than runs one after another over all cores. No request ever waits
+  for others to arrive.
 
 A run that fails is retried one request at a time, so one bad input fails alone.
 """
@@ -174,7 +174,7 @@ class RunScheduler:
         else:
             # A share small enough to be one model run: a worker's jobs all wait for it.
             share = -(-self._queue.texts // self._idle_workers)  # rounded up
-            jobs = self._queue.take(min(share, ONE_CORE_RUN_TEXTS), similar_only=True)
+            jobs = self._queue.take(min(share, ONE_CORE_RUN_TEXTS))
             run = Run(jobs, one_core=True, width=1)
         self._running_texts += run.count
         self._idle_workers -= run.width

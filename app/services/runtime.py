@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -17,9 +18,8 @@ from app.core.health import UNMEASURED, Health
 from app.core.states import EmbedderState, Precision
 from app.embedding import model_files
 from app.embedding.int8_support import CpuFeatures, Int8Support, int8_support
-from app.embedding.onnx_embedder import ModelError
-from app.services.early_load import Plan, load_embedder
-from app.services.early_load import claim as claim_early_load
+from app.embedding.onnx_embedder import ModelError, OnnxEmbedder
+from app.embedding.session_cache import SessionCache
 from app.services.embedding_memo import EmbeddingMemo
 from app.services.embeddings import EmbeddingService
 from app.services.embeddings_types import EmbedObserver
@@ -29,6 +29,7 @@ from app.services.trust import build_trust_stores
 from app.store.base import NoveltyMemory
 from app.store.in_process import InProcessMemory
 from app.store.indexed_memory import IndexedCache
+from app.store.journal import Journal
 
 log = logging.getLogger("app")
 #: Each rerun is an exact scan (about 66 ms of one core at a million entries, done in chunks
@@ -47,7 +48,7 @@ class Runtime:
         observer: EmbedObserver | None = None,
     ) -> None:
         self.settings = settings
-        self.embeddings, files, self._loading = build_embeddings(settings, cpu)
+        self.embeddings, files = build_embeddings(settings, cpu)
         if observer is not None:
             self.embeddings.observe(observer)
         # Vectors are comparable only with vectors of the same model and arithmetic: the
@@ -57,10 +58,24 @@ class Runtime:
         if needs_identity and files is not None:
             model_id = _model_identity(files, self.embeddings.precision or "float32")
         self.memory = build_memory(settings, model_id)
-        # Snapshots are the in-process memory's persistence; with Redis, Redis's own (AOF):
-        # the settings refuse KP_CACHE_SNAPSHOT_PATH there.
+        # Snapshots (and their journal) are the in-process memory's persistence; with Redis,
+        # Redis's own (AOF): the settings refuse KP_CACHE_SNAPSHOT_PATH there.
+        journal = None
+        if (
+            isinstance(self.memory, InProcessMemory)
+            and settings.cache_snapshot_path is not None
+            and settings.cache_journal_fsync != "off"
+            and model_id is not None
+        ):
+            journal = Journal(
+                settings.cache_snapshot_path,
+                model_id,
+                self.memory.dimensions,
+                settings.cache_journal_fsync,
+            )
+            self.memory.journal = journal
         self.snapshots = SnapshotStore(
-            settings.cache_snapshot_path, self.memory.local_cache, model_id
+            settings.cache_snapshot_path, self.memory.local_cache, model_id, journal
         )
         self.memo = EmbeddingMemo(self.embeddings, settings.embed_memo_capacity)
         self.evaluator = Evaluator(self.memory, self.memo)
@@ -78,8 +93,6 @@ class Runtime:
             log.warning("KP_ADMIN_TOKEN is not set: GET and DELETE /cache are open to every caller")
         if self.settings.embedder_preload:
             await self.embeddings.preload()
-        elif self._loading:  # began with the process: it ends in the background
-            self.embeddings.begin_load()
         backend = self.memory.backend
         log.info(
             "kp-scoring started",
@@ -281,26 +294,46 @@ def _int8_support(settings: Settings, cpu: CpuFeatures | None) -> Int8Support | 
     return support
 
 
+def load_embedder(
+    files: model_files.ModelFiles, settings: Settings, int8: Int8Support | None
+) -> OnnxEmbedder:
+    """The least a first answer needs: the embedding service finishes loading after it (or
+    before the service reports ready, with KP_EMBEDDER_PRELOAD)."""
+    directory = settings.model_cache_location
+    cache = None if directory is None else SessionCache(directory)
+    # The file's hash (hashlib leaves the GIL) runs beside the tokenizer's load.
+    with ThreadPoolExecutor(1, thread_name_prefix="kp-model-check") as check:
+        sha256 = check.submit(model_files.verify, files)
+        return OnnxEmbedder(
+            files.model,
+            files.tokenizer,
+            intra_op_threads=settings.embedder_threads,
+            spinning=settings.embedder_spinning,
+            concurrent_runs=settings.embedder_worker_count,
+            precision="float32" if int8 is None else int8.precision,
+            int8_weights=None if int8 is None else int8.weights,
+            defer=True,
+            session_cache=cache,
+            model_sha256=sha256.result,
+        )
+
+
 def build_embeddings(
     settings: Settings, cpu: CpuFeatures | None = None
-) -> tuple[EmbeddingService, model_files.ModelFiles | None, bool]:
-    """The embedding service the settings ask for, its files, and whether its model is
-    already loading (started with the process: app/services/early_load.py); otherwise it
-    loads later."""
+) -> tuple[EmbeddingService, model_files.ModelFiles | None]:
+    """The embedding service the settings ask for (its model loads on the first request, or
+    at start with KP_EMBEDDER_PRELOAD), and its files."""
     if settings.embedder == "none":
-        return EmbeddingService(None, model_name=None), None, False
+        return EmbeddingService(None, model_name=None), None
     try:
         files = model_files.resolve(settings.model_path, settings.tokenizer_path)
     except ModelError as exc:
         service = EmbeddingService(None, model_name=None)
         service.mark_unavailable(str(exc))
-        return service, None, False
+        return service, None
     int8 = _int8_support(settings, cpu)
-    # Another CPU than this one (tests): a load started for this one is not for it.
-    early = None if cpu is not None else claim_early_load(Plan(settings, files, int8))
-    factory = partial(load_embedder, files, settings, int8) if early is None else early.result
     service = EmbeddingService(
-        factory,
+        partial(load_embedder, files, settings, int8),
         model_name=files.name,
         precision="float32" if int8 is None else int8.precision,
         precision_reason=None if int8 is None else int8.reason,
@@ -309,7 +342,7 @@ def build_embeddings(
         queue_limit=settings.embed_queue_limit,
         max_wait_ms=settings.embed_max_wait_ms,
     )
-    return service, files, early is not None
+    return service, files
 
 
 def build_memory(settings: Settings, model_id: str | None) -> NoveltyMemory:

@@ -43,6 +43,10 @@ class Signer:
     key: OKPKey
     previous: tuple[OKPKey, ...]
     issuer: str = DEFAULT_ISSUER
+    #: Set: the payload's `aud`, the party the scores are for (a registry).
+    audience: str | None = None
+    #: Set: the payload's `exp` is this many seconds after `iat`.
+    lifetime_s: int | None = None
 
     @property
     def kid(self) -> str:
@@ -55,12 +59,15 @@ class Signer:
         keys += [_public_jwk(k) for k in self.previous if k.thumbprint() != self.kid]
         return {"keys": keys}
 
-    def sign(self, evaluation: Evaluation, trace: Any) -> str:
-        """The JWS for one answer; `trace` as the agent sent it (parsed JSON)."""
+    def sign(self, evaluation: Evaluation, trace: Any, *, dry_run: bool) -> str:
+        """The JWS for one answer; `trace` as the agent sent it (parsed JSON). `dry_run` is
+        signed too: a registry that wants a score whose trace entered the memory (so that its
+        duplicates are no longer novel) requires `dry_run` false."""
         s = evaluation.score
-        claims = {
+        issued = int(time.time())
+        claims: dict[str, Any] = {
             "iss": self.issuer,
-            "iat": int(time.time()),
+            "iat": issued,
             "trace_id": evaluation.trace_id,
             "trace_sha256": trace_sha256(trace),
             "score": s.value,
@@ -72,7 +79,12 @@ class Signer:
             },
             "weights_profile": s.weights.name,
             "novelty_measured": evaluation.novelty.measured,
+            "dry_run": dry_run,
         }
+        if self.audience is not None:
+            claims["aud"] = self.audience
+        if self.lifetime_s is not None:
+            claims["exp"] = issued + self.lifetime_s
         header = {"alg": ALGORITHM, "kid": self.kid, "typ": "JWT"}
         token: str = jws.serialize_compact(
             header, orjson.dumps(claims), self.key, algorithms=[ALGORITHM]

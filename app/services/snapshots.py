@@ -15,7 +15,7 @@ from those copies in a worker thread, without joining them into one more buffer.
 is one unbroken run of the cache's entries, the header also says where it stands (`lineage`,
 `first_seq`: optional keys, so format 2 readers still load it).
 
-The graph of a large memory (README, "A large memory") is kept beside the snapshot, in
+The graph of a large memory (docs/operating/large-memory.md) is kept beside the snapshot, in
 `<path>.graph` (faiss's serialized index) and `<path>.graph.json` (what it covers: the lineage
 and sequence number of its first entry, its count, dimensions, m, efConstruction, model, size
 and SHA-256; after a restore, also the numbering the snapshot file still uses: Numbering). It
@@ -24,6 +24,10 @@ when the feeder has grown the serving graph by a tenth (from the feeder's thread
 only writer), so it is not rewritten with every periodic snapshot, and never copied under the
 cache's lock. A restore adopts it when it covers the snapshot's oldest entries and matches the
 cache (anything else: a log line, and the graph is built as without it).
+
+The journal (app/store/journal.py, `<path>.journal.<generation>`) holds every change since the
+snapshot: a restore replays it after the snapshot, and a save starts its next generation where
+the snapshot's copy is fixed, then deletes the generations the new snapshot holds.
 """
 
 from __future__ import annotations
@@ -45,9 +49,10 @@ import orjson
 
 from app.core.health import Health
 from app.core.states import SnapshotState
-from app.domain.vector_cache import CacheEntries
+from app.domain.vector_cache import CHUNK, CacheEntries
 from app.store.ann_index import DEFAULT_PARAMS, AnnIndex
 from app.store.indexed_memory import BuiltGraph, IndexedCache
+from app.store.journal import Journal
 
 log = logging.getLogger(__name__)
 
@@ -79,10 +84,14 @@ class SnapshotStatus:
 
 
 def write_snapshot(
-    path: Path, entries: CacheEntries | Sequence[CacheEntries], model_id: str
+    path: Path,
+    entries: CacheEntries | Sequence[CacheEntries],
+    model_id: str,
+    journal_generation: int | None = None,
 ) -> None:
     """Atomically replace `path` with a snapshot of `entries` (one copy, or the chunks of
-    one, oldest first: written one after the other, never joined)."""
+    one, oldest first: written one after the other, never joined). `journal_generation`: the
+    first generation of the journal (app/store/journal.py) the snapshot does not hold."""
     chunks = [entries] if isinstance(entries, CacheEntries) else list(entries)
     where = _run_of(chunks)
     vectors = [np.ascontiguousarray(c.vectors, dtype="<f4") for c in chunks]
@@ -107,6 +116,7 @@ def write_snapshot(
             "saved_at_ms": time.time() * 1000.0,
             "payload_sha256": digest.hexdigest(),
             **where,
+            **({} if journal_generation is None else {"journal_generation": journal_generation}),
         }
     ).encode()
     _write_atomically(path, [MAGIC + _HEADER_LEN.pack(len(header)) + header, *parts])
@@ -192,6 +202,16 @@ def read_snapshot(path: Path, model_id: str, dimensions: int) -> CacheEntries:
         first_seq if lineage else None,
         lineage if first_seq is not None else "",
     )
+
+
+def journal_generation_of(path: Path) -> int:
+    """The first journal generation the snapshot at `path` does not hold (0: it names none,
+    so every generation is replayed)."""
+    with path.open("rb") as f:
+        head = f.read(len(MAGIC) + _HEADER_LEN.size)
+        (length,) = _HEADER_LEN.unpack_from(head, len(MAGIC))
+        header = json.loads(f.read(min(length, _MAX_HEADER)))
+    return int(header.get("journal_generation", 0))
 
 
 def graph_paths(path: Path) -> tuple[Path, Path]:
@@ -306,9 +326,17 @@ class Numbering:
 class SnapshotStore:
     """Loads the cache from its snapshot at start and saves it when it changed."""
 
-    def __init__(self, path: Path | None, cache: IndexedCache, model_id: str | None) -> None:
+    def __init__(
+        self,
+        path: Path | None,
+        cache: IndexedCache,
+        model_id: str | None,
+        journal: Journal | None = None,
+    ) -> None:
         self.cache = cache
         self.model_id = model_id
+        #: Set: the changes since the snapshot, replayed after it at start; a save compacts it.
+        self.journal = journal
         enabled = path is not None and model_id is not None
         self.status = SnapshotStatus(
             path, SnapshotState.NONE if enabled else SnapshotState.DISABLED
@@ -331,30 +359,73 @@ class SnapshotStore:
             warnings.append(f"cache snapshot {self.status.state.value}: {self.status.detail}")
         if self.status.last_save_error is not None:
             warnings.append(f"cache snapshot not saved: {self.status.last_save_error}")
+        if self.journal is not None and self.journal.last_error is not None:
+            warnings.append(f"cache journal not written: {self.journal.last_error}")
         return Health(warnings=tuple(warnings))
 
     def restore(self) -> None:
+        """The snapshot, then the journal's changes since it; the journal then takes new ones."""
         path = self.path
         if path is None or self.model_id is None:
             return
+        loaded = self._restore_snapshot(path)
+        journal = self.journal
+        if journal is None:
+            return
+        replayed = self._replay(journal, journal_generation_of(path) if loaded else 0)
+        journal.open()
+        if replayed:
+            self.status.loaded_vectors = self.cache.size
+            log.info(
+                "cache journal replayed",
+                extra={"path": str(path), "changes": replayed, "vectors": self.cache.size},
+            )
+
+    def _replay(self, journal: Journal, from_generation: int) -> int:
+        """Applies the journal's changes (runs of adds joined: `extend` is `add` for many)."""
+        pending: list[CacheEntries] = []
+        replayed = 0
+
+        def flush() -> None:
+            if pending:
+                self.cache.extend(
+                    np.concatenate([p.vectors for p in pending]),
+                    np.concatenate([p.added_at_ms for p in pending]),
+                    [trace_id for p in pending for trace_id in p.ids()],
+                )
+                pending.clear()
+
+        for change in journal.replay(from_generation):
+            replayed += 1
+            if change.entries is None:
+                flush()
+                self.cache.clear()
+            else:
+                pending.append(change.entries)
+        flush()
+        return replayed
+
+    def _restore_snapshot(self, path: Path) -> bool:
+        """Whether a snapshot was loaded."""
         for stale in path.parent.glob(f".{path.name}.*.tmp"):
             with contextlib.suppress(OSError):
                 stale.unlink()  # left by a crash mid-write; the real snapshot is intact
         if not path.exists():
             log.info("no cache snapshot yet; starting empty", extra={"path": str(path)})
-            return
+            return False
+        assert self.model_id is not None
         try:
             entries = read_snapshot(path, self.model_id, self.cache.dimensions)
         except SnapshotError as exc:
             self._set_aside(path, exc)
-            return
+            return False
         except OSError as exc:
             self.status.state, self.status.detail = SnapshotState.ERROR, f"cannot read: {exc}"
             log.error(
                 "cache snapshot unreadable; starting empty",
                 extra={"path": str(path), "error": str(exc)},
             )
-            return
+            return False
         graph = self._graph_for(path, entries)
         self.cache.hold_index(graph is not None)  # no build before the graph is adopted
         try:
@@ -378,6 +449,7 @@ class SnapshotStore:
                 "graph_adopted": self.cache.index_adoptions_total > 0,
             },
         )
+        return True
 
     def _graph_for(
         self, path: Path, entries: CacheEntries
@@ -449,9 +521,25 @@ class SnapshotStore:
         version = self._version()
         if not force and version == self._saved_version:
             return False
+        journal, generation = self.journal, None
         try:
-            chunks = list(self.cache.chunks()) or [self.cache.entries()]  # empty: its shape
-            write_snapshot(path, chunks, self.model_id)
+            if journal is None:
+                chunks = list(self.cache.chunks())
+            else:
+                # The copy is fixed where the journal starts its next generation: the
+                # snapshot holds exactly the older ones' changes.
+                with journal.lock:
+                    generation = journal.rotate()
+                    first, stop = self.cache.sequence_range
+                chunks = [
+                    chunk
+                    for seq in range(first, stop, CHUNK)
+                    if len(
+                        (chunk := self.cache.entries_between(seq, min(stop, seq + CHUNK))).vectors
+                    )
+                ]
+            chunks = chunks or [self.cache.entries()]  # empty: its shape
+            write_snapshot(path, chunks, self.model_id, generation)
         except OSError as exc:
             self.status.save_errors_total += 1
             self.status.last_save_error = f"{exc.strerror or exc} ({path})"
@@ -460,6 +548,8 @@ class SnapshotStore:
                 extra={"error": self.status.last_save_error},
             )
             return False
+        if journal is not None and generation is not None:
+            journal.drop_before(generation)
         self._saved_version = version
         self._restored = None  # the file now numbers its entries as the cache does
         self.status.saves_total += 1

@@ -50,7 +50,13 @@ def load_signer(settings: Settings) -> Signer | None:
             previous = load_public_keys(settings.signing_previous_keys_file)
         except SigningKeyError as exc:
             raise config_error("SIGNING_PREVIOUS_KEYS_FILE", str(exc)) from None
-    return Signer(key, previous, settings.signing_issuer)
+    return Signer(
+        key,
+        previous,
+        settings.signing_issuer,
+        settings.signing_audience,
+        settings.signing_lifetime_s,
+    )
 
 
 @dataclass(slots=True)

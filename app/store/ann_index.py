@@ -55,7 +55,7 @@ class IndexParams:
 
 
 # Chosen by sweeps on real MiniLM vectors (bench.memory's 100k and 1M and its 500 edited and
-# 500 fresh paragraphs; AMD EPYC, one core, host shared; docs/operating/large-memory.md). M=32
+# 500 fresh paragraphs; AMD EPYC, one core, host shared; docs/decisions/approximate-index.md). M=32
 # left a few stored paragraphs nearly unreachable; M=64 with efConstruction 80 finds every
 # near-duplicate at efSearch 128. SQ8 codes find the same maxima as float32 ones, faster, in a
 # quarter of the bytes. The maxima it misses at a million (4% of all queries, nearly all
@@ -124,7 +124,7 @@ class AnnIndex:
         Written through faiss's callback writer into one growing buffer: faiss's
         serialize_index holds the whole graph in a C++ vector and then a numpy copy (and
         bytes() a third), about 1.8 GB more than the result at a million entries, where this
-        peaks at the result's 0.9 GB (docs/operating/large-memory.md)."""
+        peaks at the result's 0.9 GB (docs/decisions/index-graph-adopted.md)."""
         out = bytearray()
 
         def write(chunk: bytes) -> int:

@@ -57,7 +57,8 @@ class BackendInfo:
 
 
 class NoveltyMemory(Protocol):
-    """The vectors novelty is measured against (SPEC 6), one order for every request."""
+    """The vectors novelty is measured against (docs/scoring.md), one order for every
+    request."""
 
     @property
     def backend(self) -> BackendInfo: ...

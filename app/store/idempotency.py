@@ -12,9 +12,12 @@ from typing import Literal, Protocol
 
 #: How long an answer is replayed (the reference registry's window).
 RECORD_TTL_S = 24 * 3600
-#: How long a claim holds without an answer: past it a replica that died while scoring no
-#: longer blocks the key. Well past any answer (KP_EMBED_MAX_WAIT_MS turns waits away at 10 s).
-CLAIM_TTL_S = 120
+#: A claim is a lease this long, renewed every CLAIM_RENEW_S by its holder while it answers:
+#: when the holder dies (a replica's crash) or cannot reach the records (Redis's crash, its
+#: claim restored from the AOF), the key is free again within this, and a retry runs instead
+#: of waiting for a claim no one will finish.
+CLAIM_TTL_S = 3
+CLAIM_RENEW_S = 1.0
 
 
 class IdempotencyUnavailableError(Exception):
@@ -46,6 +49,10 @@ class IdempotencyStore(Protocol):
     async def record(self, key: str, fingerprint: str, answer: Recorded) -> None: ...
 
     async def release(self, key: str) -> None: ...
+
+    async def renew(self, key: str, fingerprint: str) -> None:
+        """Extends the caller's claim on `key` by CLAIM_TTL_S (nothing if it is not pending)."""
+        ...
 
 
 class InProcessIdempotencyStore:
@@ -83,3 +90,8 @@ class InProcessIdempotencyStore:
 
     async def release(self, key: str) -> None:
         self._entries.pop(key, None)
+
+    async def renew(self, key: str, fingerprint: str) -> None:
+        found = self._live(key)
+        if found is not None and found.state == "pending" and found.fingerprint == fingerprint:
+            self._put(key, found, CLAIM_TTL_S)

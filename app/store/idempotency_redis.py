@@ -16,6 +16,14 @@ from app.store.idempotency import (
     Recorded,
 )
 
+#: Extends a claim only while it is still the pending one (not an answer recorded since).
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('EXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"""
+
 
 class RedisIdempotencyStore:
     """A string per key: a claim (SET NX, expiring) replaced by the answer (expiring a day on)."""
@@ -23,6 +31,7 @@ class RedisIdempotencyStore:
     def __init__(self, client: aioredis.Redis, prefix: str) -> None:
         self._client = client
         self._prefix = f"{prefix}idempotency:"
+        self._renew = client.register_script(_RENEW)
 
     async def claim(self, key: str, fingerprint: str) -> Claim:
         name = self._prefix + key
@@ -50,6 +59,13 @@ class RedisIdempotencyStore:
         )
         try:
             await self._client.set(self._prefix + key, value, ex=RECORD_TTL_S)
+        except (RedisError, OSError) as exc:
+            raise IdempotencyUnavailableError(f"{type(exc).__name__}: {exc}") from exc
+
+    async def renew(self, key: str, fingerprint: str) -> None:
+        pending = orjson.dumps({"state": "pending", "fp": fingerprint})
+        try:
+            await self._renew(keys=[self._prefix + key], args=[pending, CLAIM_TTL_S])
         except (RedisError, OSError) as exc:
             raise IdempotencyUnavailableError(f"{type(exc).__name__}: {exc}") from exc
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -13,6 +14,7 @@ from app.core.health import Health
 from app.domain.vector_cache import CacheEntries, CacheStats, Nearest, exact_cosine
 from app.store.base import BackendInfo, Comparison, NearestTrace, Vector
 from app.store.indexed_memory import IndexedCache, IndexStatus
+from app.store.journal import Journal
 
 T = TypeVar("T")
 
@@ -66,10 +68,13 @@ class InProcessMemory:
     loop's other requests would otherwise wait for. The loop takes the work back only once
     that thread has nothing left to do, so the order holds across the switch."""
 
-    def __init__(self, cache: IndexedCache) -> None:
+    def __init__(self, cache: IndexedCache, journal: Journal | None = None) -> None:
         self.cache = cache
+        #: Set (beside a snapshot): every change is appended to it before it is answered.
+        self.journal = journal
         self._in_order_thread = ThreadPoolExecutor(1, thread_name_prefix="kp-memory")
         self._on_thread = 0  # calls handed to the thread and not yet returned
+        self._flusher: asyncio.Task[None] | None = None
 
     async def _in_order(self, work: Callable[[], T]) -> T:
         if self._on_thread == 0 and not searches_take_milliseconds(self.cache):
@@ -110,23 +115,69 @@ class InProcessMemory:
         return Health()
 
     async def start(self) -> None:
-        return None
+        if self.journal is not None and self.journal.fsync == "everysec":
+            self._flusher = asyncio.create_task(self._flush_every_second(self.journal))
 
     async def close(self) -> None:
+        if self._flusher is not None:
+            self._flusher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._flusher
         await asyncio.to_thread(self._in_order_thread.shutdown)
+        if self.journal is not None:
+            await asyncio.to_thread(self.journal.close)
+
+    @staticmethod
+    async def _flush_every_second(journal: Journal) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            await asyncio.to_thread(journal.sync)
+
+    def _journaled(self, change: Callable[[], T], *, clear: bool = False) -> Callable[[], T]:
+        """`change`, then its record in the journal, as one step no rotation comes between."""
+        journal = self.journal
+        if journal is None:
+            return change
+
+        def step() -> T:
+            with journal.lock:
+                _, before = self.cache.sequence_range
+                result = change()
+                if clear:
+                    journal.record_clear()
+                else:
+                    first, after = self.cache.sequence_range
+                    journal.record_adds(self.cache.entries_between(max(first, before), after))
+                return result
+
+        return step
+
+    async def _durable(self, *, always: bool) -> None:
+        """Before the answer: flushed to disk when the policy (or the change: imports and
+        clears) asks for it; else written, and flushed within a second."""
+        journal = self.journal
+        if journal is not None and (always or journal.fsync == "always"):
+            await asyncio.to_thread(journal.sync)
 
     async def compare(
         self, vectors: Sequence[Vector], trace_ids: Sequence[str], *, add: bool
     ) -> list[Comparison]:
-        return await self._in_order(
-            lambda: compare_in_order(self.cache, vectors, trace_ids, add=add)
-        )
+        def work() -> list[Comparison]:
+            return compare_in_order(self.cache, vectors, trace_ids, add=add)
+
+        if not add:
+            return await self._in_order(work)
+        results = await self._in_order(self._journaled(work))
+        await self._durable(always=False)
+        return results
 
     async def stats(self) -> CacheStats:
         return self.cache.stats()
 
     async def clear(self) -> int:
-        return await self._in_order(self.cache.clear)
+        cleared = await self._in_order(self._journaled(self.cache.clear, clear=True))
+        await self._durable(always=True)
+        return cleared
 
     async def export_chunks(self) -> AsyncIterator[CacheEntries]:
         for chunk in self.cache.chunks():
@@ -134,4 +185,6 @@ class InProcessMemory:
             await asyncio.sleep(0)  # other requests go on between chunks
 
     async def import_entries(self, entries: CacheEntries) -> tuple[int, int]:
-        return await self._in_order(lambda: self.cache.append(entries))
+        counts = await self._in_order(self._journaled(lambda: self.cache.append(entries)))
+        await self._durable(always=True)
+        return counts

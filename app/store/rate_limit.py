@@ -3,7 +3,8 @@ every replica through Redis (KP_REDIS_URL), so the limit holds however requests 
 
 The Redis buckets are in rate_limit_redis.py (redis is imported only with KP_REDIS_URL).
 A bucket holds `per_minute` tokens (a whole minute's worth may come at once) and refills at
-`per_minute` a minute; a request takes one or is told how long until one is there.
+`per_minute` a minute; a request takes one (a batch, one per trace) or is told how long until
+they are there.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ class RateLimitUnavailableError(Exception):
 
 
 class RateLimiter(Protocol):
-    async def take(self, name: str, per_minute: int) -> float:
-        """0 when a request of `name` may go now, else the seconds until it may."""
+    async def take(self, name: str, per_minute: int, cost: int = 1) -> float:
+        """0 when a request of `name` costing `cost` tokens may go now (they are taken), else
+        the seconds until it may (nothing is taken)."""
         ...
 
 
@@ -29,15 +31,15 @@ class InProcessRateLimiter:
         self._clock = clock
         self._buckets: dict[str, tuple[float, float]] = {}
 
-    async def take(self, name: str, per_minute: int) -> float:
+    async def take(self, name: str, per_minute: int, cost: int = 1) -> float:
         now = self._clock()
         tokens, at = self._buckets.get(name, (float(per_minute), now))
         tokens = min(float(per_minute), tokens + (now - at) * per_minute / 60.0)
-        if tokens >= 1:
-            self._buckets[name] = (tokens - 1, now)
+        if tokens >= cost:
+            self._buckets[name] = (tokens - cost, now)
             return 0.0
         self._buckets[name] = (tokens, now)
-        return (1 - tokens) * 60.0 / per_minute
+        return (cost - tokens) * 60.0 / per_minute
 
 
 def retry_after(seconds: float) -> int:

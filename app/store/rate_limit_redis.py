@@ -19,10 +19,10 @@ class RedisRateLimiter:
         source = files("app.store").joinpath("token_bucket.lua").read_text(encoding="utf-8")
         self._script = client.register_script(source)
 
-    async def take(self, name: str, per_minute: int) -> float:
+    async def take(self, name: str, per_minute: int, cost: int = 1) -> float:
         try:
             wait_us = await self._script(
-                keys=[f"{self._prefix}ratelimit:{name}"], args=[per_minute]
+                keys=[f"{self._prefix}ratelimit:{name}"], args=[per_minute, cost]
             )
         except (RedisError, OSError) as exc:
             raise RateLimitUnavailableError(f"{type(exc).__name__}: {exc}") from exc

@@ -2,7 +2,7 @@
 
 A new replica against a large shared memory would otherwise build the whole graph itself
 (minutes at a million entries). A replica that built one publishes it, and a replica that
-starts adopts it when it covers the log entries it holds (README, "A large memory").
+starts adopts it when it covers the log entries it holds (docs/operating/large-memory.md).
 
 Keys, beside the log (`<prefix>novelty:log`):
 

@@ -1,6 +1,7 @@
 """The shared novelty memory (KP_REDIS_URL): every replica on one Redis sees one cache.
 
-Why the answers of all replicas equal one-at-a-time scoring in one order (SPEC 8):
+Why the answers of all replicas equal one-at-a-time scoring in one order
+(docs/operating/scaling.md):
 
 - The order is a Redis stream, `<prefix>novelty:log`. Every change is one run of a Lua script
   (exchange.lua), and Redis runs scripts one at a time. A run appends this replica's vectors

@@ -4,14 +4,29 @@ query string (URLs end up in logs and proxies' histories)."""
 
 from __future__ import annotations
 
+from urllib.parse import unquote_plus
+
 from app.api.asgi.base import ASGIApp, Receive, Scope, Send, detail, header, send_json, state
 from app.core.api_keys import KeyRing
 from app.core.api_keys import Scope as KeyScope
 from app.core.metrics import Metrics
 
 _CHALLENGE = (b"www-authenticate", b'Bearer realm="kp-scoring"')
-#: Query parameters in which clients commonly put keys.
-_KEY_PARAMS = ("api_key", "apikey", "key", "token", "access_token")
+#: Query parameters in which clients commonly put keys, as _spelling() writes them: any case,
+#: any separators, percent-encoded or not (api_key, API-KEY, apiKey, api%5Fkey are one).
+_KEY_PARAMS = frozenset(
+    {
+        "apikey",
+        "key",
+        "token",
+        "accesstoken",
+        "authtoken",
+        "apitoken",
+        "bearer",
+        "authorization",
+        "xapikey",
+    }
+)
 
 
 def required_scope(path: str) -> KeyScope | None:
@@ -54,6 +69,12 @@ class ApiKeys:
         if in_query is not None:
             msg = "API keys go in the Authorization header (Bearer), never in the URL"
             await send_json(send, 400, detail(("query", in_query), msg, "key_in_query"))
+            return
+        given = sum(1 for name, _ in scope["headers"] if name == b"authorization")
+        if given > 1:
+            # Which one a proxy, a log or this service reads first is anyone's guess.
+            msg = f"one Authorization header, not {given}"
+            await send_json(send, 400, detail(("header", "authorization"), msg, "repeated_header"))
             return
         presented = _bearer(header(scope, b"authorization"))
         key = None if presented is None else self.keys.identify(presented)
@@ -100,8 +121,14 @@ def _key_in_query(scope: Scope) -> str | None:
     query: bytes = scope.get("query_string", b"")
     if not query:
         return None
-    for pair in query.decode("latin-1").split("&"):
-        name = pair.partition("=")[0].lower()
-        if name in _KEY_PARAMS:
+    for pair in query.decode("latin-1").replace(";", "&").split("&"):
+        name = unquote_plus(pair.partition("=")[0], encoding="latin-1")
+        if _spelling(name) in _KEY_PARAMS:
             return name
     return None
+
+
+def _spelling(name: str) -> str:
+    """The parameter's name without case, separators or anything else but letters and
+    digits: every way of writing api_key is `apikey`."""
+    return "".join(c for c in name.casefold() if c.isalnum())

@@ -25,7 +25,10 @@ router = APIRouter(
     tags=["cache"],
     dependencies=[BearerDep],
     responses={
-        400: {"description": "A key in the query string instead of the Authorization header."},
+        400: {
+            "description": "A key in the query string (any spelling of api_key, token...) "
+            "instead of the Authorization header, or two Authorization headers."
+        },
         401: {
             "description": "KP_API_KEYS_FILE or KP_ADMIN_TOKEN is set and the bearer key is "
             "missing or unknown."

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Header, Query, Request
+from fastapi import APIRouter, Header, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 
+from app.api.batch_cost import charge_batch
 from app.api.deps import BEARER_SECURITY, Services, services_of
 from app.api.presenters import evaluation_out
 from app.core.signatures import unsignable_errors
@@ -31,13 +32,14 @@ router = APIRouter(
             "a wait: retry after Retry-After."
         },
         429: {
-            "description": "The key is over its rate_per_minute: nothing was scored, retry "
-            "after Retry-After."
+            "description": "The key is over its rate_per_minute (a batch costs one token per "
+            "trace): nothing was scored, retry after Retry-After."
         },
         413: {"description": "Body larger than KP_MAX_BODY_BYTES."},
         415: {"description": "Content-Type is not application/json."},
         422: {
-            "description": "Invalid trace, or an Idempotency-Key already used for another request."
+            "description": "Invalid trace, an Idempotency-Key already used for another request, "
+            "or a batch of more traces than the key's rate_per_minute."
         },
         503: {
             "description": "Overloaded: too many texts wait for the model (KP_EMBED_QUEUE_LIMIT) "
@@ -65,7 +67,7 @@ IdempotencyKey = Annotated[
     str | None,
     Header(
         alias="Idempotency-Key",
-        max_length=255,
+        # Checked before the route, with its rule stated in the document (openapi_doc.py).
         description="The same key with the same request within 24 h gets the first answer "
         "again, byte for byte (header Idempotent-Replayed: true), and adds nothing; with "
         "another request, 422. Scoped to the API key. Handled before the route "
@@ -89,7 +91,7 @@ async def evaluate(
     services = services_of(request)
     sent = await _sent_traces(services, request, batch=False)
     (evaluation,) = await _score(services, request, [trace], dry_run=dry_run, batch=False)
-    return _answer(services, evaluation, sent, 0)
+    return _answer(services, evaluation, sent, 0, dry_run=dry_run)
 
 
 @router.post(
@@ -105,9 +107,18 @@ async def evaluate_batch(
     idempotency_key: IdempotencyKey = None,
 ) -> BatchOut:
     services = services_of(request)
+    key = getattr(request.state, "api_key", None)
+    refused = await charge_batch(services.rate_limiter, key, len(batch.traces), ("body",))
+    if refused is not None:
+        headers = (
+            None if refused.retry_after_s is None else {"Retry-After": str(refused.retry_after_s)}
+        )
+        raise HTTPException(refused.status, [refused.error], headers)
     sent = await _sent_traces(services, request, batch=True)
     evaluations = await _score(services, request, batch.traces, dry_run=dry_run, batch=True)
-    return BatchOut(results=[_answer(services, e, sent, i) for i, e in enumerate(evaluations)])
+    return BatchOut(
+        results=[_answer(services, e, sent, i, dry_run=dry_run) for i, e in enumerate(evaluations)]
+    )
 
 
 async def _sent_traces(services: Services, request: Request, *, batch: bool) -> list[Any] | None:
@@ -125,10 +136,19 @@ async def _sent_traces(services: Services, request: Request, *, batch: bool) -> 
 
 
 def _answer(
-    services: Services, evaluation: Evaluation, sent: list[Any] | None, index: int
+    services: Services,
+    evaluation: Evaluation,
+    sent: list[Any] | None,
+    index: int,
+    *,
+    dry_run: bool,
 ) -> EvaluationOut:
     signer = services.signer
-    signature = None if signer is None or sent is None else signer.sign(evaluation, sent[index])
+    signature = (
+        None
+        if signer is None or sent is None
+        else signer.sign(evaluation, sent[index], dry_run=dry_run)
+    )
     return evaluation_out(evaluation, signature)
 
 

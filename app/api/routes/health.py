@@ -9,14 +9,33 @@ from app.api.deps import ServicesDep
 from app.api.mcp import McpHost
 from app.api.presenters import backend_out, index_out, snapshot_out
 from app.api.routes.cache import embedder_out
-from app.schemas.responses import HealthOut, ReadyOut
+from app.core.version import VERSION
+from app.schemas.responses import HealthOut, ReadyOut, RootOut
 
 router = APIRouter(tags=["health"])
+
+_ALIVE = HealthOut(status="ok", version=VERSION)
+_ROOT = RootOut(
+    service="kp-scoring",
+    version=VERSION,
+    docs="/docs",
+    redoc="/redoc",
+    openapi="/openapi.json",
+    health="/healthz",
+    ready="/readyz",
+)
+
+
+@router.get("/", summary="Where to start: links to the documentation and the probes")
+async def root() -> RootOut:
+    # A small JSON answer rather than a redirect: it reads the same in a browser and in curl,
+    # and the links are relative to wherever the service is mounted.
+    return _ROOT
 
 
 @router.get("/healthz", summary="Liveness: the process answers")
 async def healthz() -> HealthOut:
-    return HealthOut(status="ok")
+    return _ALIVE
 
 
 @router.get("/readyz", summary="Readiness, with the embedder's and the cache's state")

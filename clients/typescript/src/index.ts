@@ -13,6 +13,9 @@ type Schemas = components["schemas"];
 export type ReasoningTrace = Schemas["ReasoningTrace"];
 /** The answer for one trace: the score in [0, 1] and its breakdown. */
 export type Evaluation = Schemas["EvaluationOut"];
+/** Which weight profile applied, and whether the trace's `task_domain` named one (when not,
+ * the default profile applied). */
+export type Profile = Schemas["ProfileOut"];
 /** How `novelty.max_cosine` was found: "exact", or "index" (within `novelty.search_bound`). */
 export type SearchMethod = NonNullable<Schemas["NoveltyOut"]["search"]>;
 export type CacheStats = Schemas["CacheOut"];

@@ -3,7 +3,7 @@ import { createServer, type IncomingHttpHeaders } from "node:http";
 import type { AddressInfo } from "node:net";
 import { test } from "node:test";
 
-import { KpScoringClient, KpScoringError, evaluateValue } from "../src/index.js";
+import { KpScoringClient, KpScoringError, evaluateValue, type Profile } from "../src/index.js";
 import { ADMIN_TOKEN, BASE_URL, SCORE_TOLERANCE, exampleTrace, noEmbedderCases } from "./env.js";
 
 const kp = new KpScoringClient({ baseUrl: BASE_URL });
@@ -15,6 +15,9 @@ test("score answers the full evaluation (the README's example trace)", async () 
   assert.ok(Math.abs(answer.score - 0.57625) < SCORE_TOLERANCE);
   assert.deepEqual(answer.overrides, ["low_tool_diversity"]);
   assert.equal(answer.weights.profile, "default");
+  // The example's task_domain, "code-review", names no profile: the answer says so.
+  const profile: Profile = answer.profile;
+  assert.deepEqual(profile, { name: "default", domain_recognised: false });
   assert.equal(answer.novelty.reason, "embedder_unavailable");
 });
 

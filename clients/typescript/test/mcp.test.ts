@@ -60,7 +60,8 @@ test("kp_score_trace's text is a one-line summary with the verdict", async () =>
   assert.equal(content!.type, "text");
   assert.equal(
     content!.text,
-    "score 0.57625 is below the 0.75 sharing threshold; novelty not measured (embedder_unavailable)",
+    "score 0.57625 is below the 0.75 sharing threshold; task_domain not recognised, scored with " +
+      "the default weights; novelty not measured (embedder_unavailable)",
   );
 });
 

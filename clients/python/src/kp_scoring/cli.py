@@ -272,7 +272,7 @@ def print_breakdown(r: EvaluationOut, threshold: float) -> None:
     out.print(
         f"[bold]{shown(r.trace_id)}[/]  score [bold]{r.score:.4f}[/]  "
         f"{verdict(r.score, threshold)} (threshold {threshold})  "
-        f"weights: {shown(r.weights.profile)}"
+        f"weights: {shown(weights_text(r))}"
     )
     table = Table("dimension", "value", "weight", "weighted", box=None, pad_edge=False)
     total = 0.0
@@ -285,6 +285,12 @@ def print_breakdown(r: EvaluationOut, threshold: float) -> None:
     rules = [f"{visible(rule)} ({OVERRIDE_EFFECTS.get(rule, '?')})" for rule in r.overrides]
     out.print("overrides: " + ("; ".join(rules) or "none"), markup=False)
     out.print(novelty_line(r), markup=False)
+
+
+def weights_text(r: EvaluationOut) -> str:
+    """The profile that applied, and when the trace's task_domain named none, that it did not."""
+    unknown = r.profile is not None and not r.profile.domain_recognised
+    return r.weights.profile + (" (task_domain not recognised)" if unknown else "")
 
 
 def novelty_line(r: EvaluationOut) -> str:
@@ -435,7 +441,7 @@ def print_summary(done: list[FileResult], threshold: float) -> None:
                 shown(f.file),
                 shown(r.trace_id),
                 f"{r.score:.4f}",
-                shown(r.weights.profile),
+                shown(weights_text(r)),
                 shown(", ".join(r.overrides) or "-"),
                 shown(novelty),
                 *([escape(nearest_text(r))] if nearest else []),
@@ -463,10 +469,32 @@ def verify(
         Path | None,
         typer.Option("--jwks", help="A JWKS file; default: the service's /.well-known/jwks.json."),
     ] = None,
+    issuer: Annotated[
+        str | None,
+        typer.Option("--issuer", help="Require this signer (the signed iss)."),
+    ] = None,
+    audience: Annotated[
+        str | None,
+        typer.Option(
+            "--audience",
+            help="Who you are, when the service signs for an audience (the signed aud).",
+        ),
+    ] = None,
+    committed: Annotated[
+        bool,
+        typer.Option(
+            "--committed",
+            help="Require a committed score: not a dry run (the trace entered the memory).",
+        ),
+    ] = False,
     url: Url = DEFAULT_URL,
     as_json: AsJson = False,
 ) -> None:
     """Check a signed score against the trace and the service's public keys.
+
+    Given an answer's JSON file, its visible fields (trace_id, score, dimensions, the
+    profile, novelty.measured) must be the signed ones: an edited answer does not verify.
+    An expired signature (exp) never verifies.
 
     Exit code: 0 the signature verifies and is about this trace, 1 it does not, 2 bad input,
     3 service unreachable (when the JWKS is fetched from it), 4 try later (429 or 503).
@@ -478,7 +506,7 @@ def verify(
                 f"{visible(trace_path)}: one trace, not an array: a signature is about one"
             )
         trace = traces[0]
-        token = _signature_of(signature)
+        token, answer = _signature_of(signature)
         jwks = json.loads(read_source(str(jwks_path))) if jwks_path is not None else None
     except ValueError as exc:  # InputError, or a JWKS file that is not JSON
         raise fail(visible(exc), Code.INPUT_ERROR) from None
@@ -486,7 +514,15 @@ def verify(
         with connect(url) as kp, service_errors():
             jwks = kp.jwks()
     try:
-        claims = verify_signature(token, trace, jwks)
+        claims = verify_signature(
+            token,
+            trace,
+            jwks,
+            issuer=issuer,
+            audience=audience,
+            committed=committed,
+            answer=answer,
+        )
     except SignatureInvalidError as exc:
         raise fail(f"invalid: {visible(exc)}", Code.BELOW_THRESHOLD) from None
     if as_json:
@@ -494,17 +530,19 @@ def verify(
         return
     out.print(
         f"valid: {shown(claims.get('trace_id'))} scored {shown(claims.get('score'))} "
-        f"by {shown(claims.get('iss'))}",
+        f"by {shown(claims.get('iss'))}"
+        + (" (a dry run: not in the memory)" if claims.get("dry_run") is True else ""),
     )
 
 
 _COMPACT_JWS = re.compile(r"[A-Za-z0-9_-]+\.[A-Za-z0-9_-]*\.[A-Za-z0-9_-]*")
 
 
-def _signature_of(value: str) -> str:
-    """A compact JWS as given, or the `signature` of an answer in a JSON file."""
+def _signature_of(value: str) -> tuple[str, dict[str, Any] | None]:
+    """A compact JWS as given, or the `signature` of an answer in a JSON file and the answer
+    (whose visible fields are then checked against the signed ones)."""
     if _COMPACT_JWS.fullmatch(value):
-        return value
+        return value, None
     try:
         answer = json.loads(read_source(value))
     except json.JSONDecodeError as exc:
@@ -516,7 +554,7 @@ def _signature_of(value: str) -> str:
         raise InputError(
             f"{visible(value)}: the answer has no signature (the service signs nothing?)"
         )
-    return signature
+    return signature, answer
 
 
 @cli.command()

@@ -196,6 +196,11 @@ def _retry_after(response: httpx.Response) -> float | None:
     return seconds if seconds >= 0 else None
 
 
+def _base_url(given: str | None) -> str:
+    """`given`, else the KP_URL variable (as the command line reads it), else the default."""
+    return given or os.environ.get("KP_URL") or DEFAULT_URL
+
+
 def _unreachable(base_url: httpx.URL, exc: httpx.TransportError) -> Unreachable:
     reason = visible(str(exc) or type(exc).__name__)
     return Unreachable(f"cannot reach kp-scoring at {base_url}: {reason}")
@@ -242,14 +247,16 @@ class _Base:
 class KpScoringClient(_Base):
     """Blocking client. Use as a context manager, or call `close()`.
 
-    `retries`: how many times a request answered 429 or 503 is sent again, each after the
-    answer's Retry-After (1 s without one); a Retry-After above `max_retry_wait` seconds is
-    not waited for: the `TryLater` error is raised at once. `sleep`: how to wait (tests).
+    `base_url`: default the KP_URL variable, else http://127.0.0.1:8000. `api_key`: default
+    the KP_API_KEY variable. `retries`: how many times a request answered 429 or 503 is sent
+    again, each after the answer's Retry-After (1 s without one); a Retry-After above
+    `max_retry_wait` seconds is not waited for: the `TryLater` error is raised at once.
+    `sleep`: how to wait (tests).
     """
 
     def __init__(
         self,
-        base_url: str = DEFAULT_URL,
+        base_url: str | None = None,
         *,
         admin_token: str | None = None,
         api_key: str | None = None,
@@ -259,8 +266,9 @@ class KpScoringClient(_Base):
         transport: httpx.BaseTransport | None = None,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
-        super().__init__(base_url, admin_token, api_key, retries, max_retry_wait)
-        self._http = httpx.Client(base_url=base_url, timeout=timeout, transport=transport)
+        url = _base_url(base_url)
+        super().__init__(url, admin_token, api_key, retries, max_retry_wait)
+        self._http = httpx.Client(base_url=url, timeout=timeout, transport=transport)
         self._sleep = sleep
 
     def _request(self, method: str, path: str, **kwargs: Any) -> Any:
@@ -312,10 +320,29 @@ class KpScoringClient(_Base):
         keys: dict[str, Any] = self._request("GET", "/.well-known/jwks.json")
         return keys
 
-    def verify(self, signature: str, trace: TraceLike) -> dict[str, Any]:
+    def verify(
+        self,
+        signature: str,
+        trace: TraceLike,
+        *,
+        issuer: str | None = None,
+        audience: str | None = None,
+        committed: bool = False,
+        answer: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         """The claims of a signed score about `trace` (as this client sent it), checked against
-        the service's JWKS; SignatureInvalidError if it does not verify."""
-        return verify(signature, _trace_json(trace), self.jwks())
+        the service's JWKS and, when given, the issuer, the audience, a committed score and
+        the answer's visible fields (kp_scoring.signatures.verify); SignatureInvalidError if
+        it does not verify."""
+        return verify(
+            signature,
+            _trace_json(trace),
+            self.jwks(),
+            issuer=issuer,
+            audience=audience,
+            committed=committed,
+            answer=answer,
+        )
 
     def cache_stats(self) -> CacheOut:
         return CacheOut.model_validate(self._request("GET", "/cache", headers=self._headers))
@@ -355,7 +382,7 @@ class AsyncKpScoringClient(_Base):
 
     def __init__(
         self,
-        base_url: str = DEFAULT_URL,
+        base_url: str | None = None,
         *,
         admin_token: str | None = None,
         api_key: str | None = None,
@@ -365,8 +392,9 @@ class AsyncKpScoringClient(_Base):
         transport: httpx.AsyncBaseTransport | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
-        super().__init__(base_url, admin_token, api_key, retries, max_retry_wait)
-        self._http = httpx.AsyncClient(base_url=base_url, timeout=timeout, transport=transport)
+        url = _base_url(base_url)
+        super().__init__(url, admin_token, api_key, retries, max_retry_wait)
+        self._http = httpx.AsyncClient(base_url=url, timeout=timeout, transport=transport)
         self._sleep = sleep
 
     async def _request(self, method: str, path: str, **kwargs: Any) -> Any:
@@ -418,9 +446,26 @@ class AsyncKpScoringClient(_Base):
         keys: dict[str, Any] = await self._request("GET", "/.well-known/jwks.json")
         return keys
 
-    async def verify(self, signature: str, trace: TraceLike) -> dict[str, Any]:
+    async def verify(
+        self,
+        signature: str,
+        trace: TraceLike,
+        *,
+        issuer: str | None = None,
+        audience: str | None = None,
+        committed: bool = False,
+        answer: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         """As `KpScoringClient.verify`."""
-        return verify(signature, _trace_json(trace), await self.jwks())
+        return verify(
+            signature,
+            _trace_json(trace),
+            await self.jwks(),
+            issuer=issuer,
+            audience=audience,
+            committed=committed,
+            answer=answer,
+        )
 
     async def cache_stats(self) -> CacheOut:
         body = await self._request("GET", "/cache", headers=self._headers)

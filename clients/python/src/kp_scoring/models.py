@@ -31,6 +31,13 @@ class WeightsOut(_Answer):
     outcome_confidence: float
 
 
+class ProfileOut(_Answer):
+    #: The weight profile that applied (as weights.profile).
+    name: str
+    #: Whether the trace's task_domain names a profile; if not, the default one applied.
+    domain_recognised: bool
+
+
 class NearestOut(_Answer):
     #: The id of the stored trace ('' if it was stored without one). Stored data: print it
     #: through `kp_scoring.text.visible`.
@@ -60,6 +67,7 @@ class EvaluationOut(_Answer):
     score: float
     dimensions: DimensionsOut
     weights: WeightsOut
+    profile: ProfileOut | None = None  # None from an older service, which did not say it
     #: single_thought, error_recovery_bonus, low_tool_diversity.
     overrides: list[str]
     novelty: NoveltyOut

@@ -3,21 +3,35 @@ CLI, a registry): the JWS must verify against a key of the set (by its kid) and 
 trace, whose `trace_sha256` is the SHA-256 of its RFC 8785 (JCS) canonical JSON, so that it is
 the same whatever the trace's whitespace or key order. `joserfc` checks the JWS, the `rfc8785`
 package makes the canonical form. The service signs with the same hash (tests hold the two to
-the same value).
+the same value). Beyond that, `verify` can require an issuer, an audience and a committed score
+(not a dry run), always refuses an expired signature, and compares an answer's visible fields
+with the signed ones (the service's docs: operating/signatures.md).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import time
 import warnings
 from typing import Any
 
 import rfc8785
 
-__all__ = ["ALGORITHM", "SignatureInvalidError", "TraceNotCanonicalError", "trace_sha256", "verify"]
+__all__ = [
+    "ALGORITHM",
+    "SIGNED_FIELDS",
+    "SignatureInvalidError",
+    "TraceNotCanonicalError",
+    "answer_mismatches",
+    "claim_problems",
+    "trace_sha256",
+    "verify",
+]
 
 ALGORITHM = "EdDSA"
+#: Clocks disagree: an `exp` is honoured this many seconds late.
+_LEEWAY_S = 30
 # RFC 9864 prefers the fully specified "Ed25519"; the registry asks for "EdDSA", which every
 # JOSE library verifies. joserfc warns on each use: it is the choice made here.
 warnings.filterwarnings("ignore", message="EdDSA is deprecated", module=r"joserfc\b")
@@ -40,9 +54,100 @@ def trace_sha256(trace: Any) -> str:
     return hashlib.sha256(canonical).hexdigest()
 
 
-def verify(signature: str, trace: Any, jwks: dict[str, Any]) -> dict[str, Any]:
-    """The claims of `signature` if it verifies against a key of `jwks` (by its kid) and is
-    about `trace` (parsed JSON, any key order); else SignatureInvalidError saying why."""
+def verify(
+    signature: str,
+    trace: Any,
+    jwks: dict[str, Any],
+    *,
+    issuer: str | None = None,
+    audience: str | None = None,
+    committed: bool = False,
+    answer: dict[str, Any] | None = None,
+    now: float | None = None,
+) -> dict[str, Any]:
+    """The claims of `signature` if it verifies against a key of `jwks` (by its kid), is about
+    `trace` (parsed JSON, any key order) and has not expired; else SignatureInvalidError
+    saying why. Optionally also: signed by `issuer`; for `audience` (a signature that names
+    an audience is refused without it); a `committed` score (not a dry run: the trace
+    entered the memory); and `answer` (the JSON answer it came in) says what the signature
+    says, field by field (docs/operating/signatures.md)."""
+    claims = _verified_claims(signature, trace, jwks)
+    problems = claim_problems(
+        claims, issuer=issuer, audience=audience, committed=committed, now=now
+    )
+    if answer is not None:
+        problems += answer_mismatches(claims, answer)
+    if problems:
+        raise SignatureInvalidError("; ".join(problems))
+    return claims
+
+
+def claim_problems(
+    claims: dict[str, Any],
+    *,
+    issuer: str | None = None,
+    audience: str | None = None,
+    committed: bool = False,
+    now: float | None = None,
+) -> list[str]:
+    """What the verified `claims` fail of the checks asked for (expiry always)."""
+    problems = []
+    at = time.time() if now is None else now
+    expiry = claims.get("exp")
+    if expiry is not None and (not isinstance(expiry, int | float) or at >= expiry + _LEEWAY_S):
+        problems.append(f"the signature expired (exp {expiry})")
+    if issuer is not None and claims.get("iss") != issuer:
+        problems.append(f"the issuer is {claims.get('iss')!r}, not {issuer!r}")
+    signed_for = claims.get("aud")
+    if signed_for is not None or audience is not None:
+        audiences = signed_for if isinstance(signed_for, list) else [signed_for]
+        if audience is None:
+            problems.append(f"the signature is for the audience {signed_for!r}: name yours")
+        elif audience not in audiences:
+            problems.append(f"the signature is for the audience {signed_for!r}, not {audience!r}")
+    if committed and claims.get("dry_run") is not False:
+        problems.append(
+            "the score is of a dry run (the trace did not enter the memory)"
+            if claims.get("dry_run") is True
+            else "the signature does not say the trace entered the memory (no dry_run claim)"
+        )
+    return problems
+
+
+#: The answer's fields that the signature covers: (path in the answer, claim).
+SIGNED_FIELDS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("trace_id",), "trace_id"),
+    (("score",), "score"),
+    (("dimensions",), "dimensions"),
+    (("weights", "profile"), "weights_profile"),
+    (("novelty", "measured"), "novelty_measured"),
+)
+
+
+def answer_mismatches(claims: dict[str, Any], answer: dict[str, Any]) -> list[str]:
+    """Where the answer's visible fields differ from the signed ones (an edited answer)."""
+    problems = []
+    for path, claim in SIGNED_FIELDS:
+        shown: Any = answer
+        for part in path:
+            shown = shown.get(part) if isinstance(shown, dict) else None
+        if not _same(shown, claims.get(claim)):
+            problems.append(
+                f"the answer's {'.'.join(path)} is {shown!r}, the signed one {claims.get(claim)!r}"
+            )
+    return problems
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal as JSON values: 1 and 1.0 are, true and 1 are not."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return bool(a == b)
+
+
+def _verified_claims(signature: str, trace: Any, jwks: dict[str, Any]) -> dict[str, Any]:
     # joserfc (and cryptography under it) only where a signature is checked.
     from joserfc import jws
     from joserfc.errors import JoseError

@@ -1,0 +1,75 @@
+"""The one rule for trace ids, wherever one comes in (POST /evaluate, the batch, the MCP tools,
+POST /cache/import), and the one way an id is shown as text.
+
+An id is stored and later handed to other callers (`novelty.nearest.trace_id`, the MCP tool's
+text, a terminal running the CLI), so it must not carry anything that acts instead of being
+read: it holds printable characters only (Python's `str.isprintable`: no control characters,
+no format characters such as the bidirectional overrides and isolates U+202A-202E and
+U+2066-2069 or zero-width joiners, no line or paragraph separators, no private-use,
+surrogate or unassigned code points; the space is allowed), and at most MAX_TRACE_ID_CHARS
+characters. The bound is fixed rather than a setting, so that every instance can import
+what any other exported.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Final
+
+from pydantic import AfterValidator, Field
+from pydantic_core import PydanticCustomError
+
+#: The longest trace id accepted, in characters (Unicode code points).
+MAX_TRACE_ID_CHARS: Final = 256
+#: Every trace id starts so (the ReasoningTrace schema).
+TRACE_ID_PREFIX: Final = "kp:trace:"
+
+RULE: Final = (
+    f"must be at most {MAX_TRACE_ID_CHARS} printable characters "
+    "(no control, format, bidirectional or separator characters other than the space)"
+)
+
+
+def trace_id_problem(value: str) -> str | None:
+    """Why `value` is not an acceptable trace id (the rule and the first offending
+    character, escaped), or None when it is one."""
+    if len(value) > MAX_TRACE_ID_CHARS:
+        return f"{RULE}: it has {len(value)} characters"
+    if not value.isprintable():
+        at, bad = next((i, c) for i, c in enumerate(value) if not c.isprintable())
+        return f"{RULE}: character {at} is {_escape(bad)}"
+    return None
+
+
+def _check(value: str) -> str:
+    problem = trace_id_problem(value)
+    if problem is not None:
+        raise PydanticCustomError("trace_id_rule", problem)
+    return value
+
+
+#: The `id` of a ReasoningTrace: the prefix, then the rule above.
+TraceId = Annotated[
+    str,
+    Field(pattern=r"^kp:trace:", max_length=MAX_TRACE_ID_CHARS),
+    AfterValidator(_check),
+]
+
+
+def _escape(char: str) -> str:
+    code = ord(char)
+    return (
+        f"\\x{code:02x}"
+        if code < 0x100
+        else f"\\u{code:04x}"
+        if code < 0x10000
+        else (f"\\U{code:08x}")
+    )
+
+
+def visible(text: str) -> str:
+    """`text` with every unprintable character (and the backslash, so that an escape cannot
+    be forged) written as a visible escape: safe in a terminal or a model's prompt, whatever
+    was stored before the rule."""
+    if text.isprintable() and "\\" not in text:
+        return text
+    return "".join("\\\\" if c == "\\" else c if c.isprintable() else _escape(c) for c in text)

@@ -1,0 +1,199 @@
+"""What the in-process memory's journal costs (docs/operating/persistence.md): a committed
+POST /evaluate and a 30,000-line POST /cache/import, with KP_CACHE_JOURNAL_FSYNC off, everysec
+and always, measured side by side (three servers, taking turns) so that a busy host slows all
+of them alike.
+
+    python -m bench.journal [--requests 200] [--imports 3] [--lines 30000]
+
+Each server runs the real model (preloaded, one thread) with a snapshot path in a temporary
+directory, no periodic save during the run and the exact search (no index builds in the
+background), and the modes take turns in a rotating order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from bench.stats import percentile
+
+MODES = ("off", "everysec", "always")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class _Server:
+    def __init__(self, mode: str, directory: Path) -> None:
+        self.port = _free_port()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KP_")}
+        env |= {
+            "KP_CACHE_SNAPSHOT_PATH": str(directory / f"{mode}.snapshot"),
+            "KP_CACHE_SNAPSHOT_INTERVAL_S": "86400",
+            "KP_CACHE_JOURNAL_FSYNC": mode,
+            "KP_CACHE_CAPACITY": "100000",
+            # No index builds in the background: they would run while another server is
+            # measured (the journal's cost does not depend on the search).
+            "KP_CACHE_SEARCH": "exact",
+            "KP_EMBEDDER_PRELOAD": "true",
+            "KP_EMBEDDER_THREADS": "1",
+            "KP_EMBEDDER_WORKERS": "1",
+            "KP_EMBED_MEMO_CAPACITY": "0",
+            "KP_LOG_LEVEL": "warning",
+        }
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "app.serve", "--host", "127.0.0.1", "--port", str(self.port)],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        self.client = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=120)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if self.client.get("/readyz").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"the {mode} server did not become ready")
+
+    def stop(self) -> None:
+        self.client.close()
+        self.process.send_signal(signal.SIGTERM)
+        self.process.wait(timeout=120)
+
+
+def _trace(i: int) -> dict[str, Any]:
+    objective = f"Reconcile ledger batch {i} {uuid.uuid4().hex} against the bank statements"
+    return {
+        "@context": "https://openknowledgepulse.org/schema/v1",
+        "@type": "ReasoningTrace",
+        "id": f"kp:trace:bench-{i}",
+        "metadata": {
+            "created_at": "2025-06-15T10:00:00.000Z",
+            "task_domain": "finance",
+            "success": True,
+            "quality_score": 0.5,
+            "visibility": "network",
+            "privacy_level": "aggregated",
+        },
+        "task": {"objective": objective},
+        "steps": [
+            {"step_id": 0, "type": "thought", "content": "Match totals line by line"},
+            {"step_id": 1, "type": "tool_call", "tool": {"name": "sql"}, "content": "query"},
+        ],
+        "outcome": {"result_summary": "Reconciled", "confidence": 0.9},
+    }
+
+
+def _import_body(lines: int, seed: int) -> bytes:
+    rng = np.random.default_rng(seed)
+    vectors = rng.standard_normal((lines, 384)).astype("<f4")
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    return b"".join(
+        json.dumps(
+            {
+                "trace_id": f"kp:trace:import-{seed}-{i}",
+                "added_at_ms": 1e12 + i,
+                "vector": base64.b64encode(v.tobytes()).decode(),
+            }
+        ).encode()
+        + b"\n"
+        for i, v in enumerate(vectors)
+    )
+
+
+def _turn(i: int) -> tuple[str, ...]:
+    k = i % len(MODES)
+    return MODES[k:] + MODES[:k]
+
+
+def run(requests: int, imports: int, lines: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        servers = {mode: _Server(mode, Path(tmp)) for mode in MODES}
+        try:
+            request_ms: dict[str, list[float]] = {m: [] for m in MODES}
+            for i in range(requests):  # A B C, B C A, C A B, ...: no mode always first
+                for mode in _turn(i):
+                    server = servers[mode]
+                    started = time.perf_counter()
+                    r = server.client.post("/evaluate", json=_trace(i))
+                    request_ms[mode].append((time.perf_counter() - started) * 1000)
+                    r.raise_for_status()
+            import_ms: dict[str, list[float]] = {m: [] for m in MODES}
+            for round_ in range(imports):
+                body = _import_body(lines, round_)
+                for mode in _turn(round_):
+                    server = servers[mode]
+                    started = time.perf_counter()
+                    r = server.client.post(
+                        "/cache/import",
+                        content=body,
+                        headers={"content-type": "application/x-ndjson"},
+                    )
+                    import_ms[mode].append((time.perf_counter() - started) * 1000)
+                    r.raise_for_status()
+        finally:
+            for server in servers.values():
+                server.stop()
+    return {
+        "requests": {
+            mode: {
+                "p50_ms": round(percentile(ms, 50), 3),
+                "p99_ms": round(percentile(ms, 99), 3),
+                "p50_vs_off": round(percentile(ms, 50) / percentile(request_ms["off"], 50), 3),
+            }
+            for mode, ms in request_ms.items()
+        },
+        "imports": {
+            mode: {
+                "median_ms": round(float(np.median(ms)), 1),
+                "vs_off": round(float(np.median(ms)) / float(np.median(import_ms["off"])), 3),
+            }
+            for mode, ms in import_ms.items()
+        },
+        "lines": lines,
+        "cpu": _cpu(),
+    }
+
+
+def _cpu() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} cores"
+    except OSError:
+        pass
+    return f"{os.cpu_count()} cores"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--imports", type=int, default=3)
+    parser.add_argument("--lines", type=int, default=30_000)
+    args = parser.parse_args(argv)
+    print(json.dumps(run(args.requests, args.imports, args.lines), indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""What a registry checks before it trusts a signed score, with PyJWT and rfc8785 only.
+
+    python examples/verify_score.py TRACE.json ANSWER.json JWKS_URL_OR_FILE \
+        --issuer kp-scoring --audience my-registry
+
+Exit 0: the score can be trusted; 1: it cannot (the reason on stderr). The checks:
+
+1. The signature verifies with the service's published key named by its `kid`, alg EdDSA.
+2. It was made by the issuer you expect (`iss`) for you (`aud`, when the service signs one)
+   and has not expired (`exp`, when the service sets a lifetime).
+3. It is about this trace: `trace_sha256` is the SHA-256 of its RFC 8785 canonical JSON.
+4. The trace entered the memory: `dry_run` is false (a dry run leaves it out, so copies of
+   it would still score as novel).
+5. The answer says what the signature says: a visible field edited after signing is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import urllib.request
+from typing import Any
+
+import jwt
+import rfc8785
+
+#: (path of the field in the answer, signed claim)
+SIGNED_FIELDS = [
+    (["trace_id"], "trace_id"),
+    (["score"], "score"),
+    (["dimensions"], "dimensions"),
+    (["weights", "profile"], "weights_profile"),
+    (["novelty", "measured"], "novelty_measured"),
+]
+
+
+def load_jwks(where: str) -> dict[str, Any]:
+    if where.startswith(("http://", "https://")):
+        with urllib.request.urlopen(where, timeout=10) as answer:
+            jwks: dict[str, Any] = json.load(answer)
+            return jwks
+    with open(where, encoding="utf-8") as file:
+        jwks = json.load(file)
+        return jwks
+
+
+def check(
+    trace: Any, answer: dict[str, Any], jwks: dict[str, Any], issuer: str, audience: str | None
+) -> dict[str, Any]:
+    """The signed claims, or ValueError saying which check failed."""
+    token = answer.get("signature")
+    if not isinstance(token, str):
+        raise ValueError("the answer is not signed")
+    try:
+        kid = jwt.get_unverified_header(token)["kid"]
+        key = jwt.PyJWKSet.from_dict(jwks)[kid]
+        # 1 and 2: PyJWT checks the signature, iss, aud and exp (aud is required when given).
+        claims: dict[str, Any] = jwt.decode(
+            token,
+            key.key,
+            algorithms=["EdDSA"],
+            issuer=issuer,
+            audience=audience,
+            options={"require": ["iss", "iat"], "verify_aud": audience is not None},
+        )
+    except (jwt.PyJWTError, KeyError) as exc:
+        raise ValueError(f"the signature does not verify: {exc}") from None
+    if audience is None and "aud" in claims:
+        raise ValueError(f"the score is for the audience {claims['aud']!r}, not for us")
+    # 3
+    expected = hashlib.sha256(rfc8785.dumps(trace)).hexdigest()
+    if claims.get("trace_sha256") != expected:
+        raise ValueError("the signature is about another trace")
+    # 4
+    if claims.get("dry_run") is not False:
+        raise ValueError("the score is of a dry run: the trace did not enter the memory")
+    # 5
+    for path, claim in SIGNED_FIELDS:
+        shown: Any = answer
+        for part in path:
+            shown = shown.get(part) if isinstance(shown, dict) else None
+        if json.dumps(shown, sort_keys=True) != json.dumps(claims.get(claim), sort_keys=True):
+            raise ValueError(f"the answer's {'.'.join(path)} is not the signed one")
+    return claims
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Check a signed score as a registry would.")
+    parser.add_argument("trace", help="the trace as it was sent (JSON file)")
+    parser.add_argument("answer", help="the service's answer (JSON file)")
+    parser.add_argument("jwks", help="the service's /.well-known/jwks.json (URL or file)")
+    parser.add_argument("--issuer", default="kp-scoring", help="the iss you expect")
+    parser.add_argument("--audience", help="your name, when the service signs an aud")
+    args = parser.parse_args(argv)
+    with open(args.trace, encoding="utf-8") as file:
+        trace = json.load(file)
+    with open(args.answer, encoding="utf-8") as file:
+        answer = json.load(file)
+    try:
+        claims = check(trace, answer, load_jwks(args.jwks), args.issuer, args.audience)
+    except ValueError as exc:
+        print(f"refused: {exc}", file=sys.stderr)
+        return 1
+    print(f"trusted: {claims['trace_id']} scored {claims['score']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""The documentation site builds with --strict, and its generated pages say what the code and
+the committed results say: every KP_* setting with its description, every bench result with its
+CPU and command, every decision record listed."""
+
+from __future__ import annotations
+
+import html
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from app.core.config import ENV_PREFIX, Settings
+
+ROOT = Path(__file__).resolve().parents[1]
+HOOKS = ROOT / "docs" / "hooks"
+
+
+def _hook(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"docs_hook_{name}", HOOKS / f"{name}.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    mkdocs = Path(sys.executable).parent / "mkdocs"
+    assert mkdocs.is_file() or shutil.which("mkdocs"), "the docs extra is not installed"
+    out = tmp_path_factory.mktemp("site")
+    built = subprocess.run(
+        [str(mkdocs) if mkdocs.is_file() else "mkdocs", "build", "--strict", "-d", str(out)],
+        cwd=ROOT,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert built.returncode == 0, built.stdout + built.stderr
+    return out
+
+
+def _text(page: Path) -> str:
+    return html.unescape(re.sub(r"<[^>]+>", "", page.read_text(encoding="utf-8")))
+
+
+def test_every_setting_has_a_description() -> None:
+    missing = [n for n, f in Settings.model_fields.items() if not (f.description or "").strip()]
+    assert not missing, f"give these Settings fields a description=: {missing}"
+
+
+def test_every_setting_is_on_the_configuration_page(site: Path) -> None:
+    page = (site / "configuration" / "index.html").read_text(encoding="utf-8")
+    text = _text(site / "configuration" / "index.html")
+    for name, field in Settings.model_fields.items():
+        variable = f"{ENV_PREFIX}{name.upper()}"
+        assert f'id="{variable.lower()}"' in page, f"{variable} has no section"
+        first_words = re.sub(r"`", "", field.description or "")[:40]
+        assert first_words in " ".join(text.split()), f"{variable}'s description is missing"
+
+
+def test_the_rendered_settings_follow_the_class() -> None:
+    rendered = _hook("settings").render()
+    sections = re.findall(r"^### (KP_\w+)$", rendered, flags=re.M)
+    assert sections == [f"{ENV_PREFIX}{n.upper()}" for n in Settings.model_fields]
+    assert "**Default:** `1000`" in rendered.split("### KP_CACHE_CAPACITY")[1].split("###")[0]
+
+
+def test_the_performance_page_names_the_cpu_and_command_of_each_result(site: Path) -> None:
+    text = " ".join(_text(site / "performance" / "index.html").split())
+    performance = _hook("performance")
+    for name in performance.RENDERERS:
+        path = ROOT / "bench" / "results" / f"{name}.json"
+        if not path.is_file():
+            assert f"No bench/results/{name}.json" in text
+            continue
+        data = json.loads(path.read_text())
+        command = data.get("command") or performance.COMMANDS[name]
+        assert f"Command: {command}" in text, name
+        cpu = (
+            (data.get("machine") or {}).get("cpu")
+            or data.get("cpu")
+            or performance.NOTED_CPUS[name]
+        )
+        assert cpu.split(",")[0] in text, name
+        assert f"File: bench/results/{name}.json" in text
+
+
+def test_a_missing_or_unknown_result_renders_without_failing(tmp_path: Path) -> None:
+    performance = _hook("performance")
+    assert "No `bench/results/latest.json`" in performance.render("latest", tmp_path)
+    (tmp_path / "latest.json").write_text(json.dumps({"machine": {"cpu": "X"}, "other": {"a": 1}}))
+    rendered = performance.render("latest", tmp_path)
+    assert "| other.a | 1 |" in rendered
+    assert "X" in rendered
+
+
+def test_the_decisions_page_lists_every_record(site: Path) -> None:
+    page = (site / "decisions" / "index.html").read_text(encoding="utf-8")
+    records = [p for p in (ROOT / "docs" / "decisions").glob("*.md") if p.name != "index.md"]
+    assert records
+    for record in records:
+        assert f'href="{record.stem}/"' in page, record.name
+        body = record.read_text(encoding="utf-8")
+        for section in ("## Context", "## Decision", "## Figures", "## Alternatives not kept"):
+            assert section in body, f"{record.name} lacks {section}"
