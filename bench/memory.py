@@ -479,9 +479,16 @@ def run(
         del stored, cache
     if replica:
         with tempfile.TemporaryDirectory() as tmp:
-            doc["replica"] = r = replica_phase(max(sizes), Path(tmp))
-        joined = r["shared"]["replica_adopting"]
-        doc["checks"].append(check(r["entries"], "replica_to_ready_s", joined["to_ready_s"]))
+            try:
+                doc["replica"] = r = replica_phase(max(sizes), Path(tmp))
+            except subprocess.CalledProcessError as exc:  # the figures above are kept
+                doc["replica_error"] = str(exc)
+                doc["checks"].append(check(max(sizes), "replica_to_ready_s", float("inf")))
+            else:
+                joined = r["shared"]["replica_adopting"]
+                doc["checks"].append(
+                    check(r["entries"], "replica_to_ready_s", joined["to_ready_s"])
+                )
     return doc
 
 
