@@ -47,10 +47,26 @@ def _check(value: str) -> str:
     return value
 
 
+#: The rule as the published schema states it (a JSON Schema pattern, read with Unicode code
+#: points): no character of the Basic Multilingual Plane that is a control, format,
+#: private-use or separator character (other than the space), as Unicode 14 assigns them.
+#: What a pattern cannot state the way every regex engine reads it (unassigned code points,
+#: lone surrogates, characters outside the BMP) is left to the validator below, which holds
+#: the whole rule (docs/decisions/published-schema.md).
+ID_PATTERN: Final = (
+    r"^kp:trace:[^\u0000-\u001f\u007f-\u00a0\u00ad\u0600-\u0605\u061c\u06dd\u070f"
+    r"\u0890-\u0891\u08e2\u1680\u180e\u2000-\u200f\u2028-\u202f\u205f-\u2064"
+    r"\u2066-\u206f\u3000\ue000-\uf8ff\ufeff\ufff9-\ufffb]{0,247}$"
+)
+
 #: The `id` of a ReasoningTrace: the prefix, then the rule above.
 TraceId = Annotated[
     str,
-    Field(pattern=r"^kp:trace:", max_length=MAX_TRACE_ID_CHARS),
+    Field(
+        pattern=r"^kp:trace:",
+        max_length=MAX_TRACE_ID_CHARS,
+        json_schema_extra={"pattern": ID_PATTERN},
+    ),
     AfterValidator(_check),
 ]
 
