@@ -52,7 +52,7 @@ from app.core.states import SnapshotState
 from app.domain.vector_cache import CHUNK, CacheEntries
 from app.store.ann_index import DEFAULT_PARAMS, AnnIndex
 from app.store.indexed_memory import BuiltGraph, IndexedCache
-from app.store.journal import Journal
+from app.store.journal import Journal, fsync_directory
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ def _write_atomically(path: Path, parts: Sequence[bytes | memoryview]) -> None:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
-    _fsync_dir(path.parent)
+    fsync_directory(path.parent)
 
 
 def read_snapshot(path: Path, model_id: str, dimensions: int) -> CacheEntries:
@@ -294,16 +294,6 @@ def _numberings(about: dict[str, Any]) -> dict[str, int]:
     same entries the description names: its own and, after a restore, the snapshot file's."""
     named = [about, *about.get("aliases", ())]
     return {str(n["lineage"]): int(n["first_seq"]) for n in named}
-
-
-def _fsync_dir(directory: Path) -> None:
-    # Makes the rename itself durable; not every filesystem lets a directory be opened.
-    with contextlib.suppress(OSError):
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 @dataclass(frozen=True, slots=True)

@@ -196,7 +196,7 @@ class Journal:
             os.ftruncate(fd, 0)
             _write_all(fd, MAGIC + _LENGTH.pack(len(header)) + header)
             os.fsync(fd)
-            _fsync_dir(path.parent)
+            fsync_directory(path.parent)
         self._fd, self.generation = fd, generation
 
     # ── changes ─────────────────────────────────────────────────────────────
@@ -287,7 +287,9 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[written:]
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_directory(directory: Path) -> None:
+    """Makes a rename or a new file in `directory` durable; not every filesystem lets a
+    directory be opened."""
     with contextlib.suppress(OSError):
         fd = os.open(directory, os.O_RDONLY)
         try:
