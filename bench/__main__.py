@@ -13,6 +13,8 @@ Phases (default: all; `python -m bench PHASE --help` for each one's options):
 - memory: the novelty memory at size (bench/memory.py);
 - shared: the shared mode over Redis (bench/shared.py);
 - precision: int8 mode against float32, in process (bench/precision.py);
+- journal: what the in-process journal costs a request and an import, side by side with it
+  off (bench/journal.py);
 - all: every figure of bench/results/latest.json (floor, load, window, shared, first
   requests), then the reference and memory phases. See bench/README.md.
 """
@@ -31,7 +33,18 @@ from typing import Any
 import numpy as np
 
 from app.domain.vector_cache import VectorCache
-from bench import cold_start, corpus, floor, load, megabyte, memory, precision, reference, shared
+from bench import (
+    cold_start,
+    corpus,
+    floor,
+    journal,
+    load,
+    megabyte,
+    memory,
+    precision,
+    reference,
+    shared,
+)
 from bench.corpus import Item
 from bench.floor import Floor
 from bench.machine import loadavg, machine, parse_env
@@ -312,6 +325,7 @@ DELEGATED = {
     "memory": memory.main,
     "shared": shared.main,
     "precision": precision.main,
+    "journal": journal.main,
 }
 PHASES = ("all", "floor", "load", "window", *DELEGATED)
 

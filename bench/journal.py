@@ -186,14 +186,17 @@ def _cpu() -> str:
     return f"{os.cpu_count()} cores"
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench journal", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--imports", type=int, default=3)
     parser.add_argument("--lines", type=int, default=30_000)
     args = parser.parse_args(argv)
     print(json.dumps(run(args.requests, args.imports, args.lines), indent=2))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
