@@ -1,7 +1,7 @@
 """The load generator: closed-loop clients on keep-alive HTTP/1.1 connections, in asyncio.
 
 The client is deliberately lean (requests serialised before the clock starts, a minimal
-HTTP/1.1 exchange on asyncio streams, uvloop when installed, responses parsed after the
+HTTP/1.1 exchange on asyncio streams with uvloop, responses parsed after the
 phase) because it runs on the same cores as the server: every microsecond it spends is one
 the server does not get. httpx costs several times more CPU per request.
 """
