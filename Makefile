@@ -78,7 +78,7 @@ promtool:
 
 ## openapi: regenerate openapi/ after an API change
 openapi: $(BIN)/.installed
-	$(BIN)/python -m app.api.openapi_export
+	$(BIN)/python -m app.openapi_export
 
 ## image-test: build the Docker image with podman and test it (installs podman; needs root)
 image-test:

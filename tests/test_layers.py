@@ -26,7 +26,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "server": frozenset({"core"}),
 }
 #: Entry points: they put the layers together, so they may import any of them.
-ENTRY_POINTS = frozenset({"app.main", "app.serve", "app.api.openapi_export"})
+ENTRY_POINTS = frozenset({"app.main", "app.serve", "app.openapi_export"})
 #: What a process that only calls the service must not load.
 HEAVY = ("onnxruntime", "numpy", "tokenizers", "redis", "onnx")
 

@@ -8,14 +8,14 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from app.api.openapi_export import OPENAPI_DIR, documents, render
+from app.openapi_export import OPENAPI_DIR, documents, render
 
 
 @pytest.mark.parametrize("name", ["openapi.json", "reasoning-trace.schema.json"])
 def test_committed_documents_match_the_code(name: str) -> None:
     committed = (OPENAPI_DIR / name).read_text(encoding="utf-8")
     assert committed == render(documents()[name]), (
-        f"openapi/{name} is stale: run `python -m app.api.openapi_export`"
+        f"openapi/{name} is stale: run `python -m app.openapi_export`"
     )
 
 

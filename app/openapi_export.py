@@ -1,6 +1,6 @@
 """Writes the OpenAPI document and the ReasoningTrace JSON Schema into openapi/.
 
-Run `python -m app.api.openapi_export` after changing the API; tests/test_openapi.py fails
+Run `python -m app.openapi_export` after changing the API; tests/test_openapi.py fails
 while the files in openapi/ differ from what the code generates.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 from app.core.config import Settings
 from app.schemas.trace import ReasoningTrace
 
-OPENAPI_DIR = Path(__file__).resolve().parents[2] / "openapi"
+OPENAPI_DIR = Path(__file__).resolve().parents[1] / "openapi"
 
 
 def documents() -> dict[str, dict[str, Any]]:
