@@ -96,6 +96,19 @@ async def call(port: int, request: bytes) -> tuple[int, bytes, float]:
         await conn.close()
 
 
+async def histogram_totals(port: int, name: str) -> tuple[float, float]:
+    """A histogram's (sum, count) from the service's /metrics."""
+    status, body, _ = await call(port, request_bytes("GET", "/metrics", port))
+    if status != 200:
+        raise RuntimeError(f"GET /metrics answered {status}: {body[:300]!r}")
+    totals = {}
+    for line in body.decode().splitlines():
+        key, _, value = line.partition(" ")
+        if key in (f"{name}_sum", f"{name}_count"):
+            totals[key] = float(value)
+    return totals[f"{name}_sum"], totals[f"{name}_count"]
+
+
 async def reset_cache(port: int) -> None:
     status, body, _ = await call(port, request_bytes("DELETE", "/cache", port, admin=True))
     if status != 200:

@@ -142,6 +142,14 @@ def _reference(data: dict[str, Any]) -> str:
         _table(["measure", "floor", "reference (node)", "service"], rows),
         _table(["ratio", "median (min-max)"], ratio_rows),
     ]
+    if "service_typical_around_model_ms" in figures:
+        out.append(
+            "Where a typical request's time goes in the service (means): "
+            f"{cell('service_typical_mean_ms')} ms in all, of which the model's runs "
+            f"(tokenizing included) {cell('service_typical_model_ms')} ms and the rest (HTTP, "
+            f"the app, the hand-offs between threads) {cell('service_typical_around_model_ms')} "
+            "ms."
+        )
     if "max_score_difference" in data:
         out.append(
             "Largest score difference, service against reference on the same sequence: "
