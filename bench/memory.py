@@ -351,7 +351,6 @@ def service_phase(stored: Matrix, cache: IndexedCache, workdir: Path) -> dict[st
     1,000-entry service."""
     from app.embedding import model_files
     from app.services.snapshots import SnapshotStore, write_graph, write_snapshot
-    from bench import corpus
     from bench.server import Server
 
     files = model_files.resolve(None, None)
@@ -405,29 +404,41 @@ def service_phase(stored: Matrix, cache: IndexedCache, workdir: Path) -> dict[st
         common | {"KP_CACHE_CAPACITY": "1000", "KP_CACHE_SNAPSHOT_PATH": str(small)},
         workdir / "small.log",
     )
-    items = corpus.build("typical", 200, seed=11)
-    lat: dict[str, list[float]] = {"large": [], "small": []}
     with (
         httpx.Client(base_url=f"http://127.0.0.1:{large.port}", timeout=60) as cl,
         httpx.Client(base_url=f"http://127.0.0.1:{smaller.port}", timeout=60) as cs,
     ):
-        for item in items[:10]:  # warm both
-            for client in (cl, cs):
-                client.post("/evaluate", params={"dry_run": "true"}, json=item.trace)
-        # In turns, a block of traces each: after a run onnxruntime's pool threads spin for a
-        # while, and two services on the same cores would each run in the other's spin if
-        # they took turns request by request (both slower, the ratio blurred).
-        for b, start in enumerate(range(0, len(items), SERVICE_BLOCK)):
-            order = (("large", cl), ("small", cs)) if b % 2 else (("small", cs), ("large", cl))
-            for name, client in order:
-                for item in items[start : start + SERVICE_BLOCK]:
-                    t = time.perf_counter()
-                    r = client.post("/evaluate", params={"dry_run": "true"}, json=item.trace)
-                    lat[name].append((time.perf_counter() - t) * 1000)
-                    assert r.status_code == 200, r.text
-                    assert r.json()["novelty"]["measured"], r.text
+        out |= dry_run_turns(cl, cs)
     large.stop()
     smaller.stop()
+    return out
+
+
+def dry_run_turns(large: Any, small: Any) -> dict[str, float]:
+    """Dry-run latency of 200 typical traces on the `large` service's client against the
+    `small` one's, p50/p99 each and the ratio of the p50s."""
+    from bench import corpus
+
+    items = corpus.build("typical", 200, seed=11)
+    lat: dict[str, list[float]] = {"large": [], "small": []}
+    for item in items[:10]:  # warm both
+        for client in (large, small):
+            client.post("/evaluate", params={"dry_run": "true"}, json=item.trace)
+    # In turns, a block of traces each: after a run onnxruntime's pool threads spin for a
+    # while, and two services on the same cores would each run in the other's spin if they
+    # took turns request by request (both slower, the ratio blurred).
+    for b, start in enumerate(range(0, len(items), SERVICE_BLOCK)):
+        order = (
+            (("large", large), ("small", small)) if b % 2 else (("small", small), ("large", large))
+        )
+        for name, client in order:
+            for item in items[start : start + SERVICE_BLOCK]:
+                t = time.perf_counter()
+                r = client.post("/evaluate", params={"dry_run": "true"}, json=item.trace)
+                lat[name].append((time.perf_counter() - t) * 1000)
+                assert r.status_code == 200, r.text
+                assert r.json()["novelty"]["measured"], r.text
+    out: dict[str, float] = {}
     for name, values in lat.items():
         out[f"{name}_p50_ms"] = percentile(values, 50)
         out[f"{name}_p99_ms"] = percentile(values, 99)
