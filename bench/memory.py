@@ -41,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -461,10 +462,9 @@ def dry_run_turns(large: Any, small: Any) -> dict[str, float]:
     return out
 
 
-def replica_phase(size: int, workdir: Path) -> dict[str, Any]:
-    """`python -m bench.replica` at `size` in a process of its own (its figures file read
-    back): a new replica joining the shared memory, Redis memory per entry."""
-    out = workdir / "replica.json"
+def replica_phase(size: int, out: Path) -> dict[str, Any]:
+    """`python -m bench.replica` at `size` in a process of its own (its figures file, `out`,
+    read back): a new replica joining the shared memory, Redis memory per entry."""
     done = subprocess.run(
         [sys.executable, "-m", "bench.replica", "--size", str(size), "--out", str(out)],
         stderr=subprocess.PIPE,
@@ -480,8 +480,16 @@ def replica_phase(size: int, workdir: Path) -> dict[str, Any]:
 
 
 def run(
-    sizes: list[int], queries: int, service: bool, threshold: int, replica: bool = False
+    sizes: list[int],
+    queries: int,
+    service: bool,
+    threshold: int,
+    replica: bool = False,
+    save: Callable[[dict[str, Any]], None] = lambda doc: None,
+    replica_out: Path | None = None,
 ) -> dict[str, Any]:
+    """The phase's figures; `save` is given them after each part (a long run that stops
+    keeps what it measured), `replica_out` is where bench.replica writes its own file."""
     faiss.omp_set_num_threads(1)  # one core, as the issue's budget is stated
     # The same corpus (and cache) whatever the sizes.
     vectors, near, fresh = corpus_and_queries(queries)
@@ -502,6 +510,7 @@ def run(
         result, cache = measure_size(stored, near, fresh, threshold)
         doc["sizes"].append(result)
         doc["checks"] += checks(result)
+        save(doc)
         if service and size == max(sizes):
             with tempfile.TemporaryDirectory() as tmp:
                 doc["service"] = s = service_phase(stored, cache, Path(tmp))
@@ -509,11 +518,14 @@ def run(
                 check(size, "request_ratio", s["request_ratio"]),
                 check(size, "restart_to_ready_s", s["restart_to_ready_s"]),
             ]
+            save(doc)
         del stored, cache
     if replica:
         with tempfile.TemporaryDirectory() as tmp:
             try:
-                doc["replica"] = r = replica_phase(max(sizes), Path(tmp))
+                doc["replica"] = r = replica_phase(
+                    max(sizes), replica_out or Path(tmp) / "replica.json"
+                )
             except subprocess.CalledProcessError as exc:  # the figures above are kept
                 doc["replica_error"] = f"{exc}: {exc.stderr}"
                 doc["checks"].append(check(max(sizes), "replica_to_ready_s", float("inf")))
@@ -522,6 +534,7 @@ def run(
                 doc["checks"].append(
                     check(r["entries"], "replica_to_ready_s", joined["to_ready_s"])
                 )
+        save(doc)
     return doc
 
 
@@ -611,9 +624,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
-    doc = run(sizes, args.queries, not args.no_service, args.threshold, args.replica)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=2) + "\n")
+
+    def save(doc: dict[str, Any]) -> None:
+        args.out.write_text(json.dumps(doc, indent=2) + "\n")
+
+    doc = run(
+        sizes,
+        args.queries,
+        not args.no_service,
+        args.threshold,
+        args.replica,
+        save,
+        args.out.with_name("replica.json"),
+    )
+    save(doc)
     print(render(doc))
     return 0 if all(c["pass"] for c in doc["checks"]) else 1
 
