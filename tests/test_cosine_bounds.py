@@ -160,3 +160,26 @@ def test_the_background_bounds_catch_up_and_answer_exactly() -> None:
             "exact",
         )
     cache.wait_for_index(60)
+
+
+def test_the_bounds_are_fitted_again_when_the_memory_has_moved_on() -> None:
+    """A memory that turns over to other topics gets a basis fitted on what it now holds
+    (the old one would give true but loose bounds), and its answers stay the full scan's."""
+    before = clustered(1_500, seed=75, clusters=8)
+    after = clustered(1_500, seed=76, clusters=8)
+    cache = IndexedCache(capacity=1_000, index_threshold=500, background=False)
+    cache.hold_index(True)  # the bounds alone are under test
+    exact = VectorCache(capacity=1_000)
+    for i, v in enumerate(np.concatenate([before, after])):
+        cache.add(v, trace_id=f"t{i}")
+        exact.add(v, trace_id=f"t{i}")
+    # Fitted at 500 entries, again once those had all left (twice over 3,000 adds).
+    assert cache.bound_fits_total >= 3
+    rng = np.random.default_rng(77)
+    for i in rng.choice(1_000, 20, replace=False):
+        query = edit(after[500 + i], rng, 0.3)
+        truth = exact.nearest(query)
+        assert truth is not None
+        found = cache.nearest_from(query, truth.cosine)
+        assert found is not None
+        assert (found.cosine, found.trace_id) == (truth.cosine, truth.trace_id)

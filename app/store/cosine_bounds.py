@@ -74,6 +74,9 @@ class CosineBounds:
     basis: F64
     start: int
     tiers: tuple[int, int] = DEFAULT_TIERS
+    #: The entries the basis was fitted on: those before fitted_stop, fitted_on of them.
+    fitted_stop: int = 0
+    fitted_on: int = 0
     _segments: list[_Segment] = field(default_factory=list)
 
     def __post_init__(self) -> None:

@@ -234,6 +234,7 @@ class IndexedCache(VectorCache):
         self._bound_tiers = (min(bound_tiers[0], dimensions), min(bound_tiers[1], dimensions))
         self._bounds: CosineBounds | None = None
         self._bounder: threading.Thread | None = None  # fits and catches the bounds up
+        self.bound_fits_total = 0  # bases fitted (bounds made) since start
 
     # ── the hooks of VectorCache ────────────────────────────────────────────
 
@@ -349,84 +350,94 @@ class IndexedCache(VectorCache):
 
     def _maintain_bounds(self) -> None:
         """After a change (under the lock): forget the departed entries' bounds; bound the
-        newest once they are a batch (here when few, else in the background); fit the basis
-        in the background when the index is first wanted."""
+        newest once they are a batch (here when few, else in the background); fit a basis in
+        the background when the index is first wanted, and again when the memory has outgrown
+        the one it has (_refit_due)."""
         bounds = self._bounds
         if bounds is not None:
             bounds.drop_before(self._first_seq)
-        elif not self._wants_index():
-            return
-        if self._bounder is not None:
-            return  # the background thread catches up
+        refit = self._wants_index() and (bounds is None or self._refit_due(bounds))
+        if (bounds is None and not refit) or self._bounder is not None:
+            return  # nothing wanted, or the background thread catches up
         next_seq = self._first_seq + self._size
         lag = next_seq - (bounds.stop if bounds is not None else self._first_seq)
-        if bounds is not None and lag < BOUND_BATCH:
+        if not refit and lag < BOUND_BATCH:
             return
-        if bounds is not None and (lag <= BOUND_INLINE or not self._background):
-            start = bounds.stop
-            slots = self._slots(start, next_seq)
+        if bounds is not None and not refit and (lag <= BOUND_INLINE or not self._background):
+            slots = self._slots(bounds.stop, next_seq)
             bounds.extend(self._vectors[slots], self._norms[slots])
             return
         if not self._background:
-            self._fit_bounds()
+            self._bounds = self._fitted_bounds(self._fit_sample())
+            self.bound_fits_total += 1
             self._maintain_bounds()
             return
         if _EXITING.is_set():
             return
-        self._bounder = threading.Thread(target=self._bound, name="kp-cache-bounds", daemon=True)
+        self._bounder = threading.Thread(
+            target=self._bound, args=(refit,), name="kp-cache-bounds", daemon=True
+        )
         self._bounder.start()
 
-    def _fit_bounds(self) -> None:
-        """A new basis from up to FIT_SAMPLE live entries evenly spread (under the lock: the
-        sample is copied, a few milliseconds)."""
+    def _refit_due(self, bounds: CosineBounds) -> bool:
+        """The basis came from entries that have all left, or from a memory a quarter of
+        this one's size or less (as the graph's codes: RETRAIN_GROWTH). A stale basis still
+        gives true bounds, only looser ones."""
+        return (
+            self._first_seq >= bounds.fitted_stop or self._size >= RETRAIN_GROWTH * bounds.fitted_on
+        )
+
+    def _fit_sample(self) -> tuple[npt.NDArray[np.float64], int, int]:
+        """Up to FIT_SAMPLE live entries evenly spread, as unit rows (copied under the lock:
+        a few milliseconds), with the first sequence number and the size they come from."""
         seqs = np.unique(
             np.linspace(self._first_seq, self._first_seq + self._size - 1, FIT_SAMPLE).astype(
                 np.int64
             )
         )
-        sample = self._unit_rows_of(seqs)
-        self._bounds = CosineBounds(
-            fit_basis(sample, self._bound_tiers[1]), self._first_seq, self._bound_tiers
+        return self._unit_rows_of(seqs), self._first_seq, self._size
+
+    def _fitted_bounds(self, fit: tuple[npt.NDArray[np.float64], int, int]) -> CosineBounds:
+        sample, first, size = fit
+        return CosineBounds(
+            fit_basis(sample, self._bound_tiers[1]),
+            first,
+            self._bound_tiers,
+            fitted_stop=first + size,
+            fitted_on=size,
         )
 
-    def _bound(self) -> None:
-        """The bounds thread: fits a basis if there is none, then bounds the entries that lack
-        them a chunk at a time, computed outside the lock; ends when caught up."""
+    def _bound(self, refit: bool) -> None:
+        """The bounds thread: fits a new basis when `refit`, then bounds the entries that
+        lack them a chunk at a time, computed outside the lock; ends when caught up. A new
+        basis's bounds are private until caught up, the old ones serving meanwhile."""
         try:
-            self._bound_until_caught_up()
+            self._bound_until_caught_up(refit)
         finally:
             with self._lock:
                 if self._bounder is threading.current_thread():
                     self._bounder = None
                     self._maintain_bounds()  # what a clear or load meanwhile left due
 
-    def _bound_until_caught_up(self) -> None:
+    def _bound_until_caught_up(self, refit: bool) -> None:
         with self._lock:
             generation = self._generation
-            if self._bounds is None:
-                seqs = np.unique(
-                    np.linspace(
-                        self._first_seq, self._first_seq + self._size - 1, FIT_SAMPLE
-                    ).astype(np.int64)
-                )
-                sample = self._unit_rows_of(seqs)
-                first = self._first_seq
-            else:
-                sample = None
-        if sample is not None:
-            basis = fit_basis(sample, self._bound_tiers[1])
+            if self._size == 0:
+                return
+            fit = self._fit_sample() if refit or self._bounds is None else None
+            bounds = self._bounds
+        if fit is not None:
+            bounds = self._fitted_bounds(fit)
+        while bounds is not None and not _EXITING.is_set():
             with self._lock:
                 if generation != self._generation:
-                    return
-                self._bounds = CosineBounds(basis, first, self._bound_tiers)
-        while not _EXITING.is_set():
-            with self._lock:
-                bounds = self._bounds
-                if generation != self._generation or bounds is None:
                     return
                 bounds.drop_before(self._first_seq)
                 start, next_seq = bounds.stop, self._first_seq + self._size
                 if next_seq - start < BOUND_BATCH:
+                    if bounds is not self._bounds:
+                        self._bounds = bounds
+                        self.bound_fits_total += 1
                     self._bounder = None  # caught up: _maintain_bounds takes over
                     return
                 stop = min(next_seq, start + _CHUNK)
