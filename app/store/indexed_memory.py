@@ -71,10 +71,11 @@ FEED_BATCH = 2
 #: lacks at most about this share, not everything since the last build (up to half of it).
 HAND_ON_GROWTH = 0.1
 #: The newest entries the cosine bounds lack (scanned exactly meanwhile) are bounded in one go
-#: once they are this many (about 0.1 ms on the add that reaches it); a backlog larger than
-#: BOUND_INLINE (a build, a replica catching up) is left to a background thread.
+#: once they are this many (about 0.2 ms on the add that reaches it, one core); a backlog
+#: larger than BOUND_INLINE (0.8 ms: a replica's page of the log, a build) is left to a
+#: background thread.
 BOUND_BATCH = 64
-BOUND_INLINE = 1_024
+BOUND_INLINE = 256
 #: An idle feeder waits this long for new entries before its thread ends.
 _FEED_LINGER_S = 5.0
 #: A new graph replaces the serving one when the evicted entries it still holds reach this
