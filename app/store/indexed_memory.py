@@ -257,16 +257,20 @@ class IndexedCache(VectorCache):
             self.far_searches_total += 1
             wider = self._index.search(unit(q), first, params.ef_search_far)
             found, seq = self._best_at(q, np.concatenate([candidates, wider]))
+        resubmitted = found.cosine >= CONFIRM_FROM and np.array_equal(
+            self._vectors[self._row(seq)], q
+        )
+        if found.cosine >= CONFIRM_FROM and not resubmitted:
+            # Where the score turns: the exact answer (ties to the newest included).
+            self.confirmations_total += 1
+            return self._exact_from(q, first, next_seq, found.cosine)
         copies = self._copies_after(seq, next_seq)
         if len(copies):  # the same vector stored again later: ties go to the newest
             found = self._best(q, np.concatenate([[seq], copies]))
-        if found.cosine >= CONFIRM_FROM:
-            if np.array_equal(self._vectors[self._row(seq)], q):
-                # The trace is stored already (a resubmission): nothing is closer to a vector
-                # than itself, and its later copies were looked up: the exact answer, no scan.
-                return found
-            self.confirmations_total += 1
-            return self._exact_from(q, first, next_seq, found.cosine)
+        if resubmitted:
+            # The trace is stored already: nothing is closer to a vector than itself, and its
+            # later copies were looked up: the exact answer, no scan.
+            return found
         self._queries += 1
         if self._queries % AUDIT_EVERY == 0:
             self._audit_queue.append((q.copy(), found.cosine, next_seq))
