@@ -41,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,7 @@ import numpy as np
 import numpy.typing as npt
 
 from app.domain.vector_cache import CacheEntries
-from app.store.indexed_memory import IndexedCache
+from app.store.indexed_memory import BOUND_BATCH, CONFIRM_FROM, IndexedCache
 from bench import memory_corpus
 from bench.server import rss_mb
 from bench.stats import percentile
@@ -181,6 +182,10 @@ def measure_size(
     while cache.index_status().indexed < n:
         time.sleep(0.01)
     ready_s = time.perf_counter() - started
+    # The exact confirmation's cosine bounds (made in a background thread beside the build).
+    while (cache.bounded_range() or (0, 0))[1] < n - BOUND_BATCH:
+        time.sleep(0.01)
+    bounds_s = time.perf_counter() - started
     status = cache.index_status()
     stats = cache.stats()
     result: dict[str, Any] = {
@@ -189,6 +194,7 @@ def measure_size(
         "trained_on": status.trained_on,
         "fill_s": round(fill_s, 1),
         "index_ready_s": round(ready_s, 1),
+        "bounds_ready_s": round(bounds_s, 1),
         "bytes_per_entry": stats.memory_bytes / n,
         "rss_mb": rss_mb(os.getpid()),
         "rss_growth_mb": rss_mb(os.getpid()) - rss_before,
@@ -227,6 +233,16 @@ def measure_size(
             near_ms = [t for t, m in zip(times_ms, mask, strict=True) if m]
             result["near_duplicate_query_p50_ms"] = percentile(near_ms, 50)
             result["near_duplicate_query_p99_ms"] = percentile(near_ms, 99)
+            # The exact confirmation alone (an index answer from CONFIRM_FROM up), pruned by
+            # the cosine bounds, given the cosine the index found (here: the true maximum).
+            confirm_ms = []
+            for q, best in zip(queries, truth, strict=True):
+                if best >= CONFIRM_FROM:
+                    t = time.perf_counter()
+                    cache.nearest_from(q, float(best))
+                    confirm_ms.append((time.perf_counter() - t) * 1000)
+            group["pruned_confirmation_p50_ms"] = percentile(confirm_ms, 50)
+            group["pruned_confirmation_p99_ms"] = percentile(confirm_ms, 99)
             # An index answer at or above CONFIRM_FROM is rescanned exactly: its cost.
             group["answered_exactly_from_0_85"] = int(
                 sum(
@@ -351,7 +367,6 @@ def service_phase(stored: Matrix, cache: IndexedCache, workdir: Path) -> dict[st
     1,000-entry service."""
     from app.embedding import model_files
     from app.services.snapshots import SnapshotStore, write_graph, write_snapshot
-    from bench import corpus
     from bench.server import Server
 
     files = model_files.resolve(None, None)
@@ -405,29 +420,41 @@ def service_phase(stored: Matrix, cache: IndexedCache, workdir: Path) -> dict[st
         common | {"KP_CACHE_CAPACITY": "1000", "KP_CACHE_SNAPSHOT_PATH": str(small)},
         workdir / "small.log",
     )
-    items = corpus.build("typical", 200, seed=11)
-    lat: dict[str, list[float]] = {"large": [], "small": []}
     with (
         httpx.Client(base_url=f"http://127.0.0.1:{large.port}", timeout=60) as cl,
         httpx.Client(base_url=f"http://127.0.0.1:{smaller.port}", timeout=60) as cs,
     ):
-        for item in items[:10]:  # warm both
-            for client in (cl, cs):
-                client.post("/evaluate", params={"dry_run": "true"}, json=item.trace)
-        # In turns, a block of traces each: after a run onnxruntime's pool threads spin for a
-        # while, and two services on the same cores would each run in the other's spin if
-        # they took turns request by request (both slower, the ratio blurred).
-        for b, start in enumerate(range(0, len(items), SERVICE_BLOCK)):
-            order = (("large", cl), ("small", cs)) if b % 2 else (("small", cs), ("large", cl))
-            for name, client in order:
-                for item in items[start : start + SERVICE_BLOCK]:
-                    t = time.perf_counter()
-                    r = client.post("/evaluate", params={"dry_run": "true"}, json=item.trace)
-                    lat[name].append((time.perf_counter() - t) * 1000)
-                    assert r.status_code == 200, r.text
-                    assert r.json()["novelty"]["measured"], r.text
+        out |= dry_run_turns(cl, cs)
     large.stop()
     smaller.stop()
+    return out
+
+
+def dry_run_turns(large: Any, small: Any) -> dict[str, float]:
+    """Dry-run latency of 200 typical traces on the `large` service's client against the
+    `small` one's, p50/p99 each and the ratio of the p50s."""
+    from bench import corpus
+
+    items = corpus.build("typical", 200, seed=11)
+    lat: dict[str, list[float]] = {"large": [], "small": []}
+    for item in items[:10]:  # warm both
+        for client in (large, small):
+            client.post("/evaluate", params={"dry_run": "true"}, json=item.trace)
+    # In turns, a block of traces each: after a run onnxruntime's pool threads spin for a
+    # while, and two services on the same cores would each run in the other's spin if they
+    # took turns request by request (both slower, the ratio blurred).
+    for b, start in enumerate(range(0, len(items), SERVICE_BLOCK)):
+        order = (
+            (("large", large), ("small", small)) if b % 2 else (("small", small), ("large", large))
+        )
+        for name, client in order:
+            for item in items[start : start + SERVICE_BLOCK]:
+                t = time.perf_counter()
+                r = client.post("/evaluate", params={"dry_run": "true"}, json=item.trace)
+                lat[name].append((time.perf_counter() - t) * 1000)
+                assert r.status_code == 200, r.text
+                assert r.json()["novelty"]["measured"], r.text
+    out: dict[str, float] = {}
     for name, values in lat.items():
         out[f"{name}_p50_ms"] = percentile(values, 50)
         out[f"{name}_p99_ms"] = percentile(values, 99)
@@ -435,20 +462,34 @@ def service_phase(stored: Matrix, cache: IndexedCache, workdir: Path) -> dict[st
     return out
 
 
-def replica_phase(size: int, workdir: Path) -> dict[str, Any]:
-    """`python -m bench.replica` at `size` in a process of its own (its figures file read
-    back): a new replica joining the shared memory, Redis memory per entry."""
-    out = workdir / "replica.json"
-    subprocess.run(
-        [sys.executable, "-m", "bench.replica", "--size", str(size), "--out", str(out)], check=True
+def replica_phase(size: int, out: Path) -> dict[str, Any]:
+    """`python -m bench.replica` at `size` in a process of its own (its figures file, `out`,
+    read back): a new replica joining the shared memory, Redis memory per entry."""
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.replica", "--size", str(size), "--out", str(out)],
+        stderr=subprocess.PIPE,
+        text=True,
     )
+    sys.stderr.write(done.stderr)
+    if done.returncode:  # its last lines say why, for the results file
+        raise subprocess.CalledProcessError(
+            done.returncode, done.args, stderr="\n".join(done.stderr.splitlines()[-5:])
+        )
     doc: dict[str, Any] = json.loads(out.read_text())
     return doc
 
 
 def run(
-    sizes: list[int], queries: int, service: bool, threshold: int, replica: bool = False
+    sizes: list[int],
+    queries: int,
+    service: bool,
+    threshold: int,
+    replica: bool = False,
+    save: Callable[[dict[str, Any]], None] = lambda doc: None,
+    replica_out: Path | None = None,
 ) -> dict[str, Any]:
+    """The phase's figures; `save` is given them after each part (a long run that stops
+    keeps what it measured), `replica_out` is where bench.replica writes its own file."""
     faiss.omp_set_num_threads(1)  # one core, as the issue's budget is stated
     # The same corpus (and cache) whatever the sizes.
     vectors, near, fresh = corpus_and_queries(queries)
@@ -469,6 +510,7 @@ def run(
         result, cache = measure_size(stored, near, fresh, threshold)
         doc["sizes"].append(result)
         doc["checks"] += checks(result)
+        save(doc)
         if service and size == max(sizes):
             with tempfile.TemporaryDirectory() as tmp:
                 doc["service"] = s = service_phase(stored, cache, Path(tmp))
@@ -476,19 +518,23 @@ def run(
                 check(size, "request_ratio", s["request_ratio"]),
                 check(size, "restart_to_ready_s", s["restart_to_ready_s"]),
             ]
+            save(doc)
         del stored, cache
     if replica:
         with tempfile.TemporaryDirectory() as tmp:
             try:
-                doc["replica"] = r = replica_phase(max(sizes), Path(tmp))
+                doc["replica"] = r = replica_phase(
+                    max(sizes), replica_out or Path(tmp) / "replica.json"
+                )
             except subprocess.CalledProcessError as exc:  # the figures above are kept
-                doc["replica_error"] = str(exc)
+                doc["replica_error"] = f"{exc}: {exc.stderr}"
                 doc["checks"].append(check(max(sizes), "replica_to_ready_s", float("inf")))
             else:
                 joined = r["shared"]["replica_adopting"]
                 doc["checks"].append(
                     check(r["entries"], "replica_to_ready_s", joined["to_ready_s"])
                 )
+        save(doc)
     return doc
 
 
@@ -516,7 +562,10 @@ def render(doc: dict[str, Any]) -> str:
             f"{r['near_duplicate_recall']:.4f}, nearest named {r['near_duplicate_nearest']:.4f}, "
             f"p50/p99 {r['near_duplicate_query_p50_ms']:.2f} / "
             f"{r['near_duplicate_query_p99_ms']:.2f} ms ({near['answered_by_index']} answered "
-            f"by the index, the rest exactly); fresh: {fresh['within_0_02']:.4f} within 0.02, "
+            f"by the index, the rest exactly; the exact confirmation alone "
+            f"{near.get('pruned_confirmation_p50_ms', float('nan')):.2f} / "
+            f"{near.get('pruned_confirmation_p99_ms', float('nan')):.2f} ms against a full "
+            f"scan's {r['exact_scan_ms']:.1f}); fresh: {fresh['within_0_02']:.4f} within 0.02, "
             f"worst {fresh['worst_difference']:.4f}, p50/p99 {fresh['query_p50_ms']:.2f} / "
             f"{fresh['query_p99_ms']:.2f} ms ({fresh['answered_by_index']} by the index); "
             f"codes trained on {r['trained_on']} entries"
@@ -575,9 +624,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
-    doc = run(sizes, args.queries, not args.no_service, args.threshold, args.replica)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=2) + "\n")
+
+    def save(doc: dict[str, Any]) -> None:
+        args.out.write_text(json.dumps(doc, indent=2) + "\n")
+
+    doc = run(
+        sizes,
+        args.queries,
+        not args.no_service,
+        args.threshold,
+        args.replica,
+        save,
+        args.out.with_name("replica.json"),
+    )
+    save(doc)
     print(render(doc))
     return 0 if all(c["pass"] for c in doc["checks"]) else 1
 

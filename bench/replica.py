@@ -70,7 +70,10 @@ def fill(url: str, stored: np.ndarray[Any, np.dtype[np.float32]]) -> float:
             r = client.post(
                 "/cache/import", content=body, headers={"content-type": "application/x-ndjson"}
             )
-            r.raise_for_status()
+            if r.status_code != 200:  # the service's reason, for the report
+                raise RuntimeError(
+                    f"POST /cache/import of entries {start}..{stop - 1}: {r.status_code} {r.text}"
+                )
     return time.perf_counter() - started
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import pytest
+from redis.asyncio import Redis as AsyncRedis
 
 from app.core.config import ConfigError, Settings, redis_location
 from app.domain.vector_cache import CacheEntries, VectorCache
@@ -591,5 +592,51 @@ def test_a_replica_catching_up_on_a_slow_host_gets_every_entry_before_it_is_read
             assert late.backend.available
         finally:
             await late.close()
+
+    run(scenario)
+
+
+def test_reading_back_an_import_is_bulk_work_not_a_request(
+    redis_server: RedisServer, redis_prefix: str
+) -> None:
+    """After an import the mirror reads the new entries back a page at a time (megabytes
+    each): those pages get the bulk timeout, not a request's (KP_REDIS_TIMEOUT_MS, here
+    200 ms), so a Redis busy for longer meanwhile (here a 0.5 s script) does not mark the
+    memory unavailable, and the next import is taken, where it was once answered 503."""
+    count = 3 * PAGE + 17
+    rng = np.random.default_rng(81)
+    busy = (
+        "local t = redis.call('TIME') local start = t[1] * 1e6 + t[2] "
+        "repeat t = redis.call('TIME') until t[1] * 1e6 + t[2] - start > 500000 return 1"
+    )
+
+    def batch(k: int) -> CacheEntries:
+        v = rng.standard_normal((count, 384)).astype(np.float32)
+        v /= np.linalg.norm(v, axis=1, keepdims=True)
+        now = np.full(count, time.time() * 1000)
+        return CacheEntries(v, now, [f"i{k}-{i}" for i in range(count)])
+
+    async def scenario() -> None:
+        memory = shared_memory(redis_server, redis_prefix, capacity=50_000, timeout_ms=200)
+        other = AsyncRedis.from_url(redis_server.url)
+        await memory.start()
+        try:
+            await _caught_up(memory)
+            for k in range(2):
+                assert await memory.import_entries(batch(k)) == (count, 0)
+                # Redis busy while the pages are read back (another client's long script).
+                await other.eval(busy, 0)
+                for _ in range(1200):
+                    if memory.mirror.size == (k + 1) * count:
+                        break
+                    await asyncio.sleep(0.05)
+                assert memory.mirror.size == (k + 1) * count
+                # Never marked unavailable meanwhile (the probe would bring it back, but an
+                # import arriving in between was answered 503).
+                assert memory.backend.available, memory.backend
+                assert memory.backend.outages_total == 0, memory.backend
+        finally:
+            await other.aclose()
+            await memory.close()
 
     run(scenario)

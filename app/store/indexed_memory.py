@@ -9,6 +9,11 @@ cosine with a stored vector. Below it, or with search="exact", the exact scan an
 Where the score turns the answer is exact whichever path: an index answer of CONFIRM_FROM or
 more is answered by the exact scan (unless its entry is the query's own vector), and ties go
 to the newest copy on both paths. Every answer says how it was found (Nearest.search).
+That scan reads only the entries whose cosine bound (app.store.cosine_bounds) can reach the
+cosine the index found, and the newest entries the bounds lack: the full scan's answer for
+about a tenth of its cost. The bounds are made with the index (their basis fitted, the
+entries bounded, in a background thread; the full scan confirms meanwhile) and follow the
+memory a batch at a time.
 
 No graph insert is on the request path: the graph is built in a background thread on a copy
 of the rows (the exact scan answers meanwhile), and the newest entries wait in a tail, scanned
@@ -47,6 +52,7 @@ from app.domain.vector_cache import (
     wall_clock_ms,
 )
 from app.store.ann_index import DEFAULT_PARAMS, AnnIndex, one_core_for_this_thread
+from app.store.cosine_bounds import DEFAULT_TIERS, FIT_SAMPLE, CosineBounds, fit_basis
 
 SearchMode = Literal["exact", "auto"]
 IndexState = Literal["off", "building", "ready"]
@@ -64,6 +70,12 @@ FEED_BATCH = 2
 #: entries since it was last handed on: a restart or a new replica then adopts a graph that
 #: lacks at most about this share, not everything since the last build (up to half of it).
 HAND_ON_GROWTH = 0.1
+#: The newest entries the cosine bounds lack (scanned exactly meanwhile) are bounded in one go
+#: once they are this many (about 0.2 ms on the add that reaches it, one core); a backlog
+#: larger than BOUND_INLINE (0.8 ms: a replica's page of the log, a build) is left to a
+#: background thread.
+BOUND_BATCH = 64
+BOUND_INLINE = 256
 #: An idle feeder waits this long for new entries before its thread ends.
 _FEED_LINGER_S = 5.0
 #: A new graph replaces the serving one when the evicted entries it still holds reach this
@@ -94,7 +106,9 @@ def _stop_background_work() -> None:
     for cache in list(_CACHES):
         with cache._lock:  # taken once the feeder's current insert is done
             cache._feed_wake.notify_all()
-            threads += [t for t in (cache._building, cache._feeder) if t is not None]
+            threads += [
+                t for t in (cache._building, cache._feeder, cache._bounder) if t is not None
+            ]
     for thread in threads:
         thread.join(_EXIT_JOIN_S)
 
@@ -167,6 +181,7 @@ class IndexedCache(VectorCache):
         index_ef_search: int = DEFAULT_PARAMS.ef_search,
         index_ef_search_far: int = DEFAULT_PARAMS.ef_search_far,
         background: bool = True,
+        bound_tiers: tuple[int, int] = DEFAULT_TIERS,
     ) -> None:
         if index_threshold < 1:
             raise ValueError("index_threshold must be at least 1")
@@ -215,6 +230,12 @@ class IndexedCache(VectorCache):
         #: replica whose published graph another replica keeps current).
         self.graph_wanted: Callable[[int, int, str], bool] | None = None
         self._handed_stop = 0  # the stop_id of the serving graph when it was last handed on
+        # The cosine bounds of the exact confirmation (cosine_bounds), made with the index: the
+        # live entries bounds.start <= seq < bounds.stop have them, the newer ones are scanned.
+        self._bound_tiers = (min(bound_tiers[0], dimensions), min(bound_tiers[1], dimensions))
+        self._bounds: CosineBounds | None = None
+        self._bounder: threading.Thread | None = None  # fits and catches the bounds up
+        self.bound_fits_total = 0  # bases fitted (bounds made) since start
 
     # ── the hooks of VectorCache ────────────────────────────────────────────
 
@@ -236,16 +257,20 @@ class IndexedCache(VectorCache):
             self.far_searches_total += 1
             wider = self._index.search(unit(q), first, params.ef_search_far)
             found, seq = self._best_at(q, np.concatenate([candidates, wider]))
+        resubmitted = found.cosine >= CONFIRM_FROM and np.array_equal(
+            self._vectors[self._row(seq)], q
+        )
+        if found.cosine >= CONFIRM_FROM and not resubmitted:
+            # Where the score turns: the exact answer (ties to the newest included).
+            self.confirmations_total += 1
+            return self._exact_from(q, first, next_seq, found.cosine)
         copies = self._copies_after(seq, next_seq)
         if len(copies):  # the same vector stored again later: ties go to the newest
             found = self._best(q, np.concatenate([[seq], copies]))
-        if found.cosine >= CONFIRM_FROM:
-            if np.array_equal(self._vectors[self._row(seq)], q):
-                # The trace is stored already (a resubmission): nothing is closer to a vector
-                # than itself, and its later copies were looked up: the exact answer, no scan.
-                return found
-            self.confirmations_total += 1
-            return super()._search(q, first, next_seq)
+        if resubmitted:
+            # The trace is stored already: nothing is closer to a vector than itself, and its
+            # later copies were looked up: the exact answer, no scan.
+            return found
         self._queries += 1
         if self._queries % AUDIT_EVERY == 0:
             self._audit_queue.append((q.copy(), found.cosine, next_seq))
@@ -253,16 +278,187 @@ class IndexedCache(VectorCache):
 
     def _changed(self) -> None:
         self._maintain_index()
+        self._maintain_bounds()
 
     def _reset(self) -> None:
         self._generation += 1
         self._trained_on = 0
         self._index = None
+        self._bounds = None
         self._building = None  # a build of the old generation ends at its next chunk
         self._audit_queue.clear()
 
     def _extra_memory_bytes(self) -> int:
-        return self._index.memory_bytes if self._index is not None else 0
+        graph = self._index.memory_bytes if self._index is not None else 0
+        return graph + (self._bounds.memory_bytes if self._bounds is not None else 0)
+
+    # ── the exact scan, pruned by cosine bounds ─────────────────────────────
+
+    def nearest_from(
+        self, query: npt.ArrayLike, lower: float, skip_oldest: int = 0
+    ) -> Nearest | None:
+        """The exact `nearest` (VectorCache.nearest), given `lower`: a cosine some entry it
+        searches has with `query` (the answer's is at least that). Reads only the entries
+        whose bound can reach it, and the newest ones the bounds lack: the full scan's
+        answer, found in a fraction of its reads."""
+        q = self._as_vector(query)
+        with self._lock:
+            self._drop_expired()
+            first = self._first_seq + max(0, skip_oldest)
+            next_seq = self._first_seq + self._size
+            if first >= next_seq:
+                return None
+            return self._exact_from(q, first, next_seq, lower)
+
+    def _exact_from(self, q: Vector, first: int, next_seq: int, lower: float) -> Nearest:
+        """The exact best of first <= seq < next_seq (under the lock), `lower` being a cosine
+        one of them has: entries with bounds below it cannot be the best and are skipped."""
+        bounds = self._bounds
+        if bounds is None:
+            return super()._search(q, first, next_seq)
+        low, high = max(first, bounds.start), min(next_seq, bounds.stop)
+        seqs = []
+        if low < high:
+            wide = q.astype(np.float64)
+            norm = float(np.sqrt((wide * wide).sum()))
+            if norm == 0:
+                return super()._search(q, first, next_seq)
+            seqs.append(bounds.candidates(wide / norm, low, high, lower))
+        else:
+            low = high = next_seq
+        # Entries the bounds lack: the newest (the tail), or, before any, none in practice.
+        if first < low:
+            seqs.append(self._exact_candidates(q, first, low))
+        if high < next_seq:
+            seqs.append(self._exact_candidates(q, max(first, high), next_seq))
+        candidates = np.concatenate(seqs) if seqs else np.empty(0, dtype=np.int64)
+        if len(candidates) == 0:  # `lower` was no live entry's cosine
+            return super()._search(q, first, next_seq)
+        return self._best(q, candidates)
+
+    def set_far_breadth(self, ef_search_far: int) -> None:
+        """The second search's breadth from now on (KP_CACHE_INDEX_EF_SEARCH_FAR; 0: off),
+        for the serving graph too (for benches comparing breadths on one graph)."""
+        if ef_search_far < 0:
+            raise ValueError("index_ef_search_far must be 0 (off) or positive")
+        with self._lock:
+            self._index_params = replace(self._index_params, ef_search_far=ef_search_far)
+            if self._index is not None:
+                self._index.params = self._index_params
+
+    def bounded_range(self) -> tuple[int, int] | None:
+        """(start, stop): the sequence numbers the cosine bounds cover, None when there are
+        none (for tests and operators)."""
+        with self._lock:
+            bounds = self._bounds
+            return None if bounds is None else (bounds.start, bounds.stop)
+
+    def _maintain_bounds(self) -> None:
+        """After a change (under the lock): forget the departed entries' bounds; bound the
+        newest once they are a batch (here when few, else in the background); fit a basis in
+        the background when the index is first wanted, and again when the memory has outgrown
+        the one it has (_refit_due)."""
+        bounds = self._bounds
+        if bounds is not None:
+            bounds.drop_before(self._first_seq)
+        refit = self._wants_index() and (bounds is None or self._refit_due(bounds))
+        if (bounds is None and not refit) or self._bounder is not None:
+            return  # nothing wanted, or the background thread catches up
+        next_seq = self._first_seq + self._size
+        lag = next_seq - (bounds.stop if bounds is not None else self._first_seq)
+        if not refit and lag < BOUND_BATCH:
+            return
+        if bounds is not None and not refit and (lag <= BOUND_INLINE or not self._background):
+            slots = self._slots(bounds.stop, next_seq)
+            bounds.extend(self._vectors[slots], self._norms[slots])
+            return
+        if not self._background:
+            self._bounds = self._fitted_bounds(self._fit_sample())
+            self.bound_fits_total += 1
+            self._maintain_bounds()
+            return
+        if _EXITING.is_set():
+            return
+        self._bounder = threading.Thread(
+            target=self._bound, args=(refit,), name="kp-cache-bounds", daemon=True
+        )
+        self._bounder.start()
+
+    def _refit_due(self, bounds: CosineBounds) -> bool:
+        """The basis came from entries that have all left, or from a memory a quarter of
+        this one's size or less (as the graph's codes: RETRAIN_GROWTH). A stale basis still
+        gives true bounds, only looser ones."""
+        return (
+            self._first_seq >= bounds.fitted_stop or self._size >= RETRAIN_GROWTH * bounds.fitted_on
+        )
+
+    def _fit_sample(self) -> tuple[npt.NDArray[np.float64], int, int]:
+        """Up to FIT_SAMPLE live entries evenly spread, as unit rows (copied under the lock:
+        a few milliseconds), with the first sequence number and the size they come from."""
+        seqs = np.unique(
+            np.linspace(self._first_seq, self._first_seq + self._size - 1, FIT_SAMPLE).astype(
+                np.int64
+            )
+        )
+        return self._unit_rows_of(seqs), self._first_seq, self._size
+
+    def _fitted_bounds(self, fit: tuple[npt.NDArray[np.float64], int, int]) -> CosineBounds:
+        sample, first, size = fit
+        return CosineBounds(
+            fit_basis(sample, self._bound_tiers[1]),
+            first,
+            self._bound_tiers,
+            fitted_stop=first + size,
+            fitted_on=size,
+        )
+
+    def _bound(self, refit: bool) -> None:
+        """The bounds thread: fits a new basis when `refit`, then bounds the entries that
+        lack them a chunk at a time, computed outside the lock; ends when caught up. A new
+        basis's bounds are private until caught up, the old ones serving meanwhile."""
+        try:
+            self._bound_until_caught_up(refit)
+        finally:
+            with self._lock:
+                if self._bounder is threading.current_thread():
+                    self._bounder = None
+                    self._maintain_bounds()  # what a clear or load meanwhile left due
+
+    def _bound_until_caught_up(self, refit: bool) -> None:
+        with self._lock:
+            generation = self._generation
+            if self._size == 0:
+                return
+            fit = self._fit_sample() if refit or self._bounds is None else None
+            bounds = self._bounds
+        if fit is not None:
+            bounds = self._fitted_bounds(fit)
+        while bounds is not None and not _EXITING.is_set():
+            with self._lock:
+                if generation != self._generation:
+                    return
+                bounds.drop_before(self._first_seq)
+                start, next_seq = bounds.stop, self._first_seq + self._size
+                if next_seq - start < BOUND_BATCH:
+                    if bounds is not self._bounds:
+                        self._bounds = bounds
+                        self.bound_fits_total += 1
+                    self._bounder = None  # caught up: _maintain_bounds takes over
+                    return
+                stop = min(next_seq, start + _CHUNK)
+                slots = self._slots(start, stop)
+                rows, norms = self._vectors[slots], self._norms[slots]
+            projected = bounds.project(rows, norms)
+            with self._lock:
+                if generation == self._generation and bounds.stop == start:
+                    bounds.append(projected)
+            time.sleep(0)  # let a waiting request take the lock first
+
+    def _unit_rows_of(self, seqs: npt.NDArray[np.int64]) -> npt.NDArray[np.float64]:
+        slots = (self._head + (seqs - self._first_seq)) % len(self._vectors)
+        rows = self._vectors[slots].astype(np.float64)
+        norms = self._norms[slots]
+        return rows / np.where(norms == 0, 1.0, norms)[:, None]
 
     def index_status(self) -> IndexStatus:
         with self._lock:

@@ -80,11 +80,12 @@ IMPORT_BATCH = 1000
 #: memory, a long outage) catches up a page at a time, each well within KP_REDIS_TIMEOUT_MS,
 #: and Redis serves the other replicas between pages.
 PAGE = 2000
-#: How long one bulk exchange may take: a page of the log during the first catch-up (about
-#: 3.6 MB) or a batch of an import (about 1.5 MB), on a CPU that may be slow and busy building
-#: the index. No scoring request waits on them (the replica says cache_warming meanwhile; an
-#: import is an operator's), so KP_REDIS_TIMEOUT_MS, a request's budget, is not their bound;
-#: this one catches a Redis that stopped answering. It is also the socket's read timeout, a
+#: How long one bulk exchange may take: a page of the log during the first catch-up, after
+#: this replica's import or after a page that said more follow (about 3.6 MB), or a batch of
+#: an import (about 1.5 MB), on a CPU that may be slow and busy building the index. No
+#: request needs them done (a request waits under its own budget; an import is an
+#: operator's), so KP_REDIS_TIMEOUT_MS, a request's budget, is not their bound; this one
+#: catches a Redis that stopped answering. It is also the socket's read timeout, a
 #: backstop under every exchange's own bound.
 BULK_TIMEOUT_S = 30.0
 #: How long the feeder waits for Redis to say whether its grown graph would be published
@@ -225,6 +226,10 @@ class RedisSharedMemory:
         self._warmer: asyncio.Task[None] | None = None
         self._followers: set[asyncio.Task[None]] = set()
         self._caught_up = False
+        # The next exchange brings a page of the log that is known to be there (this
+        # replica's own import, or the rest of a log an exchange said was longer): bulk work,
+        # under BULK_TIMEOUT_S, not a request's KP_REDIS_TIMEOUT_MS.
+        self._pages_due = False
         self._first_answer = asyncio.Event()
         self._log_length = 0
         self._closed = False
@@ -554,6 +559,7 @@ class RedisSharedMemory:
             added, skipped = added + int(appended), skipped + int(expired)
         # The mirror reads them in the background, a page at a time (a request meanwhile
         # waits behind those pages).
+        self._pages_due = True
         self._followers.add(task := asyncio.create_task(self._follow()))
         task.add_done_callback(self._followers.discard)
         return added, skipped
@@ -612,7 +618,8 @@ class RedisSharedMemory:
             if request.add:
                 for trace_id, vector in zip(request.trace_ids, request.vectors, strict=True):
                     args += [trace_id, np.asarray(vector, dtype=_WIRE).tobytes()]
-        timeout_s = self._timeout_s if self._caught_up else max(self._timeout_s, BULK_TIMEOUT_S)
+        bulk = not self._caught_up or self._pages_due
+        timeout_s = max(self._timeout_s, BULK_TIMEOUT_S) if bulk else self._timeout_s
         try:
             async with asyncio.timeout(timeout_s):
                 reply = await self._exchange_script(keys=self._keys, args=args)
@@ -669,6 +676,7 @@ class RedisSharedMemory:
             self._now_ms = float(times[-1])
             self._last_id = entries[-1][0]
         self._adds_total, self._evictions_total = int(adds_total), int(evictions_total)
+        self._pages_due = bool(more)
         if more:
             return None
         self._caught_up = True
