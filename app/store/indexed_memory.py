@@ -336,16 +336,6 @@ class IndexedCache(VectorCache):
             return super()._search(q, first, next_seq)
         return self._best(q, candidates)
 
-    def set_far_breadth(self, ef_search_far: int) -> None:
-        """The second search's breadth from now on (KP_CACHE_INDEX_EF_SEARCH_FAR; 0: off),
-        for the serving graph too (for benches comparing breadths on one graph)."""
-        if ef_search_far < 0:
-            raise ValueError("index_ef_search_far must be 0 (off) or positive")
-        with self._lock:
-            self._index_params = replace(self._index_params, ef_search_far=ef_search_far)
-            if self._index is not None:
-                self._index.params = self._index_params
-
     def bounded_range(self) -> tuple[int, int] | None:
         """(start, stop): the sequence numbers the cosine bounds cover, None when there are
         none (for tests and operators)."""
