@@ -161,12 +161,14 @@ class VectorCache:
         traces would have evicted)."""
         q = self._as_vector(query)
         with self._lock:
-            self._drop_expired()
-            first = self._first_seq + max(0, skip_oldest)
-            next_seq = self._first_seq + self._size
-            if first >= next_seq:
-                return None
-            return self._search(q, first, next_seq)
+            first, next_seq = self._searched_range(skip_oldest)
+            return None if first >= next_seq else self._search(q, first, next_seq)
+
+    def _searched_range(self, skip_oldest: int) -> tuple[int, int]:
+        """(first, next): the live entries' sequence numbers less the `skip_oldest` oldest,
+        expired entries dropped first (under the lock)."""
+        self._drop_expired()
+        return self._first_seq + max(0, skip_oldest), self._first_seq + self._size
 
     def now_ms(self) -> float:
         """The cache's clock (ages are measured on it)."""

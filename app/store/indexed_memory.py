@@ -303,12 +303,8 @@ class IndexedCache(VectorCache):
         answer, found in a fraction of its reads."""
         q = self._as_vector(query)
         with self._lock:
-            self._drop_expired()
-            first = self._first_seq + max(0, skip_oldest)
-            next_seq = self._first_seq + self._size
-            if first >= next_seq:
-                return None
-            return self._exact_from(q, first, next_seq, lower)
+            first, next_seq = self._searched_range(skip_oldest)
+            return None if first >= next_seq else self._exact_from(q, first, next_seq, lower)
 
     def _exact_from(self, q: Vector, first: int, next_seq: int, lower: float) -> Nearest:
         """The exact best of first <= seq < next_seq (under the lock), `lower` being a cosine
