@@ -13,7 +13,6 @@ background), and the modes take turns in a rotating order.
 from __future__ import annotations
 
 import argparse
-import base64
 import json
 import os
 import signal
@@ -30,6 +29,7 @@ import httpx
 import numpy as np
 
 from bench.stats import percentile
+from tests.factories import import_body
 
 MODES = ("off", "everysec", "always")
 
@@ -105,23 +105,6 @@ def _trace(i: int) -> dict[str, Any]:
     }
 
 
-def _import_body(lines: int, seed: int) -> bytes:
-    rng = np.random.default_rng(seed)
-    vectors = rng.standard_normal((lines, 384)).astype("<f4")
-    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
-    return b"".join(
-        json.dumps(
-            {
-                "trace_id": f"kp:trace:import-{seed}-{i}",
-                "added_at_ms": 1e12 + i,
-                "vector": base64.b64encode(v.tobytes()).decode(),
-            }
-        ).encode()
-        + b"\n"
-        for i, v in enumerate(vectors)
-    )
-
-
 def _turn(i: int) -> tuple[str, ...]:
     k = i % len(MODES)
     return MODES[k:] + MODES[:k]
@@ -141,7 +124,7 @@ def run(requests: int, imports: int, lines: int) -> dict[str, Any]:
                     r.raise_for_status()
             import_ms: dict[str, list[float]] = {m: [] for m in MODES}
             for round_ in range(imports):
-                body = _import_body(lines, round_)
+                body = import_body(lines, seed=round_, id_prefix=f"kp:trace:import-{round_}-")
                 for mode in _turn(round_):
                     server = servers[mode]
                     started = time.perf_counter()

@@ -1,9 +1,14 @@
-"""Trace builders shared by the tests."""
+"""Trace builders shared by the tests (and the bench), and lines of the cache's export."""
 
 from __future__ import annotations
 
+import base64
 import copy
 from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import orjson
 
 CONTEXT = "https://openknowledgepulse.org/schema/v1"
 
@@ -68,3 +73,30 @@ TOPICS = [
     "Design a schema for an event ticketing system",
     "Compare two mortgage offers with different fees",
 ]
+
+
+# -- lines of GET /cache/export, as POST /cache/import takes them --------------
+
+
+def vector_b64(vector: npt.ArrayLike) -> str:
+    """A vector as the export writes it: little-endian float32, base64."""
+    return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
+
+
+def export_line(trace_id: str, vector: npt.ArrayLike, added_at_ms: float) -> dict[str, Any]:
+    return {"trace_id": trace_id, "added_at_ms": added_at_ms, "vector": vector_b64(vector)}
+
+
+def random_units(count: int, seed: int, dims: int = 384) -> npt.NDArray[np.float32]:
+    """`count` seeded random unit vectors (float32 rows)."""
+    rows = np.random.default_rng(seed).standard_normal((count, dims)).astype("<f4")
+    rows /= np.linalg.norm(rows, axis=1, keepdims=True)
+    return rows
+
+
+def import_body(count: int, *, seed: int, id_prefix: str, dims: int = 384) -> bytes:
+    """An import of `count` random unit vectors, ids `id_prefix` + their index, one line each."""
+    return b"".join(
+        orjson.dumps(export_line(f"{id_prefix}{i}", v, 1e12 + i)) + b"\n"
+        for i, v in enumerate(random_units(count, seed, dims))
+    )

@@ -8,13 +8,12 @@ import base64
 import time
 from typing import Any
 
-import numpy as np
 import orjson
 import pytest
 from fastapi.testclient import TestClient
 
 from tests.conftest import ClientFactory
-from tests.factories import TOPICS, make_trace, step
+from tests.factories import TOPICS, export_line, make_trace, random_units, step
 from tests.server import RedisServer
 
 TOKEN = "transfer-token"
@@ -34,13 +33,7 @@ def body(entries: list[dict[str, Any]]) -> bytes:
 
 
 def entry(trace_id: str, added_at_ms: float, seed: int) -> dict[str, Any]:
-    v = np.random.default_rng(seed).standard_normal(384).astype("<f4")
-    v /= np.linalg.norm(v)
-    return {
-        "trace_id": trace_id,
-        "added_at_ms": added_at_ms,
-        "vector": base64.b64encode(v.tobytes()).decode(),
-    }
+    return export_line(trace_id, random_units(1, seed)[0], added_at_ms)
 
 
 def probe(client: TestClient, objective: str) -> dict[str, Any]:

@@ -5,7 +5,6 @@ compacts it. Real processes and the real model."""
 
 from __future__ import annotations
 
-import base64
 import json
 import signal
 import struct
@@ -23,7 +22,7 @@ import pytest
 from app.domain.vector_cache import CacheEntries, VectorCache
 from app.services.snapshots import SnapshotError, read_snapshot
 from app.store.journal import Journal
-from tests.factories import make_trace
+from tests.factories import import_body, make_trace
 from tests.server import LiveServer
 
 pytestmark = pytest.mark.server
@@ -87,23 +86,6 @@ def test_kill_9_right_after_the_answers_loses_nothing_acknowledged(
     assert len(ids_in(last)) == 36
 
 
-def import_body(n: int, dims: int = 384) -> bytes:
-    rng = np.random.default_rng(n)
-    vectors = rng.standard_normal((n, dims)).astype("<f4")
-    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
-    return b"".join(
-        orjson.dumps(
-            {
-                "trace_id": f"kp:trace:imported-{i}",
-                "added_at_ms": 1e12 + i,
-                "vector": base64.b64encode(v.tobytes()).decode(),
-            }
-        )
-        + b"\n"
-        for i, v in enumerate(vectors)
-    )
-
-
 @pytest.mark.slow
 def test_an_acknowledged_30000_line_import_survives_kill_9(
     env: dict[str, str], tmp_path: Path, servers: list[LiveServer]
@@ -113,7 +95,7 @@ def test_an_acknowledged_30000_line_import_survives_kill_9(
     assert server.post("/evaluate", make_trace(trace_id="kp:trace:before")).status_code == 200
     r = server.client.post(
         "/cache/import",
-        content=import_body(30_000),
+        content=import_body(30_000, seed=30_000, id_prefix="kp:trace:imported-"),
         headers={"content-type": "application/x-ndjson"},
     )
     assert r.status_code == 200, r.text

@@ -4,7 +4,6 @@ one tie rule whichever path answers; the index follows the memory."""
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
 import re
@@ -26,7 +25,7 @@ from app.schemas.responses import EvaluationOut
 from app.services.snapshots import graph_paths
 from app.store.indexed_memory import CONFIRM_FROM, INDEX_BOUND, TAIL_BATCH, IndexedCache
 from tests.conftest import ClientFactory
-from tests.factories import make_trace
+from tests.factories import export_line, make_trace
 from tests.test_large_memory import DIMS, clustered, edit
 
 
@@ -148,13 +147,7 @@ def test_rest_says_how_novelty_was_found(make_client: ClientFactory) -> None:
 
 def _import_lone(client: TestClient, count: int, seed: int) -> None:
     lines = b"\n".join(
-        orjson.dumps(
-            {
-                "trace_id": f"kp:trace:lone-{i}",
-                "added_at_ms": time.time() * 1000.0,
-                "vector": base64.b64encode(v.astype("<f4").tobytes()).decode(),
-            }
-        )
+        orjson.dumps(export_line(f"kp:trace:lone-{i}", v, time.time() * 1000.0))
         for i, v in enumerate(lone(count, seed=seed))
     )
     r = client.post(

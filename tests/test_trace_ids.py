@@ -4,7 +4,6 @@ before the rule; everything the service exports it imports again, ids at the bou
 
 from __future__ import annotations
 
-import base64
 from typing import Any
 
 import numpy as np
@@ -18,7 +17,7 @@ from app.schemas.ids import MAX_TRACE_ID_CHARS, TRACE_ID_PREFIX, trace_id_proble
 from app.schemas.trace import ReasoningTrace
 from app.services.cache_transfer import LineReader, export_lines
 from tests.conftest import ClientFactory
-from tests.factories import make_trace, step
+from tests.factories import make_trace, random_units, step, vector_b64
 
 TOKEN = "ids-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -43,10 +42,8 @@ HOSTILE = {
 }
 
 
-def vector_b64(seed: int) -> str:
-    v = np.random.default_rng(seed).standard_normal(384).astype("<f4")
-    v /= np.linalg.norm(v)
-    return base64.b64encode(v.tobytes()).decode()
+def unit_b64(seed: int) -> str:
+    return vector_b64(random_units(1, seed)[0])
 
 
 @pytest.mark.parametrize("trace_id", HOSTILE.values(), ids=HOSTILE.keys())
@@ -78,7 +75,7 @@ def test_an_unprintable_or_long_id_is_refused_at_every_entry_point(
         assert field in result["content"][0]["text"]
         assert trace_id not in result["content"][0]["text"]
 
-    line = {"trace_id": trace_id, "added_at_ms": 1.0, "vector": vector_b64(0)}
+    line = {"trace_id": trace_id, "added_at_ms": 1.0, "vector": unit_b64(0)}
     good = {**line, "trace_id": "kp:trace:fine"}
     r = client.post(
         "/cache/import",
