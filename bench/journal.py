@@ -15,9 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,24 +25,18 @@ from typing import Any
 import httpx
 import numpy as np
 
+from bench.server import ADMIN_TOKEN, HOST, Server
 from bench.stats import percentile
 from tests.factories import import_body
 
 MODES = ("off", "everysec", "always")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 class _Server:
+    """A service with the journal in `mode` (bench.server.Server), and a client for it."""
+
     def __init__(self, mode: str, directory: Path) -> None:
-        self.port = _free_port()
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KP_")}
-        env |= {
+        settings = {
             "KP_CACHE_SNAPSHOT_PATH": str(directory / f"{mode}.snapshot"),
             "KP_CACHE_SNAPSHOT_INTERVAL_S": "86400",
             "KP_CACHE_JOURNAL_FSYNC": mode,
@@ -59,27 +50,16 @@ class _Server:
             "KP_EMBED_MEMO_CAPACITY": "0",
             "KP_LOG_LEVEL": "warning",
         }
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "app.serve", "--host", "127.0.0.1", "--port", str(self.port)],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+        self.server = Server(settings, directory / f"{mode}.log", timeout_s=120)
+        self.client = httpx.Client(
+            base_url=f"http://{HOST}:{self.server.port}",
+            headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+            timeout=120,
         )
-        self.client = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=120)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if self.client.get("/readyz").status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        raise TimeoutError(f"the {mode} server did not become ready")
 
     def stop(self) -> None:
         self.client.close()
-        self.process.send_signal(signal.SIGTERM)
-        self.process.wait(timeout=120)
+        self.server.stop()
 
 
 def _trace(i: int) -> dict[str, Any]:
