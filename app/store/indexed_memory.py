@@ -47,6 +47,7 @@ from app.domain.vector_cache import (
     Nearest,
     Vector,
     VectorCache,
+    norm64,
     unit,
     unit_rows,
     wall_clock_ms,
@@ -315,11 +316,10 @@ class IndexedCache(VectorCache):
         low, high = max(first, bounds.start), min(next_seq, bounds.stop)
         seqs = []
         if low < high:
-            wide = q.astype(np.float64)
-            norm = float(np.sqrt((wide * wide).sum()))
+            norm = norm64(q)
             if norm == 0:
                 return super()._search(q, first, next_seq)
-            seqs.append(bounds.candidates(wide / norm, low, high, lower))
+            seqs.append(bounds.candidates(q.astype(np.float64) / norm, low, high, lower))
         else:
             low = high = next_seq
         # Entries the bounds lack: the newest (the tail), or, before any, none in practice.
