@@ -279,13 +279,19 @@ def test_running_totals_are_counters_named_total(client: TestClient) -> None:
         "kp_cache_outages",
         "kp_snapshot_save_errors",
         "kp_cache_index_far_searches",
+        "kp_cache_index_full_scan_confirmations",
     )
     for name in totals:
         assert re.search(rf"^# TYPE {name}(_total)? counter$", text, re.M), name
         assert re.search(rf"^{name}_total(\{{[^}}]*\}})? \S+$", text, re.M), name
     runs = re.findall(r'^kp_embed_runs_total\{cores="\w+"\} (\S+)$', text, re.M)
     assert sum(float(n) for n in runs) >= 1
-    for gauge in ("kp_cache_size", "kp_cache_available", "kp_embed_queue_depth"):
+    for gauge in (
+        "kp_cache_size",
+        "kp_cache_available",
+        "kp_embed_queue_depth",
+        "kp_cache_bounded_entries",
+    ):
         assert f"# TYPE {gauge} gauge" in text, gauge
 
 

@@ -109,6 +109,32 @@ def test_bounds_cover_the_memory_but_its_newest_batch() -> None:
     assert cache.bounded_range() is None
 
 
+def test_the_status_says_what_the_bounds_cover_and_when_the_full_scan_confirmed() -> None:
+    """Operators see the bounds (/readyz, metrics): none and a full-scan confirmation before
+    the threshold; past it, the memory but its newest batch covered, and no full scan."""
+    stored = clustered(3_000, seed=78)
+    cache = IndexedCache(capacity=2_000, index_threshold=1_000, background=False)
+    for i, v in enumerate(stored[:999]):
+        cache.add(v, trace_id=f"t{i}")
+    status = cache.index_status()
+    assert (status.bounded, status.bound_fits_total, status.full_scan_confirmations_total) == (
+        0,
+        0,
+        0,
+    )
+    assert cache.nearest_from(stored[5], 0.5) is not None
+    assert cache.index_status().full_scan_confirmations_total == 1
+    for i, v in enumerate(stored[999:], start=999):
+        cache.add(v, trace_id=f"t{i}")
+    status = cache.index_status()
+    assert cache.size - BOUND_BATCH < status.bounded <= cache.size
+    assert status.bound_fits_total >= 1
+    assert cache.nearest_from(stored[2_500], 0.5) is not None
+    assert cache.index_status().full_scan_confirmations_total == 1
+    cache.clear()
+    assert cache.index_status().bounded == 0
+
+
 def test_a_near_duplicate_is_confirmed_from_a_fraction_of_the_memory() -> None:
     """Planted near-duplicates among many distractors of a few topics (as text embeddings
     are): every one found exactly and named, reading under a tenth of the entries."""

@@ -239,6 +239,20 @@ class CacheIndexOut(BaseModel):
         default=0,
         description="Entries the serving index's codes were trained on (0: no index).",
     )
+    bounded: int = Field(
+        default=0,
+        description="Entries the cosine bounds cover: a confirmation reads only those whose "
+        "bound can reach the index's answer (0 while they are made after a start or a "
+        "clear: the full scan confirms meanwhile).",
+    )
+    bound_fits_total: int = Field(
+        default=0, description="Cosine bounds made (a basis fitted) since start."
+    )
+    full_scan_confirmations_total: int = Field(
+        default=0,
+        description="Confirmations that read every entry because the bounds were not made "
+        "yet, since start.",
+    )
 
 
 class ReadyOut(BaseModel):

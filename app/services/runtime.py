@@ -224,6 +224,18 @@ class RuntimeCollector(Collector):
             "instead, since start.",
             index.confirmations_total,
         )
+        yield GaugeMetricFamily(
+            "kp_cache_bounded_entries",
+            "Entries the cosine bounds cover: a confirmation reads only those that can win "
+            "(0 while the bounds are made after a start: the full scan confirms).",
+            index.bounded,
+        )
+        yield CounterMetricFamily(
+            "kp_cache_index_full_scan_confirmations",
+            "Confirmations that read every entry because the cosine bounds were not made yet, "
+            "since start.",
+            index.full_scan_confirmations_total,
+        )
         yield CounterMetricFamily(
             "kp_cache_index_builds", "Graphs this process built since start.", index.builds_total
         )

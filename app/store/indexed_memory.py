@@ -152,6 +152,9 @@ class IndexStatus:
     far_searches_total: int = 0  # index answers that took the second, wider search
     confirmations_total: int = 0  # index answers at or above CONFIRM_FROM rescanned exactly
     trained_on: int = 0  # entries the serving graph's codes were trained on
+    bounded: int = 0  # entries the cosine bounds cover (a confirmation reads only those that can win)
+    bound_fits_total: int = 0  # bases fitted (bounds made) since start
+    full_scan_confirmations_total: int = 0  # confirmations that read every entry: no bounds yet
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,6 +240,7 @@ class IndexedCache(VectorCache):
         self._bounds: CosineBounds | None = None
         self._bounder: threading.Thread | None = None  # fits and catches the bounds up
         self.bound_fits_total = 0  # bases fitted (bounds made) since start
+        self.full_scan_confirmations_total = 0  # confirmations made before the bounds were
 
     # ── the hooks of VectorCache ────────────────────────────────────────────
 
@@ -312,6 +316,7 @@ class IndexedCache(VectorCache):
         one of them has: entries with bounds below it cannot be the best and are skipped."""
         bounds = self._bounds
         if bounds is None:
+            self.full_scan_confirmations_total += 1
             return super()._search(q, first, next_seq)
         low, high = max(first, bounds.start), min(next_seq, bounds.stop)
         seqs = []
@@ -470,7 +475,17 @@ class IndexedCache(VectorCache):
                 far_searches_total=self.far_searches_total,
                 confirmations_total=self.confirmations_total,
                 trained_on=self._trained_on if self._index is not None else 0,
+                bounded=self._bounded(),
+                bound_fits_total=self.bound_fits_total,
+                full_scan_confirmations_total=self.full_scan_confirmations_total,
             )
+
+    def _bounded(self) -> int:
+        """The live entries the cosine bounds cover (under the lock)."""
+        if self._bounds is None:
+            return 0
+        low = max(self._bounds.start, self._first_seq)
+        return max(0, min(self._bounds.stop, self._first_seq + self._size) - low)
 
     # ── the index and the self-check ────────────────────────────────────────
 

@@ -139,6 +139,9 @@ class CacheIndexOut(_Answer):
     adoptions_total: int
     confirmations_total: int = 0
     trained_on: int = 0
+    bounded: int = 0
+    bound_fits_total: int = 0
+    full_scan_confirmations_total: int = 0
 
 
 class ReadyOut(_Answer):
