@@ -38,6 +38,10 @@ FIT_SAMPLE = 20_000
 #: and their products moves it by about 1e-6 (at most about 2e-5 in the worst case).
 MARGIN = 1e-4
 SEGMENT = 65_536
+#: Added to a rest length's square (computed as 1 less the coordinates' squares, off by about
+#: 1e-14 in float64) so that it is never below the true one; it loosens a bound by at most
+#: 1e-6 times the query's rest length.
+ROUNDING = 1e-12
 
 
 def fit_basis(units: F64, dimensions: int) -> F64:
@@ -102,16 +106,16 @@ class CosineBounds:
 
     def project(self, rows: F32, norms: F64) -> Projected:
         """The bounds' numbers for `rows` (no change: may run outside the cache's lock)."""
-        rows64 = np.asarray(rows, dtype=np.float64)
-        safe = np.where(norms == 0, 1.0, norms)
-        units = rows64 / safe[:, None]
         k1, k2 = self.tiers
-        coords = units @ self.basis[:k2].T
-        return Projected(
-            coords.astype(np.float32),
-            _rest_length(units, coords[:, :k1], self.basis[:k1]),
-            _rest_length(units, coords, self.basis[:k2]),
-        )
+        coords = np.asarray(rows, dtype=np.float64) @ self.basis[:k2].T
+        coords /= np.where(norms == 0, 1.0, norms)[:, None]
+        # A unit row's squared length is 1 (a zero row's 0): its rest's is what its
+        # coordinates leave of it (Pythagoras, W orthonormal).
+        length = (norms > 0).astype(np.float64)
+        squares = coords * coords
+        lead_left = length - squares[:, :k1].sum(axis=1)
+        rest_left = lead_left - squares[:, k1:].sum(axis=1)
+        return Projected(coords.astype(np.float32), _root_up(lead_left), _root_up(rest_left))
 
     def append(self, projected: Projected) -> None:
         """Adds the entries stop, stop + 1, ... from their `project`ed numbers."""
@@ -184,9 +188,11 @@ class CosineBounds:
         )
 
 
-def _rest_length(units: F64, coords: F64, basis: F64) -> F32:
-    """|x - Wᵀp| per row, rounded up to float32 (a bound must not shrink)."""
-    rest = np.linalg.norm(units - coords @ basis, axis=1)
+def _root_up(squares: F64) -> F32:
+    """The square roots of rest lengths' squares, made never smaller than the true ones:
+    their float64 rounding (about 1e-14, from 1 less a sum near 1) is covered by ROUNDING
+    before the root, and the root is rounded up to float32 (a bound must not shrink)."""
+    rest = np.sqrt(np.maximum(squares, 0.0) + ROUNDING)
     out: F32 = rest.astype(np.float32)
     up = out < rest
     out[up] = np.nextafter(out[up], np.float32(np.inf))
