@@ -152,7 +152,7 @@ class IndexStatus:
     far_searches_total: int = 0  # index answers that took the second, wider search
     confirmations_total: int = 0  # index answers at or above CONFIRM_FROM rescanned exactly
     trained_on: int = 0  # entries the serving graph's codes were trained on
-    bounded: int = 0  # entries the cosine bounds cover (a confirmation reads only those that can win)
+    bounded: int = 0  # entries the cosine bounds cover (0: a confirmation reads every one)
     bound_fits_total: int = 0  # bases fitted (bounds made) since start
     full_scan_confirmations_total: int = 0  # confirmations that read every entry: no bounds yet
 
