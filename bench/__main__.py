@@ -484,7 +484,7 @@ def _all(
     if not args.quick and args.memory != "off":
         print("memory phase ...", file=sys.stderr, flush=True)
         sizes_of_memory = [int(n) for n in args.memory.split(",")]
-        doc["memory"] = memory.run(sizes_of_memory, 500, service=True, threshold=20_000)
+        doc["memory"] = memory.run(sizes_of_memory, memory.QUERIES, service=True, threshold=20_000)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=2) + "\n")
     print(render(doc))
