@@ -209,37 +209,3 @@ def test_the_bounds_are_fitted_again_when_the_memory_has_moved_on() -> None:
         found = cache.nearest_from(query, truth.cosine)
         assert found is not None
         assert (found.cosine, found.trace_id) == (truth.cosine, truth.trace_id)
-
-
-def test_a_near_duplicate_the_graph_misses_is_still_answered_exactly() -> None:
-    """The graph can miss an entry in a region its search does not lead to (an isolated
-    cluster: seen at 100,000 real vectors). Whatever the graph proposes, the bounds find
-    every entry that can reach CONFIRM_FROM, so a near-duplicate is answered exactly."""
-    stored = clustered(3_000, seed=79)
-    cache = IndexedCache(capacity=3_000, index_threshold=1_000, background=False)
-    exact = VectorCache(capacity=3_000)
-    for i, v in enumerate(stored):
-        cache.add(v, trace_id=f"t{i}")
-        exact.add(v, trace_id=f"t{i}")
-    assert cache.index_status().state == "ready"
-    assert cache.bounded_range() is not None
-    rng = np.random.default_rng(80)
-    queries = [edit(stored[i], rng, 0.3) for i in rng.choice(2_000, 20, replace=False)]
-    least = {"seq": 0}
-    index = cache._index
-    assert index is not None
-    # A graph that misses: it proposes only the entry least like the query.
-    index.search = lambda *_, **__: np.asarray([least["seq"]], dtype=np.int64)  # type: ignore[method-assign]
-    for query in queries:
-        least["seq"] = int(np.argmin(stored @ query))
-        truth = exact.nearest(query)
-        assert truth is not None
-        assert truth.cosine >= 0.9
-        found = cache.nearest(query)
-        assert found is not None
-        assert (found.cosine, found.trace_id, found.search) == (
-            truth.cosine,
-            truth.trace_id,
-            "exact",
-        )
-    assert cache.index_status().index_misses_total == len(queries)

@@ -71,15 +71,13 @@ class NoveltyOut(BaseModel):
         default=None,
         description="How max_cosine was found: 'exact' (the exact scan, or an index answer "
         "confirmed by it: always so from 0.85 up, where near-duplicates are) or 'index' (the "
-        "approximate index of a large memory, no stored trace at 0.85 or more: a true cosine "
-        "with the trace it names, search_bound below the exact maximum at most, as measured); "
-        "null when novelty is not measured.",
+        "approximate index of a large memory: a true cosine with the trace it names, at most "
+        "search_bound below the exact maximum); null when novelty is not measured.",
     )
     search_bound: float | None = Field(
         default=None,
-        description="With search 'index': how far below the exact maximum max_cosine may be, "
-        "as measured on the bench's traces, not proven (docs/operating/large-memory.md); null "
-        "otherwise.",
+        description="With search 'index': how far below the exact maximum max_cosine may be "
+        "(docs/operating/large-memory.md); null otherwise.",
     )
 
 
@@ -254,11 +252,6 @@ class CacheIndexOut(BaseModel):
         default=0,
         description="Confirmations that read every entry because the bounds were not made "
         "yet, since start.",
-    )
-    index_misses_total: int = Field(
-        default=0,
-        description="Traces whose exact maximum is 0.85 or more that the index's search "
-        "missed and the cosine bounds found (answered exactly), since start.",
     )
 
 

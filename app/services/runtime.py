@@ -237,12 +237,6 @@ class RuntimeCollector(Collector):
             index.full_scan_confirmations_total,
         )
         yield CounterMetricFamily(
-            "kp_cache_index_misses",
-            "Traces whose exact maximum is 0.85 or more that the index's search missed and the "
-            "cosine bounds found (answered exactly), since start.",
-            index.index_misses_total,
-        )
-        yield CounterMetricFamily(
             "kp_cache_index_builds", "Graphs this process built since start.", index.builds_total
         )
         yield CounterMetricFamily(

@@ -8,7 +8,7 @@ rest length s, Cauchy-Schwarz on the rest gives
 
     cos(q, x) = w·p + (q - Wᵀw)·(x - Wᵀp) <= w·p + s r,
 
-a bound computed from 64 numbers instead of 384. It is applied in two tiers: the first 32
+a bound computed from 64 numbers instead of 384. It is applied in two tiers: the first 20
 coordinates of every entry (one product over a contiguous array), then all 64 for the few that
 pass; only the entries whose bound can reach a known cosine (the best an index found) are
 rescored exactly. The coordinates are computed in float64 and stored in float32, and every
@@ -30,9 +30,9 @@ F32 = npt.NDArray[np.float32]
 F64 = npt.NDArray[np.float64]
 
 #: Coordinates per tier: the first tier's over every entry, the second's over those it passes
-#: (docs/decisions/pruned-exact-scan.md: with fewer in the first, a far query's check at 0.85
-#: leaves too many entries to the second tier).
-DEFAULT_TIERS = (32, 64)
+#: (docs/decisions/pruned-exact-scan.md: 20 reads less than 32 at a million entries and
+#: leaves about as few to rescore at a hundred thousand).
+DEFAULT_TIERS = (20, 64)
 #: Entries a basis is fitted on (evenly spread over the memory): the directions are stable
 #: well before this many.
 FIT_SAMPLE = 20_000

@@ -155,7 +155,6 @@ class IndexStatus:
     bounded: int = 0  # entries the cosine bounds cover (0: a confirmation reads every one)
     bound_fits_total: int = 0  # bases fitted (bounds made) since start
     full_scan_confirmations_total: int = 0  # confirmations that read every entry: no bounds yet
-    index_misses_total: int = 0  # CONFIRM_FROM or more: missed by the graph, found by the bounds
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,7 +241,6 @@ class IndexedCache(VectorCache):
         self._bounder: threading.Thread | None = None  # fits and catches the bounds up
         self.bound_fits_total = 0  # bases fitted (bounds made) since start
         self.full_scan_confirmations_total = 0  # confirmations made before the bounds were
-        self.index_misses_total = 0  # answers of CONFIRM_FROM or more the graph had missed
 
     # ── the hooks of VectorCache ────────────────────────────────────────────
 
@@ -267,16 +265,6 @@ class IndexedCache(VectorCache):
         resubmitted = found.cosine >= CONFIRM_FROM and np.array_equal(
             self._vectors[self._row(seq)], q
         )
-        if found.cosine < CONFIRM_FROM and not resubmitted:
-            # The graph can miss an entry in a region it does not lead to: the bounds say
-            # whether any entry can reach CONFIRM_FROM, and the few that can are rescored.
-            reaching = self._bounded_candidates(q, first, next_seq, CONFIRM_FROM)
-            if reaching is not None and len(reaching):
-                better, at = self._best_at(q, reaching)
-                if better.cosine > found.cosine:
-                    if better.cosine >= CONFIRM_FROM:
-                        self.index_misses_total += 1
-                    found, seq = better, at
         if found.cosine >= CONFIRM_FROM and not resubmitted:
             # Where the score turns: the exact answer (ties to the newest included).
             self.confirmations_total += 1
@@ -326,26 +314,16 @@ class IndexedCache(VectorCache):
     def _exact_from(self, q: Vector, first: int, next_seq: int, lower: float) -> Nearest:
         """The exact best of first <= seq < next_seq (under the lock), `lower` being a cosine
         one of them has: entries with bounds below it cannot be the best and are skipped."""
-        candidates = self._bounded_candidates(q, first, next_seq, lower)
-        if candidates is None:
+        bounds = self._bounds
+        if bounds is None:
             self.full_scan_confirmations_total += 1
             return super()._search(q, first, next_seq)
-        if len(candidates) == 0:  # `lower` was no live entry's cosine
-            return super()._search(q, first, next_seq)
-        return self._best(q, candidates)
-
-    def _bounded_candidates(
-        self, q: Vector, first: int, next_seq: int, lower: float
-    ) -> npt.NDArray[np.int64] | None:
-        """The entries of first <= seq < next_seq whose cosine with `q` can be `lower` or
-        more, with the best of those the bounds lack (under the lock); None without bounds."""
-        bounds = self._bounds
-        norm = norm64(q)
-        if bounds is None or norm == 0:
-            return None
         low, high = max(first, bounds.start), min(next_seq, bounds.stop)
         seqs = []
         if low < high:
+            norm = norm64(q)
+            if norm == 0:
+                return super()._search(q, first, next_seq)
             seqs.append(bounds.candidates(q.astype(np.float64) / norm, low, high, lower))
         else:
             low = high = next_seq
@@ -354,7 +332,10 @@ class IndexedCache(VectorCache):
             seqs.append(self._exact_candidates(q, first, low))
         if high < next_seq:
             seqs.append(self._exact_candidates(q, max(first, high), next_seq))
-        return np.concatenate(seqs) if seqs else np.empty(0, dtype=np.int64)
+        candidates = np.concatenate(seqs) if seqs else np.empty(0, dtype=np.int64)
+        if len(candidates) == 0:  # `lower` was no live entry's cosine
+            return super()._search(q, first, next_seq)
+        return self._best(q, candidates)
 
     def bounded_range(self) -> tuple[int, int] | None:
         """(start, stop): the sequence numbers the cosine bounds cover, None when there are
@@ -497,7 +478,6 @@ class IndexedCache(VectorCache):
                 bounded=self._bounded(),
                 bound_fits_total=self.bound_fits_total,
                 full_scan_confirmations_total=self.full_scan_confirmations_total,
-                index_misses_total=self.index_misses_total,
             )
 
     def _bounded(self) -> int:

@@ -142,7 +142,6 @@ class CacheIndexOut(_Answer):
     bounded: int = 0
     bound_fits_total: int = 0
     full_scan_confirmations_total: int = 0
-    index_misses_total: int = 0
 
 
 class ReadyOut(_Answer):
