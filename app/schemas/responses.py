@@ -71,13 +71,15 @@ class NoveltyOut(BaseModel):
         default=None,
         description="How max_cosine was found: 'exact' (the exact scan, or an index answer "
         "confirmed by it: always so from 0.85 up, where near-duplicates are) or 'index' (the "
-        "approximate index of a large memory: a true cosine with the trace it names, at most "
-        "search_bound below the exact maximum); null when novelty is not measured.",
+        "approximate index of a large memory: a true cosine with the trace it names, "
+        "search_bound below the exact maximum at most, as measured); null when novelty is not "
+        "measured.",
     )
     search_bound: float | None = Field(
         default=None,
-        description="With search 'index': how far below the exact maximum max_cosine may be "
-        "(docs/operating/large-memory.md); null otherwise.",
+        description="With search 'index': how far below the exact maximum max_cosine may be, "
+        "as measured on the bench's traces, not proven (docs/operating/large-memory.md); null "
+        "otherwise.",
     )
 
 
