@@ -446,6 +446,10 @@ class VectorCache:
         """The row of the ring that holds the live entry `seq`."""
         return (self._head + seq - self._first_seq) % len(self._vectors)
 
+    def _rows_of(self, seqs: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        """The rows of the ring that hold the live entries `seqs`."""
+        return (self._head + (seqs - self._first_seq)) % len(self._vectors)
+
     def _runs(self, start_seq: int, stop_seq: int) -> list[tuple[int, int, int]]:
         """[start, stop) as at most two contiguous runs of rows: (first seq, row start, stop)."""
         length = len(self._vectors)
@@ -464,7 +468,7 @@ class VectorCache:
         """_best, and the sequence number of the entry it names."""
         if len(seqs) > 1:
             seqs = np.unique(seqs)  # sorted: the newest last
-        slots = (self._head + (seqs - self._first_seq)) % len(self._vectors)
+        slots = self._rows_of(seqs)
         q64 = q.astype(np.float64)
         q_norm = norm64(q)
         # Row by row in the same summation order as exact_cosine, whatever the row count.

@@ -446,7 +446,7 @@ class IndexedCache(VectorCache):
             time.sleep(0)  # let a waiting request take the lock first
 
     def _unit_rows_of(self, seqs: npt.NDArray[np.int64]) -> npt.NDArray[np.float64]:
-        slots = (self._head + (seqs - self._first_seq)) % len(self._vectors)
+        slots = self._rows_of(seqs)
         rows = self._vectors[slots].astype(np.float64)
         norms = self._norms[slots]
         return rows / np.where(norms == 0, 1.0, norms)[:, None]
