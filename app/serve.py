@@ -11,8 +11,11 @@ import argparse
 import asyncio
 import errno
 import gc
+import logging
+import os
 import signal
 import socket
+import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -105,6 +108,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
     args = parser.parse_args(argv)
     run(args.host, args.port)
+    exit_after_stop()
+
+
+def exit_after_stop() -> None:
+    """Ends the process once the server and the app's lifespan have stopped, without the
+    interpreter's finalization: granian's threads may still call into Python then, and a
+    Rust panic there aborts the process (exit status 134 on a SIGTERM, seen once in the image
+    test's shared mode). The lifespan has closed what the service owns (the memory, its
+    snapshot and journal, the Redis clients); a large memory's background work stops at its
+    next step, as at any interpreter exit, and the logs are flushed here."""
+    from app.store.indexed_memory import stop_background_work
+
+    stop_background_work()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

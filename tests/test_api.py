@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import subprocess
+from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
@@ -13,7 +15,7 @@ from fastapi.testclient import TestClient
 from app.core.version import VERSION
 from tests.conftest import ClientFactory
 from tests.factories import make_trace, step
-from tests.server import SERVE, free_port
+from tests.server import SERVE, LiveServer, free_port
 
 
 def test_evaluate_answers_the_spec_example_without_embedder(client_no_embedder: TestClient) -> None:
@@ -345,6 +347,16 @@ def test_a_taken_port_stops_the_start_with_one_clear_line() -> None:
         f"kp-scoring: cannot listen on 127.0.0.1:{port}: the port is taken (another server "
         "runs there?); choose another with --port (make run PORT=8001)"
     )
+
+
+@pytest.mark.server
+def test_a_stopped_service_exits_0_with_its_last_log_line_written(tmp_path: Path) -> None:
+    """SIGTERM: the lifespan ends, the last line is logged, and the process exits 0 without
+    the interpreter's finalization (app/serve.py exit_after_stop)."""
+    server = LiveServer({"KP_EMBEDDER": "none"}, tmp_path / "server.log")
+    assert server.client.get("/healthz").status_code == 200
+    assert server.stop(signal.SIGTERM) == 0
+    assert '"msg":"kp-scoring stopped"' in server.log()
 
 
 def test_request_id_is_echoed_when_given(client_no_embedder: TestClient) -> None:

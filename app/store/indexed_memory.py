@@ -86,10 +86,10 @@ DEAD_PER_LIVE = 0.5
 #: waits for more than about a millisecond of it.
 _CHUNK = 4_096
 
-#: Set at interpreter exit (_stop_background_work): graph builds and feeders stop at their
+#: Set at interpreter exit (stop_background_work): graph builds and feeders stop at their
 #: next step.
 _EXITING = threading.Event()
-#: Every cache, for _stop_background_work (weakly: a cache no one holds is let go).
+#: Every cache, for stop_background_work (weakly: a cache no one holds is let go).
 _CACHES: weakref.WeakSet[IndexedCache] = weakref.WeakSet()
 #: How long exit waits for one background thread's current step (a chunk of a build, a
 #: graph's serialization: seconds at a million entries).
@@ -97,11 +97,12 @@ _EXIT_JOIN_S = 60.0
 
 
 @atexit.register
-def _stop_background_work() -> None:
+def stop_background_work() -> None:
     """The interpreter's finalization unwinds a daemon thread that is inside faiss (a build,
     the feeder) through OpenMP's frames, which aborts the process ("terminate called without
     an active exception", exit status 134): at exit they stop at their next step and are
-    waited for first."""
+    waited for first. The service's launcher calls it before it ends the process itself
+    (app/serve.py), so that a graph being written beside the snapshot is finished."""
     _EXITING.set()
     threads: list[threading.Thread] = []
     for cache in list(_CACHES):
