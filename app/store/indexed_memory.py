@@ -252,7 +252,8 @@ class IndexedCache(VectorCache):
         if self._index is None:
             return super()._search(q, first, next_seq)
         tail_from = max(first, self._index.stop_id)
-        proposed = self._index.search(unit(q), first)
+        direction = unit(q)
+        proposed = self._index.search(direction, first)
         candidates = np.concatenate([proposed, self._exact_candidates(q, tail_from, next_seq)])
         if len(candidates) == 0:  # the graph held no live entry it could reach
             candidates = self._exact_candidates(q, first, next_seq)
@@ -261,7 +262,7 @@ class IndexedCache(VectorCache):
         if found.cosine < params.far_below and params.ef_search_far > params.ef_search:
             # Far from everything found: the graph's weak case (ann_index.DEFAULT_PARAMS).
             self.far_searches_total += 1
-            wider = self._index.search(unit(q), first, params.ef_search_far)
+            wider = self._index.search(direction, first, params.ef_search_far)
             found, seq = self._best_at(q, np.concatenate([candidates, wider]))
         resubmitted = found.cosine >= CONFIRM_FROM and np.array_equal(
             self._vectors[self._row(seq)], q
