@@ -9,7 +9,7 @@ PYTHON ?= python3
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: run test test-fast lint unit docs typescript openapi image-test bench redis-server promtool clean
+.PHONY: run test test-fast lint unit docs typescript openapi image-test bench promtool clean
 
 CLIENT := clients/python
 INSTALLED := pyproject.toml $(CLIENT)/pyproject.toml $(CLIENT)/VERSION
@@ -35,7 +35,7 @@ run: $(BIN)/.installed
 ## client's included)
 test: lint docs typescript unit
 
-## test-fast: the tests that need no live server, no redis-server and no long run
+## test-fast: the tests that need no live server, no Redis and no long run
 test-fast: $(BIN)/.installed-test
 	$(BIN)/python -m pytest -m "not server and not redis and not slow"
 
@@ -44,7 +44,7 @@ lint: $(BIN)/.installed-test
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-unit: $(BIN)/.installed-test redis-server promtool
+unit: $(BIN)/.installed-test promtool
 	$(BIN)/python -m pytest
 
 ## docs: build the documentation site into site/ (mkdocs --strict: a broken link or a missing
@@ -59,14 +59,6 @@ typescript:
 		echo "the TypeScript client's tests need node 20+ and npm (Debian 12's nodejs is 18: use NodeSource's)"; \
 		exit 1; }
 	cd clients/typescript && npm ci --no-audit --no-fund && npm run build
-
-## redis-server: Debian's, for the shared-cache tests and bench (they start their own on free
-## ports; nothing listens on 6379 for them). Installed with apt-get when missing (needs root).
-redis-server:
-	@command -v redis-server >/dev/null || { \
-		echo "installing Debian's redis-server (the shared-cache tests need it)"; \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
-	@redis-server --version
 
 ## promtool: Debian's prometheus package, for tests/test_monitoring.py (promtool check and
 ## test the alert rules of deploy/prometheus/). Installed with apt-get when missing (needs root).
@@ -87,7 +79,7 @@ image-test:
 ## bench: every phase of the benchmark (floor, load, window, shared, reference, memory);
 ## one phase: make bench PHASE=load (floor|load|cold|window|reference|memory|shared|precision|journal)
 PHASE ?= all
-bench: $(BIN)/.installed-test redis-server
+bench: $(BIN)/.installed-test
 	$(BIN)/python -m bench $(PHASE) $(BENCH_ARGS)
 
 clean:

