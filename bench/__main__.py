@@ -10,7 +10,7 @@ Phases (default: all; `python -m bench PHASE --help` for each one's options):
 - cold: fresh service processes' first answer against the floor's own load and first run;
 - window: megabyte traces against full-window ones, and /healthz meanwhile;
 - reference: the reference SDK in node side by side (bench/reference.py);
-- memory: the novelty memory at size (bench/memory.py);
+- memory: the shared memory in Redis's Query Engine at size (bench/memory.py);
 - shared: the shared mode over Redis (bench/shared.py);
 - precision: int8 mode against float32, in process (bench/precision.py);
 - journal: what the in-process journal costs a request and an import, side by side with it
@@ -358,10 +358,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--memory",
-        default="100000,1000000",
+        default="100000",
         metavar="SIZES",
-        help="all: the memory phase's sizes (bench.memory: real MiniLM vectors, recall, "
-        "latency); 'off' to skip; --quick skips it",
+        help="all: the memory phase's sizes (bench.memory: the shared memory in Redis, real "
+        "MiniLM vectors, recall, latency); 'off' to skip; --quick skips it",
     )
     parser.add_argument(
         "--reference",
@@ -484,7 +484,7 @@ def _all(
     if not args.quick and args.memory != "off":
         print("memory phase ...", file=sys.stderr, flush=True)
         sizes_of_memory = [int(n) for n in args.memory.split(",")]
-        doc["memory"] = memory.run(sizes_of_memory, memory.QUERIES, service=True, threshold=20_000)
+        doc["memory"] = memory.run(sizes_of_memory, memory.QUERIES, service=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=2) + "\n")
     print(render(doc))

@@ -3,20 +3,20 @@ carries.
 
     python -m bench.shared [--quick] [--out bench/results/shared.json] [--env KP_X=Y]
 
-Both parts run against a redis-server the bench starts (Debian's, AOF with an fsync before each
-reply, as docker-compose.scale.yml runs it); `python -m bench` runs them too, as a phase.
+Both parts run against a Redis 8 with the Query Engine the bench starts (the test extra's, AOF
+with an fsync before each reply, as docker-compose.scale.yml runs it); `python -m bench` runs
+them too, as a phase.
 
 1. One client, typical traces: the service with KP_REDIS_URL against the service in process,
    in the same run, both loaded, sent the same traces in the same order in alternating blocks
    (so that a busy moment of the machine falls on both). p50 of each and their ratio
    (target <= 1.10x).
-2. Redis alone: R simulated replicas (asyncio tasks with their own connections) run the
-   service's own exchange script in a loop, each turn appending one 384-float entry and
-   reading what the others appended since its last turn, the fan-out a real replica sees.
-   Reported per R: exchanges/s, entries read per exchange, Redis's CPU per exchange (its
-   /proc/PID/stat), and the replicas one Redis carries at 150 and 300 evaluations/s each,
-   with one exchange per evaluation (the worst case: a replica's concurrent requests share one
-   exchange). Redis runs scripts on one thread: a core is its limit, whatever the machine.
+2. Redis alone: R simulated replicas (asyncio tasks, each a RedisVectorMemory with its own
+   connections) add one 384-float entry a turn to one namespace of CAPACITY entries (its
+   search, FLAT, and its add: the service's own step, app/store/memory.lua). Reported per R:
+   steps/s, Redis's CPU per step (its /proc/PID/stat), and the replicas one Redis core
+   carries at 150 and 300 evaluations/s each (one step per evaluation). Redis runs scripts on
+   one thread: a core is a node's limit; a Redis Cluster spreads namespaces over nodes.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from redis.asyncio import Redis
 
-from app.store.redis_shared import script_text
+from app.core.config import redis_location
+from app.store.redis_vectors import RedisVectorMemory
 from bench import corpus, load
 from bench.corpus import Item
 from bench.machine import machine, parse_env
@@ -106,27 +106,35 @@ def single_client(
     return out
 
 
+def _memory(url: str) -> RedisVectorMemory:
+    return RedisVectorMemory(
+        url,
+        redis_location(url),
+        prefix="kp-bench:",
+        capacity=CAPACITY,
+        ttl_ms=None,
+        timeout_ms=10_000,
+        model="bench-model",
+    )
+
+
 def fsync_ms(count: int = 200) -> dict[str, float]:
-    """What appendfsync always adds to an exchange on this disk: one client's exchange time
-    (no fan-out) with always and with everysec, p50."""
+    """What appendfsync always adds to a step: one client's step time (its search and add),
+    with always and with everysec, p50."""
     out = {}
+    vector = np.random.default_rng(0).standard_normal(384).astype(np.float32)
     for mode in ("always", "everysec"):
         with redis_server(mode) as server:
 
             async def scenario() -> list[float]:
-                client = Redis.from_url(server.url)
-                exchange = client.register_script(script_text("exchange.lua"))
-                place, times = [b"", b"0-0"], []
-                vector = bytes(384 * 4)
+                memory = _memory(server.url)
+                await memory.start()
+                times = []
                 for i in range(count + 20):
                     started = time.perf_counter()
-                    reply = await exchange(
-                        keys=["kp-bench:novelty:log", "kp-bench:novelty:meta"],
-                        args=[*place, str(CAPACITY), "0", "bench-model", f"t{i}", vector],
-                    )
+                    await memory.compare("bench", [vector], [f"t{i}"], add=True)
                     times.append((time.perf_counter() - started) * 1000)
-                    place = [reply[1], reply[5][-1]]  # after the 'ok' status
-                await client.aclose()
+                await memory.close()
                 return times[20:]
 
             out[f"exchange_p50_ms_{mode}"] = percentile(load.run(scenario), 50)
@@ -134,51 +142,42 @@ def fsync_ms(count: int = 200) -> dict[str, float]:
 
 
 def redis_throughput(replicas: int, seconds: float, appendfsync: str) -> dict[str, float]:
-    """`replicas` clients running the exchange script against one Redis for `seconds`."""
+    """`replicas` memories adding to one namespace of one Redis for `seconds`."""
     with redis_server(appendfsync) as server:
         assert server.process is not None
         pid = server.process.pid
-        vector = np.random.default_rng(0).standard_normal(384).astype("<f4").tobytes()
+        vectors = np.random.default_rng(0).standard_normal((64, 384)).astype(np.float32)
 
         async def scenario() -> dict[str, float]:
-            client = Redis.from_url(server.url, max_connections=replicas + 4)
-            exchange = client.register_script(script_text("exchange.lua"))
-            keys = ["kp-bench:novelty:log", "kp-bench:novelty:meta"]
-            counts = {"exchanges": 0, "entries_read": 0}
+            memories = [_memory(server.url) for _ in range(replicas)]
+            for m in memories:
+                await m.start()
+            counts = {"exchanges": 0}
             measuring = False
 
-            # Each replica's place in the log (epoch, last id seen), kept from the warm-up on.
-            places = [[b"", b"0-0"] for _ in range(replicas)]
-
             async def replica(n: int, deadline: float) -> None:
-                place, i = places[n], 0
+                i = 0
                 while time.perf_counter() < deadline:
-                    reply = await exchange(
-                        keys=keys,
-                        args=[*place, str(CAPACITY), "0", "bench-model", f"r{n}-{i}", vector],
-                    )
-                    place[0], place[1] = reply[1], reply[5][-1]  # after the 'ok' status
+                    vector = vectors[(n + i) % len(vectors)]
+                    await memories[n].compare("bench", [vector], [f"r{n}-{i}"], add=True)
                     if measuring:
                         counts["exchanges"] += 1
-                        counts["entries_read"] += len(reply[4])
                     i += 1
 
-            # Warm-up: every replica past its first (full) read, the log at capacity.
+            # Warm-up: the namespace at capacity.
             await asyncio.gather(*(replica(n, time.perf_counter() + 1.0) for n in range(replicas)))
             measuring = True
             cpu_before, started = cpu_seconds(pid), time.perf_counter()
             await asyncio.gather(*(replica(n, started + seconds) for n in range(replicas)))
             elapsed, cpu = time.perf_counter() - started, cpu_seconds(pid) - cpu_before
-            await client.aclose()
+            for m in memories:
+                await m.close()
             exchanges = counts["exchanges"]
-            cpu_us = cpu * 1e6 / exchanges
             return {
                 "replicas": replicas,
                 "exchanges_per_s": exchanges / elapsed,
-                "entries_read_per_exchange": counts["entries_read"] / exchanges,
-                "redis_cpu_us_per_exchange": cpu_us,
+                "redis_cpu_us_per_exchange": cpu * 1e6 / exchanges,
                 "redis_cpu_share": cpu / elapsed,
-                "read_mb_per_s": counts["entries_read"] * 384 * 4 / elapsed / 1e6,
             }
 
         return load.run(scenario)
@@ -225,19 +224,17 @@ def rows(s: dict[str, Any]) -> list[str]:
             f"| {r['p50_ms']:.2f} / {r['p99_ms']:.2f} ms | {local['p50_ms']:.2f} / {local['p99_ms']:.2f} ms | {r['p50_ratio']:.2f}x |"
         )
     out.append(
-        f"| one exchange with Redis, one client, p50: appendfsync always / everysec "
+        f"| one step in Redis (search and add), one client, p50: appendfsync always / everysec "
         f"| {ex['exchange_p50_ms_always']:.2f} / {ex['exchange_p50_ms_everysec']:.2f} ms | | |"
     )
     for r, p in s["redis"].items():
         out.append(
-            f"| Redis alone, {r} replicas: exchanges/s (entries read each, MB/s read) / Redis CPU per exchange (its share of a core) "
-            f"| {p['exchanges_per_s']:.0f}/s ({p['entries_read_per_exchange']:.1f}, {p['read_mb_per_s']:.1f} MB/s) / "
+            f"| Redis alone, {r} replicas, one namespace of {CAPACITY}: steps/s / Redis CPU per step (its share of a core) "
+            f"| {p['exchanges_per_s']:.0f}/s / "
             f"{p['redis_cpu_us_per_exchange']:.1f} us ({100 * p['redis_cpu_share']:.0f}%) | | |"
         )
     carried_ = ", ".join(f"{n} at {rate}/s each" for rate, n in s["replicas_carried"].items())
-    out.append(
-        f"| replicas one Redis core carries (one exchange per evaluation) | {carried_} | | |"
-    )
+    out.append(f"| replicas one Redis core carries (one step per evaluation) | {carried_} | | |")
     return out
 
 

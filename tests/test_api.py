@@ -285,8 +285,6 @@ def test_running_totals_are_counters_named_total(client: TestClient) -> None:
         "kp_cache_evictions",
         "kp_cache_outages",
         "kp_snapshot_save_errors",
-        "kp_cache_index_far_searches",
-        "kp_cache_index_full_scan_confirmations",
     )
     for name in totals:
         assert re.search(rf"^# TYPE {name}(_total)? counter$", text, re.M), name
@@ -297,7 +295,6 @@ def test_running_totals_are_counters_named_total(client: TestClient) -> None:
         "kp_cache_size",
         "kp_cache_available",
         "kp_embed_queue_depth",
-        "kp_cache_bounded_entries",
     ):
         assert f"# TYPE {gauge} gauge" in text, gauge
 

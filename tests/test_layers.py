@@ -12,16 +12,19 @@ APP = Path(__file__).resolve().parent.parent / "app"
 CLIENT = APP.parent / "clients" / "python" / "src" / "kp_scoring"
 
 #: What each part of app/ may import from app/ (besides itself). Lower layers first:
-#: core (a leaf) <- domain <- embedding, store <- services <- api <- entry points.
+#: core (a leaf) <- domain <- embedding, store, guards <- services <- api <- entry points.
 ALLOWED: dict[str, frozenset[str]] = {
     "app": frozenset(),
     "core": frozenset(),
     "domain": frozenset({"core"}),
     "embedding": frozenset({"core", "domain"}),
     "store": frozenset({"core", "domain"}),
+    "guards": frozenset({"core"}),
     "schemas": frozenset({"core", "domain"}),
-    "services": frozenset({"core", "domain", "embedding", "store", "schemas"}),
-    "api": frozenset({"app", "core", "domain", "embedding", "store", "schemas", "services"}),
+    "services": frozenset({"core", "domain", "embedding", "store", "guards", "schemas"}),
+    "api": frozenset(
+        {"app", "core", "domain", "embedding", "store", "guards", "schemas", "services"}
+    ),
     # The HTTP protocol and the descriptor watch, under the app: settings, metrics, errors.
     "server": frozenset({"core"}),
 }
@@ -160,14 +163,14 @@ def test_the_cli_loads_none_of_the_servers_libraries() -> None:
 
 def test_the_app_loads_no_library_its_default_start_does_not_use() -> None:
     """What a start imports, its first answer waits for (the cold start): the MCP SDK loads
-    on the first /mcp request, faiss once the memory passes the index threshold, joserfc and
-    cryptography when something is signed or checked."""
+    on the first /mcp request, joserfc and cryptography when something is signed or checked,
+    redis with KP_REDIS_URL."""
     loaded = _loaded_by(
         "import app.serve, app.main; from app.core.config import Settings; "
         "app.main.create_app(Settings())"
     )
     assert {"fastapi", "onnxruntime", "numpy"} <= loaded  # the check sees what it does load
-    assert not loaded & {"mcp", "faiss", "joserfc", "cryptography"}
+    assert not loaded & {"mcp", "redis", "joserfc", "cryptography"}
 
 
 def test_the_server_loads_no_websocket_library_and_no_uvicorn() -> None:
@@ -228,7 +231,7 @@ def test_the_app_is_wired_in_one_place() -> None:
 
 
 #: What the domain must not use: it is pure (no threads, no processes, no files, no sockets);
-#: the machinery that needs them lives with the store (app.store.indexed_memory).
+#: the machinery that needs them lives with the store.
 _NOT_IN_THE_DOMAIN = frozenset(
     {
         "threading",
@@ -243,7 +246,6 @@ _NOT_IN_THE_DOMAIN = frozenset(
         "shutil",
         "socket",
         "subprocess",
-        "faiss",
     }
 )
 

@@ -258,16 +258,16 @@ def test_a_large_cache_is_saved_in_chunks_and_restored_with_its_trace_ids(
     tmp_path: Path,
 ) -> None:
     """Written from the cache's chunks (never one joined copy); an empty cache saves too."""
+    from app.domain.vector_cache import VectorCache
     from app.services.snapshots import SnapshotStore
-    from app.store.indexed_memory import IndexedCache as VectorCache
 
-    cache = VectorCache(capacity=20_000, search="exact")
+    cache = VectorCache(capacity=20_000)
     original = entries(10_000)
     cache.load(original)
     assert len(list(cache.chunks())) > 1
     store = SnapshotStore(tmp_path / "big.snapshot", cache, MODEL)
     assert store.save(force=True)
-    restored = VectorCache(capacity=20_000, search="exact")
+    restored = VectorCache(capacity=20_000)
     SnapshotStore(tmp_path / "big.snapshot", restored, MODEL).restore()
     again = restored.entries()
     np.testing.assert_array_equal(again.vectors, original.vectors)

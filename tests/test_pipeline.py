@@ -14,10 +14,10 @@ from starlette.types import ASGIApp
 from app.core.api_keys import ApiKeyEntry, KeyRing
 from app.core.config import Settings
 from app.core.metrics import Metrics
+from app.guards.idempotency import InProcessIdempotencyStore
+from app.guards.rate_limit import InProcessRateLimiter
 from app.main import pipeline
 from app.services.idempotency import Idempotency
-from app.store.idempotency import InProcessIdempotencyStore
-from app.store.rate_limit import InProcessRateLimiter
 from tests.keys import AGENT_A, SLOW, sha256
 
 KEYS = KeyRing(

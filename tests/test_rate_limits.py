@@ -183,7 +183,7 @@ def test_the_bucket_refills_at_its_rate() -> None:
     request per 1/rate of a minute, and never more than a minute's worth saved up."""
     import asyncio
 
-    from app.store import rate_limit
+    from app.guards import rate_limit
 
     now = [1000.0]
     limiter = rate_limit.InProcessRateLimiter(clock=lambda: now[0])

@@ -1,7 +1,7 @@
-"""A rolling change of KP_CACHE_* settings with real replicas on a real redis-server:
-replicas with new settings are refused by the shared memory that has the old ones; a reset
-from one of them gives it the new settings, and every replica with those settings recovers
-by itself within seconds, without a request of its own."""
+"""A rolling change of KP_CACHE_* settings with real replicas on a real Redis: replicas with
+new settings are refused by the namespace that has the old ones; a reset from one of them
+gives it the new settings, and every replica with those settings recovers by itself within
+seconds, without a request of its own."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.factories import import_body
 from tests.server import TOKEN, LiveServer, RedisServer
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -56,7 +57,13 @@ def test_replicas_recover_once_a_reset_elsewhere_gives_the_memory_their_settings
 ) -> None:
     old = LiveServer(env | {"KP_CACHE_CAPACITY": "1000"}, tmp_path / "old.log")
     servers.append(old)
-    assert backend(old)["available"] is True  # the shared memory now has 1000, no TTL
+    r = old.client.post(
+        "/cache/import",
+        content=import_body(1, seed=1, id_prefix="kp:trace:old-"),
+        headers=AUTH | {"content-type": "application/x-ndjson"},
+    )
+    assert r.status_code == 200, r.text
+    assert backend(old)["available"] is True  # the namespace now has 1000, no TTL
     new = {"KP_CACHE_CAPACITY": "5", "KP_CACHE_TTL_MS": "3000"}
     a = LiveServer(env | new, tmp_path / "a.log")
     b = LiveServer(env | new, tmp_path / "b.log")

@@ -10,7 +10,7 @@ from typing import Any
 
 from app.core.api_keys import ApiKey
 from app.core.errors import field_error
-from app.store.rate_limit import RateLimiter, RateLimitUnavailableError, retry_after
+from app.guards.rate_limit import RateLimiter, RateLimitUnavailableError, retry_after
 
 log = logging.getLogger(__name__)
 

@@ -10,6 +10,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from app.core.config import Settings
 from app.core.metrics import Metrics
+from app.guards.rate_limit import RateLimiter
 from app.schemas.limits import TraceLimits
 from app.services.embeddings import EmbeddingService
 from app.services.evaluator import Evaluator
@@ -17,7 +18,6 @@ from app.services.idempotency import Idempotency
 from app.services.runtime import Runtime
 from app.services.snapshots import SnapshotStore
 from app.store.base import NoveltyMemory
-from app.store.rate_limit import RateLimiter
 
 if TYPE_CHECKING:
     from app.services.signing import Signer

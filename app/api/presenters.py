@@ -7,7 +7,6 @@ from dataclasses import asdict
 
 from app.schemas.responses import (
     CacheBackendOut,
-    CacheIndexOut,
     DimensionsOut,
     EvaluationOut,
     NoveltyOut,
@@ -18,7 +17,6 @@ from app.schemas.responses import (
 from app.services.evaluator import Evaluation
 from app.services.snapshots import SnapshotStatus
 from app.store.base import BackendInfo
-from app.store.indexed_memory import IndexStatus
 
 
 def evaluation_out(evaluation: Evaluation, signature: str | None = None) -> EvaluationOut:
@@ -55,7 +53,3 @@ def snapshot_out(status: SnapshotStatus) -> SnapshotOut:
     fields = asdict(status)
     fields["path"] = str(status.path) if status.path else None
     return SnapshotOut(**fields)
-
-
-def index_out(status: IndexStatus) -> CacheIndexOut:
-    return CacheIndexOut(**asdict(status))

@@ -105,46 +105,6 @@ class Settings(BaseSettings):
         description="Entries expire after this many milliseconds (`604800000` is a week). "
         "Unset: they never expire.",
     )
-    cache_search: Literal["exact", "auto"] = Field(
-        "auto",
-        description="`auto`: from `KP_CACHE_INDEX_THRESHOLD` entries on, an approximate index "
-        "proposes candidates that are rescored exactly; `exact`: the exact scan at any size "
-        "(to check the index).",
-    )
-    cache_index_threshold: Annotated[
-        int,
-        Field(
-            ge=1_000,
-            description="Entries from which the approximate index answers; below it the search "
-            "is the reference's exact scan.",
-        ),
-    ] = 20_000
-    cache_index_ef_search: Annotated[
-        int,
-        Field(
-            ge=16,
-            le=4_096,
-            description="The index's search breadth (faiss HNSW efSearch): higher finds the "
-            "exact maximum more often, for more time a query.",
-        ),
-    ] = 128
-    cache_index_ef_search_far: Annotated[
-        int,
-        Field(
-            ge=0,
-            le=8_192,
-            description="The breadth of a second search, only for a query whose best "
-            "candidate's cosine is below 0.75 (far from everything stored, where the first "
-            "search misses); `0`, or a value not above `KP_CACHE_INDEX_EF_SEARCH`: no second "
-            "search.",
-        ),
-    ] = 1024
-    cache_index_share: bool = Field(
-        True,
-        description="With `KP_REDIS_URL`: a replica that builds the index's graph publishes it "
-        "in Redis (about 0.9 kB an entry more there) and a starting replica adopts it instead "
-        "of building; `false`: every replica builds its own.",
-    )
     # The lines are checked before any is added, so a request's entries are held until its end.
     cache_import_max_bytes: Annotated[
         int,
@@ -244,9 +204,9 @@ class Settings(BaseSettings):
         Field(
             min_length=1,
             max_length=200,
-            pattern=r"^[^\s]+$",
+            pattern=r"^[^\s{}]+$",
             description="Key prefix in that Redis (several services or environments can share "
-            "one Redis).",
+            "one Redis). No braces: a namespace's keys carry its name as their hash tag.",
         ),
     ] = "kp:"
     # A healthy exchange takes well under 1 ms locally and a few ms across a network; 250 ms
@@ -262,6 +222,41 @@ class Settings(BaseSettings):
             "(`cache_unavailable`).",
         ),
     ] = 250.0
+
+    # FLAT compares every entry: about 0.15 µs an entry on one core of Redis, so 10,000
+    # entries keep a search near 2 ms, a small part of a request (docs/decisions/
+    # flat-then-hnsw.md).
+    redis_hnsw_from: Annotated[
+        int,
+        Field(
+            ge=0,
+            description="With `KP_REDIS_URL`: entries from which a namespace's searches move "
+            "from Redis's exact FLAT index to an HNSW index (answers then say "
+            "`search: index`); `0`: FLAT at any size.",
+        ),
+    ] = 10_000
+    redis_hnsw_m: Annotated[
+        int,
+        Field(ge=4, le=128, description="The HNSW graph's links per entry (Redis's `M`)."),
+    ] = 16
+    redis_hnsw_ef_construction: Annotated[
+        int,
+        Field(
+            ge=16,
+            le=4096,
+            description="The HNSW graph's breadth while it is built (`EF_CONSTRUCTION`): "
+            "higher finds better links, for more of Redis's time per add.",
+        ),
+    ] = 200
+    redis_hnsw_ef_runtime: Annotated[
+        int,
+        Field(
+            ge=8,
+            le=8192,
+            description="The HNSW search's breadth (`EF_RUNTIME`): higher finds the exact "
+            "maximum more often, for more of Redis's time per search.",
+        ),
+    ] = 100
 
     max_body_bytes: Annotated[int, Field(ge=1024, description="Larger request bodies get 413.")] = (
         1_048_576
@@ -421,6 +416,28 @@ class Settings(BaseSettings):
                 for err in exc.errors()
             )
             raise ConfigError(f"kp-scoring: invalid configuration: {problems}") from None
+
+
+#: Settings no longer read, and what took their place: a start given one logs it
+#: (retired_settings), and goes on.
+RETIRED = {
+    "CACHE_SEARCH": "the in-process memory searches exactly at any size; the shared one by "
+    "Redis's FLAT index, then HNSW from KP_REDIS_HNSW_FROM entries",
+    "CACHE_INDEX_THRESHOLD": "the in-process memory searches exactly at any size; "
+    "KP_REDIS_HNSW_FROM is the shared memory's",
+    "CACHE_INDEX_EF_SEARCH": "KP_REDIS_HNSW_EF_RUNTIME is the shared memory's",
+    "CACHE_INDEX_EF_SEARCH_FAR": "Redis's HNSW search has no second search",
+    "CACHE_INDEX_SHARE": "the shared memory's index lives in Redis, for every replica",
+}
+
+
+def retired_settings() -> list[str]:
+    """One line for each retired KP_* variable that is set."""
+    return [
+        f"{ENV_PREFIX}{name} is no longer read: {instead}"
+        for name, instead in RETIRED.items()
+        if f"{ENV_PREFIX}{name}" in os.environ
+    ]
 
 
 def user_cache_directory() -> Path | None:

@@ -230,54 +230,9 @@ class SnapshotOut(BaseModel):
     save_errors_total: int
 
 
-class CacheIndexOut(BaseModel):
-    search: Literal["exact", "auto"] = Field(description="KP_CACHE_SEARCH.")
-    threshold: int = Field(
-        description="KP_CACHE_INDEX_THRESHOLD: entries from which the "
-        "index answers (with KP_CACHE_SEARCH=auto)."
-    )
-    state: Literal["off", "building", "ready"]
-    indexed: int = Field(description="Entries in the index.")
-    progress: float | None = Field(description="While building: the share indexed so far.")
-    warming: bool = Field(
-        description="The first build since start (or catch-up) runs: not ready yet."
-    )
-    audits_total: int = Field(description="Index answers rerun exactly (the self-check).")
-    audit_agreements_total: int = Field(description="Of those, answers equal to the exact one.")
-    builds_total: int = Field(description="Graphs this process built since start.")
-    adoptions_total: int = Field(
-        description="Graphs adopted instead of built since start: from the snapshot, or "
-        "published by another replica of the shared cache."
-    )
-    confirmations_total: int = Field(
-        default=0,
-        description="Index answers of 0.85 or more (near a near-duplicate) answered by the "
-        "exact scan instead since start: near-duplicates are always exact.",
-    )
-    trained_on: int = Field(
-        default=0,
-        description="Entries the serving index's codes were trained on (0: no index).",
-    )
-    bounded: int = Field(
-        default=0,
-        description="Entries the cosine bounds cover: a confirmation reads only those whose "
-        "bound can reach the index's answer (0 while they are made after a start or a "
-        "clear: the full scan confirms meanwhile).",
-    )
-    bound_fits_total: int = Field(
-        default=0, description="Cosine bounds made (a basis fitted) since start."
-    )
-    full_scan_confirmations_total: int = Field(
-        default=0,
-        description="Confirmations that read every entry because the bounds were not made "
-        "yet, since start.",
-    )
-
-
 class ReadyOut(BaseModel):
-    status: Literal["ready", "degraded", "warming"] = Field(
-        description="warming: the cache's index is being built after a start (cache_warming "
-        "in warnings, with progress); scoring works meanwhile, on the exact scan."
+    status: Literal["ready", "degraded"] = Field(
+        description="degraded: novelty is not measured (see `degraded`); the service still answers."
     )
     degraded: bool = Field(
         description="True when novelty is not measured (N fixed at 0.5): no embedder, or the "
@@ -286,7 +241,6 @@ class ReadyOut(BaseModel):
     embedder: EmbedderOut
     cache_size: int
     cache_backend: CacheBackendOut
-    cache_index: CacheIndexOut
     admin_auth: bool = Field(description="Whether /cache needs a bearer token.")
     snapshot: SnapshotOut
     warnings: list[str]

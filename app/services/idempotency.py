@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
-from app.store.idempotency import (
+from app.guards.idempotency import (
     CLAIM_RENEW_S,
     Claim,
     IdempotencyStore,

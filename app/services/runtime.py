@@ -9,12 +9,11 @@ import logging
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import Protocol, runtime_checkable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from app.core.config import Settings, redis_location
+from app.core.config import Settings, redis_location, retired_settings
 from app.core.health import UNMEASURED, Health
 from app.core.states import EmbedderState, Precision
 from app.domain.vector_cache import VectorCache
@@ -30,27 +29,9 @@ from app.services.snapshots import SnapshotStore
 from app.services.trust import build_trust_stores
 from app.store.base import DEFAULT_NAMESPACE, NoveltyMemory
 from app.store.in_process import InProcessMemory
-from app.store.indexed_memory import IndexedCache, IndexStatus
 from app.store.journal import Journal
 
 log = logging.getLogger("app")
-
-
-@runtime_checkable
-class IndexedMemory(Protocol):
-    """A memory with an approximate index of its own (the shared memory's mirror)."""
-
-    def index_status(self) -> IndexStatus: ...
-
-    def run_audit(self, limit: int) -> int: ...
-
-    @property
-    def local_cache(self) -> IndexedCache: ...
-
-
-#: Each rerun is an exact scan (about 66 ms of one core at a million entries, done in chunks
-#: between requests): one a second keeps the check to a few percent of a core.
-AUDIT_INTERVAL_S = 1.0
 
 
 class Runtime:
@@ -94,8 +75,6 @@ class Runtime:
         saved = (
             self.memory.cache(DEFAULT_NAMESPACE)
             if isinstance(self.memory, InProcessMemory)
-            else self.memory.local_cache
-            if isinstance(self.memory, IndexedMemory)
             else None
         )
         self.snapshots = SnapshotStore(
@@ -109,10 +88,11 @@ class Runtime:
         self.trust = build_trust_stores(settings)
         self.collector = RuntimeCollector(self)
         self._saver: asyncio.Task[None] | None = None
-        self._auditor: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         await asyncio.to_thread(self.snapshots.restore)
+        for retired in retired_settings():
+            log.warning(retired)
         await self.memory.start()
         if self.settings.api_keys_file is not None:
             log.info("API keys required", extra={"file": str(self.settings.api_keys_file)})
@@ -130,10 +110,9 @@ class Runtime:
             },
         )
         self._saver = asyncio.create_task(self._save_periodically())
-        self._auditor = asyncio.create_task(self._audit_periodically())
 
     async def stop(self) -> None:
-        for task in (self._saver, self._auditor):
+        for task in (self._saver,):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -147,40 +126,16 @@ class Runtime:
     def health(self) -> Health:
         """Every part's report, in one: degraded when any part is."""
         parts = [self._settings_health(), _embedder_health(self.embeddings)]
-        parts += [self.memory.health(), self.snapshots.health(), _index_health(self.index_status())]
+        parts += [self.memory.health(), self.snapshots.health()]
         return Health(
             degraded=any(p.degraded for p in parts),
             warnings=tuple(w for p in parts for w in p.warnings),
-        )
-
-    def index_status(self) -> IndexStatus:
-        """The shared memory's index; the in-process memory searches exactly, always."""
-        if isinstance(self.memory, IndexedMemory):
-            return self.memory.index_status()
-        return IndexStatus(
-            search="exact",
-            threshold=self.settings.cache_index_threshold,
-            state="off",
-            indexed=0,
-            progress=None,
-            warming=False,
-            audits_total=0,
-            audit_agreements_total=0,
         )
 
     def _settings_health(self) -> Health:
         if not self.settings.cache_open:
             return Health()
         return Health(warnings=("KP_ADMIN_TOKEN is not set: /cache is open to every caller",))
-
-    async def _audit_periodically(self) -> None:
-        """The self-check: sampled index answers rerun exactly, one a second, off the loop."""
-        memory = self.memory
-        if not isinstance(memory, IndexedMemory):
-            return
-        while True:
-            await asyncio.sleep(AUDIT_INTERVAL_S)
-            await asyncio.to_thread(memory.run_audit, 1)
 
     async def _save_periodically(self) -> None:
         while True:
@@ -234,62 +189,6 @@ class RuntimeCollector(Collector):
         for cores, count in embeddings.runs_total.items():
             runs.add_metric([cores], count)
         yield runs
-        index = self.runtime.index_status()
-        yield GaugeMetricFamily(
-            "kp_cache_index_entries",
-            "Entries in the approximate index (KP_CACHE_SEARCH=auto past "
-            "KP_CACHE_INDEX_THRESHOLD); the newest few wait in a tail scanned exactly.",
-            index.indexed,
-        )
-        yield GaugeMetricFamily(
-            "kp_cache_index_building",
-            "1 while the index is being built.",
-            1 if index.state == "building" else 0,
-        )
-        yield CounterMetricFamily(
-            "kp_cache_recall_checks",
-            "Sampled index answers rerun with the exact scan since start (the self-check).",
-            index.audits_total,
-        )
-        yield CounterMetricFamily(
-            "kp_cache_recall_agreements",
-            "Of those, answers whose max_cosine equalled the exact scan's: recall in "
-            "production is agreements / checks.",
-            index.audit_agreements_total,
-        )
-        yield CounterMetricFamily(
-            "kp_cache_index_far_searches",
-            "Index answers that took the second, wider search (their first search found no "
-            "cosine above 0.75; KP_CACHE_INDEX_EF_SEARCH_FAR) since start.",
-            index.far_searches_total,
-        )
-        yield CounterMetricFamily(
-            "kp_cache_index_confirmations",
-            "Index answers of 0.85 or more (near a near-duplicate) answered by the exact scan "
-            "instead, since start.",
-            index.confirmations_total,
-        )
-        yield GaugeMetricFamily(
-            "kp_cache_bounded_entries",
-            "Entries the cosine bounds cover: a confirmation reads only those that can win "
-            "(0 while the bounds are made after a start: the full scan confirms).",
-            index.bounded,
-        )
-        yield CounterMetricFamily(
-            "kp_cache_index_full_scan_confirmations",
-            "Confirmations that read every entry because the cosine bounds were not made yet, "
-            "since start.",
-            index.full_scan_confirmations_total,
-        )
-        yield CounterMetricFamily(
-            "kp_cache_index_builds", "Graphs this process built since start.", index.builds_total
-        )
-        yield CounterMetricFamily(
-            "kp_cache_index_adoptions",
-            "Graphs adopted instead of built since start (from the snapshot, or published by "
-            "another replica).",
-            index.adoptions_total,
-        )
         memo = CounterMetricFamily(
             "kp_embed_memo",
             "Texts looked up in the memo of recent vectors, by result (hit: no model run).",
@@ -303,19 +202,6 @@ class RuntimeCollector(Collector):
             "Failed cache snapshot saves since start.",
             self.runtime.snapshots.status.save_errors_total,
         )
-
-
-def _index_health(index: IndexStatus) -> Health:
-    if not index.warming:
-        return Health()
-    if index.progress is None:  # no build runs: a graph built elsewhere is being fetched
-        return Health(warnings=("cache_warming: adopting the index built by another replica",))
-    return Health(
-        warnings=(
-            f"cache_warming: loading the cache and building its index, "
-            f"{100 * index.progress:.0f}% done",
-        )
-    )
 
 
 def _embedder_health(embeddings: EmbeddingService) -> Health:
@@ -409,10 +295,10 @@ def build_memory(settings: Settings, model_id: str | None) -> NoveltyMemory:
             ttl_ms=settings.cache_ttl_ms,
             max_namespaces=settings.max_namespaces,
         )
-    from app.store.redis_shared import RedisSharedMemory  # redis is slow to import; only here
+    from app.store.redis_vectors import RedisVectorMemory  # redis is slow to import; only here
 
     url = settings.redis_url.get_secret_value()
-    return RedisSharedMemory(
+    return RedisVectorMemory(
         url,
         redis_location(url),
         prefix=settings.redis_prefix,
@@ -420,9 +306,9 @@ def build_memory(settings: Settings, model_id: str | None) -> NoveltyMemory:
         ttl_ms=settings.cache_ttl_ms,
         timeout_ms=settings.redis_timeout_ms,
         model=model_id,
-        search=settings.cache_search,
-        index_threshold=settings.cache_index_threshold,
-        index_ef_search=settings.cache_index_ef_search,
-        index_ef_search_far=settings.cache_index_ef_search_far,
-        index_share=settings.cache_index_share,
+        max_namespaces=settings.max_namespaces,
+        hnsw_from=settings.redis_hnsw_from,
+        hnsw_m=settings.redis_hnsw_m,
+        hnsw_ef_construction=settings.redis_hnsw_ef_construction,
+        hnsw_ef_runtime=settings.redis_hnsw_ef_runtime,
     )

@@ -15,16 +15,6 @@ from those copies in a worker thread, without joining them into one more buffer.
 is one unbroken run of the cache's entries, the header also says where it stands (`lineage`,
 `first_seq`: optional keys, so format 2 readers still load it).
 
-The graph of a large memory (docs/operating/large-memory.md) is kept beside the snapshot, in
-`<path>.graph` (faiss's serialized index) and `<path>.graph.json` (what it covers: the lineage
-and sequence number of its first entry, its count, dimensions, m, efConstruction, model, size
-and SHA-256; after a restore, also the numbering the snapshot file still uses: Numbering). It
-is written when a build swaps a new graph in, from that graph while it is still private, and
-when the feeder has grown the serving graph by a tenth (from the feeder's thread, the graph's
-only writer), so it is not rewritten with every periodic snapshot, and never copied under the
-cache's lock. A restore adopts it when it covers the snapshot's oldest entries and matches the
-cache (anything else: a log line, and the graph is built as without it).
-
 The journal (app/store/journal.py, `<path>.journal.<generation>`) holds every change since the
 snapshot: a restore replays it after the snapshot, and a save starts its next generation where
 the snapshot's copy is fixed, then deletes the generations the new snapshot holds.
@@ -42,7 +32,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import orjson
@@ -50,8 +39,6 @@ import orjson
 from app.core.health import Health
 from app.core.states import SnapshotState
 from app.domain.vector_cache import CHUNK, CacheEntries, VectorCache
-from app.store.ann_index import DEFAULT_PARAMS, AnnIndex
-from app.store.indexed_memory import BuiltGraph, IndexedCache
 from app.store.journal import Journal, fsync_directory
 
 log = logging.getLogger(__name__)
@@ -214,105 +201,6 @@ def journal_generation_of(path: Path) -> int:
     return int(header.get("journal_generation", 0))
 
 
-def graph_paths(path: Path) -> tuple[Path, Path]:
-    """The graph beside the snapshot at `path`: (its bytes, its description)."""
-    return path.with_name(f"{path.name}.graph"), path.with_name(f"{path.name}.graph.json")
-
-
-def write_graph(
-    path: Path,
-    built: BuiltGraph,
-    model_id: str,
-    dimensions: int,
-    aliases: Sequence[dict[str, object]] = (),
-) -> None:
-    """Atomically replaces the graph beside the snapshot at `path`: the bytes first, then the
-    description naming their checksum (a crash between leaves a pair that does not match,
-    which a restore ignores). `aliases`: other numberings of the same entries (Numbering)."""
-    blob, described = graph_paths(path)
-    _write_atomically(blob, [memoryview(built.data)])
-    _write_graph_description(
-        described,
-        {
-            "model": model_id,
-            "dimensions": dimensions,
-            "m": DEFAULT_PARAMS.m,
-            "ef_construction": DEFAULT_PARAMS.ef_construction,
-            "lineage": built.lineage,
-            "first_seq": built.first_seq,
-            "count": built.count,
-            "bytes": len(built.data),
-            "sha256": hashlib.sha256(built.data).hexdigest(),
-            "aliases": list(aliases),
-        },
-    )
-
-
-def _write_graph_description(path: Path, description: dict[str, object]) -> None:
-    _write_atomically(path, [json.dumps(description).encode()])
-
-
-def read_graph(
-    path: Path, entries: CacheEntries, model_id: str, dimensions: int
-) -> tuple[AnnIndex, int, dict[str, object]]:
-    """The graph beside the snapshot at `path` that was built on `entries`' cache, with the
-    index in `entries` of its internal id 0 (negative: entries evicted before the snapshot)
-    and its description. SnapshotError (kind 'graph') says why it cannot be used."""
-    blob, described = graph_paths(path)
-    if not entries.lineage or entries.first_seq is None:
-        raise SnapshotError("graph", "the snapshot does not say where its entries stand")
-    try:
-        about = json.loads(described.read_bytes())
-        wanted = {
-            "model": model_id,
-            "dimensions": dimensions,
-            "m": DEFAULT_PARAMS.m,
-            "ef_construction": DEFAULT_PARAMS.ef_construction,
-        }
-        differs = {k: about.get(k) for k, v in wanted.items() if about.get(k) != v}
-        first_seq = _numberings(about).get(entries.lineage)
-        if first_seq is None:
-            differs["lineage"] = about.get("lineage")
-        if differs or first_seq is None:
-            raise SnapshotError("graph", f"it was built for another cache or settings: {differs}")
-        data = blob.read_bytes()
-        if len(data) != int(about["bytes"]) or hashlib.sha256(data).hexdigest() != about["sha256"]:
-            raise SnapshotError("graph", "its bytes do not match their checksum")
-        offset = first_seq - entries.first_seq
-        index = AnnIndex.from_bytes(data, dimensions, 0)
-        if index.count != int(about["count"]):
-            raise SnapshotError("graph", "it holds another number of entries than described")
-    except OSError as exc:
-        raise SnapshotError("graph", f"cannot read it: {exc}") from None
-    except (ValueError, KeyError, TypeError) as exc:
-        raise SnapshotError("graph", f"unreadable: {exc}") from None
-    return index, offset, about
-
-
-def _numberings(about: dict[str, Any]) -> dict[str, int]:
-    """{lineage: the sequence number of the graph's first entry} for each numbering of the
-    same entries the description names: its own and, after a restore, the snapshot file's."""
-    named = [about, *about.get("aliases", ())]
-    return {str(n["lineage"]): int(n["first_seq"]) for n in named}
-
-
-@dataclass(frozen=True, slots=True)
-class Numbering:
-    """A restore numbers the snapshot's entries anew (the cache's `lineage`), while the file
-    on disk keeps its own numbering (`disk_lineage`) until the next save: the same entry is
-    `seq` in the cache and `seq - delta` in the file. A graph described in both numberings is
-    adopted by a restart whether or not a save came between."""
-
-    lineage: str
-    disk_lineage: str
-    delta: int
-
-    def aliases(self, lineage: str, first_seq: int) -> list[dict[str, object]]:
-        if lineage != self.lineage:  # cleared since the restore: the file names none of it
-            return []
-        return [{"lineage": self.disk_lineage, "first_seq": first_seq - self.delta}]
-
-
 class SnapshotStore:
     """Loads the cache from its snapshot at start and saves it when it changed."""
 
@@ -334,9 +222,6 @@ class SnapshotStore:
         if path is not None and model_id is None:
             self.status.detail = "no embedder: the cache holds nothing to save"
         self._saved_version: tuple[int, int] | None = None
-        self._restored: Numbering | None = None  # while the file keeps the restored numbering
-        if enabled and isinstance(cache, IndexedCache):
-            cache.on_graph_built = self._save_graph
 
     @property
     def path(self) -> Path | None:
@@ -416,97 +301,15 @@ class SnapshotStore:
                 extra={"path": str(path), "error": str(exc)},
             )
             return False
-        cache = self.cache
-        graph = self._graph_for(path, entries) if isinstance(cache, IndexedCache) else None
-        if isinstance(cache, IndexedCache):
-            cache.hold_index(graph is not None)  # no build before the graph is adopted
-        try:
-            self.cache.load(entries)
-            if entries.lineage and entries.first_seq is not None:
-                _, next_seq = self.cache.sequence_range
-                delta = next_seq - len(entries.vectors) - entries.first_seq
-                self._restored = Numbering(self.cache.lineage, entries.lineage, delta)
-            if graph is not None and isinstance(cache, IndexedCache):
-                self._adopt(cache, path, entries, *graph)
-        finally:
-            if isinstance(cache, IndexedCache):
-                cache.hold_index(False)
+        self.cache.load(entries)
         self.status.state = SnapshotState.LOADED
         self.status.loaded_vectors = self.cache.size
         self._saved_version = self._version()
         log.info(
             "cache restored from snapshot",
-            extra={
-                "path": str(path),
-                "vectors": self.status.loaded_vectors,
-                "graph_adopted": isinstance(cache, IndexedCache)
-                and cache.index_adoptions_total > 0,
-            },
+            extra={"path": str(path), "vectors": self.status.loaded_vectors},
         )
         return True
-
-    def _graph_for(
-        self, path: Path, entries: CacheEntries
-    ) -> tuple[AnnIndex, int, dict[str, object]] | None:
-        if not graph_paths(path)[1].exists() or self.model_id is None:
-            return None
-        try:
-            return read_graph(path, entries, self.model_id, self.cache.dimensions)
-        except SnapshotError as exc:
-            log.warning(
-                "cache snapshot's graph ignored; the index is built again",
-                extra={"path": str(path), "reason": str(exc)},
-            )
-            return None
-
-    def _adopt(
-        self,
-        cache: IndexedCache,
-        path: Path,
-        entries: CacheEntries,
-        index: AnnIndex,
-        offset: int,
-        about: dict[str, object],
-    ) -> None:
-        """Maps the graph onto the loaded entries (the last of them have the cache's newest
-        sequence numbers) and adopts it; its description then names the new numbering and
-        the file's (Numbering), so the next restart adopts it again, saved between or not."""
-        _, next_seq = cache.sequence_range
-        first_id = next_seq - len(entries.vectors) + offset
-        why = cache.adopt_index(index, first_id)
-        if why is not None:
-            log.warning(
-                "cache snapshot's graph ignored; the index is built again",
-                extra={"path": str(path), "reason": why},
-            )
-            return
-        about = about | {
-            "lineage": cache.lineage,
-            "first_seq": first_id,
-            "aliases": self._aliases(cache.lineage, first_id),
-        }
-        try:
-            _write_graph_description(graph_paths(path)[1], about)
-        except OSError as exc:
-            log.warning(
-                "cache snapshot's graph description not updated; a start after a save builds it",
-                extra={"path": str(path), "error": str(exc)},
-            )
-
-    def _save_graph(self, built: BuiltGraph) -> None:
-        """on_graph_built, in the cache's build or feeder thread: errors are reported, not
-        raised."""
-        path = self.path
-        if path is None or self.model_id is None:
-            return
-        aliases = self._aliases(built.lineage, built.first_seq)
-        try:
-            write_graph(path, built, self.model_id, self.cache.dimensions, aliases)
-        except OSError as exc:
-            log.error(
-                "cache graph not saved beside the snapshot; a restart will build it",
-                extra={"path": str(path), "error": str(exc)},
-            )
 
     def save(self, *, force: bool = False) -> bool:
         """Write the snapshot if the cache changed since the last save; errors are reported."""
@@ -546,15 +349,10 @@ class SnapshotStore:
         if journal is not None and generation is not None:
             journal.drop_before(generation)
         self._saved_version = version
-        self._restored = None  # the file now numbers its entries as the cache does
         self.status.saves_total += 1
         self.status.last_saved_at_ms = time.time() * 1000.0
         self.status.last_save_error = None
         return True
-
-    def _aliases(self, lineage: str, first_seq: int) -> list[dict[str, object]]:
-        restored = self._restored
-        return [] if restored is None else restored.aliases(lineage, first_seq)
 
     def _version(self) -> tuple[int, int]:
         # Changes with every add and every clear.

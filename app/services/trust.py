@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING
 
 from app.core.api_keys import KeyFileError, KeyRing, load_key_file
 from app.core.config import Settings, config_error
+from app.guards.idempotency import IdempotencyStore, InProcessIdempotencyStore
+from app.guards.rate_limit import InProcessRateLimiter, RateLimiter
 from app.services.idempotency import Idempotency
-from app.store.idempotency import IdempotencyStore, InProcessIdempotencyStore
-from app.store.rate_limit import InProcessRateLimiter, RateLimiter
 
 if TYPE_CHECKING:
     import redis.asyncio as aioredis
@@ -79,8 +79,8 @@ def build_trust_stores(settings: Settings) -> TrustStores:
     # redis is slow to import; only here.
     import redis.asyncio as aioredis
 
-    from app.store.idempotency_redis import RedisIdempotencyStore
-    from app.store.rate_limit_redis import RedisRateLimiter
+    from app.guards.idempotency_redis import RedisIdempotencyStore
+    from app.guards.rate_limit_redis import RedisRateLimiter
 
     client = aioredis.Redis.from_url(
         settings.redis_url.get_secret_value(),

@@ -1,9 +1,8 @@
-"""Where the novelty memory lives: in this process, or shared by replicas through Redis.
+"""Where the novelty memory lives: in this process, or in Redis's Query Engine for several
+replicas.
 
-The shape follows the KnowledgePulse registry's `store/` (an interface, an in-memory and a
-Redis implementation, chosen by configuration), so that readers of either find the same parts.
-Layering: services (the evaluator) use the interface in `base`; the domain's VectorCache (the
-ring and the exact scan) does the vector arithmetic for both implementations and knows nothing
-of threads, files or Redis; `indexed_memory` adds the approximate index of a large memory and
-the threads that build, feed and check it.
+Services (the evaluator, the /cache routes) use the interface in `base`, which imports no
+implementation; `in_process` and `redis_vectors` implement it, and app/services/runtime.py
+picks one from the settings. The domain's VectorCache (the ring and the exact scan) does the
+in-process memory's arithmetic and knows nothing of threads, files or Redis.
 """

@@ -76,7 +76,7 @@ if not state[1] then
   create_index(flat_idx, 'FLAT')
   state = {ARGV[5], ARGV[6], model, '0', '0', 'flat', '0'}
   created = 1
-elseif op ~= 'clear' and op ~= 'read' and op ~= 'stats' then
+elseif op ~= 'clear' then
   if tonumber(state[1]) ~= capacity or tonumber(state[2]) ~= ttl then
     return {'settings_mismatch', 'the shared cache has KP_CACHE_CAPACITY=' .. state[1] ..
       ' and KP_CACHE_TTL_MS=' .. state[2] .. ' (0: unset), this replica ' .. ARGV[5] ..

@@ -47,6 +47,7 @@ from app.core.config import config_error
 from app.core.health import UNMEASURED, Health
 from app.domain.vector_cache import CacheEntries, CacheStats, exact_cosine
 from app.store.base import (
+    DEFAULT_NAMESPACE,
     BackendInfo,
     Comparison,
     MemoryUnavailableError,
@@ -152,6 +153,7 @@ class RedisVectorMemory:
         self._outage_started = 0.0
         self._unmeasured_in_outage = 0
         self._probe: asyncio.Task[None] | None = None
+        self._mismatched: str | None = None  # a namespace whose settings differ from these
         self._closed = False
 
     # ── what operators see ──────────────────────────────────────────────────
@@ -196,6 +198,10 @@ class RedisVectorMemory:
             raise config_error("REDIS_URL", str(exc)) from None
         except (RedisError, OSError, TimeoutError) as exc:
             self._went_down(exc)
+            return
+        # Other settings than the default namespace's are reported now, not at a first trace.
+        with contextlib.suppress(MemoryUnavailableError):
+            await self._run(DEFAULT_NAMESPACE, "step", ["0"], bulk=False)
 
     async def _connect(self) -> None:
         seed = Redis.from_url(
@@ -417,9 +423,12 @@ class RedisVectorMemory:
             async with asyncio.timeout(timeout_s):
                 status, *body = await self._script(keys=keys, args=head + args)
             if status == b"settings_mismatch":
+                self._mismatched = namespace
                 raise SettingsMismatchError(_text(body[0]))
         except (RedisError, OSError, TimeoutError, SettingsMismatchError) as exc:
             raise self._failed(exc) from None
+        if namespace == self._mismatched:
+            self._mismatched = None
         self._went_up()
         if status == b"absent":
             self._sizes.pop(namespace, None)
@@ -494,13 +503,18 @@ class RedisVectorMemory:
 
     async def _reconnect(self) -> None:
         """While unavailable: what notices that Redis is back, or that a clear elsewhere gave
-        the namespaces this replica's settings (the next request finds out)."""
+        the namespace whose settings differed this replica's."""
         while not self._available and not self._closed:
             await asyncio.sleep(RETRY_INTERVAL_S)
             try:
                 client = await self._ready_client()
-                async with asyncio.timeout(self._timeout_s):
-                    await client.ping()
+                mismatched = self._mismatched
+                if mismatched is None:
+                    async with asyncio.timeout(self._timeout_s):
+                        await client.ping()
+                    self._went_up()
+                else:
+                    await self._run(mismatched, "step", ["0"], bulk=False)
             except MemoryUnavailableError:
                 continue
             except (RedisError, OSError, TimeoutError) as exc:
@@ -509,11 +523,6 @@ class RedisVectorMemory:
             except Exception:
                 # The probe must outlive any surprise, or the replica stays refused for good.
                 log.exception("shared cache probe failed; retrying")
-                continue
-            if not self._reason.startswith(SettingsMismatchError.__name__):
-                self._went_up()
-            else:
-                return  # the next request tries the namespace's settings again
 
 
 def _compared(
@@ -558,7 +567,7 @@ def _describe(exc: BaseException) -> str:
     text = str(exc)
     if isinstance(exc, SettingsMismatchError):
         return (
-            f"{SettingsMismatchError.__name__}: {text}: give every replica the same settings, "
+            f"{text}: give every replica the same settings, "
             "or DELETE /cache from one with the new ones"
         )
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -13,8 +13,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from app.api.asgi.base import detail, read_replayed, replaying, send_json
 from app.core.api_keys import ApiKey
 from app.core.metrics import Metrics
+from app.guards.idempotency import IdempotencyUnavailableError, Recorded
 from app.services.idempotency import Idempotency, fingerprint, scoped_key
-from app.store.idempotency import IdempotencyUnavailableError, Recorded
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from app.api.asgi.base import detail, send_json
 from app.core.api_keys import ApiKey
 from app.core.metrics import Metrics
-from app.store.rate_limit import RateLimiter, RateLimitUnavailableError, retry_after
+from app.guards.rate_limit import RateLimiter, RateLimitUnavailableError, retry_after
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from app.api.deps import ServicesDep
 from app.api.mcp import McpHost
-from app.api.presenters import backend_out, index_out, snapshot_out
+from app.api.presenters import backend_out, snapshot_out
 from app.api.routes.cache import embedder_out
 from app.core.version import VERSION
 from app.schemas.responses import HealthOut, ReadyOut, RootOut
@@ -43,14 +43,12 @@ async def readyz(services: ServicesDep, request: Request) -> ReadyOut:
     health = services.runtime.health()
     mcp: McpHost | None = getattr(request.app.state, "mcp", None)
     mcp_warnings = mcp.health().warnings if mcp is not None else ()
-    index = services.runtime.index_status()
     return ReadyOut(
-        status="degraded" if health.degraded else "warming" if index.warming else "ready",
+        status="degraded" if health.degraded else "ready",
         degraded=health.degraded,
         embedder=embedder_out(services),
         cache_size=services.memory.size,
         cache_backend=backend_out(services.memory.backend),
-        cache_index=index_out(index),
         admin_auth=not services.settings.cache_open,
         snapshot=snapshot_out(services.snapshots.status),
         warnings=[*health.warnings, *mcp_warnings],

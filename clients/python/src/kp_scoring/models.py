@@ -132,31 +132,12 @@ class SnapshotOut(_Answer):
     save_errors_total: int
 
 
-class CacheIndexOut(_Answer):
-    search: str
-    threshold: int
-    state: str
-    indexed: int
-    progress: float | None
-    warming: bool
-    audits_total: int
-    audit_agreements_total: int
-    builds_total: int
-    adoptions_total: int
-    confirmations_total: int = 0
-    trained_on: int = 0
-    bounded: int = 0
-    bound_fits_total: int = 0
-    full_scan_confirmations_total: int = 0
-
-
 class ReadyOut(_Answer):
     status: str
     degraded: bool
     embedder: EmbedderOut
     cache_size: int
     cache_backend: CacheBackendOut
-    cache_index: CacheIndexOut
     admin_auth: bool
     snapshot: SnapshotOut
     warnings: list[str]

@@ -8,7 +8,7 @@ import orjson
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from app.store.idempotency import (
+from app.guards.idempotency import (
     CLAIM_TTL_S,
     RECORD_TTL_S,
     Claim,

@@ -7,7 +7,7 @@ from importlib.resources import files
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from app.store.rate_limit import RateLimitUnavailableError
+from app.guards.rate_limit import RateLimitUnavailableError
 
 
 class RedisRateLimiter:
@@ -16,7 +16,7 @@ class RedisRateLimiter:
     def __init__(self, client: aioredis.Redis, prefix: str) -> None:
         self._client = client
         self._prefix = prefix
-        source = files("app.store").joinpath("token_bucket.lua").read_text(encoding="utf-8")
+        source = files("app.guards").joinpath("token_bucket.lua").read_text(encoding="utf-8")
         self._script = client.register_script(source)
 
     async def take(self, name: str, per_minute: int, cost: int = 1) -> float:
