@@ -39,7 +39,6 @@ from app.schemas.trace import ReasoningTrace
 from app.services.embeddings import EmbeddingService
 from app.services.evaluator import Evaluator
 from app.store.in_process import InProcessMemory
-from app.store.indexed_memory import IndexedCache
 from bench import corpus
 from bench.machine import machine
 from bench.stats import percentile
@@ -95,7 +94,7 @@ def scored(embedder: OnnxEmbedder, traces: list[ReasoningTrace]) -> dict[str, li
     async def run() -> dict[str, list[Any]]:
         service = EmbeddingService(lambda: embedder, model_name="bench", workers=1)
         await service.load()
-        evaluator = Evaluator(InProcessMemory(IndexedCache(1000)), service)
+        evaluator = Evaluator(InProcessMemory(1000), service)
         out: dict[str, list[Any]] = {"score": [], "max_cosine": []}
         for trace in traces:
             (evaluation,) = await evaluator.evaluate([trace])

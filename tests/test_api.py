@@ -50,6 +50,9 @@ def test_evaluate_answers_the_spec_example_without_embedder(client_no_embedder: 
         "nearest": None,
         "search": None,
         "search_bound": None,
+        "stored": False,
+        "not_stored": "not_measured",
+        "not_stored_detail": None,
     }
     assert body["elapsed_ms"] >= 0
     assert r.headers["x-request-id"]
@@ -83,9 +86,11 @@ def test_dry_run_scores_without_touching_the_cache(client: TestClient) -> None:
     other = make_trace(objective="Translate the release notes into Japanese")
     dry = client.post("/evaluate", params={"dry_run": "true"}, json=other).json()
     assert dry["novelty"]["measured"] is True
+    assert (dry["novelty"]["stored"], dry["novelty"]["not_stored"]) == (False, "dry_run")
     assert client.get("/cache").json()["size"] == 1
     real = client.post("/evaluate", json=other).json()
     assert real["score"] == dry["score"]
+    assert (real["novelty"]["stored"], real["novelty"]["not_stored"]) == (True, None)
     assert client.get("/cache").json()["size"] == 2
 
 

@@ -4,7 +4,6 @@ figures at 100,000 and 1,000,000 real vectors are bench.memory's."""
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import subprocess
 import sys
@@ -12,17 +11,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import pytest
 
 from app.core.config import ConfigError, Settings
-from app.services.runtime import build_memory
 from app.store.ann_index import DEFAULT_PARAMS
-from app.store.base import Comparison
-from app.store.in_process import InProcessMemory
 from app.store.indexed_memory import DEAD_PER_LIVE, TAIL_BATCH, IndexedCache
 
 DIMS = 384
@@ -395,11 +390,8 @@ def test_queries_during_background_feeding_and_rebuilds_stay_true() -> None:
 def test_the_search_breadth_setting_reaches_the_graph_and_widens_the_search(
     stored: npt.NDArray[np.float32], exact: IndexedCache
 ) -> None:
-    """KP_CACHE_INDEX_EF_SEARCH: the service's cache gets it, and a wider search finds the
+    """KP_CACHE_INDEX_EF_SEARCH: a wider search finds the
     exact maximum of far queries (the graph's weak case) more often than a narrow one."""
-    memory = build_memory(Settings(cache_index_ef_search=512), None)
-    assert isinstance(memory, InProcessMemory)
-    assert memory.cache._index_params.ef_search == 512
     assert Settings().cache_index_ef_search == DEFAULT_PARAMS.ef_search
     far = clustered(150, seed=77)
     shares = []
@@ -419,9 +411,6 @@ def test_a_far_query_gets_a_second_wider_search_and_a_near_duplicate_does_not(
     """KP_CACHE_INDEX_EF_SEARCH_FAR: a query whose best candidate is below far_below is
     searched again, wider, and finds the exact maximum more often than the first search
     alone; a near-duplicate stops after the first search, with the same answer."""
-    memory = build_memory(Settings(cache_index_ef_search_far=600), None)
-    assert isinstance(memory, InProcessMemory)
-    assert memory.cache._index_params.ef_search_far == 600
     assert Settings().cache_index_ef_search_far == DEFAULT_PARAMS.ef_search_far
     assert DEFAULT_PARAMS.ef_search_far > DEFAULT_PARAMS.ef_search
     far = clustered(150, seed=77)
@@ -494,80 +483,3 @@ print("exiting", flush=True)
     )
     assert done.stdout.strip() == "exiting", done.stderr
     assert done.returncode == 0, done.stderr
-
-
-class _HeldSearch:
-    """Wraps a cache's `nearest` so that its first call blocks until released; records the
-    threads the calls ran on."""
-
-    def __init__(self, cache: IndexedCache) -> None:
-        self.entered = threading.Event()
-        self.release = threading.Event()
-        self.threads: list[threading.Thread] = []
-        original = cache.nearest
-
-        def nearest(*args: Any, **kwargs: Any) -> Any:
-            self.threads.append(threading.current_thread())
-            if not self.entered.is_set():
-                self.entered.set()
-                # Long enough for any machine's thread hand-off; on the loop itself it is
-                # never released and fails the call.
-                assert self.release.wait(10)
-            return original(*args, **kwargs)
-
-        cache.nearest = nearest  # type: ignore[method-assign]
-
-
-def _nearest_id(comparison: Comparison) -> str | None:
-    return None if comparison.nearest is None else comparison.nearest.trace_id
-
-
-def test_past_the_threshold_the_event_loop_does_not_wait_for_a_search() -> None:
-    """A search in a large memory takes milliseconds: the event loop goes on with its other
-    work while one runs (here, held until the loop has shown it is free), and the memory is
-    still changed in the order asked: each of several compares of the same vector sees the
-    one before it, and a clear asked between them comes between them."""
-    size = 1_200
-    memory = InProcessMemory(filled(clustered(size, seed=5), index_threshold=1_000, capacity=2_000))
-    held = _HeldSearch(memory.cache)
-    probe = clustered(1, seed=6)[0]
-
-    async def scenario() -> tuple[list[Comparison], int]:
-        asked = [asyncio.ensure_future(memory.compare([probe], ["p0"], add=True))]
-        asked += [
-            asyncio.ensure_future(memory.compare([probe], [f"p{i}"], add=True)) for i in (1, 2)
-        ]
-        cleared = asyncio.ensure_future(memory.clear())
-        asked.append(asyncio.ensure_future(memory.compare([probe], ["p3"], add=True)))
-        # This coroutine goes on while the first search is held on another thread.
-        assert await asyncio.to_thread(held.entered.wait, 30)
-        assert not asked[0].done()
-        held.release.set()
-        results = [one for (one,) in await asyncio.gather(*asked)]
-        await memory.close()
-        return results, await cleared
-
-    (c0, c1, c2, c3), removed = asyncio.run(scenario())
-    assert held.threads
-    assert threading.main_thread() not in held.threads
-    assert (c0.size, c1.size, c2.size) == (size, size + 1, size + 2)
-    assert (_nearest_id(c1), _nearest_id(c2)) == ("p0", "p1")
-    assert str(_nearest_id(c0)).startswith("t")
-    assert c1.max_cosine == pytest.approx(1.0, abs=1e-6)
-    assert removed == size + 3
-    assert (c3.max_cosine, c3.size) == (None, 0)
-
-
-def test_below_the_threshold_a_compare_is_one_step_of_the_event_loop() -> None:
-    """A small memory is searched on the loop itself (a scan of at most about a millisecond
-    costs less than a thread's hand-off)."""
-    memory = InProcessMemory(filled(clustered(16, seed=5)))
-    held = _HeldSearch(memory.cache)
-    held.release.set()  # nothing to wait for
-
-    async def scenario() -> None:
-        await memory.compare([clustered(1, seed=6)[0]], ["p"], add=True)
-        await memory.close()
-
-    asyncio.run(scenario())
-    assert held.threads == [threading.main_thread()]

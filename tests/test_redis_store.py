@@ -20,6 +20,7 @@ from redis.asyncio import Redis as AsyncRedis
 
 from app.core.config import ConfigError, Settings, redis_location
 from app.domain.vector_cache import CacheEntries, VectorCache
+from app.store.base import DEFAULT_NAMESPACE as NS
 from app.store.base import Comparison, MemoryUnavailableError, Vector
 from app.store.in_process import compare_in_order
 from app.store.redis_shared import PAGE, RedisSharedMemory
@@ -93,11 +94,13 @@ def test_a_vector_added_on_one_replica_is_seen_by_the_other(
 
     async def scenario() -> None:
         async with replicas(redis_server, redis_prefix) as (a, b):
-            assert await a.compare([v[0]], ["t0"], add=True) == [Comparison(None, 0)]
-            (seen,) = await b.compare([v[0]], ["t1"], add=True)
+            assert await a.compare(NS, [v[0]], ["t0"], add=True) == [
+                Comparison(None, 0, stored=True)
+            ]
+            (seen,) = await b.compare(NS, [v[0]], ["t1"], add=True)
             assert seen.size == 1
             assert seen.max_cosine == pytest.approx(1.0, abs=1e-6)
-            (third,) = await a.compare([v[1]], ["t2"], add=False)
+            (third,) = await a.compare(NS, [v[1]], ["t2"], add=False)
             assert third.size == 2  # A sees B's add as well
             assert a.backend.shared
             assert a.backend.available
@@ -138,7 +141,7 @@ def test_concurrent_requests_over_replicas_equal_the_order_of_the_log(
                 memory.mirror.nearest = recorded  # type: ignore[method-assign]
             return await asyncio.gather(
                 *(
-                    memories[i % 3].compare(vectors, trace_ids, add=add)
+                    memories[i % 3].compare(NS, vectors, trace_ids, add=add)
                     for i, (vectors, trace_ids, add) in enumerate(requests)
                 )
             )
@@ -174,16 +177,16 @@ def test_capacity_and_eviction_are_the_shared_memory_s(
 
     async def scenario() -> None:
         async with replicas(redis_server, redis_prefix, capacity=3) as (a, b):
-            await a.compare(v[:2], ["a0", "a1"], add=True)
-            second = await b.compare(v[2:], ["b0", "b1"], add=True)
+            await a.compare(NS, v[:2], ["a0", "a1"], add=True)
+            second = await b.compare(NS, v[2:], ["b0", "b1"], add=True)
             assert [c.size for c in second] == [2, 3]  # the fourth evicted the first
-            stats = await a.stats()
+            stats = await a.stats(NS)
             assert (stats.size, stats.capacity) == (3, 3)
             assert (stats.adds_total, stats.evictions_total) == (4, 1)
-            (oldest,) = await a.compare([v[0]], ["x"], add=False)
+            (oldest,) = await a.compare(NS, [v[0]], ["x"], add=False)
             assert oldest.max_cosine is not None
             assert oldest.max_cosine < 0.5
-            (kept,) = await a.compare([v[1]], ["y"], add=False)
+            (kept,) = await a.compare(NS, [v[1]], ["y"], add=False)
             assert kept.max_cosine == pytest.approx(1.0, abs=1e-6)
 
     run(scenario)
@@ -199,11 +202,11 @@ def test_ttl_expires_entries_for_every_replica_on_redis_s_clock(
         # B's entry must outlive the two calls after it: a TTL far longer than they take even
         # on a slow, busy machine; the sleep passes it whatever the machine's speed.
         async with replicas(redis_server, redis_prefix, ttl_ms=1500) as (a, b):
-            await a.compare([v[0]], ["old"], add=True)
+            await a.compare(NS, [v[0]], ["old"], add=True)
             await asyncio.sleep(1.6)
-            (fresh,) = await b.compare([v[1]], ["new"], add=True)
-            assert fresh == Comparison(None, 0)  # A's entry expired before B's turn
-            stats = await a.stats()
+            (fresh,) = await b.compare(NS, [v[1]], ["new"], add=True)
+            assert fresh == Comparison(None, 0, stored=True)  # A's entry expired before B's turn
+            stats = await a.stats(NS)
             assert stats.size == 1
             assert stats.ttl_ms == 1500
 
@@ -219,14 +222,16 @@ def test_a_reset_on_one_replica_empties_the_memory_for_all(
 
     async def scenario() -> None:
         async with replicas(redis_server, redis_prefix) as (a, b):
-            await a.compare(v[:3], ids("a", 3), add=True)
-            assert await b.clear() == 3
-            assert (await a.stats()).size == 0
-            assert await a.compare([v[0]], ["again"], add=True) == [Comparison(None, 0)]
-            (after,) = await b.compare([v[0]], ["b"], add=False)
+            await a.compare(NS, v[:3], ids("a", 3), add=True)
+            assert await b.clear(NS) == 3
+            assert (await a.stats(NS)).size == 0
+            assert await a.compare(NS, [v[0]], ["again"], add=True) == [
+                Comparison(None, 0, stored=True)
+            ]
+            (after,) = await b.compare(NS, [v[0]], ["b"], add=False)
             assert after.size == 1
             assert after.max_cosine == pytest.approx(1.0, abs=1e-6)
-            assert (await b.stats()).adds_total == 4  # counters survive a reset, as in process
+            assert (await b.stats(NS)).adds_total == 4  # counters survive a reset, as in process
 
     run(scenario)
 
@@ -237,11 +242,13 @@ def test_keys_that_vanish_start_a_new_memory(redis_server: RedisServer, redis_pr
 
     async def scenario() -> None:
         async with replicas(redis_server, redis_prefix) as (a, b):
-            await a.compare([v[0]], ["a"], add=True)
+            await a.compare(NS, [v[0]], ["a"], add=True)
             with redis_server.client() as client:
                 client.delete(f"{redis_prefix}novelty:log", f"{redis_prefix}novelty:meta")
-            assert await b.compare([v[1]], ["b"], add=True) == [Comparison(None, 0)]
-            (seen,) = await a.compare([v[0]], ["probe"], add=False)
+            assert await b.compare(NS, [v[1]], ["b"], add=True) == [
+                Comparison(None, 0, stored=True)
+            ]
+            (seen,) = await a.compare(NS, [v[0]], ["probe"], add=False)
             assert seen.size == 1  # only B's entry: A's mirror was rebuilt
             assert seen.max_cosine is not None
             assert seen.max_cosine < 0.5
@@ -260,18 +267,18 @@ def test_replicas_with_other_settings_or_model_are_refused_until_a_reset(
             replicas(redis_server, redis_prefix, count=1, capacity=5) as (small,),
             replicas(redis_server, redis_prefix, count=1, model="other-model") as (other,),
         ):
-            await a.compare(v, ["a"], add=True)
+            await a.compare(NS, v, ["a"], add=True)
             for wrong, words in ((small, "KP_CACHE_CAPACITY=1000"), (other, "other-model")):
                 with pytest.raises(MemoryUnavailableError, match=words):
-                    await wrong.compare(v, ["x"], add=True)
+                    await wrong.compare(NS, v, ["x"], add=True)
                 assert not wrong.backend.available
                 assert words in (wrong.backend.reason or "")
-            assert (await a.stats()).size == 1  # nothing of theirs was added
+            assert (await a.stats(NS)).size == 1  # nothing of theirs was added
             # A reset from a replica gives the memory its settings.
-            assert await small.clear() == 1
-            assert await small.compare(v, ["s"], add=True) == [Comparison(None, 0)]
+            assert await small.clear(NS) == 1
+            assert await small.compare(NS, v, ["s"], add=True) == [Comparison(None, 0, stored=True)]
             with pytest.raises(MemoryUnavailableError, match="KP_CACHE_CAPACITY=5"):
-                await a.compare(v, ["a2"], add=True)
+                await a.compare(NS, v, ["a2"], add=True)
 
     run(scenario)
 
@@ -319,14 +326,16 @@ def test_redis_down_at_start_then_back(tmp_path: Path) -> None:
             assert "ConnectionError" in (memory.backend.reason or "")
             for _ in range(5):
                 with pytest.raises(MemoryUnavailableError, match=r"127\.0\.0\.1"):
-                    await memory.compare(v, ["t"], add=True)
+                    await memory.compare(NS, v, ["t"], add=True)
             redis.start()
             for _ in range(600):  # the probe reconnects by itself
                 if memory.backend.available:
                     break
                 await asyncio.sleep(0.05)
             assert memory.backend.available
-            assert await memory.compare(v, ["t"], add=True) == [Comparison(None, 0)]
+            assert await memory.compare(NS, v, ["t"], add=True) == [
+                Comparison(None, 0, stored=True)
+            ]
             assert memory.backend.outages_total == 1
 
     # Once logging is set up the app's loggers do not propagate (app/core/logging.py): listen
@@ -355,7 +364,7 @@ def test_a_comparison_longer_than_the_redis_timeout_is_still_answered(
         async with replicas(
             redis_server, redis_prefix, count=1, timeout_ms=1_000, search="exact", index_threshold=1
         ) as (memory,):
-            await memory.compare([v[0]], ["t0"], add=True)
+            await memory.compare(NS, [v[0]], ["t0"], add=True)
             nearest = memory.mirror.nearest
 
             def slow(*args: Any, **kwargs: Any) -> Any:
@@ -363,7 +372,7 @@ def test_a_comparison_longer_than_the_redis_timeout_is_still_answered(
                 return nearest(*args, **kwargs)
 
             memory.mirror.nearest = slow  # type: ignore[method-assign]
-            (compared,) = await memory.compare([v[1]], ["t1"], add=True)
+            (compared,) = await memory.compare(NS, [v[1]], ["t1"], add=True)
             assert compared.size == 1
             assert compared.nearest is not None
             assert compared.nearest.trace_id == "t0"
@@ -380,21 +389,21 @@ def test_a_redis_that_does_not_answer_costs_a_request_the_timeout_only(tmp_path:
 
     async def scenario() -> None:
         async with replicas(redis, "kp:", count=1, timeout_ms=300) as (memory,):
-            await memory.compare(v, ["t0"], add=True)
+            await memory.compare(NS, v, ["t0"], add=True)
             assert redis.process is not None
             redis.process.send_signal(signal.SIGSTOP)
             try:
                 with pytest.raises(MemoryUnavailableError, match="KP_REDIS_TIMEOUT_MS"):
-                    await memory.compare(v, ["t1"], add=True)
+                    await memory.compare(NS, v, ["t1"], add=True)
                 with pytest.raises(MemoryUnavailableError):  # at once, while it is out
-                    await memory.compare(v, ["t2"], add=True)
+                    await memory.compare(NS, v, ["t2"], add=True)
             finally:
                 redis.process.send_signal(signal.SIGCONT)
             for _ in range(600):
                 if memory.backend.available:
                     break
                 await asyncio.sleep(0.05)
-            (seen,) = await memory.compare(v, ["t3"], add=False)
+            (seen,) = await memory.compare(NS, v, ["t3"], add=False)
             # t1 may have reached Redis before the timeout (its answer said unavailable);
             # t2 never left this process.
             assert seen.size in (1, 2)
@@ -414,11 +423,11 @@ def test_acknowledged_adds_survive_kill_9_of_redis(tmp_path: Path) -> None:
         async with replicas(redis, "kp:", count=1) as (memory,):
             if before_kill:
                 for i, vector in enumerate(v):
-                    await memory.compare([vector], [f"t{i}"], add=True)
+                    await memory.compare(NS, [vector], [f"t{i}"], add=True)
             else:
-                stats = await memory.stats()
+                stats = await memory.stats(NS)
                 assert stats.size == len(v)
-                (seen,) = await memory.compare([v[7]], ["probe"], add=False)
+                (seen,) = await memory.compare(NS, [v[7]], ["probe"], add=False)
                 assert seen.max_cosine == pytest.approx(1.0, abs=1e-6)
 
     try:
@@ -525,7 +534,7 @@ async def _late_replica(
     now = time.time() * 1000
     async with replicas(redis_server, prefix, count=1, capacity=50_000) as (writer,):
         entries = CacheEntries(v, np.full(count, now), [f"e{i}" for i in range(count)])
-        assert await writer.import_entries(entries) == (count, 0)
+        assert await writer.import_entries(NS, entries) == (count, 0)
     late = shared_memory(redis_server, prefix, capacity=50_000, **settings)
     await late.start()
     return late, v
@@ -560,10 +569,10 @@ def test_a_replica_catches_up_with_a_large_log_a_page_at_a_time(
             assert status.warming
             assert status.progress == pytest.approx(PAGE / count)
             with pytest.raises(MemoryUnavailableError, match="cache_warming"):
-                await late.compare([v[0]], ["x"], add=True)
+                await late.compare(NS, [v[0]], ["x"], add=True)
             await _caught_up(late)
             assert late.size == count
-            (answer,) = await late.compare([v[count - 7]], ["probe"], add=False)
+            (answer,) = await late.compare(NS, [v[count - 7]], ["probe"], add=False)
             assert answer.nearest is not None
             assert answer.nearest.trace_id == f"e{count - 7}"
             assert answer.max_cosine == pytest.approx(1.0, abs=1e-6)
@@ -623,7 +632,7 @@ def test_reading_back_an_import_is_bulk_work_not_a_request(
         try:
             await _caught_up(memory)
             for k in range(2):
-                assert await memory.import_entries(batch(k)) == (count, 0)
+                assert await memory.import_entries(NS, batch(k)) == (count, 0)
                 # Redis busy while the pages are read back (another client's long script).
                 await other.eval(busy, 0)
                 for _ in range(1200):

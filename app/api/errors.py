@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException
 
 from app.core.errors import error_body
 from app.services.embeddings import OverloadedError
-from app.store.base import MemoryUnavailableError
+from app.store.base import MemoryUnavailableError, NamespaceLimitError
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,7 @@ class ErrorKind:
 ERRORS: dict[type[Exception], ErrorKind] = {
     OverloadedError: ErrorKind(503, "overloaded, try again shortly: "),
     MemoryUnavailableError: ErrorKind(503),
+    NamespaceLimitError: ErrorKind(409),
 }
 
 

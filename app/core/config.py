@@ -91,6 +91,15 @@ class Settings(BaseSettings):
         int,
         Field(ge=1, description="Vectors the novelty memory keeps; the oldest is evicted first."),
     ] = 1000
+    max_namespaces: Annotated[
+        int,
+        Field(
+            ge=1,
+            description="Namespaces that may hold entries at once, each a memory of its own "
+            "with `KP_CACHE_CAPACITY` and `KP_CACHE_TTL_MS`; a trace or import that would start "
+            "one more is refused (409, nothing stored) until one is cleared.",
+        ),
+    ] = 1000
     cache_ttl_ms: Annotated[float, Field(gt=0)] | None = Field(
         None,
         description="Entries expire after this many milliseconds (`604800000` is a week). "

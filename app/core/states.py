@@ -18,6 +18,10 @@ NoveltyReason = Literal[
     "embedder_unavailable", "embedding_failed", "cache_empty", "cache_unavailable"
 ]
 
+#: Why a trace was not stored in the novelty memory: a dry run; novelty not measured (no
+#: vector to store); the shared memory unreachable; its storage refused the write.
+NotStoredReason = Literal["dry_run", "not_measured", "cache_unavailable", "storage_failed"]
+
 #: The rule overrides the score can fire.
 OverrideName = Literal["single_thought", "error_recovery_bonus", "low_tool_diversity"]
 

@@ -9,6 +9,7 @@ from pydantic import BaseModel, Field
 from app.core.states import (
     BackendKind,
     EmbedderState,
+    NotStoredReason,
     NoveltyReason,
     OverrideName,
     Precision,
@@ -80,6 +81,22 @@ class NoveltyOut(BaseModel):
         description="With search 'index': how far below the exact maximum max_cosine may be, "
         "as measured on the bench's traces, not proven (docs/operating/large-memory.md); null "
         "otherwise.",
+    )
+    stored: bool = Field(
+        description="True when the trace is in the novelty memory now, committed (it survives "
+        "a crash as docs/operating/persistence.md says); false for a dry run and whenever it "
+        "could not be stored (not_stored says why).",
+    )
+    not_stored: NotStoredReason | None = Field(
+        description="Why the trace was not stored: 'dry_run'; 'not_measured' (no vector: the "
+        "embedder is unavailable); 'cache_unavailable' (the shared memory could not be "
+        "reached); 'storage_failed' (the memory's storage refused the write, e.g. a full disk: "
+        "novelty was still measured). null when stored.",
+    )
+    not_stored_detail: str | None = Field(
+        default=None,
+        description="The storage's own reason when not_stored is 'cache_unavailable' or "
+        "'storage_failed' (e.g. 'database or disk is full'); null otherwise.",
     )
 
 

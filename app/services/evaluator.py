@@ -12,13 +12,19 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from app.core.states import NoveltyReason
+from app.core.states import NotStoredReason, NoveltyReason
 from app.domain import scoring
-from app.domain.vector_cache import SearchMethod
 from app.schemas.trace import ReasoningTrace
 from app.services.embedding_memo import Embedder
 from app.services.embeddings import EmbedderUnavailableError, Embedding
-from app.store.base import Comparison, MemoryUnavailableError, NearestTrace, NoveltyMemory
+from app.store.base import (
+    DEFAULT_NAMESPACE,
+    Comparison,
+    MemoryUnavailableError,
+    NearestTrace,
+    NoveltyMemory,
+    SearchMethod,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +39,10 @@ class NoveltyReport:
     nearest: NearestTrace | None = None
     search: SearchMethod | None = None  # how max_cosine was found (None: not measured)
     search_bound: float | None = None
+    #: The trace is in the memory now, committed; else why not (and the storage's own words).
+    stored: bool = False
+    not_stored: NotStoredReason | None = None
+    not_stored_detail: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,9 +59,14 @@ class Evaluator:
         self.embeddings = embeddings
 
     async def evaluate(
-        self, traces: Sequence[ReasoningTrace], *, dry_run: bool = False
+        self,
+        traces: Sequence[ReasoningTrace],
+        *,
+        dry_run: bool = False,
+        namespace: str = DEFAULT_NAMESPACE,
     ) -> list[Evaluation]:
-        """Score traces in order; each sees the memory as the ones before it left it."""
+        """Score traces in order; each sees its namespace's memory as the ones before it left
+        it. NamespaceLimitError (nothing added) when the namespace would pass the limit."""
         started = time.perf_counter()
         texts = [
             scoring.novelty_text(t.task.objective, [s.content for s in t.steps]) for t in traces
@@ -59,10 +74,19 @@ class Evaluator:
         try:
             embeddings = await self.embeddings.embed(texts)
         except EmbedderUnavailableError as exc:
-            report = NoveltyReport(False, exc.code, str(exc), None, self.memory.size, None, None)
+            report = NoveltyReport(
+                False,
+                exc.code,
+                str(exc),
+                None,
+                self.memory.size,
+                None,
+                None,
+                not_stored="dry_run" if dry_run else "not_measured",
+            )
             reports = [report] * len(traces)
         else:
-            reports = await self._measure(traces, embeddings, dry_run=dry_run)
+            reports = await self._measure(traces, embeddings, dry_run=dry_run, namespace=namespace)
 
         results = []
         for trace, report in zip(traces, reports, strict=True):
@@ -79,26 +103,57 @@ class Evaluator:
         return results
 
     async def _measure(
-        self, traces: Sequence[ReasoningTrace], embeddings: Sequence[Embedding], *, dry_run: bool
+        self,
+        traces: Sequence[ReasoningTrace],
+        embeddings: Sequence[Embedding],
+        *,
+        dry_run: bool,
+        namespace: str,
     ) -> list[NoveltyReport]:
         try:
             comparisons = await self.memory.compare(
-                [e.vector for e in embeddings], [t.id for t in traces], add=not dry_run
+                namespace, [e.vector for e in embeddings], [t.id for t in traces], add=not dry_run
             )
         except MemoryUnavailableError as exc:
             return [
                 NoveltyReport(
-                    False, "cache_unavailable", str(exc), None, 0, e.token_count, e.truncated
+                    False,
+                    "cache_unavailable",
+                    str(exc),
+                    None,
+                    0,
+                    e.token_count,
+                    e.truncated,
+                    not_stored="dry_run" if dry_run else "cache_unavailable",
+                    not_stored_detail=None if dry_run else str(exc),
                 )
                 for e in embeddings
             ]
-        return [_report(c, e) for c, e in zip(comparisons, embeddings, strict=True)]
+        return [_report(c, e, dry_run) for c, e in zip(comparisons, embeddings, strict=True)]
 
 
-def _report(comparison: Comparison, embedding: Embedding) -> NoveltyReport:
+def _not_stored(comparison: Comparison, dry_run: bool) -> tuple[NotStoredReason | None, str | None]:
+    if comparison.stored:
+        return None, None
+    if dry_run:
+        return "dry_run", None
+    return "storage_failed", comparison.not_stored
+
+
+def _report(comparison: Comparison, embedding: Embedding, dry_run: bool) -> NoveltyReport:
+    not_stored, detail = _not_stored(comparison, dry_run)
     if comparison.max_cosine is None:
         return NoveltyReport(
-            False, "cache_empty", None, None, 0, embedding.token_count, embedding.truncated
+            False,
+            "cache_empty",
+            None,
+            None,
+            0,
+            embedding.token_count,
+            embedding.truncated,
+            stored=comparison.stored,
+            not_stored=not_stored,
+            not_stored_detail=detail,
         )
     return NoveltyReport(
         True,
@@ -111,4 +166,7 @@ def _report(comparison: Comparison, embedding: Embedding) -> NoveltyReport:
         comparison.nearest,
         comparison.search,
         comparison.search_bound,
+        stored=comparison.stored,
+        not_stored=not_stored,
+        not_stored_detail=detail,
     )

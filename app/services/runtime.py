@@ -9,6 +9,7 @@ import logging
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
+from typing import Protocol, runtime_checkable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -16,6 +17,7 @@ from prometheus_client.registry import Collector
 from app.core.config import Settings, redis_location
 from app.core.health import UNMEASURED, Health
 from app.core.states import EmbedderState, Precision
+from app.domain.vector_cache import VectorCache
 from app.embedding import model_files
 from app.embedding.int8_support import CpuFeatures, Int8Support, int8_support
 from app.embedding.onnx_embedder import ModelError, OnnxEmbedder
@@ -26,12 +28,26 @@ from app.services.embeddings_types import EmbedObserver
 from app.services.evaluator import Evaluator
 from app.services.snapshots import SnapshotStore
 from app.services.trust import build_trust_stores
-from app.store.base import NoveltyMemory
+from app.store.base import DEFAULT_NAMESPACE, NoveltyMemory
 from app.store.in_process import InProcessMemory
-from app.store.indexed_memory import IndexedCache
+from app.store.indexed_memory import IndexedCache, IndexStatus
 from app.store.journal import Journal
 
 log = logging.getLogger("app")
+
+
+@runtime_checkable
+class IndexedMemory(Protocol):
+    """A memory with an approximate index of its own (the shared memory's mirror)."""
+
+    def index_status(self) -> IndexStatus: ...
+
+    def run_audit(self, limit: int) -> int: ...
+
+    @property
+    def local_cache(self) -> IndexedCache: ...
+
+
 #: Each rerun is an exact scan (about 66 ms of one core at a million entries, done in chunks
 #: between requests): one a second keeps the check to a few percent of a core.
 AUDIT_INTERVAL_S = 1.0
@@ -74,8 +90,19 @@ class Runtime:
                 settings.cache_journal_fsync,
             )
             self.memory.journal = journal
+        # Snapshots keep the in-process memory's default namespace.
+        saved = (
+            self.memory.cache(DEFAULT_NAMESPACE)
+            if isinstance(self.memory, InProcessMemory)
+            else self.memory.local_cache
+            if isinstance(self.memory, IndexedMemory)
+            else None
+        )
         self.snapshots = SnapshotStore(
-            settings.cache_snapshot_path, self.memory.local_cache, model_id, journal
+            settings.cache_snapshot_path if saved is not None else None,
+            saved if saved is not None else VectorCache(1, self.memory.dimensions),
+            model_id,
+            journal,
         )
         self.memo = EmbeddingMemo(self.embeddings, settings.embed_memo_capacity)
         self.evaluator = Evaluator(self.memory, self.memo)
@@ -120,10 +147,25 @@ class Runtime:
     def health(self) -> Health:
         """Every part's report, in one: degraded when any part is."""
         parts = [self._settings_health(), _embedder_health(self.embeddings)]
-        parts += [self.memory.health(), self.snapshots.health(), _index_health(self.memory)]
+        parts += [self.memory.health(), self.snapshots.health(), _index_health(self.index_status())]
         return Health(
             degraded=any(p.degraded for p in parts),
             warnings=tuple(w for p in parts for w in p.warnings),
+        )
+
+    def index_status(self) -> IndexStatus:
+        """The shared memory's index; the in-process memory searches exactly, always."""
+        if isinstance(self.memory, IndexedMemory):
+            return self.memory.index_status()
+        return IndexStatus(
+            search="exact",
+            threshold=self.settings.cache_index_threshold,
+            state="off",
+            indexed=0,
+            progress=None,
+            warming=False,
+            audits_total=0,
+            audit_agreements_total=0,
         )
 
     def _settings_health(self) -> Health:
@@ -133,9 +175,12 @@ class Runtime:
 
     async def _audit_periodically(self) -> None:
         """The self-check: sampled index answers rerun exactly, one a second, off the loop."""
+        memory = self.memory
+        if not isinstance(memory, IndexedMemory):
+            return
         while True:
             await asyncio.sleep(AUDIT_INTERVAL_S)
-            await asyncio.to_thread(self.memory.run_audit, 1)
+            await asyncio.to_thread(memory.run_audit, 1)
 
     async def _save_periodically(self) -> None:
         while True:
@@ -189,7 +234,7 @@ class RuntimeCollector(Collector):
         for cores, count in embeddings.runs_total.items():
             runs.add_metric([cores], count)
         yield runs
-        index = memory.index_status()
+        index = self.runtime.index_status()
         yield GaugeMetricFamily(
             "kp_cache_index_entries",
             "Entries in the approximate index (KP_CACHE_SEARCH=auto past "
@@ -260,8 +305,7 @@ class RuntimeCollector(Collector):
         )
 
 
-def _index_health(memory: NoveltyMemory) -> Health:
-    index = memory.index_status()
+def _index_health(index: IndexStatus) -> Health:
     if not index.warming:
         return Health()
     if index.progress is None:  # no build runs: a graph built elsewhere is being fetched
@@ -361,14 +405,9 @@ def build_memory(settings: Settings, model_id: str | None) -> NoveltyMemory:
     """This process's memory, or the one shared through KP_REDIS_URL (connected by start())."""
     if settings.redis_url is None:
         return InProcessMemory(
-            IndexedCache(
-                settings.cache_capacity,
-                ttl_ms=settings.cache_ttl_ms,
-                search=settings.cache_search,
-                index_threshold=settings.cache_index_threshold,
-                index_ef_search=settings.cache_index_ef_search,
-                index_ef_search_far=settings.cache_index_ef_search_far,
-            )
+            settings.cache_capacity,
+            ttl_ms=settings.cache_ttl_ms,
+            max_namespaces=settings.max_namespaces,
         )
     from app.store.redis_shared import RedisSharedMemory  # redis is slow to import; only here
 

@@ -49,7 +49,7 @@ import orjson
 
 from app.core.health import Health
 from app.core.states import SnapshotState
-from app.domain.vector_cache import CHUNK, CacheEntries
+from app.domain.vector_cache import CHUNK, CacheEntries, VectorCache
 from app.store.ann_index import DEFAULT_PARAMS, AnnIndex
 from app.store.indexed_memory import BuiltGraph, IndexedCache
 from app.store.journal import Journal, fsync_directory
@@ -319,7 +319,7 @@ class SnapshotStore:
     def __init__(
         self,
         path: Path | None,
-        cache: IndexedCache,
+        cache: VectorCache,
         model_id: str | None,
         journal: Journal | None = None,
     ) -> None:
@@ -335,7 +335,7 @@ class SnapshotStore:
             self.status.detail = "no embedder: the cache holds nothing to save"
         self._saved_version: tuple[int, int] | None = None
         self._restored: Numbering | None = None  # while the file keeps the restored numbering
-        if enabled:
+        if enabled and isinstance(cache, IndexedCache):
             cache.on_graph_built = self._save_graph
 
     @property
@@ -416,18 +416,21 @@ class SnapshotStore:
                 extra={"path": str(path), "error": str(exc)},
             )
             return False
-        graph = self._graph_for(path, entries)
-        self.cache.hold_index(graph is not None)  # no build before the graph is adopted
+        cache = self.cache
+        graph = self._graph_for(path, entries) if isinstance(cache, IndexedCache) else None
+        if isinstance(cache, IndexedCache):
+            cache.hold_index(graph is not None)  # no build before the graph is adopted
         try:
             self.cache.load(entries)
             if entries.lineage and entries.first_seq is not None:
                 _, next_seq = self.cache.sequence_range
                 delta = next_seq - len(entries.vectors) - entries.first_seq
                 self._restored = Numbering(self.cache.lineage, entries.lineage, delta)
-            if graph is not None:
-                self._adopt(path, entries, *graph)
+            if graph is not None and isinstance(cache, IndexedCache):
+                self._adopt(cache, path, entries, *graph)
         finally:
-            self.cache.hold_index(False)
+            if isinstance(cache, IndexedCache):
+                cache.hold_index(False)
         self.status.state = SnapshotState.LOADED
         self.status.loaded_vectors = self.cache.size
         self._saved_version = self._version()
@@ -436,7 +439,8 @@ class SnapshotStore:
             extra={
                 "path": str(path),
                 "vectors": self.status.loaded_vectors,
-                "graph_adopted": self.cache.index_adoptions_total > 0,
+                "graph_adopted": isinstance(cache, IndexedCache)
+                and cache.index_adoptions_total > 0,
             },
         )
         return True
@@ -457,6 +461,7 @@ class SnapshotStore:
 
     def _adopt(
         self,
+        cache: IndexedCache,
         path: Path,
         entries: CacheEntries,
         index: AnnIndex,
@@ -466,9 +471,9 @@ class SnapshotStore:
         """Maps the graph onto the loaded entries (the last of them have the cache's newest
         sequence numbers) and adopts it; its description then names the new numbering and
         the file's (Numbering), so the next restart adopts it again, saved between or not."""
-        _, next_seq = self.cache.sequence_range
+        _, next_seq = cache.sequence_range
         first_id = next_seq - len(entries.vectors) + offset
-        why = self.cache.adopt_index(index, first_id)
+        why = cache.adopt_index(index, first_id)
         if why is not None:
             log.warning(
                 "cache snapshot's graph ignored; the index is built again",
@@ -476,9 +481,9 @@ class SnapshotStore:
             )
             return
         about = about | {
-            "lineage": self.cache.lineage,
+            "lineage": cache.lineage,
             "first_seq": first_id,
-            "aliases": self._aliases(self.cache.lineage, first_id),
+            "aliases": self._aliases(cache.lineage, first_id),
         }
         try:
             _write_graph_description(graph_paths(path)[1], about)

@@ -1,25 +1,37 @@
-"""The novelty memory's interface: what the evaluator and the /cache routes may ask of it."""
+"""The novelty memory's interface: what the evaluator and the /cache routes may ask of it.
+
+Implementations (chosen by the settings in app/services/runtime.py): the in-process memory,
+persisted in SQLite (app/store/in_process.py), and the shared memory in Redis's Query Engine
+(app/store/redis_vectors.py). This module imports none of them."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from app.core.health import Health
 from app.core.states import BackendKind
-from app.domain.vector_cache import CacheEntries, CacheStats, SearchMethod
-from app.store.indexed_memory import IndexedCache, IndexStatus
+from app.domain.vector_cache import CacheEntries, CacheStats
 
 Vector = npt.NDArray[np.float32]
+#: How max_cosine was found: "exact" (every entry compared: the true maximum) or "index"
+#: (an approximate index, Redis's HNSW: a true cosine with the entry it names).
+SearchMethod = Literal["exact", "index"]
+#: The namespace of a request that names none (docs/api.md, namespaces).
+DEFAULT_NAMESPACE = "default"
 
 
 class MemoryUnavailableError(Exception):
     """The memory cannot be read or changed now (shared mode: Redis unreachable or refusing);
     nothing was added."""
+
+
+class NamespaceLimitError(Exception):
+    """A new namespace would pass KP_MAX_NAMESPACES; nothing was added (the API answers 409)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,13 +46,17 @@ class NearestTrace:
 
 @dataclass(frozen=True, slots=True)
 class Comparison:
-    """One trace against the memory as it stood just before that trace's turn."""
+    """One trace against its namespace's memory as it stood just before that trace's turn."""
 
     max_cosine: float | None  # None: the memory was empty
     size: int  # vectors compared against
     nearest: NearestTrace | None = None
-    search: SearchMethod = "exact"  # how max_cosine was found
+    search: SearchMethod = "exact"
     search_bound: float | None = None  # "index": how far below the exact maximum it may be
+    #: The trace is in the memory now (committed: it survives a crash as the docs say). False
+    #: for a dry run, and when it could not be stored (`not_stored`, e.g. a full disk).
+    stored: bool = False
+    not_stored: str | None = None  # why a trace asked to be added was not
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +65,7 @@ class BackendInfo:
 
     kind: BackendKind
     shared: bool
-    location: str | None  # the Redis URL without its password
+    location: str | None  # the Redis URL without its password, or the database's path
     prefix: str | None
     available: bool
     reason: str | None  # why it is unavailable
@@ -57,15 +73,15 @@ class BackendInfo:
 
 
 class NoveltyMemory(Protocol):
-    """The vectors novelty is measured against (docs/scoring.md), one order for every
-    request."""
+    """The vectors novelty is measured against (docs/scoring.md): one memory per namespace,
+    each with its capacity, TTL and one order for every request."""
 
     @property
     def backend(self) -> BackendInfo: ...
 
     @property
     def size(self) -> int:
-        """Vectors held as last seen, without I/O (readiness, metrics)."""
+        """Vectors held in every namespace as last seen, without I/O (readiness, metrics)."""
         ...
 
     @property
@@ -74,20 +90,6 @@ class NoveltyMemory(Protocol):
     @property
     def evictions_total(self) -> int: ...
 
-    def index_status(self) -> IndexStatus:
-        """The approximate index of this process's copy of the memory."""
-        ...
-
-    def run_audit(self, limit: int) -> int:
-        """Reruns sampled index answers exactly (blocking: call from a worker thread)."""
-        ...
-
-    @property
-    def local_cache(self) -> IndexedCache:
-        """The vectors this process holds (the memory itself, or its mirror of the shared
-        one): what cache snapshots save and restore."""
-        ...
-
     def health(self) -> Health: ...
 
     async def start(self) -> None: ...
@@ -95,25 +97,36 @@ class NoveltyMemory(Protocol):
     async def close(self) -> None: ...
 
     async def compare(
-        self, vectors: Sequence[Vector], trace_ids: Sequence[str], *, add: bool
+        self,
+        namespace: str,
+        vectors: Sequence[Vector],
+        trace_ids: Sequence[str],
+        *,
+        add: bool,
     ) -> list[Comparison]:
-        """Each vector in order against the memory; with `add`, each is added after its
-        comparison and the later ones see it, and no other request's vector comes between
+        """Each vector in order against the namespace's memory; with `add`, each is added after
+        its comparison and the later ones see it, and no other request's vector comes between
         them. Without `add` nothing is kept (later vectors of the call still see earlier ones).
-        MemoryUnavailableError when the memory cannot be reached; then nothing was added."""
+        MemoryUnavailableError when the memory cannot be reached (nothing was added);
+        NamespaceLimitError when `add` would create a namespace past the limit."""
         ...
 
-    async def stats(self) -> CacheStats: ...
-
-    async def clear(self) -> int:
-        """Empty the memory (for every replica); how many vectors were dropped."""
+    async def namespaces(self) -> list[str]:
+        """The namespaces that hold at least one entry, sorted."""
         ...
 
-    def export_chunks(self) -> AsyncIterator[CacheEntries]:
-        """Every entry, oldest first, a chunk at a time."""
+    async def stats(self, namespace: str) -> CacheStats: ...
+
+    async def clear(self, namespace: str) -> int:
+        """Empty the namespace's memory (for every replica); how many vectors were dropped."""
         ...
 
-    async def import_entries(self, entries: CacheEntries) -> tuple[int, int]:
-        """Appends `entries` in order as the newest (capacity and TTL apply); returns
-        (added, skipped as expired). MemoryUnavailableError when it cannot be reached."""
+    def export_chunks(self, namespace: str) -> AsyncIterator[CacheEntries]:
+        """Every entry of the namespace, oldest first, a chunk at a time."""
+        ...
+
+    async def import_entries(self, namespace: str, entries: CacheEntries) -> tuple[int, int]:
+        """Appends `entries` in order as the namespace's newest (capacity and TTL apply);
+        returns (added, skipped as expired). MemoryUnavailableError when it cannot be reached;
+        NamespaceLimitError as in compare."""
         ...

@@ -57,8 +57,14 @@ from redis.retry import Retry
 from app.core.health import UNMEASURED, Health
 from app.domain.vector_cache import CacheEntries, CacheStats
 from app.store.ann_index import DEFAULT_PARAMS, AnnIndex
-from app.store.base import BackendInfo, Comparison, MemoryUnavailableError, Vector
-from app.store.in_process import compare_in_order, searches_take_milliseconds
+from app.store.base import (
+    DEFAULT_NAMESPACE,
+    BackendInfo,
+    Comparison,
+    MemoryUnavailableError,
+    Vector,
+)
+from app.store.in_process import compare_in_order
 from app.store.indexed_memory import (
     DEFAULT_INDEX_THRESHOLD,
     BuiltGraph,
@@ -486,9 +492,19 @@ class RedisSharedMemory:
 
     # ── the interface ───────────────────────────────────────────────────────
 
+    def _only_default(self, namespace: str) -> None:
+        if namespace != DEFAULT_NAMESPACE:
+            raise MemoryUnavailableError(
+                f"this shared memory keeps only the namespace {DEFAULT_NAMESPACE!r}"
+            )
+
+    async def namespaces(self) -> list[str]:
+        return [DEFAULT_NAMESPACE] if self.mirror.size else []
+
     async def compare(
-        self, vectors: Sequence[Vector], trace_ids: Sequence[str], *, add: bool
+        self, namespace: str, vectors: Sequence[Vector], trace_ids: Sequence[str], *, add: bool
     ) -> list[Comparison]:
+        self._only_default(namespace)
         if not self._available:
             self._unmeasured_in_outage += len(vectors)
             self._ensure_probe()
@@ -503,9 +519,10 @@ class RedisSharedMemory:
         request = _Exchange(vectors, trace_ids, add)
         return await self._submit(request, request.future)
 
-    async def stats(self) -> CacheStats:
+    async def stats(self, namespace: str) -> CacheStats:
         """The shared memory's figures after catching up with the log; the mirror's last
         view when Redis cannot be reached (backend.available says so)."""
+        self._only_default(namespace)
         if self._available:
             with contextlib.suppress(MemoryUnavailableError):
                 await self._sync()
@@ -515,22 +532,25 @@ class RedisSharedMemory:
             evictions_total=self._evictions_total,
         )
 
-    async def clear(self) -> int:
+    async def clear(self, namespace: str) -> int:
+        self._only_default(namespace)
         # Tried even while unavailable: a reset is also how operators give the memory new
         # settings when the replicas' KP_CACHE_* disagree with it.
         reset = _Reset()
         return await self._submit(reset, reset.future)
 
-    async def export_chunks(self) -> AsyncIterator[CacheEntries]:
+    async def export_chunks(self, namespace: str) -> AsyncIterator[CacheEntries]:
         """The shared memory, brought up to date, from this replica's mirror of it."""
+        self._only_default(namespace)
         await self._sync()
         for chunk in self.mirror.chunks():
             yield chunk
             await asyncio.sleep(0)
 
-    async def import_entries(self, entries: CacheEntries) -> tuple[int, int]:
+    async def import_entries(self, namespace: str, entries: CacheEntries) -> tuple[int, int]:
         """Appended by import.lua, IMPORT_BATCH entries a run (Redis serves others between
         runs); the replicas' mirrors, this one's too, read them from the log as usual."""
+        self._only_default(namespace)
         if not self._available:
             raise MemoryUnavailableError(self._unavailable_detail())
         added = skipped = 0
@@ -633,7 +653,7 @@ class RedisSharedMemory:
             # mirror meets the requests in the log's order on either thread.
             for request in group:
                 request.lift_budget()
-            if searches_take_milliseconds(self.mirror):
+            if self.mirror.size >= self.mirror.index_threshold:
                 results = await asyncio.to_thread(compare_own)
             else:
                 results = compare_own()

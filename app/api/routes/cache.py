@@ -19,6 +19,7 @@ from app.services.cache_transfer import (
     export_lines,
     read_body,
 )
+from app.store.base import DEFAULT_NAMESPACE
 
 router = APIRouter(
     prefix="/cache",
@@ -52,7 +53,7 @@ def embedder_out(services: Services) -> EmbedderOut:
 
 @router.get("", summary="Cache size, limits and counters")
 async def cache_stats(services: ServicesDep) -> CacheOut:
-    stats = await services.memory.stats()
+    stats = await services.memory.stats(DEFAULT_NAMESPACE)
     return CacheOut(
         **asdict(stats),
         embedder=embedder_out(services),
@@ -75,7 +76,9 @@ async def cache_stats(services: ServicesDep) -> CacheOut:
     },
 )
 async def cache_clear(services: ServicesDep) -> ClearedOut:
-    cleared = await services.memory.clear()  # MemoryUnavailableError: 503 (app.api.errors)
+    cleared = await services.memory.clear(
+        DEFAULT_NAMESPACE
+    )  # MemoryUnavailableError: 503 (app.api.errors)
     log.info("cache cleared", extra={"cleared": cleared})
     return ClearedOut(cleared=cleared)
 
@@ -103,7 +106,7 @@ _UNAVAILABLE: dict[int | str, dict[str, Any]] = {
     },
 )
 async def cache_export(services: ServicesDep) -> StreamingResponse:
-    chunks = services.memory.export_chunks()
+    chunks = services.memory.export_chunks(DEFAULT_NAMESPACE)
     # The first chunk before the answer starts: an unreachable Redis is a 503 (MemoryUnavailable
     # Error, app.api.errors), not a truncated 200.
     first = await anext(chunks, None)
@@ -167,6 +170,8 @@ async def cache_import(request: Request, services: ServicesDep) -> ImportedOut:
                 {"loc": ["body", exc.line], "msg": str(exc), "type": "bad_line", "line": exc.line}
             ],
         ) from None
-    imported, expired = await services.memory.import_entries(entries)  # 503: app.api.errors
+    imported, expired = await services.memory.import_entries(
+        DEFAULT_NAMESPACE, entries
+    )  # 503: app.api.errors
     log.info("cache imported", extra={"imported": imported, "expired": expired})
     return ImportedOut(imported=imported, expired=expired, lines=lines)

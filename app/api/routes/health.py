@@ -43,7 +43,7 @@ async def readyz(services: ServicesDep, request: Request) -> ReadyOut:
     health = services.runtime.health()
     mcp: McpHost | None = getattr(request.app.state, "mcp", None)
     mcp_warnings = mcp.health().warnings if mcp is not None else ()
-    index = services.memory.index_status()
+    index = services.runtime.index_status()
     return ReadyOut(
         status="degraded" if health.degraded else "warming" if index.warming else "ready",
         degraded=health.degraded,

@@ -60,6 +60,12 @@ class NoveltyOut(_Answer):
     #: memory, at most search_bound below the exact maximum); None when not measured.
     search: str | None = None
     search_bound: float | None = None
+    #: The trace is in the memory now, committed (None from an older service, which did not
+    #: say); else not_stored says why: dry_run, not_measured, cache_unavailable,
+    #: storage_failed (with the storage's reason in not_stored_detail).
+    stored: bool | None = None
+    not_stored: str | None = None
+    not_stored_detail: str | None = None
 
 
 class EvaluationOut(_Answer):
