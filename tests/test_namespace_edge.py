@@ -19,6 +19,7 @@ from app.core.config import Settings
 from app.core.metrics import OTHER_NAMESPACES, Metrics
 from app.main import pipeline
 from app.services.idempotency import Idempotency, scoped_key
+from app.store.base import DEFAULT_NAMESPACE
 from app.store.idempotency import InProcessIdempotencyStore
 from app.store.rate_limit import InProcessRateLimiter
 from tests.keys import AGENT_A, AGENT_B, entry, sha256, write_keys
@@ -50,6 +51,10 @@ def test_names_that_break_the_rule_are_422_naming_the_header(name: str) -> None:
     assert str(refused.value) == (
         "KP-Namespace must be 1 to 64 characters of letters, digits, '.', '_' and '-'"
     )
+
+
+def test_the_default_is_the_memory_s() -> None:
+    assert namespaces.DEFAULT == DEFAULT_NAMESPACE
 
 
 def test_without_a_header_the_key_s_namespace_else_default() -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -381,3 +382,13 @@ def test_the_client_and_the_command_line_carry_the_namespace(
     assert ran.stdout.strip() == "cleared 2 cached vectors"
     ran = runner.invoke(cli, ["cache", "namespaces"], env=admin_env)
     assert ran.stdout.split() == ["cli-a", "cli-b"]
+
+
+def test_the_access_log_names_the_namespace(
+    client_no_embedder: TestClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="app.access"):
+        client_no_embedder.post("/evaluate", json=TRACE, headers=ns("net-a"))
+        client_no_embedder.post("/evaluate", json=TRACE)
+    lines = [r for r in caplog.records if r.getMessage() == "request"]
+    assert [getattr(r, "namespace", None) for r in lines] == ["net-a", "default"]
