@@ -149,11 +149,7 @@ def _run_script(block: Block, url: str, env: dict[str, str]) -> list[str]:
 
 @pytest.mark.parametrize("page", _params())
 def test_the_examples_of_a_page_run_as_shown(page: Path, live: Server) -> None:
-    # Every namespace a page may have used (docs/api.md scores in several).
-    listed = httpx.get(f"{live.url}/cache/namespaces", timeout=30).raise_for_status()
-    for namespace in ["default", *listed.json()["namespaces"]]:
-        headers = {"KP-Namespace": namespace}
-        httpx.delete(f"{live.url}/cache", headers=headers, timeout=30).raise_for_status()
+    httpx.delete(f"{live.url}/cache", timeout=30).raise_for_status()
     env = _environment(live.url)
     problems: list[str] = []
     for block in _marked(page):
