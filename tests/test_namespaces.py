@@ -301,6 +301,8 @@ def test_mcp_tools_take_the_namespace_as_an_argument_or_the_header(
     assert bound["isError"] is True
     assert "bound to the namespace 'net-a'" in bound["content"][0]["text"]
     assert sizes(client, **bearer(TOKEN)) == {"default": 1, "net-a": 2}
+    metrics = client.get("/metrics").text
+    assert 'kp_auth_refused_total{reason="namespace_forbidden"} 1.0' in metrics
 
 
 def test_the_mcp_tools_declare_the_namespace(client_no_embedder: TestClient) -> None:

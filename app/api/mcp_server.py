@@ -34,6 +34,7 @@ from app.api.deps import Services
 from app.api.presenters import evaluation_out
 from app.core import namespaces
 from app.core.api_keys import ApiKey
+from app.core.metrics import Metrics
 from app.core.signatures import unsignable_errors
 from app.core.version import VERSION
 from app.schemas.ids import visible
@@ -128,7 +129,7 @@ def _api_key(ctx: Any) -> ApiKey | None:
     return key if isinstance(key, ApiKey) else None
 
 
-def _namespace(ctx: Any, argument: object) -> str | types.CallToolResult:
+def _namespace(ctx: Any, argument: object, metrics: Metrics) -> str | types.CallToolResult:
     """The call's namespace (the argument, else the request's), or the tool error refusing it;
     the rules are the header's, the argument standing for it."""
     scope = _scope(ctx)
@@ -148,6 +149,7 @@ def _namespace(ctx: Any, argument: object) -> str | types.CallToolResult:
         message = str(exc).replace(f"{namespaces.HEADER} must", "must")
         if exc.status == 422:
             return _invalid([{"loc": ["namespace"], "msg": message, "type": exc.kind}])
+        metrics.child(metrics.auth_refused, exc.kind).inc()
         return _tool_error(f"namespace refused, nothing was scored: {visible(message)}")
     header = Headers(scope=scope).get(namespaces.HEADER) if scope else None
     if header is not None and header != chosen:
@@ -222,7 +224,7 @@ class McpTools:
         if not isinstance(dry_run, bool):
             not_bool = {"loc": ["dry_run"], "msg": "should be a boolean", "type": "bool_type"}
             return _invalid([not_bool])
-        namespace = _namespace(ctx, arguments.pop("namespace", None))
+        namespace = _namespace(ctx, arguments.pop("namespace", None), self.services.metrics)
         if isinstance(namespace, types.CallToolResult):
             return namespace
         batch = params.name == SCORE_TRACES
