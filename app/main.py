@@ -19,6 +19,7 @@ from app.api.asgi.body_limits import BodySize, JsonDepth
 from app.api.asgi.content_type import ContentType
 from app.api.asgi.idempotency import IdempotencyKeys
 from app.api.asgi.lingering_close import LingeringClose
+from app.api.asgi.namespaces import Namespaces
 from app.api.asgi.rate_limit import RateLimit
 from app.api.asgi.request_bounds import RequestBounds
 from app.api.asgi.request_id import RequestId
@@ -39,7 +40,7 @@ from app.services.trust import load_keys, load_signer
 def create_app(settings: Settings, *, cpu: CpuFeatures | None = None) -> FastAPI:
     """`settings`: read from the environment by the launcher (app/serve.py) or given by a
     test. `cpu`: the CPU int8 mode decides on (default: this machine's; tests pass another)."""
-    metrics = Metrics()
+    metrics = Metrics(namespace_labels=settings.metrics_namespaces)
     limits = TraceLimits(settings.max_batch, settings.max_steps, settings.max_string_chars)
     # Bad key files stop the start here, naming the variable, before anything is served.
     keys = load_keys(settings)
@@ -89,9 +90,9 @@ def create_app(settings: Settings, *, cpu: CpuFeatures | None = None) -> FastAPI
 
 def pipeline(settings: Settings, metrics: Metrics, keys: KeyRing) -> list[Middleware]:
     """The request pipeline, outermost first. The request's own bounds (Host, body deadline)
-    come before keys and limits; keys and limits before the body is read, so a refused
-    request costs a header lookup; the body's limits before any parsing; the idempotency
-    record before the route parses and scores the trace."""
+    come before keys and limits; keys, the namespace and limits before the body is read, so a
+    refused request costs a header lookup; the body's limits before any parsing; the
+    idempotency record before the route parses and scores the trace."""
     return [
         Middleware(RequestId),
         Middleware(AccessLog, metrics=metrics),
@@ -104,6 +105,7 @@ def pipeline(settings: Settings, metrics: Metrics, keys: KeyRing) -> list[Middle
             admin_open=settings.cache_open,
             metrics=metrics,
         ),
+        Middleware(Namespaces, metrics=metrics),
         Middleware(RateLimit, metrics=metrics),
         Middleware(ContentType),
         Middleware(BodySize, max_body_bytes=settings.max_body_bytes),

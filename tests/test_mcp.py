@@ -79,12 +79,14 @@ def test_the_tools_and_their_schemas_are_the_rest_apis(
     one, batch = asyncio.run(go())
     assert (one.name, batch.name) == ("kp_score_trace", "kp_score_traces")
     trace_schema = ReasoningTrace.model_json_schema(by_alias=True)
-    assert {k: v for k, v in one.input_schema["properties"].items() if k != "dry_run"} == (
+    own = ("dry_run", "namespace")
+    assert {k: v for k, v in one.input_schema["properties"].items() if k not in own} == (
         trace_schema["properties"]
     )
     assert one.input_schema["required"] == trace_schema["required"]
     assert one.input_schema["$defs"] == trace_schema["$defs"]
     assert one.input_schema["properties"]["dry_run"]["type"] == "boolean"
+    assert one.input_schema["properties"]["namespace"]["type"] == "string"
     assert (
         batch.input_schema["properties"]["traces"]
         == (BatchIn.model_json_schema(by_alias=True)["properties"]["traces"])

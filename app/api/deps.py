@@ -5,9 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends, Header, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from app.api.asgi.namespaces import namespace_of
+from app.core import namespaces
 from app.core.config import Settings
 from app.core.metrics import Metrics
 from app.guards.rate_limit import RateLimiter
@@ -92,3 +94,25 @@ BearerDep = Depends(bearer_documented)
 #: costs FastAPI a resolution per request (`bearer_documented` two), and this one does nothing
 #: at run time. The OpenAPI document is the same (tests/test_openapi.py).
 BEARER_SECURITY: dict[str, list[dict[str, list[str]]]] = {"security": [{_bearer.scheme_name: []}]}
+
+#: The `KP-Namespace` header, declared for the document (and the routes' parameters). The
+#: Namespaces piece of the request pipeline reads and checks it, before the body is read
+#: (app/api/asgi/namespaces.py); a route reads the result with `namespace_of`.
+NamespaceHeader = Annotated[
+    str | None,
+    Header(
+        alias=namespaces.HEADER,
+        pattern=namespaces.PATTERN,
+        description="The namespace (the memory) the request acts on: 1 to 64 letters, digits, "
+        "'.', '_' or '-' (422 otherwise). Without it: the API key's bound namespace, else "
+        f"`{namespaces.DEFAULT}`. A key bound to a namespace may name no other (403).",
+    ),
+]
+
+
+async def request_namespace(request: Request, kp_namespace: NamespaceHeader = None) -> str:
+    """The request's namespace, as the pipeline resolved it from the header and the key."""
+    return namespace_of(request.scope)
+
+
+NamespaceDep = Annotated[str, Depends(request_namespace)]

@@ -15,7 +15,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from app.core.errors import error_body
+from app.core import namespaces
+from app.core.errors import error_body, field_error
 from app.services.embeddings import OverloadedError
 from app.store.base import MemoryUnavailableError, NamespaceLimitError
 
@@ -35,7 +36,6 @@ class ErrorKind:
 ERRORS: dict[type[Exception], ErrorKind] = {
     OverloadedError: ErrorKind(503, "overloaded, try again shortly: "),
     MemoryUnavailableError: ErrorKind(503),
-    NamespaceLimitError: ErrorKind(409),
 }
 
 
@@ -84,6 +84,14 @@ async def _typed_error(request: Request, exc: Exception) -> JSONResponse:
     return error_response(kind.status, f"{kind.prefix}{exc}")
 
 
+async def _namespace_limit(request: Request, exc: Exception) -> JSONResponse:
+    """409 in the shape of a request's errors, pointing at the header that named the namespace:
+    not transient (no Retry-After), it holds until a namespace is cleared."""
+    request.app.state.services.metrics.namespace_limit.inc()
+    body = error_body([field_error(namespaces.LOC, str(exc), "namespace_limit")])
+    return JSONResponse(status_code=409, content=body)
+
+
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     log.exception("unhandled error", extra={"path": request.url.path})
     return JSONResponse(status_code=500, content={"detail": "internal error"})
@@ -94,4 +102,5 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(HTTPException, _http_error)
     for error in ERRORS:
         app.add_exception_handler(error, _typed_error)
+    app.add_exception_handler(NamespaceLimitError, _namespace_limit)
     app.add_exception_handler(Exception, _unexpected)

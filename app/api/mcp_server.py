@@ -8,9 +8,10 @@ the same limits and metrics). The server is stateless and answers in JSON, so an
 answer any request (no session to pin to one process) and nothing is held between requests.
 
 The tools' input schemas are the JSON Schemas of the models that validate POST /evaluate and
-POST /evaluate/batch (the trace's own fields at the top, plus `dry_run`), and their output
-schemas those of the REST answers: an agent sends the trace it would POST and gets the answer
-the REST API would give.
+POST /evaluate/batch (the trace's own fields at the top, plus `dry_run` and `namespace`), and
+their output schemas those of the REST answers: an agent sends the trace it would POST and gets
+the answer the REST API would give. The namespace is the `namespace` argument, else the MCP
+request's KP-Namespace header, else the API key's, else `default` (docs/api.md, namespaces).
 """
 
 from __future__ import annotations
@@ -25,11 +26,15 @@ from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 from mcp.server.transport_security import TransportSecuritySettings
 from mcp.shared.exceptions import MCPError
 from pydantic import BaseModel, ValidationError
+from starlette.datastructures import Headers
 
+from app.api.asgi.namespaces import namespace_of
 from app.api.batch_cost import charge_batch
 from app.api.deps import Services
 from app.api.presenters import evaluation_out
+from app.core import namespaces
 from app.core.api_keys import ApiKey
+from app.core.metrics import Metrics
 from app.core.signatures import unsignable_errors
 from app.core.version import VERSION
 from app.schemas.ids import visible
@@ -37,6 +42,7 @@ from app.schemas.responses import BatchIn, BatchOut, EvaluationOut
 from app.schemas.trace import ReasoningTrace
 from app.services.embeddings import OverloadedError
 from app.services.scoring_requests import TraceLimitError, score_traces
+from app.store.base import NamespaceLimitError
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +58,22 @@ _DRY_RUN_SCHEMA: Final[dict[str, Any]] = {
 }
 
 
+_NAMESPACE_SCHEMA: Final[dict[str, Any]] = {
+    "type": "string",
+    "pattern": namespaces.PATTERN,
+    "description": "The namespace (the memory) to score in: the trace is compared only with "
+    "its namespace's traces. Default: the request's KP-Namespace header, else the API key's "
+    f"namespace, else {namespaces.DEFAULT!r}. A key bound to a namespace may name no other.",
+}
+
+
 def _input_schema(model: type[BaseModel]) -> dict[str, Any]:
     schema = model.model_json_schema(by_alias=True)
-    schema["properties"] = {**schema["properties"], "dry_run": _DRY_RUN_SCHEMA}
+    schema["properties"] = {
+        **schema["properties"],
+        "dry_run": _DRY_RUN_SCHEMA,
+        "namespace": _NAMESPACE_SCHEMA,
+    }
     return schema
 
 
@@ -67,10 +86,10 @@ def _tools() -> list[types.Tool]:
             title="Score a reasoning trace",
             description=(
                 "Score one KnowledgePulse ReasoningTrace as POST /evaluate does: the arguments "
-                "are the trace's own fields plus dry_run; the answer is the value score in "
-                f"[0, 1] with its breakdown. A trace scoring {SHARE_THRESHOLD} or more is worth "
-                "contributing (the SDK's default threshold). dry_run=true leaves the novelty "
-                "cache untouched."
+                "are the trace's own fields plus dry_run and namespace; the answer is the "
+                "value score in [0, 1] with its breakdown. A trace scoring "
+                f"{SHARE_THRESHOLD} or more is worth contributing (the SDK's default "
+                "threshold). dry_run=true leaves the novelty cache untouched."
             ),
             input_schema=_input_schema(ReasoningTrace),
             output_schema=EvaluationOut.model_json_schema(),
@@ -81,8 +100,8 @@ def _tools() -> list[types.Tool]:
             title="Score reasoning traces in order",
             description=(
                 "Score traces in order, as one step, as POST /evaluate/batch does: later traces "
-                "are compared with earlier ones. Arguments: traces (1 to KP_MAX_BATCH) and "
-                "dry_run."
+                "are compared with earlier ones. Arguments: traces (1 to KP_MAX_BATCH), "
+                "dry_run and namespace."
             ),
             input_schema=_input_schema(BatchIn),
             output_schema=BatchOut.model_json_schema(),
@@ -98,11 +117,47 @@ def _field(loc: Sequence[str | int]) -> str:
     return ".".join(path) or "(arguments)"
 
 
+def _scope(ctx: Any) -> dict[str, Any]:
+    """The HTTP request's scope, as the request pipeline left it."""
+    scope: dict[str, Any] = getattr(getattr(ctx, "request", None), "scope", None) or {}
+    return scope
+
+
 def _api_key(ctx: Any) -> ApiKey | None:
     """The caller's key, as the API-key middleware left it in the HTTP request's scope."""
-    scope = getattr(getattr(ctx, "request", None), "scope", None) or {}
-    key = scope.get("state", {}).get("api_key")
+    key = _scope(ctx).get("state", {}).get("api_key")
     return key if isinstance(key, ApiKey) else None
+
+
+def _namespace(ctx: Any, argument: object, metrics: Metrics) -> str | types.CallToolResult:
+    """The call's namespace (the argument, else the request's), or the tool error refusing it;
+    the rules are the header's, the argument standing for it."""
+    scope = _scope(ctx)
+    if argument is None:
+        return namespace_of(scope)
+    if not isinstance(argument, str):
+        not_str = {"loc": ["namespace"], "msg": "should be a string", "type": "string_type"}
+        return _invalid([not_str])
+    key = _api_key(ctx)
+    try:
+        chosen = namespaces.resolve(
+            argument,
+            key_name=None if key is None else key.name,
+            bound=None if key is None else key.namespace,
+        )
+    except namespaces.NamespaceRefusedError as exc:
+        message = str(exc).replace(f"{namespaces.HEADER} must", "must")
+        if exc.status == 422:
+            return _invalid([{"loc": ["namespace"], "msg": message, "type": exc.kind}])
+        metrics.child(metrics.auth_refused, exc.kind).inc()
+        return _tool_error(f"namespace refused, nothing was scored: {visible(message)}")
+    header = Headers(scope=scope).get(namespaces.HEADER) if scope else None
+    if header is not None and header != chosen:
+        return _tool_error(
+            f"namespace refused, nothing was scored: the argument {chosen!r} and the "
+            f"{namespaces.HEADER} header {visible(header)!r} differ; send one, or the same"
+        )
+    return chosen
 
 
 def _tool_error(text: str) -> types.CallToolResult:
@@ -169,6 +224,9 @@ class McpTools:
         if not isinstance(dry_run, bool):
             not_bool = {"loc": ["dry_run"], "msg": "should be a boolean", "type": "bool_type"}
             return _invalid([not_bool])
+        namespace = _namespace(ctx, arguments.pop("namespace", None), self.services.metrics)
+        if isinstance(namespace, types.CallToolResult):
+            return namespace
         batch = params.name == SCORE_TRACES
         try:
             traces = (
@@ -196,11 +254,15 @@ class McpTools:
                 dry_run=dry_run,
                 batch=batch,
                 transport="mcp",
+                namespace=namespace,
             )
         except TraceLimitError as exc:
             return _invalid(exc.errors)
         except OverloadedError as exc:
             return _tool_error(f"overloaded, nothing was scored; retry in a second: {exc}")
+        except NamespaceLimitError as exc:
+            s.metrics.namespace_limit.inc()
+            return _tool_error(f"namespace refused, nothing was scored: {exc}")
         signer = s.signer
         answers = [
             evaluation_out(e, None if signer is None else signer.sign(e, trace, dry_run=dry_run))

@@ -16,6 +16,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from app.core import namespaces
+
 Scope = Literal["evaluate", "admin"]
 SCOPES: tuple[Scope, ...] = ("evaluate", "admin")
 #: Name of the principal KP_ADMIN_TOKEN stands for (in logs and metrics).
@@ -31,6 +33,8 @@ class ApiKeyEntry(BaseModel):
     scopes: Annotated[list[Scope], Field(min_length=1)]
     #: Token bucket: this many requests at once, refilled at this rate; unset: no limit.
     rate_per_minute: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
+    #: The one namespace the key may use (docs/api.md, namespaces); unset: any namespace.
+    namespace: Annotated[str, Field(pattern=namespaces.PATTERN)] | None = None
 
     @field_validator("sha256")
     @classmethod
@@ -51,6 +55,7 @@ class ApiKey:
     name: str
     scopes: frozenset[Scope]
     rate_per_minute: int | None
+    namespace: str | None = None  # bound to this namespace alone; None: any
 
 
 class KeyFileError(ValueError):
@@ -64,7 +69,10 @@ def key_digest(key: str) -> bytes:
 class KeyRing:
     def __init__(self, entries: list[ApiKeyEntry], admin_token: str | None = None) -> None:
         self._entries = [
-            (bytes.fromhex(e.sha256), ApiKey(e.name, frozenset(e.scopes), e.rate_per_minute))
+            (
+                bytes.fromhex(e.sha256),
+                ApiKey(e.name, frozenset(e.scopes), e.rate_per_minute, e.namespace),
+            )
             for e in entries
         ]
         if admin_token is not None:

@@ -336,6 +336,17 @@ class Settings(BaseSettings):
         ),
     ] = 32_768
 
+    metrics_namespaces: Annotated[
+        int,
+        Field(
+            ge=0,
+            le=10_000,
+            description="Namespaces that get a `namespace` label of their own in the metrics "
+            "(the first this process scores); the others are counted together as `(other)`, "
+            "so that tenants cannot grow the metrics without bound.",
+        ),
+    ] = 20
+
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Log lines below this level are not written."
     )

@@ -17,11 +17,21 @@ _QUEUE_WAIT_BUCKETS = (*_LATENCY_BUCKETS, 5.0, 10.0)
 
 _Labelled = TypeVar("_Labelled", Counter, Histogram)
 
+#: The `namespace` label of every namespace past the bound: not a namespace's name (parentheses
+#: break the name's rule), so it cannot be mistaken for one.
+OTHER_NAMESPACES = "(other)"
+
 
 class Metrics:
-    def __init__(self) -> None:
+    """`namespace_labels`: how many namespaces get a label value of their own (the first this
+    process sees); the others are counted together under OTHER_NAMESPACES (KP_METRICS_NAMESPACES,
+    docs/operating/metrics.md)."""
+
+    def __init__(self, namespace_labels: int = 20) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._children: dict[tuple[object, tuple[str, ...]], Any] = {}
+        self._namespace_labels = namespace_labels
+        self._labelled_namespaces: set[str] = set()
         r = self.registry
         register_connection_metrics(r)
         self.requests = Counter(
@@ -86,7 +96,8 @@ class Metrics:
         )
         self.auth_refused = Counter(
             "kp_auth_refused",
-            "Requests refused for their API key: missing, unknown_key (401), missing_scope (403).",
+            "Requests refused for their API key: missing, unknown_key (401), missing_scope (403), "
+            "namespace_forbidden (403: a key bound to another namespace).",
             ["reason"],
             registry=r,
         )
@@ -102,6 +113,18 @@ class Metrics:
             "Requests let through unchecked because the shared rate limit's Redis did not answer.",
             registry=r,
         )
+        self.namespace_evaluations = Counter(
+            "kp_namespace_evaluations",
+            "Traces scored, by namespace: up to KP_METRICS_NAMESPACES of them by name (the first "
+            f"this process scores), the rest together as {OTHER_NAMESPACES}.",
+            ["namespace"],
+            registry=r,
+        )
+        self.namespace_limit = Counter(
+            "kp_namespace_limit_refused",
+            "Requests refused with 409 because a new namespace would pass KP_MAX_NAMESPACES.",
+            registry=r,
+        )
         self.idempotency = Counter(
             "kp_idempotency",
             "Requests with an Idempotency-Key, by what happened: run, replay, mismatch (422), "
@@ -109,6 +132,16 @@ class Metrics:
             ["action"],
             registry=r,
         )
+
+    def namespace_label(self, namespace: str) -> str:
+        """The namespace's label value: its name while the bound leaves room, else
+        OTHER_NAMESPACES. A name once labelled keeps its label for the process's life."""
+        if namespace in self._labelled_namespaces:
+            return namespace
+        if len(self._labelled_namespaces) < self._namespace_labels:
+            self._labelled_namespaces.add(namespace)
+            return namespace
+        return OTHER_NAMESPACES
 
     def child(self, metric: _Labelled, *values: str) -> _Labelled:
         """`metric.labels(*values)`, kept once made: prometheus-client's `labels` checks the

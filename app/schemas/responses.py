@@ -160,6 +160,7 @@ class CacheBackendOut(BaseModel):
 
 
 class CacheOut(BaseModel):
+    namespace: str = Field(description="The namespace these figures are of (KP-Namespace).")
     size: int
     capacity: int
     dimensions: int

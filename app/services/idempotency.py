@@ -37,9 +37,10 @@ class Decision:
     recorded: Recorded | None = None
 
 
-def scoped_key(principal: str | None, key: str) -> str:
-    """Keys are scoped to the API key that sent them (two agents may pick the same key)."""
-    return hashlib.sha256(f"{principal or ''}\0{key}".encode()).hexdigest()
+def scoped_key(principal: str | None, namespace: str, key: str) -> str:
+    """Keys are scoped to the API key that sent them (two agents may pick the same key) and to
+    the namespace (the same key in two namespaces is two requests)."""
+    return hashlib.sha256(f"{principal or ''}\0{namespace}\0{key}".encode()).hexdigest()
 
 
 def fingerprint(method: str, path: str, query: bytes, body: bytes) -> str:

@@ -34,21 +34,24 @@ async def score_traces(
     dry_run: bool,
     batch: bool,
     transport: Transport,
+    namespace: str,
     body_bytes: int | None = None,
 ) -> list[Evaluation]:
-    """Score traces in order (one trace, or a batch as one step); raises TraceLimitError or
-    the embedding service's OverloadedError (counted), in both cases having changed nothing.
-    `body_bytes`: the request body's size when known (it spares the limits a walk)."""
+    """Score traces in order (one trace, or a batch as one step) in the namespace's memory;
+    raises TraceLimitError, the embedding service's OverloadedError (counted) or the memory's
+    NamespaceLimitError, in each case having changed nothing. `body_bytes`:
+    the request body's size when known (it spares the limits a walk)."""
     m = metrics
     m.child(m.scoring_requests, transport, "batch" if batch else "one").inc()
     errors = limit_errors(traces, limits, batch=batch, body_bytes=body_bytes)
     if errors:
         raise TraceLimitError(errors)
     try:
-        evaluations = await evaluator.evaluate(traces, dry_run=dry_run)
+        evaluations = await evaluator.evaluate(traces, dry_run=dry_run, namespace=namespace)
     except OverloadedError as exc:
         m.child(m.overloaded, exc.reason).inc()
         raise
+    m.child(m.namespace_evaluations, m.namespace_label(namespace)).inc(len(evaluations))
     for e in evaluations:
         m.child(m.evaluations, e.score.weights.name).inc()
         m.score.observe(e.score.value)

@@ -40,7 +40,9 @@ class AccessLog:
             m.child(m.latency, name).observe(elapsed)
             if status >= 400:
                 m.child(m.errors, name, str(status)).inc()
-            key = scope.get("state", {}).get("api_key")
+            state = scope.get("state", {})
+            key = state.get("api_key")
+            namespace = state.get("namespace")  # a checked name: safe in a log line
             log.info(
                 "request",
                 extra={
@@ -49,5 +51,6 @@ class AccessLog:
                     "status": status,
                     "duration_ms": round(elapsed * 1000, 3),
                     **({"api_key": key.name} if key is not None else {}),
+                    **({"namespace": namespace} if namespace is not None else {}),
                 },
             )

@@ -11,6 +11,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.api.asgi.base import detail, read_replayed, replaying, send_json
+from app.api.asgi.namespaces import namespace_of
 from app.core.api_keys import ApiKey
 from app.core.metrics import Metrics
 from app.guards.idempotency import IdempotencyUnavailableError, Recorded
@@ -58,7 +59,7 @@ class IdempotencyKeys:
         principal: ApiKey | None = scope.get("state", {}).get("api_key")
         idempotency: Idempotency = scope["app"].state.services.idempotency
         body = await read_replayed(receive)
-        scoped = scoped_key(principal.name if principal else None, key)
+        scoped = scoped_key(principal.name if principal else None, namespace_of(scope), key)
         print_ = fingerprint(scope["method"], scope["path"], scope.get("query_string", b""), body)
         try:
             decision = await idempotency.begin(scoped, print_)

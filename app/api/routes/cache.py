@@ -1,4 +1,5 @@
-"""/cache: what operators inspect, reset, export and import."""
+"""/cache: what operators inspect, reset, export and import, each in the request's namespace
+(KP-Namespace, or the admin key's; docs/api.md, namespaces), and the list of namespaces."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from typing import Any
 from fastapi import APIRouter, HTTPException, Request, status
 from fastapi.responses import StreamingResponse
 
-from app.api.deps import BearerDep, Services, ServicesDep
+from app.api.deps import BearerDep, NamespaceDep, Services, ServicesDep
 from app.api.presenters import backend_out
+from app.core.api_keys import ApiKey
+from app.schemas.namespaces import NamespacesOut
 from app.schemas.responses import CacheOut, ClearedOut, EmbedderOut, ImportedOut
 from app.services.cache_transfer import (
     BodyTooLargeError,
@@ -19,7 +22,6 @@ from app.services.cache_transfer import (
     export_lines,
     read_body,
 )
-from app.store.base import DEFAULT_NAMESPACE
 
 router = APIRouter(
     prefix="/cache",
@@ -28,13 +30,18 @@ router = APIRouter(
     responses={
         400: {
             "description": "A key in the query string (any spelling of api_key, token...) "
-            "instead of the Authorization header, or two Authorization headers."
+            "instead of the Authorization header, two Authorization headers, or two "
+            "KP-Namespace headers."
         },
         401: {
             "description": "KP_API_KEYS_FILE or KP_ADMIN_TOKEN is set and the bearer key is "
             "missing or unknown."
         },
-        403: {"description": "The key lacks the scope admin."},
+        403: {
+            "description": "The key lacks the scope admin, or is bound to another namespace "
+            "than KP-Namespace names (namespace_forbidden)."
+        },
+        422: {"description": "A KP-Namespace that breaks the name's rule (namespace_invalid)."},
     },
 )
 log = logging.getLogger(__name__)
@@ -51,10 +58,11 @@ def embedder_out(services: Services) -> EmbedderOut:
     )
 
 
-@router.get("", summary="Cache size, limits and counters")
-async def cache_stats(services: ServicesDep) -> CacheOut:
-    stats = await services.memory.stats(DEFAULT_NAMESPACE)
+@router.get("", summary="The namespace's cache: size, limits and counters")
+async def cache_stats(services: ServicesDep, namespace: NamespaceDep) -> CacheOut:
+    stats = await services.memory.stats(namespace)
     return CacheOut(
+        namespace=namespace,
         **asdict(stats),
         embedder=embedder_out(services),
         backend=backend_out(services.memory.backend),
@@ -63,7 +71,7 @@ async def cache_stats(services: ServicesDep) -> CacheOut:
 
 @router.delete(
     "",
-    summary="Empty the cache (shared: for every replica)",
+    summary="Empty the namespace's cache (shared: for every replica)",
     responses={
         200: {
             "description": "How many vectors were dropped.",
@@ -75,11 +83,9 @@ async def cache_stats(services: ServicesDep) -> CacheOut:
         },
     },
 )
-async def cache_clear(services: ServicesDep) -> ClearedOut:
-    cleared = await services.memory.clear(
-        DEFAULT_NAMESPACE
-    )  # MemoryUnavailableError: 503 (app.api.errors)
-    log.info("cache cleared", extra={"cleared": cleared})
+async def cache_clear(services: ServicesDep, namespace: NamespaceDep) -> ClearedOut:
+    cleared = await services.memory.clear(namespace)  # MemoryUnavailable: 503 (app.api.errors)
+    log.info("cache cleared", extra={"cleared": cleared, "namespace": namespace})
     return ClearedOut(cleared=cleared)
 
 
@@ -94,7 +100,7 @@ _UNAVAILABLE: dict[int | str, dict[str, Any]] = {
 
 @router.get(
     "/export",
-    summary="Every cached entry, oldest first, as NDJSON",
+    summary="Every entry of the namespace's cache, oldest first, as NDJSON",
     response_class=StreamingResponse,
     responses={
         200: {
@@ -105,8 +111,8 @@ _UNAVAILABLE: dict[int | str, dict[str, Any]] = {
         **_UNAVAILABLE,
     },
 )
-async def cache_export(services: ServicesDep) -> StreamingResponse:
-    chunks = services.memory.export_chunks(DEFAULT_NAMESPACE)
+async def cache_export(services: ServicesDep, namespace: NamespaceDep) -> StreamingResponse:
+    chunks = services.memory.export_chunks(namespace)
     # The first chunk before the answer starts: an unreachable Redis is a 503 (MemoryUnavailable
     # Error, app.api.errors), not a truncated 200.
     first = await anext(chunks, None)
@@ -125,7 +131,7 @@ async def cache_export(services: ServicesDep) -> StreamingResponse:
 
 @router.post(
     "/import",
-    summary="Append NDJSON entries (as exported) as the newest, all or nothing",
+    summary="Append NDJSON entries (as exported) as the namespace's newest, all or nothing",
     openapi_extra={
         "requestBody": {
             "required": True,
@@ -135,13 +141,19 @@ async def cache_export(services: ServicesDep) -> StreamingResponse:
         }
     },
     responses={
+        409: {
+            "description": "The import would start a namespace past KP_MAX_NAMESPACES "
+            "(namespace_limit); nothing was imported."
+        },
         413: {"description": "Larger than KP_CACHE_IMPORT_MAX_BYTES; nothing was imported."},
         415: {"description": "Content-Type is not application/x-ndjson."},
         422: {"description": "A bad line, named by its number; nothing was imported."},
         **_UNAVAILABLE,
     },
 )
-async def cache_import(request: Request, services: ServicesDep) -> ImportedOut:
+async def cache_import(
+    request: Request, services: ServicesDep, namespace: NamespaceDep
+) -> ImportedOut:
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type not in (NDJSON, "application/jsonl"):
         raise HTTPException(
@@ -170,8 +182,39 @@ async def cache_import(request: Request, services: ServicesDep) -> ImportedOut:
                 {"loc": ["body", exc.line], "msg": str(exc), "type": "bad_line", "line": exc.line}
             ],
         ) from None
-    imported, expired = await services.memory.import_entries(
-        DEFAULT_NAMESPACE, entries
-    )  # 503: app.api.errors
-    log.info("cache imported", extra={"imported": imported, "expired": expired})
+    # 503 and 409 (NamespaceLimitError): app.api.errors
+    imported, expired = await services.memory.import_entries(namespace, entries)
+    log.info(
+        "cache imported", extra={"imported": imported, "expired": expired, "namespace": namespace}
+    )
     return ImportedOut(imported=imported, expired=expired, lines=lines)
+
+
+@router.get(
+    "/namespaces",
+    summary="The namespaces that hold entries",
+    responses={
+        403: {
+            "description": "The key lacks the scope admin, or is bound to a namespace: the "
+            "list names every tenant (namespace_forbidden)."
+        },
+        **_UNAVAILABLE,
+    },
+)
+async def cache_namespaces(request: Request, services: ServicesDep) -> NamespacesOut:
+    key: ApiKey | None = getattr(request.state, "api_key", None)
+    if key is not None and key.namespace is not None:
+        services.metrics.child(services.metrics.auth_refused, "namespace_forbidden").inc()
+        msg = (
+            f"the API key {key.name!r} is bound to the namespace {key.namespace!r}: listing "
+            "every namespace needs KP_ADMIN_TOKEN or an admin key bound to none"
+        )
+        raise HTTPException(
+            status_code=status.HTTP_403_FORBIDDEN,
+            detail=[
+                {"loc": ["header", "authorization"], "msg": msg, "type": "namespace_forbidden"}
+            ],
+        )
+    return NamespacesOut(
+        namespaces=await services.memory.namespaces(), limit=services.settings.max_namespaces
+    )

@@ -7,8 +7,9 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Header, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 
+from app.api.asgi.namespaces import namespace_of
 from app.api.batch_cost import charge_batch
-from app.api.deps import BEARER_SECURITY, Services, services_of
+from app.api.deps import BEARER_SECURITY, NamespaceHeader, Services, services_of
 from app.api.presenters import evaluation_out
 from app.core.signatures import unsignable_errors
 from app.schemas.responses import BatchIn, BatchOut, EvaluationOut
@@ -23,13 +24,17 @@ router = APIRouter(
     responses={
         400: {
             "description": "A body that cannot be read as JSON text (not UTF-8), a malformed "
-            "Idempotency-Key, or an API key in the query string."
+            "Idempotency-Key, an API key in the query string, or two KP-Namespace headers."
         },
         401: {"description": "KP_API_KEYS_FILE is set and the bearer key is missing or unknown."},
-        403: {"description": "The key lacks the scope evaluate."},
+        403: {
+            "description": "The key lacks the scope evaluate, or is bound to another namespace "
+            "than KP-Namespace names (namespace_forbidden)."
+        },
         409: {
             "description": "A request with this Idempotency-Key is still being answered after "
-            "a wait: retry after Retry-After."
+            "a wait: retry after Retry-After; or the trace would start a namespace past "
+            "KP_MAX_NAMESPACES (namespace_limit): nothing was scored."
         },
         429: {
             "description": "The key is over its rate_per_minute (a batch costs one token per "
@@ -39,7 +44,8 @@ router = APIRouter(
         415: {"description": "Content-Type is not application/json."},
         422: {
             "description": "Invalid trace, an Idempotency-Key already used for another request, "
-            "or a batch of more traces than the key's rate_per_minute."
+            "a batch of more traces than the key's rate_per_minute, or a KP-Namespace that "
+            "breaks the name's rule (namespace_invalid)."
         },
         503: {
             "description": "Overloaded: too many texts wait for the model (KP_EMBED_QUEUE_LIMIT) "
@@ -70,7 +76,7 @@ IdempotencyKey = Annotated[
         # Checked before the route, with its rule stated in the document (openapi_doc.py).
         description="The same key with the same request within 24 h gets the first answer "
         "again, byte for byte (header Idempotent-Replayed: true), and adds nothing; with "
-        "another request, 422. Scoped to the API key. Handled before the route "
+        "another request, 422. Scoped to the API key and the namespace. Handled before the route "
         "(app/api/asgi/idempotency.py).",
     ),
 ]
@@ -87,6 +93,7 @@ async def evaluate(
     request: Request,
     dry_run: DryRun = False,
     idempotency_key: IdempotencyKey = None,
+    kp_namespace: NamespaceHeader = None,
 ) -> EvaluationOut:
     services = services_of(request)
     sent = await _sent_traces(services, request, batch=False)
@@ -105,6 +112,7 @@ async def evaluate_batch(
     request: Request,
     dry_run: DryRun = False,
     idempotency_key: IdempotencyKey = None,
+    kp_namespace: NamespaceHeader = None,
 ) -> BatchOut:
     services = services_of(request)
     key = getattr(request.state, "api_key", None)
@@ -171,6 +179,7 @@ async def _score(
             dry_run=dry_run,
             batch=batch,
             transport="rest",
+            namespace=namespace_of(request.scope),
             body_bytes=body_bytes,
         )
     except TraceLimitError as exc:

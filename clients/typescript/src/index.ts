@@ -29,12 +29,17 @@ export interface FieldError {
 }
 
 export const DEFAULT_BASE_URL = "http://127.0.0.1:8000";
+/** The header that names a request's namespace (its memory). */
+export const NAMESPACE_HEADER = "kp-namespace";
 
 export interface ClientOptions {
   /** Where the service listens (default http://127.0.0.1:8000). */
   baseUrl?: string;
   /** Sent as `Authorization: Bearer <apiKey>`: an API key, or KP_ADMIN_TOKEN for cache admin. */
   apiKey?: string;
+  /** The namespace (the memory) every request acts on, sent as `KP-Namespace`; default none:
+   * the API key's namespace, else `default`. A call's own `namespace` overrides it. */
+  namespace?: string;
   /** Further tries after an overload (503, 429) or a network error (default 2). */
   retries?: number;
   /** Longest wait before a retry when the service gives no Retry-After, in ms (default 1000). */
@@ -45,7 +50,12 @@ export interface ClientOptions {
   fetch?: typeof fetch;
 }
 
-export interface ScoreOptions {
+export interface NamespaceOptions {
+  /** This call's namespace, instead of the client's. */
+  namespace?: string;
+}
+
+export interface ScoreOptions extends NamespaceOptions {
   /** Score without adding the trace's embedding to the novelty cache. */
   dryRun?: boolean;
 }
@@ -78,6 +88,7 @@ const RETRYABLE = new Set([429, 503]);
 export class KpScoringClient {
   readonly baseUrl: string;
   private readonly apiKey: string | undefined;
+  readonly namespace: string | undefined;
   private readonly retries: number;
   private readonly retryDelayMs: number;
   private readonly timeoutMs: number;
@@ -86,6 +97,7 @@ export class KpScoringClient {
   constructor(options: ClientOptions = {}) {
     this.baseUrl = (options.baseUrl ?? DEFAULT_BASE_URL).replace(/\/+$/, "");
     this.apiKey = options.apiKey;
+    this.namespace = options.namespace;
     this.retries = options.retries ?? 2;
     this.retryDelayMs = options.retryDelayMs ?? 1000;
     this.timeoutMs = options.timeoutMs ?? 30000;
@@ -94,7 +106,12 @@ export class KpScoringClient {
 
   /** Score one trace: the full answer (score, dimensions, weights, overrides, novelty). */
   async score(trace: ReasoningTrace, options: ScoreOptions = {}): Promise<Evaluation> {
-    return this.request<Evaluation>("POST", withDryRun("/evaluate", options), trace);
+    return this.request<Evaluation>(
+      "POST",
+      withDryRun("/evaluate", options),
+      trace,
+      options.namespace,
+    );
   }
 
   /** Score traces in order, as one step (later traces are compared with earlier ones). */
@@ -103,6 +120,7 @@ export class KpScoringClient {
       "POST",
       withDryRun("/evaluate/batch", options),
       { traces },
+      options.namespace,
     );
     return body.results;
   }
@@ -112,14 +130,26 @@ export class KpScoringClient {
     return (await this.score(trace)).score;
   }
 
-  /** The novelty cache's size, limits, counters and backend (admin). */
-  async cacheStats(): Promise<CacheStats> {
-    return this.request<CacheStats>("GET", "/cache");
+  /** A namespace's novelty cache: size, limits, counters and backend (admin). */
+  async cacheStats(options: NamespaceOptions = {}): Promise<CacheStats> {
+    return this.request<CacheStats>("GET", "/cache", undefined, options.namespace);
   }
 
-  /** Empty the novelty cache (for every replica when shared); how many vectors were dropped. */
-  async clearCache(): Promise<number> {
-    return (await this.request<Schemas["ClearedOut"]>("DELETE", "/cache")).cleared;
+  /** Empty a namespace's novelty cache (for every replica when shared); how many vectors were
+   * dropped (admin). */
+  async clearCache(options: NamespaceOptions = {}): Promise<number> {
+    const body = await this.request<Schemas["ClearedOut"]>(
+      "DELETE",
+      "/cache",
+      undefined,
+      options.namespace,
+    );
+    return body.cleared;
+  }
+
+  /** The namespaces that hold entries, sorted (admin, with a key bound to no namespace). */
+  async namespaces(): Promise<string[]> {
+    return (await this.request<Schemas["NamespacesOut"]>("GET", "/cache/namespaces")).namespaces;
   }
 
   /** /readyz: the embedder's and the cache's state (answered with 200 even when degraded). */
@@ -127,10 +157,17 @@ export class KpScoringClient {
     return this.request<Readiness>("GET", "/readyz");
   }
 
-  private async request<T>(method: string, path: string, body?: unknown): Promise<T> {
+  private async request<T>(
+    method: string,
+    path: string,
+    body?: unknown,
+    namespace?: string,
+  ): Promise<T> {
     const headers: Record<string, string> = { accept: "application/json" };
     if (body !== undefined) headers["content-type"] = "application/json";
     if (this.apiKey !== undefined) headers.authorization = `Bearer ${this.apiKey}`;
+    const chosen = namespace ?? this.namespace;
+    if (chosen !== undefined) headers[NAMESPACE_HEADER] = chosen;
     // One key for every try of this call: a service that knows the key answers a retry with
     // the first try's result instead of scoring (and caching) the trace twice.
     if (method === "POST") headers["idempotency-key"] = crypto.randomUUID();

@@ -75,6 +75,33 @@ test("cache admin needs the token; with it, stats and clear", async () => {
   assert.equal((await kp.readiness()).status, "degraded");
 });
 
+test("namespace goes as KP-Namespace, a call's own over the client's", async () => {
+  const sent: (string | null)[] = [];
+  const recording: typeof fetch = async (input, init) => {
+    sent.push(new Headers(init?.headers).get("kp-namespace"));
+    return fetch(input, init);
+  };
+  const client = new KpScoringClient({
+    baseUrl: BASE_URL,
+    apiKey: ADMIN_TOKEN,
+    namespace: "ts-a",
+    fetch: recording,
+  });
+  assert.equal((await client.cacheStats()).namespace, "ts-a");
+  assert.equal((await client.cacheStats({ namespace: "ts-b" })).namespace, "ts-b");
+  assert.equal(await client.clearCache({ namespace: "ts-b" }), 0);
+  await kp.score(exampleTrace(), { dryRun: true, namespace: "ts-c" });
+  await client.scoreBatch([exampleTrace()], { dryRun: true });
+  assert.ok(Array.isArray(await client.namespaces()));
+  assert.deepEqual(sent, ["ts-a", "ts-b", "ts-b", "ts-a", "ts-a"]);
+  await assert.rejects(kp.score(exampleTrace(), { namespace: "ts/a" }), (error: unknown) => {
+    assert.ok(error instanceof KpScoringError);
+    assert.equal(error.status, 422);
+    assert.deepEqual(error.fields, ["header.kp-namespace"]);
+    return true;
+  });
+});
+
 test("an unreachable service is a KpScoringError with status 0, after the retries", async () => {
   const nowhere = new KpScoringClient({ baseUrl: "http://127.0.0.1:9", retries: 1, retryDelayMs: 1 });
   await assert.rejects(nowhere.evaluateValue(exampleTrace()), (error: unknown) => {

@@ -107,6 +107,16 @@ ApiKey = Annotated[
         show_envvar=True,
     ),
 ]
+Namespace = Annotated[
+    str | None,
+    typer.Option(
+        "--namespace",
+        envvar="KP_NAMESPACE",
+        help="The namespace (the memory) to act on, sent as KP-Namespace; default the API "
+        "key's namespace, else 'default'.",
+        show_envvar=True,
+    ),
+]
 AsJson = Annotated[bool, typer.Option("--json", help="Print the raw JSON answer.")]
 Retries = Annotated[
     int,
@@ -187,6 +197,7 @@ def connect(
     token: str | None = None,
     api_key: str | None = None,
     *,
+    namespace: str | None = None,
     retries: int = DEFAULT_RETRIES,
     max_wait: float = DEFAULT_MAX_WAIT,
 ) -> KpScoringClient:
@@ -196,7 +207,12 @@ def connect(
             Code.INPUT_ERROR,
         )
     return KpScoringClient(
-        url, admin_token=token, api_key=api_key, retries=retries, max_retry_wait=max_wait
+        url,
+        admin_token=token,
+        api_key=api_key,
+        namespace=namespace,
+        retries=retries,
+        max_retry_wait=max_wait,
     )
 
 
@@ -343,6 +359,7 @@ def evaluate(
         bool, typer.Option("--dry-run", help="Score without adding the traces to the cache.")
     ] = False,
     api_key: ApiKey = None,
+    namespace: Namespace = None,
     retries: Retries = DEFAULT_RETRIES,
     max_wait: MaxWait = DEFAULT_MAX_WAIT,
 ) -> None:
@@ -351,7 +368,7 @@ def evaluate(
     Exit code: 0 all scores >= threshold, 1 some below, 2 bad input, 3 service unreachable,
     4 try later (429 or 503).
     """
-    kp = connect(url, api_key=api_key, retries=retries, max_wait=max_wait)
+    kp = connect(url, api_key=api_key, namespace=namespace, retries=retries, max_wait=max_wait)
     with kp, service_errors(api_key, api_key=True):
         if path != "-" and Path(path).is_dir():
             results, failures = evaluate_directory(kp, Path(path), dry_run, threshold, as_json)
@@ -591,9 +608,14 @@ def server_runner() -> Callable[..., None] | None:
 
 
 @cache_cli.command("stats")
-def cache_stats(url: Url = DEFAULT_URL, token: Token = None, as_json: AsJson = False) -> None:
-    """Show the cache's size, limits and counters, and the embedder's state."""
-    with connect(url, token) as kp, service_errors(token):
+def cache_stats(
+    url: Url = DEFAULT_URL,
+    token: Token = None,
+    namespace: Namespace = None,
+    as_json: AsJson = False,
+) -> None:
+    """Show a namespace's cache: size, limits and counters, and the embedder's state."""
+    with connect(url, token, namespace=namespace) as kp, service_errors(token):
         stats = kp.cache_stats()
     if as_json:
         print_json(stats.model_dump(mode="json"))
@@ -617,11 +639,20 @@ def cache_stats(url: Url = DEFAULT_URL, token: Token = None, as_json: AsJson = F
 
 
 @cache_cli.command("reset")
-def cache_reset(url: Url = DEFAULT_URL, token: Token = None) -> None:
-    """Empty the cache (novelty is measured against an empty cache afterwards)."""
-    with connect(url, token) as kp, service_errors(token):
+def cache_reset(url: Url = DEFAULT_URL, token: Token = None, namespace: Namespace = None) -> None:
+    """Empty a namespace's cache (its novelty is measured against an empty cache afterwards)."""
+    with connect(url, token, namespace=namespace) as kp, service_errors(token):
         cleared = kp.cache_reset()
     out.print(f"cleared {cleared} cached vectors")
+
+
+@cache_cli.command("namespaces")
+def cache_namespaces(url: Url = DEFAULT_URL, token: Token = None) -> None:
+    """List the namespaces that hold entries, one a line."""
+    with connect(url, token) as kp, service_errors(token):
+        names = kp.cache_namespaces()
+    for name in names:
+        out.print(visible(name), markup=False)
 
 
 def main() -> None:

@@ -14,8 +14,10 @@ the field paths), `Unauthorized` (401), `Forbidden` (403), `RateLimited` (429, w
 status. `RateLimited` and `Overloaded` are both a `TryLater`: nothing was done, the same request
 may succeed later; with `retries=N` the client itself waits the answer's Retry-After (at most
 `max_retry_wait` seconds) and tries again, up to N times. `api_key` (default: the KP_API_KEY
-variable) is sent with every scoring request. `verify_signature` checks a signed score against
-the trace and the service's JWKS.
+variable) is sent with every scoring request. `namespace` (default: the KP_NAMESPACE variable,
+else none: the key's namespace or `default`) names the memory every request acts on, as the
+`KP-Namespace` header; a method's own `namespace=` overrides it for that call.
+`verify_signature` checks a signed score against the trace and the service's JWKS.
 
 Error messages hold text the service sent: they are made printable (`kp_scoring.text.visible`).
 """
@@ -33,7 +35,14 @@ from typing import Any, Self
 import httpx
 from pydantic import BaseModel
 
-from kp_scoring.models import BatchOut, CacheOut, ClearedOut, EvaluationOut, ReadyOut
+from kp_scoring.models import (
+    BatchOut,
+    CacheOut,
+    ClearedOut,
+    EvaluationOut,
+    NamespacesOut,
+    ReadyOut,
+)
 from kp_scoring.signatures import SignatureInvalidError, trace_sha256, verify
 from kp_scoring.text import visible
 
@@ -59,6 +68,8 @@ __all__ = [
 ]
 
 DEFAULT_URL = "http://127.0.0.1:8000"
+#: The header that names a request's namespace (its memory).
+NAMESPACE_HEADER = "KP-Namespace"
 
 #: A trace as parsed JSON (a dict), or any pydantic model of one (dumped by alias, without
 #: the fields left unset as None).
@@ -111,7 +122,7 @@ class Unauthorized(KpScoringError):  # noqa: N818
 
 
 class Forbidden(KpScoringError):  # noqa: N818
-    """403: the API key lacks the scope the request needs."""
+    """403: the API key lacks the scope the request needs, or is bound to another namespace."""
 
 
 class TryLater(KpScoringError):  # noqa: N818
@@ -214,6 +225,7 @@ class _Base:
         api_key: str | None,
         retries: int,
         max_retry_wait: float,
+        namespace: str | None,
     ) -> None:
         if retries < 0 or max_retry_wait < 0:
             raise ValueError("retries and max_retry_wait must not be negative")
@@ -225,11 +237,22 @@ class _Base:
         self._headers = {"Authorization": f"Bearer {admin}"} if admin else {}
         self._key_headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.base_url = base_url
+        self.namespace = namespace if namespace is not None else os.environ.get("KP_NAMESPACE")
 
-    def _scoring_headers(self, idempotency_key: str | None) -> dict[str, str]:
-        if idempotency_key is None:
-            return self._key_headers
-        return {**self._key_headers, "Idempotency-Key": idempotency_key}
+    def _namespace_headers(self, namespace: str | None) -> dict[str, str]:
+        chosen = namespace if namespace is not None else self.namespace
+        return {NAMESPACE_HEADER: chosen} if chosen else {}
+
+    def _scoring_headers(
+        self, idempotency_key: str | None, namespace: str | None
+    ) -> dict[str, str]:
+        headers = {**self._key_headers, **self._namespace_headers(namespace)}
+        if idempotency_key is not None:
+            headers["Idempotency-Key"] = idempotency_key
+        return headers
+
+    def _admin_headers(self, namespace: str | None) -> dict[str, str]:
+        return {**self._headers, **self._namespace_headers(namespace)}
 
     @staticmethod
     def _batch_body(traces: Iterable[TraceLike]) -> dict[str, Any]:
@@ -248,7 +271,9 @@ class KpScoringClient(_Base):
     """Blocking client. Use as a context manager, or call `close()`.
 
     `base_url`: default the KP_URL variable, else http://127.0.0.1:8000. `api_key`: default
-    the KP_API_KEY variable. `retries`: how many times a request answered 429 or 503 is sent
+    the KP_API_KEY variable. `namespace`: the memory every request acts on (KP-Namespace;
+    default the KP_NAMESPACE variable, else the key's namespace or `default`), overridden by a
+    method's `namespace=`. `retries`: how many times a request answered 429 or 503 is sent
     again, each after the answer's Retry-After (1 s without one); a Retry-After above
     `max_retry_wait` seconds is not waited for: the `TryLater` error is raised at once.
     `sleep`: how to wait (tests).
@@ -263,11 +288,12 @@ class KpScoringClient(_Base):
         timeout: float = 10.0,
         retries: int = 0,
         max_retry_wait: float = 30.0,
+        namespace: str | None = None,
         transport: httpx.BaseTransport | None = None,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         url = _base_url(base_url)
-        super().__init__(url, admin_token, api_key, retries, max_retry_wait)
+        super().__init__(url, admin_token, api_key, retries, max_retry_wait, namespace)
         self._http = httpx.Client(base_url=url, timeout=timeout, transport=transport)
         self._sleep = sleep
 
@@ -288,14 +314,19 @@ class KpScoringClient(_Base):
             attempt += 1
 
     def evaluate(
-        self, trace: TraceLike, *, dry_run: bool = False, idempotency_key: str | None = None
+        self,
+        trace: TraceLike,
+        *,
+        dry_run: bool = False,
+        idempotency_key: str | None = None,
+        namespace: str | None = None,
     ) -> EvaluationOut:
         body = self._request(
             "POST",
             "/evaluate",
             json=_trace_json(trace),
             params=_params(dry_run),
-            headers=self._scoring_headers(idempotency_key),
+            headers=self._scoring_headers(idempotency_key, namespace),
         )
         return EvaluationOut.model_validate(body)
 
@@ -305,13 +336,14 @@ class KpScoringClient(_Base):
         *,
         dry_run: bool = False,
         idempotency_key: str | None = None,
+        namespace: str | None = None,
     ) -> list[EvaluationOut]:
         body = self._request(
             "POST",
             "/evaluate/batch",
             json=self._batch_body(traces),
             params=_params(dry_run),
-            headers=self._scoring_headers(idempotency_key),
+            headers=self._scoring_headers(idempotency_key, namespace),
         )
         return BatchOut.model_validate(body).results
 
@@ -344,13 +376,21 @@ class KpScoringClient(_Base):
             answer=answer,
         )
 
-    def cache_stats(self) -> CacheOut:
-        return CacheOut.model_validate(self._request("GET", "/cache", headers=self._headers))
+    def cache_stats(self, *, namespace: str | None = None) -> CacheOut:
+        """The namespace's memory: size, limits, counters (admin)."""
+        body = self._request("GET", "/cache", headers=self._admin_headers(namespace))
+        return CacheOut.model_validate(body)
 
-    def cache_reset(self) -> int:
-        """Empty the cache; returns how many vectors it held."""
-        body = self._request("DELETE", "/cache", headers=self._headers)
+    def cache_reset(self, *, namespace: str | None = None) -> int:
+        """Empty the namespace's memory; returns how many vectors it held (admin)."""
+        body = self._request("DELETE", "/cache", headers=self._admin_headers(namespace))
         return ClearedOut.model_validate(body).cleared
+
+    def cache_namespaces(self) -> list[str]:
+        """The namespaces that hold entries, sorted (admin; a key bound to a namespace is
+        refused: the list names every tenant)."""
+        body = self._request("GET", "/cache/namespaces", headers=self._headers)
+        return NamespacesOut.model_validate(body).namespaces
 
     def health(self) -> bool:
         """Whether the service answers its liveness probe (never raises)."""
@@ -389,11 +429,12 @@ class AsyncKpScoringClient(_Base):
         timeout: float = 10.0,
         retries: int = 0,
         max_retry_wait: float = 30.0,
+        namespace: str | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         url = _base_url(base_url)
-        super().__init__(url, admin_token, api_key, retries, max_retry_wait)
+        super().__init__(url, admin_token, api_key, retries, max_retry_wait, namespace)
         self._http = httpx.AsyncClient(base_url=url, timeout=timeout, transport=transport)
         self._sleep = sleep
 
@@ -414,14 +455,19 @@ class AsyncKpScoringClient(_Base):
             attempt += 1
 
     async def evaluate(
-        self, trace: TraceLike, *, dry_run: bool = False, idempotency_key: str | None = None
+        self,
+        trace: TraceLike,
+        *,
+        dry_run: bool = False,
+        idempotency_key: str | None = None,
+        namespace: str | None = None,
     ) -> EvaluationOut:
         body = await self._request(
             "POST",
             "/evaluate",
             json=_trace_json(trace),
             params=_params(dry_run),
-            headers=self._scoring_headers(idempotency_key),
+            headers=self._scoring_headers(idempotency_key, namespace),
         )
         return EvaluationOut.model_validate(body)
 
@@ -431,13 +477,14 @@ class AsyncKpScoringClient(_Base):
         *,
         dry_run: bool = False,
         idempotency_key: str | None = None,
+        namespace: str | None = None,
     ) -> list[EvaluationOut]:
         body = await self._request(
             "POST",
             "/evaluate/batch",
             json=self._batch_body(traces),
             params=_params(dry_run),
-            headers=self._scoring_headers(idempotency_key),
+            headers=self._scoring_headers(idempotency_key, namespace),
         )
         return BatchOut.model_validate(body).results
 
@@ -467,14 +514,20 @@ class AsyncKpScoringClient(_Base):
             answer=answer,
         )
 
-    async def cache_stats(self) -> CacheOut:
-        body = await self._request("GET", "/cache", headers=self._headers)
+    async def cache_stats(self, *, namespace: str | None = None) -> CacheOut:
+        """The namespace's memory: size, limits, counters (admin)."""
+        body = await self._request("GET", "/cache", headers=self._admin_headers(namespace))
         return CacheOut.model_validate(body)
 
-    async def cache_reset(self) -> int:
-        """Empty the cache; returns how many vectors it held."""
-        body = await self._request("DELETE", "/cache", headers=self._headers)
+    async def cache_reset(self, *, namespace: str | None = None) -> int:
+        """Empty the namespace's memory; returns how many vectors it held (admin)."""
+        body = await self._request("DELETE", "/cache", headers=self._admin_headers(namespace))
         return ClearedOut.model_validate(body).cleared
+
+    async def cache_namespaces(self) -> list[str]:
+        """As `KpScoringClient.cache_namespaces`."""
+        body = await self._request("GET", "/cache/namespaces", headers=self._headers)
+        return NamespacesOut.model_validate(body).namespaces
 
     async def health(self) -> bool:
         """Whether the service answers its liveness probe (never raises)."""

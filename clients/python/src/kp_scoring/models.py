@@ -104,6 +104,8 @@ class CacheBackendOut(_Answer):
 
 
 class CacheOut(_Answer):
+    #: The namespace these figures are of (None from a service without namespaces).
+    namespace: str | None = None
     size: int
     capacity: int
     dimensions: int
@@ -119,6 +121,11 @@ class CacheOut(_Answer):
 
 class ClearedOut(_Answer):
     cleared: int
+
+
+class NamespacesOut(_Answer):
+    namespaces: list[str]
+    limit: int
 
 
 class SnapshotOut(_Answer):

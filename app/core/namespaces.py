@@ -1,0 +1,53 @@
+"""Namespaces as a request names them (docs/api.md, namespaces): the `KP-Namespace` header, an
+API key bound to one, else `default`. A namespace's memory is its own: a trace is compared
+only with its namespace's traces.
+
+The name's rule keeps it safe wherever a name goes: a Redis key and its hash tag (no braces),
+a metric's label, a log line, a file name. It is the rule of API key names."""
+
+from __future__ import annotations
+
+import re
+from typing import Final
+
+#: The header that names a request's namespace.
+HEADER: Final = "KP-Namespace"
+#: Where a refusal points, in the project's error shape (`loc`).
+LOC: Final = ("header", "kp-namespace")
+#: The namespace of a request that names none (app/store/base.py says the same).
+DEFAULT: Final = "default"
+PATTERN: Final = r"^[A-Za-z0-9._-]{1,64}$"
+RULE: Final = "must be 1 to 64 characters of letters, digits, '.', '_' and '-'"
+_NAME = re.compile(PATTERN)
+
+
+class NamespaceRefusedError(Exception):
+    """A request's namespace cannot be used: `status` 422 (`namespace_invalid`: the name breaks
+    the rule) or 403 (`namespace_forbidden`: the key is bound to another namespace)."""
+
+    def __init__(self, status: int, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.kind = kind
+
+
+def is_namespace(value: str) -> bool:
+    return _NAME.fullmatch(value) is not None
+
+
+def resolve(given: str | None, *, key_name: str | None, bound: str | None) -> str:
+    """The namespace a request acts on: `given` (the header or an MCP tool's argument), else the
+    key's `bound` namespace, else DEFAULT. A bound key uses its namespace alone."""
+    if given is None:
+        return bound or DEFAULT
+    if not is_namespace(given):
+        # Not echoed: the value may hold anything a header can carry.
+        raise NamespaceRefusedError(422, "namespace_invalid", f"{HEADER} {RULE}")
+    if bound is not None and given != bound:
+        raise NamespaceRefusedError(
+            403,
+            "namespace_forbidden",
+            f"the API key {key_name!r} is bound to the namespace {bound!r} and may use no "
+            f"other: {given!r} refused (send no {HEADER}, or {HEADER}: {bound})",
+        )
+    return given
