@@ -16,12 +16,16 @@ import rfc8785
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 from fastapi.testclient import TestClient
+from typer.testing import CliRunner
 
 from app.domain.js_json import stringify
+from kp_scoring import KpScoringClient
+from kp_scoring.cli import cli
 from kp_scoring.signatures import SignatureInvalidError, verify
 from tests.conftest import ClientFactory
 from tests.factories import make_trace, step
 from tests.keys import AGENT_A, OPS, SLOW, bearer, standard_keys
+from tests.server import Server
 
 SECRET = "sk-abcdefghijklmnopqrstuvwxyz12"
 CAPTURE = Path(__file__).parent / "fixtures" / "contribution" / "capture.jsonl"
@@ -187,3 +191,48 @@ def test_the_signature_carries_the_contributions_digest(
     with pytest.raises(SignatureInvalidError, match="contribution"):
         verify(evaluated, trace, jwks, contribution=contribution)
     assert orjson.loads(orjson.dumps(claims))["trace_id"] == trace["id"]
+
+
+def test_the_mcp_tool_answers_as_the_route(client_no_embedder: TestClient) -> None:
+    trace = leaky_trace()
+    arguments = {**trace, "dry_run": True}
+    rpc = {"name": "kp_check_contribution", "arguments": arguments}
+    r = client_no_embedder.post(
+        "/mcp",
+        json={"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": rpc},
+        headers={
+            "accept": "application/json, text/event-stream",
+            "mcp-protocol-version": "2025-11-25",
+        },
+    )
+    result = r.json()["result"]
+    assert not result.get("isError")
+    rest = client_no_embedder.post("/contribution", json=trace, params={"dry_run": "true"}).json()
+    structured = result["structuredContent"]
+    assert {**structured, "evaluation": None} == {**rest, "evaluation": None}
+    text = result["content"][0]["text"]
+    assert "would not contribute it" in text
+    assert "left uncleaned at /task/objective" in text
+    assert "ignore-previous-instructions" in text
+
+
+def test_the_client_and_the_cli(server: Server, tmp_path: Path) -> None:
+    trace = leaky_trace()
+    with KpScoringClient(server.url) as kp:
+        answer = kp.contribution(trace, dry_run=True)
+    assert answer.contribution["steps"][0]["content"] == "Use [REDACTED:api_key] to call the API"
+    assert answer.uncleaned[0].path == "/task/objective"
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(trace), encoding="utf-8")
+    env = {"NO_COLOR": "1", "COLUMNS": "100", "KP_URL": server.url}
+    cleaned = CliRunner().invoke(cli, ["contribution", str(path), "--dry-run"], env=env)
+    assert cleaned.exit_code == 1  # below the threshold: the SDK would not contribute it
+    assert json.loads(cleaned.stdout) == answer.contribution
+    found = CliRunner().invoke(cli, ["contribution", str(path), "--findings"], env=env)
+    assert found.exit_code == 1
+    assert "the SDK's capture would not contribute it (threshold 0.75)" in found.stdout
+    assert "/steps/0/content: api_key x1" in found.stdout
+    assert "/task/objective: email x1" in found.stdout
+    assert "/steps/2/content safe" in found.stdout
+    bad = CliRunner().invoke(cli, ["contribution", "-"], input="[1]", env=env)
+    assert bad.exit_code == 2

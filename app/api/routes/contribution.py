@@ -9,14 +9,15 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 
-from app.api.deps import BEARER_SECURITY, services_of
+from app.api.deps import BEARER_SECURITY, Services, services_of
 from app.api.presenters import evaluation_out
 from app.api.routes import evaluate
 from app.api.routes.evaluate import DryRun, IdempotencyKey, _score, _sent_traces
 from app.core.errors import field_error
-from app.domain.contribution import FieldRisk, Gate, lone_surrogate, prepare
+from app.domain.contribution import FieldRisk, Finding, lone_surrogate, prepare
 from app.schemas.contribution import ContributionOut, FieldRiskOut, FindingOut, InjectionOut
 from app.schemas.trace import ReasoningTrace
+from app.services.evaluator import Evaluation
 
 _REFUSALS: dict[int | str, dict[str, Any]] = {
     **evaluate.router.responses,
@@ -28,7 +29,7 @@ _REFUSALS: dict[int | str, dict[str, Any]] = {
 router = APIRouter(tags=["contribution"], responses=_REFUSALS)
 
 #: Past this body size the gate's text work runs off the event loop.
-_INLINE_BODY_BYTES = 64 * 1024
+INLINE_BODY_BYTES = 64 * 1024
 
 
 @router.post(
@@ -46,46 +47,69 @@ async def contribution(
     services = services_of(request)
     sent = await _sent_traces(services, request, batch=False)
     given: dict[str, Any] = sent[0] if sent is not None else await request.json()
-    where = lone_surrogate(given)
-    if where is not None:
-        msg = "holds a lone surrogate (a \\ud800-\\udfff escape without its pair): not UTF-8 text"
-        raise RequestValidationError([field_error(("body", *where), msg, "lone_surrogate")])
+    errors = lone_surrogate_errors(given, ("body",))
+    if errors:
+        raise RequestValidationError(errors)
     (evaluation,) = await _score(services, request, [trace], dry_run=dry_run, batch=False)
+    large = len(await request.body()) > INLINE_BODY_BYTES
+    return await contribution_answer(
+        services, evaluation, given, signed=sent is not None, dry_run=dry_run, large=large
+    )
+
+
+def lone_surrogate_errors(given: Any, at: tuple[str, ...]) -> list[dict[str, Any]]:
+    """A trace the SDK takes but UTF-8 cannot carry: an error naming where, or none."""
+    where = lone_surrogate(given)
+    if where is None:
+        return []
+    msg = "holds a lone surrogate (a \\ud800-\\udfff escape without its pair): not UTF-8 text"
+    return [field_error((*at, *where), msg, "lone_surrogate")]
+
+
+async def contribution_answer(
+    services: Services,
+    evaluation: Evaluation,
+    given: dict[str, Any],
+    *,
+    signed: bool,
+    dry_run: bool,
+    large: bool,
+) -> ContributionOut:
+    """The answer for a scored trace; `given`: the trace as the agent sent it (parsed JSON);
+    `signed`: `given` passed the signing check (unsignable_errors); `large`: the text work
+    runs off the event loop."""
     settings = services.settings
     score = evaluation.score.value
-    if len(await request.body()) <= _INLINE_BODY_BYTES:
-        gate = prepare(given, quality_score=score, clean_all=settings.contribution_clean_all)
-    else:
-        gate = await asyncio.to_thread(
-            prepare, given, quality_score=score, clean_all=settings.contribution_clean_all
-        )
+    clean_all = settings.contribution_clean_all
+    gate = (
+        await asyncio.to_thread(prepare, given, quality_score=score, clean_all=clean_all)
+        if large
+        else prepare(given, quality_score=score, clean_all=clean_all)
+    )
     signer = services.signer
     signature = (
-        None
-        if signer is None or sent is None
-        else signer.sign(evaluation, sent[0], dry_run=dry_run, contribution=gate.contribution)
+        signer.sign(evaluation, given, dry_run=dry_run, contribution=gate.contribution)
+        if signer is not None and signed
+        else None
     )
-    return _answer(
-        gate,
-        evaluation_out(evaluation, signature),
-        threshold=settings.contribution_threshold,
-    )
-
-
-def _answer(gate: Gate, evaluation: Any, *, threshold: float) -> ContributionOut:
+    threshold = settings.contribution_threshold
     return ContributionOut(
-        evaluation=evaluation,
-        shareable=evaluation.score >= threshold,
+        evaluation=evaluation_out(evaluation, signature),
+        shareable=score >= threshold,
         threshold=threshold,
         contribution=gate.contribution,
-        redactions=[FindingOut(path=f.path, type=f.type, count=f.count) for f in gate.redactions],
-        uncleaned=[FindingOut(path=f.path, type=f.type, count=f.count) for f in gate.uncleaned],
+        redactions=[_finding(f) for f in gate.redactions],
+        uncleaned=[_finding(f) for f in gate.uncleaned],
         inputs_kept=list(gate.inputs_kept),
         injection=InjectionOut(
             fields=[_risk(f) for f in gate.injection],
             highest=None if gate.highest is None else _risk(gate.highest),
         ),
     )
+
+
+def _finding(finding: Finding) -> FindingOut:
+    return FindingOut.model_validate(finding, from_attributes=True)
 
 
 def _risk(field: FieldRisk) -> FieldRiskOut:
