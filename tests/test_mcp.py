@@ -364,7 +364,7 @@ with TestClient(create_app(Settings(embedder="none"))) as client:
     r = client.post("/mcp", json=body, headers={HEADERS!r})
     assert r.status_code == 200, r.text
     names = [t["name"] for t in r.json()["result"]["tools"]]
-    assert names == ["kp_score_trace", "kp_score_traces"], names
+    assert names == ["kp_score_trace", "kp_score_traces", "kp_check_contribution"], names
     assert "mcp" in sys.modules
     assert client.post("/evaluate", json=make_trace()).status_code == 200
 print("ok")

@@ -31,4 +31,4 @@ def test_the_typescript_clients_against_live_servers(tmp_path: Path) -> None:
         ran = npm("test", env=env)
     assert ran.returncode == 0, ran.stdout[-8000:] + ran.stderr[-2000:]
     assert "# fail 0" in ran.stdout
-    assert "# pass 15" in ran.stdout
+    assert "# pass 16" in ran.stdout

@@ -436,32 +436,29 @@ def contribution(
 
 
 def print_findings(answer: ContributionOut) -> None:
+    # Plain lines, never wrapped: a path or a pattern name is read whole.
     e = answer.evaluation
     would = "would" if answer.shareable else "would not"
-    out.print(
+    typer.echo(
         f"{visible(e.trace_id)}: score {e.score:.4f}, the SDK's capture {would} contribute it "
-        f"(threshold {answer.threshold:g})",
-        markup=False,
+        f"(threshold {answer.threshold:g})"
     )
     for title, found in (("redacted", answer.redactions), ("left uncleaned", answer.uncleaned)):
         if not found:
-            out.print(f"  {title}: nothing", markup=False)
+            typer.echo(f"  {title}: nothing")
             continue
-        out.print(f"  {title}:", markup=False)
+        typer.echo(f"  {title}:")
         for f in found:
-            out.print(f"    {visible(f.path)}: {visible(f.type)} x{f.count}", markup=False)
+            typer.echo(f"    {visible(f.path)}: {visible(f.type)} x{f.count}")
     for kept in answer.inputs_kept:
-        out.print(
-            f"  sent as it was (its cleaned JSON did not parse): {visible(kept)}", markup=False
-        )
+        typer.echo(f"  sent as it was (its cleaned JSON did not parse): {visible(kept)}")
     risky = [r for r in answer.injection.fields if r.patterns]
     if not risky:
-        out.print("  injection check: nothing matched", markup=False)
+        typer.echo("  injection check: nothing matched")
     for r in risky:
-        out.print(
+        typer.echo(
             f"  injection check: {visible(r.path)} {r.verdict} ({r.score:g}): "
-            + ", ".join(visible(p) for p in r.patterns),
-            markup=False,
+            + ", ".join(visible(p) for p in r.patterns)
         )
 
 
