@@ -217,7 +217,7 @@ def text_fields(trace: Any, path: str = "") -> Iterator[tuple[str, str]]:
     """The trace's text as (JSON Pointer, string), in JavaScript's key order, but for the fields
     of a fixed form (ids, dates, enumerations). Keys are not fields."""
     if isinstance(trace, str):
-        if path not in _NOT_TEXT and not _STEP_TYPE.fullmatch(path):
+        if path not in _NOT_TEXT and not (path.endswith("/type") and _STEP_TYPE.fullmatch(path)):
             yield path, trace
     elif isinstance(trace, dict):
         for key in js_keys(trace):

@@ -63,11 +63,6 @@ class _Rule:
     test: Test
 
 
-def _search(source: str, flags: str = "") -> Test:
-    pattern = compile_js(source, flags)
-    return lambda t: pattern.search(t.text) is not None
-
-
 def _from_word(source: str, *words: str) -> Test:
     """A case-insensitive rule whose matches begin with one of `words` (lower case): tried
     only where they occur."""
@@ -91,7 +86,14 @@ def _containing(source: str, *needles: str, flags: str = "") -> Test:
     """A rule each of whose matches holds one of `needles`: the search only when one is
     there."""
     pattern = compile_js(source, flags)
-    return lambda t: any(n in t.text for n in needles) and pattern.search(t.text) is not None
+
+    def test(t: _Text) -> bool:
+        for needle in needles:
+            if needle in t.text:
+                return pattern.search(t.text) is not None
+        return False
+
+    return test
 
 
 def _line_start(core: str) -> Test:
@@ -113,6 +115,9 @@ _ZERO_WIDTH = ("\u200b", "\u200c", "\u200d", "\ufeff")
 
 
 def _long_base64_run(t: _Text) -> bool:
+    # A run lies within one word (base64 has no white space): words of 100 first.
+    if len(t.text) < 100 or max(map(len, t.text.split()), default=0) < 100:
+        return False
     return _BASE64_RUN.search(t.text) is not None
 
 
@@ -135,6 +140,8 @@ _SAFE_HOSTS: Final = (
 
 def _suspicious_url_in_code_block(t: _Text) -> bool:
     """A http(s) URL inside a ``` fenced block whose host is none of the SDK's safe ones."""
+    if "```" not in t.text:
+        return False
     for block in _CODE_BLOCK.finditer(t.text):
         for url in _URL.finditer(block.group()):
             host = _PORT.sub("", url.group(1).lower(), count=1)
@@ -173,13 +180,13 @@ _RULES: Final[tuple[_Rule, ...]] = (
     _Rule("from-now-on-you", 0.25, _from_word(r"from\s+now\s+on,?\s+you", "from")),
     _Rule("imagine-you-are", 0.25, _line_start(r"imagine\s+you\s+are")),
     # Chat-template delimiters.
-    _Rule("llama-inst-tag", 0.2, _search(r"\[INST\]", "i")),
-    _Rule("llama-inst-close-tag", 0.2, _search(r"\[\/INST\]", "i")),
-    _Rule("chatml-im-start", 0.2, _search(r"<\|im_start\|>", "i")),
-    _Rule("chatml-im-end", 0.2, _search(r"<\|im_end\|>", "i")),
-    _Rule("llama-sys-open", 0.2, _search(r"<<SYS>>", "i")),
-    _Rule("llama-sys-close", 0.2, _search(r"<<\/SYS>>", "i")),
-    _Rule("system-tag-bracket", 0.2, _search(r"\[SYSTEM\]", "i")),
+    _Rule("llama-inst-tag", 0.2, _containing(r"\[INST\]", "[", flags="i")),
+    _Rule("llama-inst-close-tag", 0.2, _containing(r"\[\/INST\]", "[", flags="i")),
+    _Rule("chatml-im-start", 0.2, _containing(r"<\|im_start\|>", "<|", flags="i")),
+    _Rule("chatml-im-end", 0.2, _containing(r"<\|im_end\|>", "<|", flags="i")),
+    _Rule("llama-sys-open", 0.2, _containing(r"<<SYS>>", "<<", flags="i")),
+    _Rule("llama-sys-close", 0.2, _containing(r"<<\/SYS>>", "<<", flags="i")),
+    _Rule("system-tag-bracket", 0.2, _containing(r"\[SYSTEM\]", "[", flags="i")),
     _Rule(
         "markdown-role-header",
         0.2,
@@ -211,6 +218,13 @@ _RULES: Final[tuple[_Rule, ...]] = (
     _Rule("suspicious-url-in-code-block", 0.2, _suspicious_url_in_code_block),
 )
 
+#: In a text shorter than 100 (the base64 rule's least), what some rule's every match holds,
+#: in lower case: a short text without any matches nothing.
+_QUIET = re.compile(
+    "ignore|forget|disregard|override|new|updated|you|pretend|act|from|imagine|send|output"
+    "|[\\[<#`\u200b-\u200d\ufeff\u202a-\u202e\u2066-\u2069]|[ \t][ \t]"
+)
+
 #: The raw score when every rule fires, summed as the SDK sums it.
 MAX_SCORE: Final = sum(rule.weight for rule in _RULES)
 
@@ -230,10 +244,11 @@ def classify_injection_risk(
     raw = 0.0
     matched: list[str] = []
     text = _Text(content)
-    for rule in _RULES:
-        if rule.test(text):
-            raw += rule.weight
-            matched.append(rule.name)
+    if len(content) >= 100 or _QUIET.search(text.lowered or content.lower()) is not None:
+        for rule in _RULES:
+            if rule.test(text):
+                raw += rule.weight
+                matched.append(rule.name)
     score = min(raw / MAX_SCORE, 1.0)
     verdict: Verdict = "safe"
     if score >= reject_threshold:

@@ -48,6 +48,14 @@ class _Rule:
     category: Category
     pattern: re.Pattern[str]
     replacement: Replacement
+    #: Every match holds one of these: without any, the rule is not run (most text has none).
+    needs: tuple[str, ...] = ()
+
+    def applies(self, text: str) -> bool:
+        for needle in self.needs:
+            if needle in text:
+                return True
+        return not self.needs
 
     def subn(self, text: str) -> tuple[str, int]:
         return self.pattern.subn(self.replacement, text)
@@ -63,7 +71,7 @@ class _WhereRule(_Rule):
         raise NotImplementedError
 
     def subn(self, text: str) -> tuple[str, int]:
-        starts = self.starts(text)
+        starts = None if len(text) <= _SHORT else self.starts(text)
         if starts is None:
             return self.pattern.subn(self.replacement, text)
         pieces: list[str] = []
@@ -90,6 +98,9 @@ class _WhereRule(_Rule):
 #: A pattern tried at a place costs about as much as the engine's scan over this many
 #: characters: past one place in so many, the scan is used instead.
 _PLACES_PER_SCAN = 200
+#: Text this short is scanned by the engine at once: finding the places would cost more.
+_SHORT = 512
+_DIGITS = tuple("0123456789")
 
 
 def _occurrences(haystack: str, needle: str) -> Iterator[int]:
@@ -142,8 +153,8 @@ class _UsPhoneRule(_WhereRule):
         return _windows(iter(tails), 10, 7)
 
 
-# Every IPv4 match has a digit, a dot and a digit.
-_IPV4_HINT = re.compile(r"[0-9][.][0-9]")
+# Every IPv4 match holds this: the first octet's last digit to the last octet's first.
+_IPV4_HINT = re.compile(r"[0-9][.][0-9]{1,3}[.][0-9]{1,3}[.][0-9]")
 
 
 class _IpRule(_Rule):
@@ -176,8 +187,6 @@ class _EmailRule(_Rule):
         part being that run up to `@` and the rest the same: so from a position the leftmost
         match starts there or at a run's start. Each run is read once by the engine instead of
         once per start."""
-        if "@" not in text:
-            return text, 0
         pieces: list[str] = []
         count = last = 0
         at = 0
@@ -205,18 +214,50 @@ _RULES: Final[tuple[_Rule, ...]] = (
             "gi",
         ),
         "[REDACTED:connection_string]",
+        needs=("://",),
     ),
     _Rule(
         "bearer_token",
         "secret",
         compile_js(r"Bearer\s+(?!kp_)[A-Za-z0-9_\-.~+/=]{20,}", "g"),
         "Bearer [REDACTED:bearer_token]",
+        needs=("Bearer",),
     ),
-    _Rule("api_key", "secret", compile_js(r"sk-[A-Za-z0-9]{20,}", "g"), "[REDACTED:api_key]"),
-    _Rule("api_key", "secret", compile_js(r"gh[poas]_[A-Za-z0-9]{36,}", "g"), "[REDACTED:api_key]"),
-    _Rule("api_key", "secret", compile_js(r"AKIA[A-Z0-9]{16}", "g"), "[REDACTED:api_key]"),
-    _Rule("api_key", "secret", compile_js(r"kp_[a-f0-9]{16,}", "g"), "[REDACTED:api_key]"),
-    _Rule("api_key", "secret", compile_js(r"xox[bpras]-[A-Za-z0-9\-]+", "g"), "[REDACTED:api_key]"),
+    _Rule(
+        "api_key",
+        "secret",
+        compile_js(r"sk-[A-Za-z0-9]{20,}", "g"),
+        "[REDACTED:api_key]",
+        needs=("sk-",),
+    ),
+    _Rule(
+        "api_key",
+        "secret",
+        compile_js(r"gh[poas]_[A-Za-z0-9]{36,}", "g"),
+        "[REDACTED:api_key]",
+        needs=("ghp_", "gho_", "gha_", "ghs_"),
+    ),
+    _Rule(
+        "api_key",
+        "secret",
+        compile_js(r"AKIA[A-Z0-9]{16}", "g"),
+        "[REDACTED:api_key]",
+        needs=("AKIA",),
+    ),
+    _Rule(
+        "api_key",
+        "secret",
+        compile_js(r"kp_[a-f0-9]{16,}", "g"),
+        "[REDACTED:api_key]",
+        needs=("kp_",),
+    ),
+    _Rule(
+        "api_key",
+        "secret",
+        compile_js(r"xox[bpras]-[A-Za-z0-9\-]+", "g"),
+        "[REDACTED:api_key]",
+        needs=("xox",),
+    ),
     _PasswordRule(
         "password",
         "secret",
@@ -227,16 +268,24 @@ _RULES: Final[tuple[_Rule, ...]] = (
             "gi",
         ),
         _password,
+        needs=("=", ":"),
     ),
     # Identifiers: redacted at "aggregated" and "federated", kept at "private".
-    _EmailRule("email", "identifier", _EMAIL, "[REDACTED:email]"),
+    _EmailRule("email", "identifier", _EMAIL, "[REDACTED:email]", needs=("@",)),
     _UsPhoneRule(
         "phone",
         "identifier",
         compile_js(r"(?:\+?1[-.\s]?)?\(?\d{3}\)?[-.\s]?\s?\d{3}[-.\s]\d{4}\b", "g"),
         "[REDACTED:phone]",
+        needs=_DIGITS,
     ),
-    _Rule("phone", "identifier", compile_js(r"\+[1-9]\d{6,14}\b", "g"), "[REDACTED:phone]"),
+    _Rule(
+        "phone",
+        "identifier",
+        compile_js(r"\+[1-9]\d{6,14}\b", "g"),
+        "[REDACTED:phone]",
+        needs=("+",),
+    ),
     _IpRule(
         "ip",
         "identifier",
@@ -246,32 +295,42 @@ _RULES: Final[tuple[_Rule, ...]] = (
             "g",
         ),
         "[REDACTED:ip]",
+        needs=(".",),
     ),
     _Rule(
         "filepath",
         "identifier",
         compile_js(r"\/(?:home|Users)\/[a-zA-Z0-9._\-]+(?:\/[^\s'\"`,;)}\]]*)?", "g"),
         "[REDACTED:filepath]",
+        needs=("/home/", "/Users/"),
     ),
     _WindowsPathRule(
         "filepath",
         "identifier",
         compile_js(r"[A-Z]:\\Users\\[a-zA-Z0-9._\-]+(?:\\[^\s'\"`,;)}\]]*)*", "g"),
         "[REDACTED:filepath]",
+        needs=(":\\Users\\",),
     ),
 )
+
+
+#: Something every rule's match holds (their `needs`, IPv4's and phones' digits): a text
+#: without any is clean as it is, found in one scan.
+_SCREEN = re.compile(r"[0-9=:@+]|Bearer|sk-|gh[poas]_|AKIA|kp_|xox|/home/|/Users/")
 
 
 def clean_pii(text: str, level: str | None = None) -> Cleaned:
     """`cleanPii(text, level)`: secrets always, identifiers unless `level` is "private"
     (None: the SDK's default, "aggregated")."""
-    if not text:
+    if not text or (len(text) <= _SHORT and _SCREEN.search(text) is None):
         return Cleaned(text, ())
-    astral = has_astral(text)
+    astral = not text.isascii() and has_astral(text)
     cleaned = to_code_units(text) if astral else text
     counts: dict[str, int] = {}
     for rule in _RULES:
         if level == "private" and rule.category == "identifier":
+            continue
+        if not rule.applies(cleaned):
             continue
         cleaned, n = rule.subn(cleaned)
         if n:
