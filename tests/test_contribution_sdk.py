@@ -194,7 +194,7 @@ def _cost(text: str) -> float:
 def test_hostile_text_costs_linear_work(shape: str) -> None:
     """Eight times the text costs about eight times the work, not sixty-four (quadratic); the
     bound is generous (a busy machine times noisily), the quadratic case far past it. The
-    SDK takes seconds on 50 KB of letters; 20 KB here gives a quadratic pattern 2e8 steps."""
-    small, large = (HOSTILE[shape](n) for n in (20_000, 160_000))
-    base = max(_cost(small), 1e-3)
+    SDK takes seconds on 50 KB of letters; 40 KB here gives a quadratic pattern 8e8 steps."""
+    small, large = (HOSTILE[shape](n) for n in (40_000, 320_000))
+    base = max(_cost(small), 2e-3)
     assert _cost(large) < 24 * base

@@ -108,17 +108,24 @@ def _line_start(core: str) -> Test:
     )
 
 
-# Tried where a run begins only: a run of 100 or more exists iff one begins with 100.
-_BASE64_RUN = re.compile(r"(?<![A-Za-z0-9+/=])[A-Za-z0-9+/=]{100}", re.ASCII)
 _BIDI = tuple(chr(c) for c in (*range(0x202A, 0x202F), *range(0x2066, 0x206A)))
 _ZERO_WIDTH = ("\u200b", "\u200c", "\u200d", "\ufeff")
 
 
+# Base64's characters as `a`, anything else (a byte of a longer UTF-8 sequence too) as a
+# space: a run of 100 is then a substring, found by one C pass and a search.
+_BASE64_SHAPE = bytes(
+    ord("a") if chr(b).isascii() and (chr(b).isalnum() or chr(b) in "+/=") else ord(" ")
+    for b in range(256)
+)
+_RUN_OF_100 = b"a" * 100
+
+
 def _long_base64_run(t: _Text) -> bool:
-    # A run lies within one word (base64 has no white space): words of 100 first.
-    if len(t.text) < 100 or max(map(len, t.text.split()), default=0) < 100:
+    if len(t.text) < 100:
         return False
-    return _BASE64_RUN.search(t.text) is not None
+    shape = t.text.encode("utf-8", "surrogatepass").translate(_BASE64_SHAPE)
+    return _RUN_OF_100 in shape
 
 
 _CODE_BLOCK = re.compile(r"```[\s\S]*?```")

@@ -16,7 +16,6 @@ only tried where one can start (see `_email_subn`), with the same matches.
 
 from __future__ import annotations
 
-import heapq
 import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -100,7 +99,6 @@ class _WhereRule(_Rule):
 _PLACES_PER_SCAN = 200
 #: Text this short is scanned by the engine at once: finding the places would cost more.
 _SHORT = 512
-_DIGITS = tuple("0123456789")
 
 
 def _occurrences(haystack: str, needle: str) -> Iterator[int]:
@@ -124,16 +122,48 @@ class _ConnectionStringRule(_WhereRule):
         return _windows(_occurrences(text, "://"), 11, -4)
 
 
-#: The password rule's keys begin with one of these (any case, ASCII folding).
-_KEY_HEADS = ("pass", "secret", "token", "api", "access_", "auth_")
+#: The password rule's keys; a match is one, then JavaScript white space, then `=` or `:`.
+_KEYS = (
+    "password",
+    "passwd",
+    "secret",
+    "token",
+    "api_key",
+    "apikey",
+    "api_secret",
+    "access_token",
+    "auth_token",
+)
+_SPACE = frozenset(
+    "\t\n\v\f\r \u00a0\u1680\u2028\u2029\u202f\u205f\u3000\ufeff"
+    + "".join(chr(c) for c in range(0x2000, 0x200B))
+)
 
 
 class _PasswordRule(_WhereRule):
-    def starts(self, text: str) -> Iterator[int]:
-        lowered = text.lower()
-        if len(lowered) != len(text):  # U+0130 lowers to two characters: positions move
-            return iter(range(len(text)))
-        return heapq.merge(*(_occurrences(lowered, head) for head in _KEY_HEADS))
+    def starts(self, text: str) -> Iterable[int] | None:
+        """Found from the separators (few in most text): back over the white space before
+        each, then each key that ends there (any case: the pattern decides)."""
+        if (text.count("=") + text.count(":")) * _PLACES_PER_KEY > len(text):
+            return None
+        found: set[int] = set()
+        for separator in "=:":
+            at = text.find(separator)
+            while at != -1:
+                end = at
+                while end and text[end - 1] in _SPACE:
+                    end -= 1
+                for key in _KEYS:
+                    start = end - len(key)
+                    if start >= 0 and text[start:end].lower() == key:
+                        found.add(start)
+                at = text.find(separator, at + 1)
+        return sorted(found)
+
+
+#: Checking a separator's keys costs about as much as the engine's scan over this many
+#: characters.
+_PLACES_PER_KEY = 100
 
 
 # What ends every US phone match: 3 digits, a separator, 4 digits; the match starts at most 10
@@ -141,7 +171,36 @@ class _PasswordRule(_WhereRule):
 _PHONE_TAIL = compile_js(r"[0-9][0-9][0-9][-.\s][0-9]{4}")  # [0-9] first: a quick scan
 
 
+def _shape_table(classes: dict[bytes, bytes]) -> bytes:
+    """A bytes.translate table: ASCII as its class's mark (else x), other bytes unchanged."""
+    table = bytearray(b"x" * 128 + bytes(range(128, 256)))
+    for members, mark in classes.items():
+        for byte in members:
+            table[byte] = mark[0]
+    return bytes(table)
+
+
+def _utf8(text: str) -> bytes:
+    return text.encode("utf-8", "surrogatepass")
+
+
+# A text's UTF-8 as the shapes the phone and IPv4 patterns need, in one C pass: ASCII digits as
+# 0, the phone's ASCII separators ([-.] and white space) as s, the dots as dots, other ASCII as
+# x; non-ASCII bytes as they are, so that JavaScript's non-ASCII white space (U+00A0, U+1680,
+# U+2000-U+200A, U+2028, U+2029, U+202F, U+205F, U+3000, U+FEFF) is still seen between digits.
+_PHONE_SHAPE = _shape_table({b"0123456789": b"0", b"-. \t\n\v\f\r": b"s"})
+_PHONE_IN_SHAPE = re.compile(
+    rb"000(?:s|\xc2\xa0|\xe1\x9a\x80|\xe2\x80[\x80-\x8a\xa8\xa9\xaf]|\xe2\x81\x9f"
+    rb"|\xe3\x80\x80|\xef\xbb\xbf)0000"
+)
+_IPV4_SHAPE = _shape_table({b"0123456789": b"0", b".": b"."})
+_IPV4_IN_SHAPE = re.compile(rb"0\.0{1,3}\.0{1,3}\.0")
+
+
 class _UsPhoneRule(_WhereRule):
+    def applies(self, text: str) -> bool:
+        return _PHONE_IN_SHAPE.search(_utf8(text).translate(_PHONE_SHAPE)) is not None
+
     def starts(self, text: str) -> Iterable[int] | None:
         tails: list[int] = []
         most = len(text) // _PLACES_PER_SCAN
@@ -153,15 +212,9 @@ class _UsPhoneRule(_WhereRule):
         return _windows(iter(tails), 10, 7)
 
 
-# Every IPv4 match holds this: the first octet's last digit to the last octet's first.
-_IPV4_HINT = re.compile(r"[0-9][.][0-9]{1,3}[.][0-9]{1,3}[.][0-9]")
-
-
 class _IpRule(_Rule):
-    def subn(self, text: str) -> tuple[str, int]:
-        if "." not in text or _IPV4_HINT.search(text) is None:
-            return text, 0
-        return self.pattern.subn(self.replacement, text)
+    def applies(self, text: str) -> bool:
+        return _IPV4_IN_SHAPE.search(_utf8(text).translate(_IPV4_SHAPE)) is not None
 
 
 class _WindowsPathRule(_WhereRule):
@@ -277,7 +330,6 @@ _RULES: Final[tuple[_Rule, ...]] = (
         "identifier",
         compile_js(r"(?:\+?1[-.\s]?)?\(?\d{3}\)?[-.\s]?\s?\d{3}[-.\s]\d{4}\b", "g"),
         "[REDACTED:phone]",
-        needs=_DIGITS,
     ),
     _Rule(
         "phone",
@@ -295,7 +347,6 @@ _RULES: Final[tuple[_Rule, ...]] = (
             "g",
         ),
         "[REDACTED:ip]",
-        needs=(".",),
     ),
     _Rule(
         "filepath",
