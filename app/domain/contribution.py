@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from app.domain.injection import Assessment, classify_injection_risk
+from app.domain.injection import Assessment, classify_all
 from app.domain.js_json import JsonSyntaxError, as_sent, js_keys, js_value, parse, stringify
 from app.domain.pii import Cleaned, clean_pii
 
@@ -133,10 +133,13 @@ def prepare(
         redactions=tuple(redactions),
         uncleaned=tuple(others),
         inputs_kept=tuple(kept),
-        injection=tuple(
-            FieldRisk(path, classify_injection_risk(text)) for path, text in text_fields(trace)
-        ),
+        injection=_risks(list(text_fields(trace))),
     )
+
+
+def _risks(fields: list[tuple[str, str]]) -> tuple[FieldRisk, ...]:
+    found = classify_all([text for _, text in fields])
+    return tuple(FieldRisk(path, a) for (path, _), a in zip(fields, found, strict=True))
 
 
 def _clean_rest(
@@ -192,14 +195,21 @@ def _leaves(value: Any, path: str, level: str | None, findings: list[Finding], a
     return value
 
 
-_SURROGATE = re.compile("[\ud800-\udfff]")
+def _not_utf8(text: str) -> bool:
+    if text.isascii():
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a surrogate: the only str that UTF-8 cannot encode
+        return True
+    return False
 
 
 def lone_surrogate(value: Any, at: tuple[str | int, ...] = ()) -> tuple[str | int, ...] | None:
     """Where the first string (or key: then its member) holding a lone surrogate is, which
     JSON can escape and JavaScript holds but UTF-8 cannot carry; None when none does."""
     if isinstance(value, str):
-        return at if not value.isascii() and _SURROGATE.search(value) else None
+        return at if _not_utf8(value) else None
     if isinstance(value, dict):
         for key, item in value.items():
             found = lone_surrogate(key, (*at, key)) or lone_surrogate(item, (*at, key))

@@ -8,18 +8,20 @@ rules' names, weights, order and patterns are the SDK's; the code around them is
 Weights are summed as floats in rule order and the score rounded as `Math.round` does (halves
 up), so `max_score` is 5.550000000000003 as in the SDK.
 
-Two rules are tested another way with the same outcome, in linear time (the SDK's forms are
+Each rule is tried only where it can match (docs/decisions/sdk-patterns-where-they-can-match.md):
+a case-insensitive one where its first word occurs, one needing a character where it occurs.
+Two are tested another way, with the same outcome, in linear time (the SDK's forms are
 quadratic on long runs): a line-start rule (`(?:^|\\n)\\s*(?:[-*>]\\s*)?...`, where `\\s*` also
 takes line feeds) matches iff it matches from the last line feed before its words, so its
-leading white space need not cross one; and a base64 run of 100 or more is looked for as runs,
-each read once.
+leading white space need not cross one; and a base64 run of 100 or more is looked for in a
+translated copy of the text.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final, Literal
 
@@ -61,6 +63,15 @@ class _Rule:
     name: str
     weight: float
     test: Test
+    #: In lower case, what each match holds one of (none: anything may match); for many texts
+    #: at once, a rule none of them holds a hint of is not tried on any (`classify_all`).
+    hints: tuple[str, ...] = ()
+
+    def may_match(self, lowered: str) -> bool:
+        for hint in self.hints:
+            if hint in lowered:
+                return True
+        return not self.hints
 
 
 def _from_word(source: str, *words: str) -> Test:
@@ -110,6 +121,7 @@ def _line_start(core: str) -> Test:
 
 _BIDI = tuple(chr(c) for c in (*range(0x202A, 0x202F), *range(0x2066, 0x206A)))
 _ZERO_WIDTH = ("\u200b", "\u200c", "\u200d", "\ufeff")
+_BLANKS = ("  ", " \t", "\t ", "\t\t")
 
 
 # Base64's characters as `a`, anything else (a byte of a longer UTF-8 sequence too) as a
@@ -163,57 +175,76 @@ _RULES: Final[tuple[_Rule, ...]] = (
         "ignore-previous-instructions",
         0.3,
         _from_word(r"ignore\s+(all\s+)?previous\s+instructions", "ignore"),
+        ("ignore",),
     ),
     _Rule(
         "forget-instructions",
         0.3,
         _from_word(r"forget\s+(all\s+)?(your\s+|prior\s+)?instructions", "forget"),
+        ("forget",),
     ),
     _Rule(
         "disregard-instructions",
         0.3,
         _from_word(r"disregard\s+(all\s+)?(your\s+|above\s+)?instructions", "disregard"),
+        ("disregard",),
     ),
-    _Rule("override-prompt", 0.3, _from_word(r"override\s+(your\s+|system\s+)?prompt", "override")),
+    _Rule(
+        "override-prompt",
+        0.3,
+        _from_word(r"override\s+(your\s+|system\s+)?prompt", "override"),
+        ("override",),
+    ),
     _Rule(
         "new-updated-instructions",
         0.3,
         _from_word(r"(?:new|updated)\s+instructions\s*:", "new", "updated"),
+        ("new", "updated"),
     ),
     # Role play.
-    _Rule("you-are-now", 0.25, _line_start(r"you\s+are\s+now\s+")),
-    _Rule("pretend-to-be", 0.25, _line_start(r"pretend\s+(?:you\s+are|to\s+be)")),
-    _Rule("act-as", 0.25, _line_start(r"act\s+as\s+(?:a\s+|an\s+)?")),
-    _Rule("from-now-on-you", 0.25, _from_word(r"from\s+now\s+on,?\s+you", "from")),
-    _Rule("imagine-you-are", 0.25, _line_start(r"imagine\s+you\s+are")),
+    _Rule("you-are-now", 0.25, _line_start(r"you\s+are\s+now\s+"), ("you",)),
+    _Rule("pretend-to-be", 0.25, _line_start(r"pretend\s+(?:you\s+are|to\s+be)"), ("pretend",)),
+    _Rule("act-as", 0.25, _line_start(r"act\s+as\s+(?:a\s+|an\s+)?"), ("act",)),
+    _Rule("from-now-on-you", 0.25, _from_word(r"from\s+now\s+on,?\s+you", "from"), ("from",)),
+    _Rule("imagine-you-are", 0.25, _line_start(r"imagine\s+you\s+are"), ("imagine",)),
     # Chat-template delimiters.
-    _Rule("llama-inst-tag", 0.2, _containing(r"\[INST\]", "[", flags="i")),
-    _Rule("llama-inst-close-tag", 0.2, _containing(r"\[\/INST\]", "[", flags="i")),
-    _Rule("chatml-im-start", 0.2, _containing(r"<\|im_start\|>", "<|", flags="i")),
-    _Rule("chatml-im-end", 0.2, _containing(r"<\|im_end\|>", "<|", flags="i")),
-    _Rule("llama-sys-open", 0.2, _containing(r"<<SYS>>", "<<", flags="i")),
-    _Rule("llama-sys-close", 0.2, _containing(r"<<\/SYS>>", "<<", flags="i")),
-    _Rule("system-tag-bracket", 0.2, _containing(r"\[SYSTEM\]", "[", flags="i")),
+    _Rule("llama-inst-tag", 0.2, _containing(r"\[INST\]", "[", flags="i"), ("[inst]",)),
+    _Rule("llama-inst-close-tag", 0.2, _containing(r"\[\/INST\]", "[", flags="i"), ("[/inst]",)),
+    _Rule(
+        "chatml-im-start", 0.2, _containing(r"<\|im_start\|>", "<|", flags="i"), ("<|im_start|>",)
+    ),
+    _Rule("chatml-im-end", 0.2, _containing(r"<\|im_end\|>", "<|", flags="i"), ("<|im_end|>",)),
+    _Rule("llama-sys-open", 0.2, _containing(r"<<SYS>>", "<<", flags="i"), ("<<sys>>",)),
+    _Rule("llama-sys-close", 0.2, _containing(r"<<\/SYS>>", "<<", flags="i"), ("<</sys>>",)),
+    _Rule("system-tag-bracket", 0.2, _containing(r"\[SYSTEM\]", "[", flags="i"), ("[system]",)),
     _Rule(
         "markdown-role-header",
         0.2,
         _containing(r"###\s*(?:System|Human|Assistant)\s*:", "###", flags="i"),
+        ("###",),
     ),
     # Hidden content.
     _Rule("long-base64-block", 0.15, _long_base64_run),
-    _Rule("bidi-override-chars", 0.15, _containing(r"[\u202A-\u202E\u2066-\u2069]", *_BIDI)),
+    _Rule("bidi-override-chars", 0.15, _containing(r"[\u202A-\u202E\u2066-\u2069]", *_BIDI), _BIDI),
     _Rule(
         "zero-width-steganography",
         0.15,
         _containing(r"(?:\u200B|\u200C|\u200D|\uFEFF){3,}", *_ZERO_WIDTH),
+        _ZERO_WIDTH,
     ),
     _Rule(
         "excessive-whitespace-encoding",
         0.15,
-        _containing(r"[ \t]{21,}", "  ", " \t", "\t ", "\t\t"),
+        _containing(r"[ \t]{21,}", *_BLANKS),
+        _BLANKS,
     ),
     # Exfiltration.
-    _Rule("send-data-pattern", 0.2, _from_word(r"send\s+(?:this|the|all)\s+(?:to|via)\b", "send")),
+    _Rule(
+        "send-data-pattern",
+        0.2,
+        _from_word(r"send\s+(?:this|the|all)\s+(?:to|via)\b", "send"),
+        ("send",),
+    ),
     _Rule(
         "output-to-endpoint",
         0.2,
@@ -221,8 +252,9 @@ _RULES: Final[tuple[_Rule, ...]] = (
             r"output\s+(?:(?:to|the)\s+)+(?:following|this)\s+(?:url|endpoint|webhook)",
             "output",
         ),
+        ("output",),
     ),
-    _Rule("suspicious-url-in-code-block", 0.2, _suspicious_url_in_code_block),
+    _Rule("suspicious-url-in-code-block", 0.2, _suspicious_url_in_code_block, ("```",)),
 )
 
 #: In a text shorter than 100 (the base64 rule's least), what some rule's every match holds,
@@ -248,12 +280,27 @@ def classify_injection_risk(
     reject_threshold: float = REJECT_THRESHOLD,
     suspicious_threshold: float = SUSPICIOUS_THRESHOLD,
 ) -> Assessment:
+    return _classify(content, _RULES, reject_threshold, suspicious_threshold)
+
+
+def classify_all(contents: Sequence[str]) -> list[Assessment]:
+    """`classify_injection_risk` of each (the SDK's default thresholds), the rules that none
+    of them holds a hint of set aside once for all."""
+    lowered = "\x00".join(contents).lower()
+    rules = tuple(rule for rule in _RULES if rule.may_match(lowered))
+    return [_classify(c, rules, REJECT_THRESHOLD, SUSPICIOUS_THRESHOLD) for c in contents]
+
+
+def _classify(
+    content: str, rules: tuple[_Rule, ...], reject_threshold: float, suspicious_threshold: float
+) -> Assessment:
     raw = 0.0
     matched: list[str] = []
     text = _Text(content)
-    if len(content) >= 100 or _QUIET.search(text.lowered or content.lower()) is not None:
-        for rule in _RULES:
-            if rule.test(text):
+    lowered = text.lowered or content.lower()
+    if len(content) >= 100 or _QUIET.search(lowered) is not None:
+        for rule in rules:
+            if rule.may_match(lowered) and rule.test(text):
                 raw += rule.weight
                 matched.append(rule.name)
     score = min(raw / MAX_SCORE, 1.0)

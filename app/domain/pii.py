@@ -10,8 +10,10 @@ their matches by type in the order types first occur.
 
 JavaScript's semantics (app/domain/js_regex.py): the text is matched as UTF-16 code units, with
 ASCII `\\d \\b` and case folding and JavaScript's `\\s`. The SDK's email pattern backtracks over
-every start in a long run of letters or digits (quadratic: 50 KB takes seconds); here a match is
-only tried where one can start (see `_email_subn`), with the same matches.
+every start in a long run of letters or digits (quadratic: 50 KB takes seconds), and patterns
+without a literal start cost a try at every position; here each pattern is tried only where
+one of its matches can start, with the same matches (docs/decisions/
+sdk-patterns-where-they-can-match.md).
 """
 
 from __future__ import annotations
