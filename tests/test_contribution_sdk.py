@@ -15,7 +15,7 @@ import pytest
 
 from app.domain import js_json
 from app.domain.contribution import lone_surrogate, prepare, text_fields
-from app.domain.injection import MAX_SCORE, classify_injection_risk
+from app.domain.injection import MAX_SCORE, classify_all, classify_injection_risk
 from app.domain.pii import clean_pii
 
 FIXTURES = Path(__file__).parent / "fixtures" / "contribution"
@@ -52,6 +52,15 @@ def test_classify_injection_risk_is_the_sdks(row: dict[str, Any]) -> None:
     got = {"score": a.score, "maxScore": a.max_score, "patterns": list(a.patterns)}
     got["verdict"] = a.verdict
     assert got == row["assessment"]
+
+
+def test_classify_all_is_classify_each() -> None:
+    """Rules set aside for a group of texts (none holds their words) match none of them."""
+    contents = [r["content"] for r in INJECTION if r["options"] is None]
+    each = [classify_injection_risk(c) for c in contents]
+    assert classify_all(contents) == each
+    for start in range(0, len(contents), 7):  # small groups: more rules set aside
+        assert classify_all(contents[start : start + 7]) == each[start : start + 7]
 
 
 def _pointer(field: str) -> str:
@@ -104,6 +113,7 @@ def test_quality_score_and_js_numbers() -> None:
 
 def test_uncleaned_finds_what_capture_leaves_and_clean_all_cleans_it() -> None:
     trace = {
+        "token=s3cr3tvalue": 1,  # an unknown key: kept by the schema, read here too
         "metadata": {"privacy_level": "aggregated", "agent_id": "ops@example.com"},
         "task": {"objective": "deploy with sk-abcdefghijklmnopqrstuvwxyz"},
         "steps": [{"step_id": 0, "type": "thought", "content": "call +14155552671"}],
@@ -112,6 +122,7 @@ def test_uncleaned_finds_what_capture_leaves_and_clean_all_cleans_it() -> None:
     gate = prepare(trace)
     assert [(f.path, f.type) for f in gate.redactions] == [("/steps/0/content", "phone")]
     assert [(f.path, f.type) for f in gate.uncleaned] == [
+        ("/token=s3cr3tvalue", "password"),
         ("/metadata/agent_id", "email"),
         ("/task/objective", "api_key"),
         ("/outcome/result_summary", "ip"),
@@ -119,7 +130,8 @@ def test_uncleaned_finds_what_capture_leaves_and_clean_all_cleans_it() -> None:
     assert gate.contribution["task"]["objective"] == trace["task"]["objective"]
     cleaned = prepare(trace, clean_all=True)
     assert cleaned.uncleaned == ()
-    assert len(cleaned.redactions) == 4
+    assert len(cleaned.redactions) == 5
+    assert "token=[REDACTED:password]" in cleaned.contribution
     assert cleaned.contribution["task"]["objective"] == "deploy with [REDACTED:api_key]"
     assert cleaned.contribution["metadata"]["agent_id"] == "[REDACTED:email]"
 

@@ -154,6 +154,7 @@ def _clean_rest(
     out: dict[str, Any] = {}
     for key, value in sent.items():
         path = f"/{pointer_token(key)}"
+        name = _key(key, path, level, findings, apply)
         if key == "steps" and isinstance(value, list):
             steps = []
             for i, step in enumerate(value):
@@ -161,18 +162,25 @@ def _clean_rest(
                     steps.append(_leaves(step, f"/steps/{i}", level, findings, apply))
                     continue
                 kept_step = {}
-                for name, field in step.items():
-                    at = f"/steps/{i}/{pointer_token(name)}"
-                    kept_step[name] = (
+                for field_key, field in step.items():
+                    at = f"/steps/{i}/{pointer_token(field_key)}"
+                    kept_step[_key(field_key, at, level, findings, apply)] = (
                         field
-                        if (i, name) in captured
+                        if (i, field_key) in captured
                         else _leaves(field, at, level, findings, apply)
                     )
                 steps.append(kept_step)
-            out[key] = steps
+            out[name] = steps
         else:
-            out[key] = _leaves(value, path, level, findings, apply)
+            out[name] = _leaves(value, path, level, findings, apply)
     return out
+
+
+def _key(key: str, path: str, level: str | None, findings: list[Finding], apply: bool) -> str:
+    """An object's key, read (and with `apply`, cleaned); its findings at its member."""
+    cleaned = clean_pii(key, level)
+    _note(findings, path, cleaned)
+    return cleaned.text if apply else key
 
 
 def _leaves(value: Any, path: str, level: str | None, findings: list[Finding], apply: bool) -> Any:
@@ -184,9 +192,7 @@ def _leaves(value: Any, path: str, level: str | None, findings: list[Finding], a
         out = {}
         for key, item in value.items():
             at = f"{path}/{pointer_token(key)}"
-            name = clean_pii(key, level)
-            _note(findings, at, name)
-            out[name.text if apply else key] = _leaves(item, at, level, findings, apply)
+            out[_key(key, at, level, findings, apply)] = _leaves(item, at, level, findings, apply)
         return out
     if isinstance(value, list):
         return [
