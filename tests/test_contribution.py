@@ -236,3 +236,22 @@ def test_the_client_and_the_cli(server: Server, tmp_path: Path) -> None:
     assert "/steps/2/content safe" in found.stdout
     bad = CliRunner().invoke(cli, ["contribution", "-"], input="[1]", env=env)
     assert bad.exit_code == 2
+
+
+def test_a_large_trace_over_mcp_is_prepared_off_the_loop(client_no_embedder: TestClient) -> None:
+    """Past 64 KiB of body the text work runs in a thread; the answer is the same."""
+    steps = [step(i, "thought", f"call +1415555{i:04d} " + "x" * 900) for i in range(100)]
+    trace = make_trace(steps=steps)
+    rpc = {"name": "kp_check_contribution", "arguments": {**trace, "dry_run": True}}
+    r = client_no_embedder.post(
+        "/mcp",
+        json={"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": rpc},
+        headers={
+            "accept": "application/json, text/event-stream",
+            "mcp-protocol-version": "2025-11-25",
+        },
+    )
+    structured = r.json()["result"]["structuredContent"]
+    rest = client_no_embedder.post("/contribution", json=trace, params={"dry_run": "true"}).json()
+    assert {**structured, "evaluation": None} == {**rest, "evaluation": None}
+    assert len(rest["redactions"]) == 100

@@ -29,7 +29,11 @@ from pydantic import BaseModel, ValidationError
 from app.api.batch_cost import charge_batch
 from app.api.deps import Services
 from app.api.presenters import evaluation_out
-from app.api.routes.contribution import contribution_answer, lone_surrogate_errors
+from app.api.routes.contribution import (
+    INLINE_BODY_BYTES,
+    contribution_answer,
+    lone_surrogate_errors,
+)
 from app.core.api_keys import ApiKey
 from app.core.signatures import unsignable_errors
 from app.core.version import VERSION
@@ -120,6 +124,15 @@ def _api_key(ctx: Any) -> ApiKey | None:
     scope = getattr(getattr(ctx, "request", None), "scope", None) or {}
     key = scope.get("state", {}).get("api_key")
     return key if isinstance(key, ApiKey) else None
+
+
+def _body_bytes(ctx: Any) -> int:
+    """The HTTP request's declared body size (0 when unknown)."""
+    scope = getattr(getattr(ctx, "request", None), "scope", None) or {}
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length" and value.isdigit():
+            return int(value)
+    return 0
 
 
 def _tool_error(text: str) -> types.CallToolResult:
@@ -244,8 +257,9 @@ class McpTools:
             return _tool_error(f"overloaded, nothing was scored; retry in a second: {exc}")
         if contributing:
             (evaluation,) = evaluations
+            large = _body_bytes(ctx) > INLINE_BODY_BYTES
             answer = await contribution_answer(
-                s, evaluation, arguments, signed=True, dry_run=dry_run, large=False
+                s, evaluation, arguments, signed=True, dry_run=dry_run, large=large
             )
             return types.CallToolResult(
                 content=[types.TextContent(text=contribution_summary(answer))],
