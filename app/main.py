@@ -25,7 +25,7 @@ from app.api.asgi.request_bounds import RequestBounds
 from app.api.asgi.request_id import RequestId
 from app.api.deps import Services
 from app.api.errors import install_error_handlers
-from app.api.routes import cache, evaluate, health, jwks
+from app.api.routes import cache, contribution, evaluate, health, jwks
 from app.core.api_keys import KeyRing
 from app.core.config import Settings
 from app.core.metrics import Metrics
@@ -81,7 +81,14 @@ def create_app(settings: Settings, *, cpu: CpuFeatures | None = None) -> FastAPI
         lifespan=lifespan,
         middleware=pipeline(settings, metrics, keys),
     )
-    for router in (evaluate.router, mcp.router, cache.router, health.router, jwks.router):
+    for router in (
+        evaluate.router,
+        contribution.router,
+        mcp.router,
+        cache.router,
+        health.router,
+        jwks.router,
+    ):
         app.include_router(router)
     install_error_handlers(app)
     openapi_doc.install(app, settings)

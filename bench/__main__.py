@@ -15,6 +15,8 @@ Phases (default: all; `python -m bench PHASE --help` for each one's options):
 - precision: int8 mode against float32, in process (bench/precision.py);
 - journal: what the in-process journal costs a request and an import, side by side with it
   off (bench/journal.py);
+- contribution: POST /contribution against POST /evaluate on the same traces, and on
+  megabyte traces against a full model window (bench/contribution.py);
 - all: every figure of bench/results/latest.json (floor, load, window, shared, first
   requests), then the reference and memory phases. See bench/README.md.
 """
@@ -35,6 +37,7 @@ import numpy as np
 from app.domain.vector_cache import VectorCache
 from bench import (
     cold_start,
+    contribution,
     corpus,
     floor,
     journal,
@@ -326,6 +329,7 @@ DELEGATED = {
     "shared": shared.main,
     "precision": precision.main,
     "journal": journal.main,
+    "contribution": contribution.main,
 }
 PHASES = ("all", "floor", "load", "window", *DELEGATED)
 

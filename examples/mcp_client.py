@@ -18,6 +18,6 @@ async def main(trace: dict) -> None:
 
 with open("examples/trace.json", encoding="utf-8") as file:
     asyncio.run(main(json.load(file)))
-# ['kp_score_trace', 'kp_score_traces']
+# ['kp_score_trace', 'kp_score_traces', 'kp_check_contribution']
 # 0.57625
 # score 0.57625 is below the 0.75 sharing threshold; task_domain not recognised, scored with the default weights; novelty not measured (cache_empty)

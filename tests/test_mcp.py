@@ -18,6 +18,7 @@ from mcp import Client, MCPError
 
 from app.core.config import Settings
 from app.main import create_app
+from app.schemas.contribution import ContributionOut
 from app.schemas.responses import BatchIn, BatchOut, EvaluationOut
 from app.schemas.trace import ReasoningTrace
 from tests.conftest import ClientFactory, hold_runs, load_fixture
@@ -76,8 +77,11 @@ def test_the_tools_and_their_schemas_are_the_rest_apis(
             assert client.session.protocol_version == version
             return (await client.list_tools()).tools
 
-    one, batch = asyncio.run(go())
+    one, batch, contribution = asyncio.run(go())
     assert (one.name, batch.name) == ("kp_score_trace", "kp_score_traces")
+    assert contribution.name == "kp_check_contribution"
+    assert contribution.input_schema == one.input_schema
+    assert contribution.output_schema == ContributionOut.model_json_schema()
     trace_schema = ReasoningTrace.model_json_schema(by_alias=True)
     own = ("dry_run", "namespace")
     assert {k: v for k, v in one.input_schema["properties"].items() if k not in own} == (
@@ -362,7 +366,7 @@ with TestClient(create_app(Settings(embedder="none"))) as client:
     r = client.post("/mcp", json=body, headers={HEADERS!r})
     assert r.status_code == 200, r.text
     names = [t["name"] for t in r.json()["result"]["tools"]]
-    assert names == ["kp_score_trace", "kp_score_traces"], names
+    assert names == ["kp_score_trace", "kp_score_traces", "kp_check_contribution"], names
     assert "mcp" in sys.modules
     assert client.post("/evaluate", json=make_trace()).status_code == 200
 print("ok")

@@ -33,10 +33,16 @@ from app.api.batch_cost import charge_batch
 from app.api.deps import Services
 from app.api.presenters import evaluation_out
 from app.core import namespaces
+from app.api.routes.contribution import (
+    INLINE_BODY_BYTES,
+    contribution_answer,
+    lone_surrogate_errors,
+)
 from app.core.api_keys import ApiKey
 from app.core.metrics import Metrics
 from app.core.signatures import unsignable_errors
 from app.core.version import VERSION
+from app.schemas.contribution import ContributionOut
 from app.schemas.ids import visible
 from app.schemas.responses import BatchIn, BatchOut, EvaluationOut
 from app.schemas.trace import ReasoningTrace
@@ -48,6 +54,7 @@ log = logging.getLogger(__name__)
 
 SCORE_TRACE: Final = "kp_score_trace"
 SCORE_TRACES: Final = "kp_score_traces"
+CHECK_CONTRIBUTION: Final = "kp_check_contribution"
 #: The reference SDK's KPCapture contributes a trace whose score reaches this (valueThreshold).
 SHARE_THRESHOLD: Final = 0.75
 
@@ -107,6 +114,20 @@ def _tools() -> list[types.Tool]:
             output_schema=BatchOut.model_json_schema(),
             annotations=annotations,
         ),
+        types.Tool(
+            name=CHECK_CONTRIBUTION,
+            title="Check a trace before contributing it",
+            description=(
+                "As POST /contribution: the score (as kp_score_trace) and the trace as the "
+                "reference SDK's capture would contribute it (steps cleaned of secrets and, "
+                "unless privacy_level is private, identifiers), what was redacted, what would "
+                "go uncleaned (objective, outcome, metadata, ...), and the SDK's injection "
+                "check of each text field. Arguments: the trace's fields and dry_run."
+            ),
+            input_schema=_input_schema(ReasoningTrace),
+            output_schema=ContributionOut.model_json_schema(),
+            annotations=annotations,
+        ),
     ]
 
 
@@ -158,6 +179,13 @@ def _namespace(ctx: Any, argument: object, metrics: Metrics) -> str | types.Call
             f"{namespaces.HEADER} header {visible(header)!r} differ; send one, or the same"
         )
     return chosen
+def _body_bytes(ctx: Any) -> int:
+    """The HTTP request's declared body size (0 when unknown)."""
+    scope = getattr(getattr(ctx, "request", None), "scope", None) or {}
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length" and value.isdigit():
+            return int(value)
+    return 0
 
 
 def _tool_error(text: str) -> types.CallToolResult:
@@ -193,6 +221,26 @@ def summary(answer: EvaluationOut) -> str:
     return line
 
 
+def contribution_summary(answer: ContributionOut) -> str:
+    """The score line, then what contributing would send and find."""
+    line = summary(answer.evaluation)
+    verdict = "would" if answer.shareable else "would not"
+    line += f". The SDK's capture {verdict} contribute it (threshold {answer.threshold:g})"
+    redacted = sum(f.count for f in answer.redactions)
+    uncleaned = sum(f.count for f in answer.uncleaned)
+    line += f"; {redacted} redaction(s) in the contribution"
+    if uncleaned:
+        where = ", ".join(sorted({f.path for f in answer.uncleaned}))
+        line += f"; {uncleaned} secret(s) or identifier(s) left uncleaned at {visible(where)}"
+    highest = answer.injection.highest
+    if highest is not None and highest.patterns:
+        line += (
+            f"; injection check: {highest.verdict} at {visible(highest.path)} "
+            f"({', '.join(highest.patterns)})"
+        )
+    return line
+
+
 class McpTools:
     """The tools, over the running app's services."""
 
@@ -217,7 +265,7 @@ class McpTools:
             raise MCPError(types.INTERNAL_ERROR, "internal error") from None
 
     async def _call(self, ctx: Any, params: types.CallToolRequestParams) -> types.CallToolResult:
-        if params.name not in (SCORE_TRACE, SCORE_TRACES):
+        if params.name not in (SCORE_TRACE, SCORE_TRACES, CHECK_CONTRIBUTION):
             raise MCPError(types.INVALID_PARAMS, f"unknown tool: {params.name}")
         arguments = dict(params.arguments or {})
         dry_run = arguments.pop("dry_run", False)
@@ -244,6 +292,10 @@ class McpTools:
         unsignable = unsignable_errors(sent, batch=batch) if self.services.signer else []
         if unsignable:
             return _invalid(unsignable)
+        contributing = params.name == CHECK_CONTRIBUTION
+        surrogate = lone_surrogate_errors(arguments, ()) if contributing else []
+        if surrogate:
+            return _invalid(surrogate)
         s = self.services
         try:
             evaluations = await score_traces(
@@ -263,6 +315,16 @@ class McpTools:
         except NamespaceLimitError as exc:
             s.metrics.namespace_limit.inc()
             return _tool_error(f"namespace refused, nothing was scored: {exc}")
+        if contributing:
+            (evaluation,) = evaluations
+            large = _body_bytes(ctx) > INLINE_BODY_BYTES
+            answer = await contribution_answer(
+                s, evaluation, arguments, signed=True, dry_run=dry_run, large=large
+            )
+            return types.CallToolResult(
+                content=[types.TextContent(text=contribution_summary(answer))],
+                structured_content=answer.model_dump(mode="json"),
+            )
         signer = s.signer
         answers = [
             evaluation_out(e, None if signer is None else signer.sign(e, trace, dry_run=dry_run))

@@ -346,6 +346,23 @@ class Settings(BaseSettings):
             "so that tenants cannot grow the metrics without bound.",
         ),
     ] = 20
+    # POST /contribution (docs/contribution.md).
+    contribution_threshold: Annotated[
+        float,
+        Field(
+            ge=0,
+            le=1,
+            description="POST /contribution: a trace is `shareable` when its score is at least "
+            "this (the reference SDK's capture contributes from 0.75).",
+        ),
+    ] = 0.75
+    contribution_clean_all: bool = Field(
+        False,
+        description="POST /contribution: also clean what the SDK's capture sends as it was (the "
+        "objective, the outcome, the metadata, an input whose cleaned JSON did not parse, ...), "
+        "string by string at the trace's privacy_level; their findings move from `uncleaned` "
+        "to `redactions`.",
+    )
 
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Log lines below this level are not written."

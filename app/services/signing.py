@@ -59,10 +59,14 @@ class Signer:
         keys += [_public_jwk(k) for k in self.previous if k.thumbprint() != self.kid]
         return {"keys": keys}
 
-    def sign(self, evaluation: Evaluation, trace: Any, *, dry_run: bool) -> str:
+    def sign(
+        self, evaluation: Evaluation, trace: Any, *, dry_run: bool, contribution: Any = None
+    ) -> str:
         """The JWS for one answer; `trace` as the agent sent it (parsed JSON). `dry_run` is
         signed too: a registry that wants a score whose trace entered the memory (so that its
-        duplicates are no longer novel) requires `dry_run` false."""
+        duplicates are no longer novel) requires `dry_run` false. `contribution` (POST
+        /contribution): the trace as it would be contributed, whose hash is signed beside the
+        trace's, so that a registry can tell the cleaned trace it received is the one scored."""
         s = evaluation.score
         issued = int(time.time())
         claims: dict[str, Any] = {
@@ -81,6 +85,8 @@ class Signer:
             "novelty_measured": evaluation.novelty.measured,
             "dry_run": dry_run,
         }
+        if contribution is not None:
+            claims["contribution_sha256"] = trace_sha256(contribution)
         if self.audience is not None:
             claims["aud"] = self.audience
         if self.lifetime_s is not None:

@@ -33,7 +33,7 @@ _KEY_PARAMS = frozenset(
 
 
 def required_scope(path: str) -> KeyScope | None:
-    if path in ("/evaluate", "/evaluate/batch", "/mcp"):  # /mcp: the scoring tools
+    if path in ("/evaluate", "/evaluate/batch", "/contribution", "/mcp"):  # /mcp: scoring tools
         return "evaluate"
     if path == "/cache" or path.startswith("/cache/"):
         return "admin"

@@ -19,7 +19,7 @@ from app.services.idempotency import Idempotency, fingerprint, scoped_key
 
 log = logging.getLogger(__name__)
 
-ROUTES = ("/evaluate", "/evaluate/batch")
+ROUTES = ("/evaluate", "/evaluate/batch", "/contribution")
 #: The longest key taken (Stripe's bound); a UUID or a hex SHA-256 fit well within it.
 MAX_KEY_CHARS = 255
 #: The whole rule, as the OpenAPI document states it (app/api/openapi_doc.py): 1 to 255

@@ -18,6 +18,12 @@ export type Evaluation = Schemas["EvaluationOut"];
 export type Profile = Schemas["ProfileOut"];
 /** How `novelty.max_cosine` was found: "exact", or "index" (within `novelty.search_bound`). */
 export type SearchMethod = NonNullable<Schemas["NoveltyOut"]["search"]>;
+/** POST /contribution's answer: the evaluation, and the trace as the SDK's capture would
+ * contribute it (cleaned), with what was redacted, what would go uncleaned and the SDK's
+ * injection check of each text field. */
+export type Contribution = Schemas["ContributionOut"];
+/** A secret or identifier found: where (a JSON Pointer), its type, how many. */
+export type Finding = Schemas["FindingOut"];
 export type CacheStats = Schemas["CacheOut"];
 export type Readiness = Schemas["ReadyOut"];
 /** One field a 4xx names (FastAPI's shape): its path (`["body", "steps", 0, "type"]`, or
@@ -123,6 +129,18 @@ export class KpScoringClient {
       options.namespace,
     );
     return body.results;
+  }
+
+  /** Before contributing a trace: its evaluation (as `score`), and the trace as the SDK's
+   * capture would send it, cleaned of secrets and identifiers as `cleanPii` cleans it, with
+   * what it leaves uncleaned and the injection check (POST /contribution). */
+  async contribution(trace: ReasoningTrace, options: ScoreOptions = {}): Promise<Contribution> {
+    return this.request<Contribution>(
+      "POST",
+      withDryRun("/contribution", options),
+      trace,
+      options.namespace,
+    );
   }
 
   /** The score alone, as the SDK's `evaluateValue(trace)` returns it. */

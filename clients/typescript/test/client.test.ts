@@ -3,7 +3,13 @@ import { createServer, type IncomingHttpHeaders } from "node:http";
 import type { AddressInfo } from "node:net";
 import { test } from "node:test";
 
-import { KpScoringClient, KpScoringError, evaluateValue, type Profile } from "../src/index.js";
+import {
+  KpScoringClient,
+  KpScoringError,
+  evaluateValue,
+  type Profile,
+  type ReasoningTrace,
+} from "../src/index.js";
 import { ADMIN_TOKEN, BASE_URL, SCORE_TOLERANCE, exampleTrace, noEmbedderCases } from "./env.js";
 
 const kp = new KpScoringClient({ baseUrl: BASE_URL });
@@ -32,6 +38,21 @@ test("evaluateValue returns the reference SDK's number for every reference trace
     if (Math.abs(got - c.expected_score!) > SCORE_TOLERANCE) mismatches.push([c.name, got]);
   }
   assert.deepEqual(mismatches, []);
+});
+
+test("contribution answers the evaluation and the cleaned trace", async () => {
+  const trace = exampleTrace();
+  trace.task.objective = "Mail ops@example.com";
+  trace.steps[0]!.content = "key sk-abcdefghijklmnopqrstuvwxyz12";
+  const answer = await kp.contribution(trace, { dryRun: true });
+  assert.ok(Math.abs(answer.evaluation.score - 0.57625) < SCORE_TOLERANCE);
+  assert.equal(answer.shareable, false);
+  const sent = answer.contribution as unknown as ReasoningTrace;
+  assert.equal(sent.metadata.quality_score, answer.evaluation.score);
+  assert.equal(sent.steps[0]!.content, "key [REDACTED:api_key]");
+  assert.deepEqual(answer.redactions, [{ path: "/steps/0/content", type: "api_key", count: 1 }]);
+  assert.deepEqual(answer.uncleaned, [{ path: "/task/objective", type: "email", count: 1 }]);
+  assert.equal(answer.injection.highest?.max_score, 5.550000000000003);
 });
 
 test("scoreBatch answers in order, as POST /evaluate/batch", async () => {

@@ -48,7 +48,7 @@ test("MCP: the official client without a key is refused; with the key it lists a
     const { tools } = await mcp.listTools();
     assert.deepEqual(
       tools.map((t) => t.name),
-      ["kp_score_trace", "kp_score_traces"],
+      ["kp_score_trace", "kp_score_traces", "kp_check_contribution"],
     );
     const result = await mcp.callTool({ name: "kp_score_trace", arguments: { ...exampleTrace(), dry_run: true } });
     assert.ok(Math.abs((result.structuredContent as Evaluation).score - 0.57625) < SCORE_TOLERANCE);

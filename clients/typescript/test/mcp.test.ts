@@ -20,11 +20,11 @@ after(async () => {
   await mcp.close();
 });
 
-test("the server lists kp_score_trace and kp_score_traces, with the trace's schema", async () => {
+test("the server lists kp_score_trace, kp_score_traces and kp_check_contribution", async () => {
   const { tools } = await mcp.listTools();
   assert.deepEqual(
     tools.map((t) => t.name),
-    ["kp_score_trace", "kp_score_traces"],
+    ["kp_score_trace", "kp_score_traces", "kp_check_contribution"],
   );
   const [one, batch] = tools;
   const properties = one!.inputSchema.properties as Record<string, unknown>;

@@ -30,7 +30,7 @@ from kp_scoring.client import (
     trace_sha256,
     verify_signature,
 )
-from kp_scoring.models import CacheOut, EvaluationOut, ReadyOut
+from kp_scoring.models import CacheOut, ContributionOut, EvaluationOut, ReadyOut
 
 try:
     __version__ = version("kp-scoring-client")
@@ -40,6 +40,7 @@ except PackageNotFoundError:  # imported from a source tree that was never insta
 __all__ = [
     "AsyncKpScoringClient",
     "CacheOut",
+    "ContributionOut",
     "EvaluationOut",
     "FieldError",
     "Forbidden",

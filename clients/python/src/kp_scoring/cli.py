@@ -37,7 +37,7 @@ from kp_scoring.client import (
     Unreachable,
     verify_signature,
 )
-from kp_scoring.models import EvaluationOut
+from kp_scoring.models import ContributionOut, EvaluationOut
 from kp_scoring.text import visible
 
 # The reference SDK captures a trace when its score reaches this value.
@@ -398,6 +398,85 @@ def evaluate(
         raise typer.Exit(Code.INPUT_ERROR)
     if below:
         raise typer.Exit(Code.BELOW_THRESHOLD)
+
+
+@cli.command()
+def contribution(
+    path: Annotated[
+        str,
+        typer.Argument(
+            help="A JSON file holding one trace, or '-' for stdin.",
+            metavar="FILE",
+            show_default=False,
+        ),
+    ],
+    url: Url = DEFAULT_URL,
+    findings: Annotated[
+        bool,
+        typer.Option(
+            "--findings",
+            help="Print the score, what was redacted, what would go uncleaned and the "
+            "injection check, instead of the cleaned trace.",
+        ),
+    ] = False,
+    as_json: AsJson = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Score without adding the trace to the cache.")
+    ] = False,
+    api_key: ApiKey = None,
+    retries: Retries = DEFAULT_RETRIES,
+    max_wait: MaxWait = DEFAULT_MAX_WAIT,
+) -> None:
+    """Show what contributing a trace would send: the trace as the reference SDK's capture
+    cleans it (POST /contribution), or with --findings what was found.
+
+    Exit code: 0 the SDK would contribute it (score >= the service's threshold), 1 it would
+    not, 2 bad input, 3 service unreachable, 4 try later (429 or 503).
+    """
+    kp = connect(url, api_key=api_key, retries=retries, max_wait=max_wait)
+    with kp, service_errors(api_key, api_key=True):
+        try:
+            traces, many = load_traces(read_source(path), "stdin" if path == "-" else path)
+            if many:
+                raise InputError(f"{visible(path)}: one trace, not an array")
+        except InputError as exc:
+            raise fail(str(exc), Code.INPUT_ERROR) from None
+        answer = kp.contribution(traces[0], dry_run=dry_run)
+    if as_json:
+        print_json(answer.model_dump(mode="json"))
+    elif findings:
+        print_findings(answer)
+    else:
+        print_json(answer.contribution)
+    if not answer.shareable:
+        raise typer.Exit(Code.BELOW_THRESHOLD)
+
+
+def print_findings(answer: ContributionOut) -> None:
+    # Plain lines, never wrapped: a path or a pattern name is read whole.
+    e = answer.evaluation
+    would = "would" if answer.shareable else "would not"
+    typer.echo(
+        f"{visible(e.trace_id)}: score {e.score:.4f}, the SDK's capture {would} contribute it "
+        f"(threshold {answer.threshold:g})"
+    )
+    for title, found in (("redacted", answer.redactions), ("left uncleaned", answer.uncleaned)):
+        if not found:
+            typer.echo(f"  {title}: nothing")
+            continue
+        typer.echo(f"  {title}:")
+        for f in found:
+            typer.echo(f"    {visible(f.path)}: {visible(f.type)} x{f.count}")
+    for kept in answer.inputs_kept:
+        typer.echo(f"  sent as it was (its cleaned JSON did not parse): {visible(kept)}")
+    risky = [r for r in answer.injection.fields if r.patterns]
+    if not risky:
+        typer.echo("  injection check: nothing matched")
+    for r in risky:
+        typer.echo(
+            f"  injection check: {visible(r.path)} {r.verdict} ({r.score:g}): "
+            + ", ".join(visible(p) for p in r.patterns)
+        )
 
 
 @dataclass

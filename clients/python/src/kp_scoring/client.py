@@ -39,6 +39,7 @@ from kp_scoring.models import (
     BatchOut,
     CacheOut,
     ClearedOut,
+    ContributionOut,
     EvaluationOut,
     NamespacesOut,
     ReadyOut,
@@ -347,6 +348,26 @@ class KpScoringClient(_Base):
         )
         return BatchOut.model_validate(body).results
 
+    def contribution(
+        self,
+        trace: TraceLike,
+        *,
+        dry_run: bool = False,
+        idempotency_key: str | None = None,
+        namespace: str | None = None,
+    ) -> ContributionOut:
+        """POST /contribution: the score (`evaluation`, as `evaluate` answers it) and the trace
+        as the reference SDK's capture would contribute it, cleaned, with what was redacted,
+        what would go uncleaned and the SDK's injection check of each text field."""
+        body = self._request(
+            "POST",
+            "/contribution",
+            json=_trace_json(trace),
+            params=_params(dry_run),
+            headers=self._scoring_headers(idempotency_key, namespace),
+        )
+        return ContributionOut.model_validate(body)
+
     def jwks(self) -> dict[str, Any]:
         """The service's public signing keys (GET /.well-known/jwks.json)."""
         keys: dict[str, Any] = self._request("GET", "/.well-known/jwks.json")
@@ -361,11 +382,12 @@ class KpScoringClient(_Base):
         audience: str | None = None,
         committed: bool = False,
         answer: dict[str, Any] | None = None,
+        contribution: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """The claims of a signed score about `trace` (as this client sent it), checked against
-        the service's JWKS and, when given, the issuer, the audience, a committed score and
-        the answer's visible fields (kp_scoring.signatures.verify); SignatureInvalidError if
-        it does not verify."""
+        the service's JWKS and, when given, the issuer, the audience, a committed score, the
+        answer's visible fields and the contribution (POST /contribution's cleaned trace)
+        (kp_scoring.signatures.verify); SignatureInvalidError if it does not verify."""
         return verify(
             signature,
             _trace_json(trace),
@@ -374,6 +396,7 @@ class KpScoringClient(_Base):
             audience=audience,
             committed=committed,
             answer=answer,
+            contribution=contribution,
         )
 
     def cache_stats(self, *, namespace: str | None = None) -> CacheOut:
@@ -488,6 +511,24 @@ class AsyncKpScoringClient(_Base):
         )
         return BatchOut.model_validate(body).results
 
+    async def contribution(
+        self,
+        trace: TraceLike,
+        *,
+        dry_run: bool = False,
+        idempotency_key: str | None = None,
+        namespace: str | None = None,
+    ) -> ContributionOut:
+        """As `KpScoringClient.contribution`."""
+        body = await self._request(
+            "POST",
+            "/contribution",
+            json=_trace_json(trace),
+            params=_params(dry_run),
+            headers=self._scoring_headers(idempotency_key, namespace),
+        )
+        return ContributionOut.model_validate(body)
+
     async def jwks(self) -> dict[str, Any]:
         """The service's public signing keys (GET /.well-known/jwks.json)."""
         keys: dict[str, Any] = await self._request("GET", "/.well-known/jwks.json")
@@ -502,6 +543,7 @@ class AsyncKpScoringClient(_Base):
         audience: str | None = None,
         committed: bool = False,
         answer: dict[str, Any] | None = None,
+        contribution: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """As `KpScoringClient.verify`."""
         return verify(
@@ -512,6 +554,7 @@ class AsyncKpScoringClient(_Base):
             audience=audience,
             committed=committed,
             answer=answer,
+            contribution=contribution,
         )
 
     async def cache_stats(self, *, namespace: str | None = None) -> CacheOut:

@@ -9,6 +9,8 @@ keeps working against a service one version ahead.
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict
 
 
@@ -83,6 +85,41 @@ class EvaluationOut(_Answer):
 
 class BatchOut(_Answer):
     results: list[EvaluationOut]
+
+
+class FindingOut(_Answer):
+    #: A JSON Pointer (RFC 6901) into the trace, e.g. /steps/0/content.
+    path: str
+    #: The SDK's type: connection_string, bearer_token, api_key, password, email, phone, ...
+    type: str
+    count: int
+
+
+class FieldRiskOut(_Answer):
+    path: str
+    score: float
+    max_score: float
+    patterns: list[str]
+    #: safe, suspicious or rejected.
+    verdict: str
+
+
+class InjectionOut(_Answer):
+    fields: list[FieldRiskOut]
+    highest: FieldRiskOut | None
+
+
+class ContributionOut(_Answer):
+    """POST /contribution: the score, and the trace as the SDK's capture would send it."""
+
+    evaluation: EvaluationOut
+    shareable: bool
+    threshold: float
+    contribution: dict[str, Any]
+    redactions: list[FindingOut]
+    uncleaned: list[FindingOut]
+    inputs_kept: list[str]
+    injection: InjectionOut
 
 
 class EmbedderOut(_Answer):

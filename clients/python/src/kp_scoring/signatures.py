@@ -64,17 +64,21 @@ def verify(
     committed: bool = False,
     answer: dict[str, Any] | None = None,
     now: float | None = None,
+    contribution: Any = None,
 ) -> dict[str, Any]:
     """The claims of `signature` if it verifies against a key of `jwks` (by its kid), is about
     `trace` (parsed JSON, any key order) and has not expired; else SignatureInvalidError
     saying why. Optionally also: signed by `issuer`; for `audience` (a signature that names
     an audience is refused without it); a `committed` score (not a dry run: the trace
-    entered the memory); and `answer` (the JSON answer it came in) says what the signature
-    says, field by field (docs/operating/signatures.md)."""
+    entered the memory); `answer` (the JSON answer it came in) says what the signature
+    says, field by field (docs/operating/signatures.md); and `contribution` (POST
+    /contribution's) is the cleaned trace the signature is about (`contribution_sha256`)."""
     claims = _verified_claims(signature, trace, jwks)
     problems = claim_problems(
         claims, issuer=issuer, audience=audience, committed=committed, now=now
     )
+    if contribution is not None:
+        problems += _contribution_problems(claims, contribution)
     if answer is not None:
         problems += answer_mismatches(claims, answer)
     if problems:
@@ -175,3 +179,19 @@ def _verified_claims(signature: str, trace: Any, jwks: dict[str, Any]) -> dict[s
             f"this trace's is {expected})"
         )
     return claims
+
+
+def _contribution_problems(claims: dict[str, Any], contribution: Any) -> list[str]:
+    signed = claims.get("contribution_sha256")
+    if signed is None:
+        return ["the signature is about no contribution (no contribution_sha256 claim)"]
+    try:
+        expected = trace_sha256(contribution)
+    except TraceNotCanonicalError as exc:
+        return [f"the contribution cannot be put in canonical form: {exc}"]
+    if signed != expected:
+        return [
+            f"the signature is about another contribution (contribution_sha256 {signed}, this "
+            f"contribution's is {expected})"
+        ]
+    return []

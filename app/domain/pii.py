@@ -1,0 +1,393 @@
+"""The reference SDK's `cleanPii`, the same to the character: what the SDK's capture step
+removes from a trace's steps before it contributes them (docs/contribution.md).
+
+Port of `packages/sdk/src/utils/pii-cleaner.ts` of the KnowledgePulse SDK
+(github.com/chesterkuo/OpenKnowledgePulse, Apache License 2.0, Copyright 2026 OpenClaw): the
+patterns below are the SDK's, their order and replacements too; the code around them is
+written here. The patterns run one after the other over the text already cleaned (so a later
+one can swallow an earlier placeholder, as in the SDK), each replacing every match, and count
+their matches by type in the order types first occur.
+
+JavaScript's semantics (app/domain/js_regex.py): the text is matched as UTF-16 code units, with
+ASCII `\\d \\b` and case folding and JavaScript's `\\s`. The SDK's email pattern backtracks over
+every start in a long run of letters or digits (quadratic: 50 KB takes seconds), and patterns
+without a literal start cost a try at every position; here each pattern is tried only where
+one of its matches can start, with the same matches (docs/decisions/
+sdk-patterns-where-they-can-match.md).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Final, Literal
+
+from app.domain.js_regex import compile_js, from_code_units, has_astral, to_code_units
+
+Category = Literal["secret", "identifier"]
+
+
+@dataclass(frozen=True, slots=True)
+class Redaction:
+    type: str
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
+class Cleaned:
+    text: str
+    redactions: tuple[Redaction, ...]
+
+
+Replacement = str | Callable[[re.Match[str]], str]
+
+
+@dataclass(frozen=True, slots=True)
+class _Rule:
+    type: str
+    category: Category
+    pattern: re.Pattern[str]
+    replacement: Replacement
+    #: Every match holds one of these: without any, the rule is not run (most text has none).
+    needs: tuple[str, ...] = ()
+
+    def applies(self, text: str) -> bool:
+        for needle in self.needs:
+            if needle in text:
+                return True
+        return not self.needs
+
+    def subn(self, text: str) -> tuple[str, int]:
+        return self.pattern.subn(self.replacement, text)
+
+
+class _WhereRule(_Rule):
+    """A rule whose matches can only start at `starts(text)` (ascending; a superset is fine):
+    the pattern is tried there alone, not at every position, with the same matches as a
+    global replace (the leftmost match from where the previous one ended). `starts` answers
+    None where those places are so many that the engine's own scan is quicker."""
+
+    def starts(self, text: str) -> Iterable[int] | None:
+        raise NotImplementedError
+
+    def subn(self, text: str) -> tuple[str, int]:
+        starts = None if len(text) <= _SHORT else self.starts(text)
+        if starts is None:
+            return self.pattern.subn(self.replacement, text)
+        pieces: list[str] = []
+        count = last = 0
+        for at in starts:
+            if at < last:
+                continue
+            match = self.pattern.match(text, at)
+            if match is None:
+                continue
+            replacement = self.replacement
+            pieces += (
+                text[last:at],
+                replacement if isinstance(replacement, str) else replacement(match),
+            )
+            last = match.end()
+            count += 1
+        if not count:
+            return text, 0
+        pieces.append(text[last:])
+        return "".join(pieces), count
+
+
+#: A pattern tried at a place costs about as much as the engine's scan over this many
+#: characters: past one place in so many, the scan is used instead.
+_PLACES_PER_SCAN = 200
+#: Text this short is scanned by the engine at once: finding the places would cost more.
+_SHORT = 512
+
+
+def _occurrences(haystack: str, needle: str) -> Iterator[int]:
+    at = haystack.find(needle)
+    while at != -1:
+        yield at
+        at = haystack.find(needle, at + 1)
+
+
+def _windows(anchors: Iterator[int], before: int, after: int) -> Iterator[int]:
+    """Each position from `before` ahead of an anchor to `after` past it, once, ascending."""
+    upto = 0
+    for anchor in anchors:
+        yield from range(max(upto, anchor - before, 0), anchor + after + 1)
+        upto = max(upto, anchor + after + 1)
+
+
+class _ConnectionStringRule(_WhereRule):
+    # A match is a scheme of 4 to 11 characters, then `://`.
+    def starts(self, text: str) -> Iterator[int]:
+        return _windows(_occurrences(text, "://"), 11, -4)
+
+
+#: The password rule's keys; a match is one, then JavaScript white space, then `=` or `:`.
+_KEYS = (
+    "password",
+    "passwd",
+    "secret",
+    "token",
+    "api_key",
+    "apikey",
+    "api_secret",
+    "access_token",
+    "auth_token",
+)
+_SPACE = frozenset(
+    "\t\n\v\f\r \u00a0\u1680\u2028\u2029\u202f\u205f\u3000\ufeff"
+    + "".join(chr(c) for c in range(0x2000, 0x200B))
+)
+
+
+class _PasswordRule(_WhereRule):
+    def starts(self, text: str) -> Iterable[int] | None:
+        """Found from the separators (few in most text): back over the white space before
+        each, then each key that ends there (any case: the pattern decides)."""
+        if (text.count("=") + text.count(":")) * _PLACES_PER_KEY > len(text):
+            return None
+        found: set[int] = set()
+        for separator in "=:":
+            at = text.find(separator)
+            while at != -1:
+                end = at
+                while end and text[end - 1] in _SPACE:
+                    end -= 1
+                for key in _KEYS:
+                    start = end - len(key)
+                    if start >= 0 and text[start:end].lower() == key:
+                        found.add(start)
+                at = text.find(separator, at + 1)
+        return sorted(found)
+
+
+#: Checking a separator's keys costs about as much as the engine's scan over this many
+#: characters.
+_PLACES_PER_KEY = 100
+
+
+# What ends every US phone match: 3 digits, a separator, 4 digits; the match starts at most 10
+# characters before it.
+_PHONE_TAIL = compile_js(r"[0-9][0-9][0-9][-.\s][0-9]{4}")  # [0-9] first: a quick scan
+
+
+def _shape_table(classes: dict[bytes, bytes]) -> bytes:
+    """A bytes.translate table: ASCII as its class's mark (else x), other bytes unchanged."""
+    table = bytearray(b"x" * 128 + bytes(range(128, 256)))
+    for members, mark in classes.items():
+        for byte in members:
+            table[byte] = mark[0]
+    return bytes(table)
+
+
+def _utf8(text: str) -> bytes:
+    return text.encode("utf-8", "surrogatepass")
+
+
+# A text's UTF-8 as the shapes the phone and IPv4 patterns need, in one C pass: ASCII digits as
+# 0, the phone's ASCII separators ([-.] and white space) as s, the dots as dots, other ASCII as
+# x; non-ASCII bytes as they are, so that JavaScript's non-ASCII white space (U+00A0, U+1680,
+# U+2000-U+200A, U+2028, U+2029, U+202F, U+205F, U+3000, U+FEFF) is still seen between digits.
+_PHONE_SHAPE = _shape_table({b"0123456789": b"0", b"-. \t\n\v\f\r": b"s"})
+_PHONE_IN_SHAPE = re.compile(
+    rb"000(?:s|\xc2\xa0|\xe1\x9a\x80|\xe2\x80[\x80-\x8a\xa8\xa9\xaf]|\xe2\x81\x9f"
+    rb"|\xe3\x80\x80|\xef\xbb\xbf)0000"
+)
+_IPV4_SHAPE = _shape_table({b"0123456789": b"0", b".": b"."})
+_IPV4_IN_SHAPE = re.compile(rb"0\.0{1,3}\.0{1,3}\.0")
+
+
+class _UsPhoneRule(_WhereRule):
+    def applies(self, text: str) -> bool:
+        return _PHONE_IN_SHAPE.search(_utf8(text).translate(_PHONE_SHAPE)) is not None
+
+    def starts(self, text: str) -> Iterable[int] | None:
+        tails: list[int] = []
+        most = len(text) // _PLACES_PER_SCAN
+        # finditer skips tails overlapping a found one: their windows lie within its own.
+        for match in _PHONE_TAIL.finditer(text):
+            if len(tails) >= most:
+                return None
+            tails.append(match.start())
+        return _windows(iter(tails), 10, 7)
+
+
+class _IpRule(_Rule):
+    def applies(self, text: str) -> bool:
+        return _IPV4_IN_SHAPE.search(_utf8(text).translate(_IPV4_SHAPE)) is not None
+
+
+class _WindowsPathRule(_WhereRule):
+    def starts(self, text: str) -> Iterator[int]:
+        return (at - 1 for at in _occurrences(text, ":\\Users\\") if at)
+
+
+def _password(match: re.Match[str]) -> str:
+    return f"{match['key']}{match['sep']}[REDACTED:password]"
+
+
+# The SDK's EMAIL pattern, and the same anchored where a run of its local-part characters
+# begins (the lookbehind): the only other places a leftmost match can start.
+_EMAIL_SOURCE = r"[a-zA-Z0-9._%+\-]+@[a-zA-Z0-9.\-]+\.[a-zA-Z]{2,}"
+_EMAIL = compile_js(_EMAIL_SOURCE)
+_EMAIL_AT_RUN_START = compile_js(r"(?<![a-zA-Z0-9._%+\-])" + _EMAIL_SOURCE)
+
+
+class _EmailRule(_Rule):
+    def subn(self, text: str) -> tuple[str, int]:
+        """What `text.replace(EMAIL_g, ...)` gives. A match starting inside a run of local-part
+        characters (after the run's first) would also match one character earlier, the local
+        part being that run up to `@` and the rest the same: so from a position the leftmost
+        match starts there or at a run's start. Each run is read once by the engine instead of
+        once per start."""
+        pieces: list[str] = []
+        count = last = 0
+        at = 0
+        while True:
+            match = _EMAIL.match(text, at) or _EMAIL_AT_RUN_START.search(text, at + 1)
+            if match is None:
+                break
+            pieces += (text[last : match.start()], "[REDACTED:email]")
+            last = at = match.end()
+            count += 1
+        if not count:
+            return text, 0
+        pieces.append(text[last:])
+        return "".join(pieces), count
+
+
+_RULES: Final[tuple[_Rule, ...]] = (
+    # Secrets: always redacted (connection strings before the password assignments).
+    _ConnectionStringRule(
+        "connection_string",
+        "secret",
+        compile_js(
+            r"(?:postgresql|postgres|mysql|redis|rediss|mongodb|mongodb\+srv|amqp|amqps):\/\/"
+            r"[^\s'\"`,)}\]]+",
+            "gi",
+        ),
+        "[REDACTED:connection_string]",
+        needs=("://",),
+    ),
+    _Rule(
+        "bearer_token",
+        "secret",
+        compile_js(r"Bearer\s+(?!kp_)[A-Za-z0-9_\-.~+/=]{20,}", "g"),
+        "Bearer [REDACTED:bearer_token]",
+        needs=("Bearer",),
+    ),
+    _Rule(
+        "api_key",
+        "secret",
+        compile_js(r"sk-[A-Za-z0-9]{20,}", "g"),
+        "[REDACTED:api_key]",
+        needs=("sk-",),
+    ),
+    _Rule(
+        "api_key",
+        "secret",
+        compile_js(r"gh[poas]_[A-Za-z0-9]{36,}", "g"),
+        "[REDACTED:api_key]",
+        needs=("ghp_", "gho_", "gha_", "ghs_"),
+    ),
+    _Rule(
+        "api_key",
+        "secret",
+        compile_js(r"AKIA[A-Z0-9]{16}", "g"),
+        "[REDACTED:api_key]",
+        needs=("AKIA",),
+    ),
+    _Rule(
+        "api_key",
+        "secret",
+        compile_js(r"kp_[a-f0-9]{16,}", "g"),
+        "[REDACTED:api_key]",
+        needs=("kp_",),
+    ),
+    _Rule(
+        "api_key",
+        "secret",
+        compile_js(r"xox[bpras]-[A-Za-z0-9\-]+", "g"),
+        "[REDACTED:api_key]",
+        needs=("xox",),
+    ),
+    _PasswordRule(
+        "password",
+        "secret",
+        compile_js(
+            r"\b(?<key>password|passwd|secret|token|api_key|apikey|api_secret|access_token"
+            r"|auth_token)(?<sep>\s*[=:]\s*)(?!\[REDACTED)(?:(?<qchar>['\"])(?<qval>[^'\"]*)"
+            r"\k<qchar>|(?<uval>[^\s'\"`,;)}\[\]]{2,}))",
+            "gi",
+        ),
+        _password,
+        needs=("=", ":"),
+    ),
+    # Identifiers: redacted at "aggregated" and "federated", kept at "private".
+    _EmailRule("email", "identifier", _EMAIL, "[REDACTED:email]", needs=("@",)),
+    _UsPhoneRule(
+        "phone",
+        "identifier",
+        compile_js(r"(?:\+?1[-.\s]?)?\(?\d{3}\)?[-.\s]?\s?\d{3}[-.\s]\d{4}\b", "g"),
+        "[REDACTED:phone]",
+    ),
+    _Rule(
+        "phone",
+        "identifier",
+        compile_js(r"\+[1-9]\d{6,14}\b", "g"),
+        "[REDACTED:phone]",
+        needs=("+",),
+    ),
+    _IpRule(
+        "ip",
+        "identifier",
+        compile_js(
+            r"\b(?:25[0-5]|2[0-4]\d|[01]?\d\d?)\.(?:25[0-5]|2[0-4]\d|[01]?\d\d?)\."
+            r"(?:25[0-5]|2[0-4]\d|[01]?\d\d?)\.(?:25[0-5]|2[0-4]\d|[01]?\d\d?)\b",
+            "g",
+        ),
+        "[REDACTED:ip]",
+    ),
+    _Rule(
+        "filepath",
+        "identifier",
+        compile_js(r"\/(?:home|Users)\/[a-zA-Z0-9._\-]+(?:\/[^\s'\"`,;)}\]]*)?", "g"),
+        "[REDACTED:filepath]",
+        needs=("/home/", "/Users/"),
+    ),
+    _WindowsPathRule(
+        "filepath",
+        "identifier",
+        compile_js(r"[A-Z]:\\Users\\[a-zA-Z0-9._\-]+(?:\\[^\s'\"`,;)}\]]*)*", "g"),
+        "[REDACTED:filepath]",
+        needs=(":\\Users\\",),
+    ),
+)
+
+
+#: Something every rule's match holds (their `needs`, IPv4's and phones' digits): a text
+#: without any is clean as it is, found in one scan.
+_SCREEN = re.compile(r"[0-9=:@+]|Bearer|sk-|gh[poas]_|AKIA|kp_|xox|/home/|/Users/")
+
+
+def clean_pii(text: str, level: str | None = None) -> Cleaned:
+    """`cleanPii(text, level)`: secrets always, identifiers unless `level` is "private"
+    (None: the SDK's default, "aggregated")."""
+    if not text or (len(text) <= _SHORT and _SCREEN.search(text) is None):
+        return Cleaned(text, ())
+    astral = not text.isascii() and has_astral(text)
+    cleaned = to_code_units(text) if astral else text
+    counts: dict[str, int] = {}
+    for rule in _RULES:
+        if level == "private" and rule.category == "identifier":
+            continue
+        if not rule.applies(cleaned):
+            continue
+        cleaned, n = rule.subn(cleaned)
+        if n:
+            counts[rule.type] = counts.get(rule.type, 0) + n
+    if astral:
+        cleaned = from_code_units(cleaned)
+    return Cleaned(cleaned, tuple(Redaction(t, n) for t, n in counts.items()))
