@@ -201,9 +201,8 @@ class McpTools:
             return _invalid(exc.errors)
         except OverloadedError as exc:
             return _tool_error(f"overloaded, nothing was scored; retry in a second: {exc}")
-        signer = s.signer
         answers = [
-            evaluation_out(e, None if signer is None else signer.sign(e, trace, dry_run=dry_run))
+            evaluation_out(e, s.signer, trace, dry_run=dry_run)
             for e, trace in zip(evaluations, sent, strict=True)
         ]
         return _result(answers, batch=batch)

@@ -143,13 +143,9 @@ def _answer(
     *,
     dry_run: bool,
 ) -> EvaluationOut:
-    signer = services.signer
-    signature = (
-        None
-        if signer is None or sent is None
-        else signer.sign(evaluation, sent[index], dry_run=dry_run)
-    )
-    return evaluation_out(evaluation, signature)
+    if sent is None:
+        return evaluation_out(evaluation)
+    return evaluation_out(evaluation, services.signer, sent[index], dry_run=dry_run)
 
 
 async def _score(

@@ -38,6 +38,7 @@ from kp_scoring.client import (
     verify_signature,
 )
 from kp_scoring.models import EvaluationOut
+from kp_scoring.signatures import DEFAULT_LEEWAY_S
 from kp_scoring.text import visible
 
 # The reference SDK captures a trace when its score reaches this value.
@@ -487,14 +488,24 @@ def verify(
             help="Require a committed score: not a dry run (the trace entered the memory).",
         ),
     ] = False,
+    leeway: Annotated[
+        float,
+        typer.Option(
+            "--leeway",
+            min=0,
+            help="Seconds an expired signature (exp) still verifies, for clocks that disagree.",
+        ),
+    ] = DEFAULT_LEEWAY_S,
     url: Url = DEFAULT_URL,
     as_json: AsJson = False,
 ) -> None:
     """Check a signed score against the trace and the service's public keys.
 
-    Given an answer's JSON file, its visible fields (trace_id, score, dimensions, the
-    profile, novelty.measured) must be the signed ones: an edited answer does not verify.
-    An expired signature (exp) never verifies.
+    Given an answer's JSON file, every field it shows but elapsed_ms (trace_id, score,
+    dimensions, weights, profile, overrides, novelty and all it holds, and any field a newer
+    service adds) must be the signed one, none missing or added: an edited answer does not
+    verify. A signature past its expiry (exp) does not verify once the leeway (--leeway,
+    5 s unless given) is spent.
 
     Exit code: 0 the signature verifies and is about this trace, 1 it does not, 2 bad input,
     3 service unreachable (when the JWKS is fetched from it), 4 try later (429 or 503).
@@ -522,14 +533,18 @@ def verify(
             audience=audience,
             committed=committed,
             answer=answer,
+            leeway_s=leeway,
         )
     except SignatureInvalidError as exc:
         raise fail(f"invalid: {visible(exc)}", Code.BELOW_THRESHOLD) from None
     if as_json:
         print_json(claims)
         return
+    signed = claims.get("answer")
+    if not isinstance(signed, dict):
+        signed = {}
     out.print(
-        f"valid: {shown(claims.get('trace_id'))} scored {shown(claims.get('score'))} "
+        f"valid: {shown(signed.get('trace_id'))} scored {shown(signed.get('score'))} "
         f"by {shown(claims.get('iss'))}"
         + (" (a dry run: not in the memory)" if claims.get("dry_run") is True else ""),
     )
@@ -540,7 +555,7 @@ _COMPACT_JWS = re.compile(r"[A-Za-z0-9_-]+\.[A-Za-z0-9_-]*\.[A-Za-z0-9_-]*")
 
 def _signature_of(value: str) -> tuple[str, dict[str, Any] | None]:
     """A compact JWS as given, or the `signature` of an answer in a JSON file and the answer
-    (whose visible fields are then checked against the signed ones)."""
+    (whose fields are then checked against the signed answer)."""
     if _COMPACT_JWS.fullmatch(value):
         return value, None
     try:

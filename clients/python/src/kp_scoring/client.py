@@ -34,7 +34,7 @@ import httpx
 from pydantic import BaseModel
 
 from kp_scoring.models import BatchOut, CacheOut, ClearedOut, EvaluationOut, ReadyOut
-from kp_scoring.signatures import SignatureInvalidError, trace_sha256, verify
+from kp_scoring.signatures import DEFAULT_LEEWAY_S, SignatureInvalidError, trace_sha256, verify
 from kp_scoring.text import visible
 
 #: Checks a signed score: its claims, or SignatureInvalidError (kp_scoring.signatures).
@@ -328,12 +328,13 @@ class KpScoringClient(_Base):
         issuer: str | None = None,
         audience: str | None = None,
         committed: bool = False,
-        answer: dict[str, Any] | None = None,
+        answer: dict[str, Any] | EvaluationOut | None = None,
+        leeway_s: float = DEFAULT_LEEWAY_S,
     ) -> dict[str, Any]:
         """The claims of a signed score about `trace` (as this client sent it), checked against
         the service's JWKS and, when given, the issuer, the audience, a committed score and
-        the answer's visible fields (kp_scoring.signatures.verify); SignatureInvalidError if
-        it does not verify."""
+        every field of the answer (kp_scoring.signatures.verify); an `exp` honoured at most
+        `leeway_s` seconds late; SignatureInvalidError if it does not verify."""
         return verify(
             signature,
             _trace_json(trace),
@@ -342,6 +343,7 @@ class KpScoringClient(_Base):
             audience=audience,
             committed=committed,
             answer=answer,
+            leeway_s=leeway_s,
         )
 
     def cache_stats(self) -> CacheOut:
@@ -454,7 +456,8 @@ class AsyncKpScoringClient(_Base):
         issuer: str | None = None,
         audience: str | None = None,
         committed: bool = False,
-        answer: dict[str, Any] | None = None,
+        answer: dict[str, Any] | EvaluationOut | None = None,
+        leeway_s: float = DEFAULT_LEEWAY_S,
     ) -> dict[str, Any]:
         """As `KpScoringClient.verify`."""
         return verify(
@@ -465,6 +468,7 @@ class AsyncKpScoringClient(_Base):
             audience=audience,
             committed=committed,
             answer=answer,
+            leeway_s=leeway_s,
         )
 
     async def cache_stats(self) -> CacheOut:
