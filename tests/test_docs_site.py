@@ -13,10 +13,13 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
+from html.parser import HTMLParser
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
+import yaml
 
 from app.core.config import ENV_PREFIX, Settings
 
@@ -114,3 +117,59 @@ def test_the_decisions_page_lists_every_record(site: Path) -> None:
         body = record.read_text(encoding="utf-8")
         for section in ("## Context", "## Decision", "## Figures", "## Alternatives not kept"):
             assert section in body, f"{record.name} lacks {section}"
+
+
+class _Assets(HTMLParser):
+    """The URLs a page loads by itself (not the links a reader may follow)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.urls: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        found = dict(attrs)
+        if tag in ("script", "img", "iframe", "source", "audio", "video", "embed"):
+            self.urls.append(found.get("src") or "")
+        elif tag == "link":  # stylesheets, fonts, preconnects, icons: all fetched
+            self.urls.append(found.get("href") or "")
+        elif tag == "object":
+            self.urls.append(found.get("data") or "")
+
+
+def test_the_site_loads_nothing_from_another_host(site: Path) -> None:
+    """Offline as the service is: no font CDN, no script or stylesheet from elsewhere."""
+    remote = re.compile(r"^(https?:)?//", re.IGNORECASE)
+    loaded: list[str] = []
+    for page in site.rglob("*.html"):
+        parser = _Assets()
+        parser.feed(page.read_text(encoding="utf-8"))
+        loaded += [f"{page.relative_to(site)}: {u}" for u in parser.urls if remote.match(u)]
+    for sheet in site.rglob("*.css"):
+        text = sheet.read_text(encoding="utf-8")
+        imports = re.findall(r"""(?:url\(\s*['"]?|@import\s+['"])((?:https?:)?//[^'")\s]+)""", text)
+        loaded += [f"{sheet.relative_to(site)}: {u}" for u in imports]
+    assert not loaded, loaded
+
+
+def _sections(nav: list[Any], parent: str | None = None) -> Iterator[tuple[str | None, Any]]:
+    for entry in nav:
+        if isinstance(entry, dict):
+            for title, value in entry.items():
+                yield parent, title
+                if isinstance(value, list):
+                    yield from _sections(value, title)
+        else:
+            yield parent, None
+
+
+def test_no_section_of_the_nav_is_a_child_of_itself() -> None:
+    nav = yaml.safe_load((ROOT / "mkdocs.yml").read_text(encoding="utf-8"))["nav"]
+    entries = list(_sections(nav))
+    children: dict[str | None, list[str | None]] = {}
+    for parent, title in entries:
+        children.setdefault(parent, []).append(title)
+    for parent, titles in children.items():
+        if parent is None:
+            continue
+        # A page without a title in a section takes the section's name: "Decisions > Decisions".
+        assert len(titles) > 1 or titles[0] not in (None, parent), (parent, titles)
