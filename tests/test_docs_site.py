@@ -173,3 +173,42 @@ def test_no_section_of_the_nav_is_a_child_of_itself() -> None:
             continue
         # A page without a title in a section takes the section's name: "Decisions > Decisions".
         assert len(titles) > 1 or titles[0] not in (None, parent), (parent, titles)
+
+
+def test_the_performance_page_plots_the_committed_results(site: Path) -> None:
+    page = (site / "performance" / "index.html").read_text(encoding="utf-8")
+    charts = re.findall(r'<figure class="kp-plot".*?</figure>', page, flags=re.S)
+    performance = _hook("performance")
+    expected = [n for n in performance.PLOTTERS if (ROOT / "bench/results" / f"{n}.json").is_file()]
+    assert expected
+    assert len(charts) >= len(expected)
+    latest = json.loads((ROOT / "bench" / "results" / "latest.json").read_text())
+    one_client = performance._number(latest["results"]["concurrency"]["1"]["throughput_rps"])
+    assert any(f"service: {one_client} at 1" in html.unescape(chart) for chart in charts)
+    assert all("<svg" in chart and ("<polyline" in chart or "<rect" in chart) for chart in charts)
+
+
+def test_a_chart_of_a_missing_or_unknown_result_is_left_out(tmp_path: Path) -> None:
+    performance = _hook("performance")
+    assert performance.plot("latest", tmp_path) == ""
+    (tmp_path / "latest.json").write_text(json.dumps({"other": 1}))
+    assert performance.plot("latest", tmp_path) == ""
+
+
+def test_a_figure_is_never_rounded_onto_the_target_it_missed() -> None:
+    performance = _hook("performance")
+    assert performance._number(0.9985) == "0.9985"
+    assert performance._checked(0.9985) == "0.9985"
+    assert performance._checked(6.703195679401687) == "6.7032"
+    assert performance._number(0.5) == "0.5"
+
+
+def test_every_bench_command_the_docs_name_exists() -> None:
+    pages = [ROOT / "README.md", ROOT / "bench" / "README.md", *(ROOT / "docs").rglob("*.md")]
+    missing = [
+        f"{page.relative_to(ROOT)}: python -m {module}"
+        for page in pages
+        for module in re.findall(r"python -m (bench(?:\.\w+)*)", page.read_text(encoding="utf-8"))
+        if importlib.util.find_spec(module) is None
+    ]
+    assert not missing, missing
