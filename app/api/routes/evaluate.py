@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Header, HTTPException, Query, Request
+from fastapi import APIRouter, Body, Header, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 
+from app.api import request_examples
 from app.api.batch_cost import charge_batch
 from app.api.deps import BEARER_SECURITY, Services, services_of
 from app.api.presenters import evaluation_out
@@ -83,7 +84,7 @@ IdempotencyKey = Annotated[
     openapi_extra=BEARER_SECURITY,
 )
 async def evaluate(
-    trace: ReasoningTrace,
+    trace: Annotated[ReasoningTrace, Body(openapi_examples=request_examples.EVALUATE)],
     request: Request,
     dry_run: DryRun = False,
     idempotency_key: IdempotencyKey = None,
@@ -101,7 +102,7 @@ async def evaluate(
     openapi_extra=BEARER_SECURITY,
 )
 async def evaluate_batch(
-    batch: BatchIn,
+    batch: Annotated[BatchIn, Body(openapi_examples=request_examples.BATCH)],
     request: Request,
     dry_run: DryRun = False,
     idempotency_key: IdempotencyKey = None,
