@@ -343,6 +343,7 @@ def test_an_unexpected_error_is_an_internal_error_without_internals(
     assert "secret" not in r.text
 
 
+@pytest.mark.slow  # a fresh interpreter imports the app and the SDK: seconds
 def test_the_mcp_sdk_loads_on_the_first_mcp_request_not_at_start() -> None:
     """A start does not pay for the MCP SDK's import (the cold start); the first /mcp request
     loads it, and REST answers before and after. In a fresh interpreter: this one has it."""
@@ -372,6 +373,7 @@ print("ok")
     assert done.stdout.strip() == "ok"
 
 
+@pytest.mark.slow  # a fresh interpreter starts the app with the model: seconds
 def test_preload_starts_the_mcp_server_with_the_service() -> None:
     code = """
 import sys
