@@ -212,3 +212,15 @@ def test_every_bench_command_the_docs_name_exists() -> None:
         if importlib.util.find_spec(module) is None
     ]
     assert not missing, missing
+
+
+def test_every_snippet_line_is_whole() -> None:
+    """A formatter that takes a ```python block for Python turns `--8<--` into `--8 < --`, and
+    the page then shows that line instead of the file: such blocks use the `{ .python }`
+    form, which formatters leave alone."""
+    mangled = [
+        str(page.relative_to(ROOT))
+        for page in (ROOT / "docs").rglob("*.md")
+        if re.search(r"--8\s+<\s*--|--8<\s+--", page.read_text(encoding="utf-8"))
+    ]
+    assert not mangled, mangled
