@@ -35,9 +35,9 @@ run: $(BIN)/.installed
 ## client's included)
 test: lint docs typescript unit
 
-## test-fast: the tests that need no live server, no Redis and no long run
+## test-fast: the tests that need no live server, no redis-server, no promtool and no long run
 test-fast: $(BIN)/.installed-test
-	$(BIN)/python -m pytest -m "not server and not redis and not slow"
+	$(BIN)/python -m pytest -m "not server and not redis and not slow and not promtool"
 
 lint: $(BIN)/.installed-test
 	$(BIN)/ruff check .

@@ -1,4 +1,4 @@
-// Score a trace with the TypeScript client (npm install ./clients/typescript, after its build).
+// Score a trace with the TypeScript client (its package file, made by npm pack after its build).
 import { readFile } from "node:fs/promises";
 import { KpScoringClient, KpScoringError } from "@kp-scoring/client";
 

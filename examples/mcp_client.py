@@ -1,4 +1,4 @@
-"""Score a trace over MCP with the official MCP client (pip install mcp)."""
+"""Score a trace over MCP with the official MCP client, 2.0 or later (pip install 'mcp>=2')."""
 
 import asyncio
 import json

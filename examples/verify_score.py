@@ -11,7 +11,8 @@ Exit 0: the score can be trusted; 1: it cannot (the reason on stderr). The check
 3. It is about this trace: `trace_sha256` is the SHA-256 of its RFC 8785 canonical JSON.
 4. The trace entered the memory: `dry_run` is false (a dry run leaves it out, so copies of
    it would still score as novel).
-5. The answer says what the signature says: a visible field edited after signing is refused.
+5. The answer says what the signature says: the signed `answer` claim is the answer's every
+   field but elapsed_ms and the signature, so a field edited, added or removed is refused.
 """
 
 from __future__ import annotations
@@ -26,14 +27,8 @@ from typing import Any
 import jwt
 import rfc8785
 
-#: (path of the field in the answer, signed claim)
-SIGNED_FIELDS = [
-    (["trace_id"], "trace_id"),
-    (["score"], "score"),
-    (["dimensions"], "dimensions"),
-    (["weights", "profile"], "weights_profile"),
-    (["novelty", "measured"], "novelty_measured"),
-]
+#: The answer's fields the service does not sign.
+UNSIGNED_FIELDS = {"elapsed_ms", "signature"}
 
 
 def load_jwks(where: str) -> dict[str, Any]:
@@ -76,13 +71,16 @@ def check(
     # 4
     if claims.get("dry_run") is not False:
         raise ValueError("the score is of a dry run: the trace did not enter the memory")
-    # 5
-    for path, claim in SIGNED_FIELDS:
-        shown: Any = answer
-        for part in path:
-            shown = shown.get(part) if isinstance(shown, dict) else None
-        if json.dumps(shown, sort_keys=True) != json.dumps(claims.get(claim), sort_keys=True):
-            raise ValueError(f"the answer's {'.'.join(path)} is not the signed one")
+    # 5: compared in canonical form, so that key order and 1 against 1.0 do not matter
+    shown = {k: v for k, v in answer.items() if k not in UNSIGNED_FIELDS}
+    signed = claims.get("answer")
+    if not isinstance(signed, dict):
+        raise ValueError("the signature covers no answer")
+    for field in sorted(shown.keys() | signed.keys()):
+        if field not in shown or field not in signed:
+            raise ValueError(f"the answer's {field} is missing or not signed")
+        if rfc8785.dumps(shown[field]) != rfc8785.dumps(signed[field]):
+            raise ValueError(f"the answer's {field} is not the signed one")
     return claims
 
 
@@ -103,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"refused: {exc}", file=sys.stderr)
         return 1
-    print(f"trusted: {claims['trace_id']} scored {claims['score']}")
+    print(f"trusted: {claims['answer']['trace_id']} scored {claims['answer']['score']}")
     return 0
 
 

@@ -9,10 +9,17 @@ before a fenced block says what the tests do with it.
 - `<!-- run -->` before a `bash` or `python` block: the block runs as a script (bash, or this
   interpreter); a block marked `<!-- output -->` right after it is its expected output, and
   without one it must exit 0.
-- `<!-- run: OPTION ... -->`: `slow` (a long run), `requires=MODULE` (skipped while MODULE
-  cannot be imported), `node` (a `js` block, run with node inside clients/typescript).
+- `<!-- run: OPTION ... -->`: `requires=MODULE` (skipped while MODULE cannot be imported),
+  `node` (a `js` block, run with node inside clients/typescript), `file` (a block that shows
+  a file of examples/ with the snippets line `--8<-- "examples/NAME"`: the file runs, by
+  its suffix, and prints its `.out` file beside it byte for byte, or else the `# ` (`// `)
+  comment lines that end it).
 - `<!-- not run: WHY -->`: shown only (a command that serves forever, installs, or needs
   Docker). Every `console`, `bash`, `sh`, `python` and `js` block carries one of the two.
+
+The pages run in the order a reader meets them (`reading_order`: README.md, then the site's
+nav, then the pages the nav does not list) against one server whose memory is never emptied
+between pages: a page that needs another state says so and sets it.
 
 Outputs are compared after two normalisations only: `http://127.0.0.1:8000` stands for the
 live server the tests start (default settings); output that is JSON is compared as JSON, with
@@ -61,9 +68,42 @@ class Block:
         return None
 
 
+_NAV_PAGE = re.compile(r"^\s*-\s+(?:[^:\n]+:\s+)?([\w/.-]+\.md)\s*$", re.MULTILINE)
+
+
 def pages() -> list[Path]:
-    """README.md and every page of the docs site."""
-    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    """README.md and every page of the docs site, in the order a reader meets them: the README,
+    the site's nav (mkdocs.yml), then the pages the nav does not list (decision records)."""
+    nav = _NAV_PAGE.findall((ROOT / "mkdocs.yml").read_text(encoding="utf-8"))
+    listed = [ROOT / "docs" / page for page in nav]
+    rest = [p for p in sorted((ROOT / "docs").rglob("*.md")) if p not in listed]
+    return [ROOT / "README.md", *listed, *rest]
+
+
+_SNIPPET = re.compile(r'^--8<--\s+"([^"]+)"\s*$', re.MULTILINE)
+
+
+def snippet_file(block: Block) -> Path:
+    """The file a block shows with the snippets line `--8<-- "examples/NAME"`."""
+    found = _SNIPPET.search(block.text)
+    assert found, f"{block.where}: marked `file` but shows no --8<-- line"
+    return ROOT / found.group(1)
+
+
+def shown_by_file(path: Path) -> str:
+    """What an example file says it prints: its .out file beside it, or else the comment lines
+    (`# `, `// `) that end it."""
+    out = path.with_suffix(".out")
+    if out.exists():
+        return out.read_text(encoding="utf-8")
+    prefix = "// " if path.suffix in (".js", ".mjs", ".ts") else "# "
+    tail: list[str] = []
+    for line in reversed(path.read_text(encoding="utf-8").splitlines()):
+        if not line.startswith(prefix):
+            break
+        tail.insert(0, line.removeprefix(prefix))
+    assert tail, f"{path.name} shows no output"
+    return "\n".join(tail) + "\n"
 
 
 def blocks(path: Path) -> list[Block]:

@@ -219,7 +219,10 @@ RAW_CASES: list[tuple[str, bytes, list[Any] | None]] = [
         json.dumps(make_trace()).replace('"confidence": 1.0', '"confidence": 1e400').encode(),
         ["body", "outcome", "confidence"],
     ),
-    ("invalid utf-8", b'{"id": "\xff\xfe"}', None),
+    ("invalid utf-8", b'{"id": "\xff\xfe"}', ["body"]),
+    ("utf-16", json.dumps(make_trace()).encode("utf-16"), ["body"]),
+    ("utf-16-be, no mark", json.dumps(make_trace()).encode("utf-16-be"), ["body"]),
+    ("utf-32", json.dumps(make_trace()).encode("utf-32"), ["body"]),
 ]
 
 
@@ -273,6 +276,43 @@ def test_bad_body_is_a_4xx_and_changes_nothing(
         _assert_names(r.json()["detail"], loc)
     assert "Traceback" not in r.text
     assert _state(primed) == before
+
+
+@pytest.mark.parametrize(
+    "encoding", ["utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le", "utf-32-be"]
+)
+def test_a_body_that_is_not_utf8_is_a_400_in_the_error_shape(
+    primed: TestClient, encoding: str
+) -> None:
+    """RFC 8259: JSON between systems is UTF-8. A parser would guess UTF-16 and UTF-32 and
+    score them; docs/api.md says such a body is a 400."""
+    before = _state(primed)
+    body = json.dumps(make_trace()).encode(encoding)
+    r = primed.post("/evaluate", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json() == {
+        "detail": [
+            {
+                "loc": ["body"],
+                "msg": "the body is UTF-16 or UTF-32: send JSON as UTF-8 text (RFC 8259)",
+                "type": "body_not_utf8",
+            }
+        ]
+    }
+    bad = primed.post(
+        "/evaluate", content=b'{"id": "\xff\xfe"}', headers={"content-type": "application/json"}
+    )
+    assert bad.status_code == 400
+    (error,) = bad.json()["detail"]
+    assert (error["loc"], error["type"]) == (["body"], "body_not_utf8")
+    assert error["msg"] == "the body is not UTF-8: byte 8 (0xff) invalid start byte"
+    # A UTF-8 byte order mark is UTF-8 still (RFC 8259 lets a parser ignore it).
+    marked = json.dumps(make_trace()).encode("utf-8-sig")
+    ok = primed.post(
+        "/evaluate?dry_run=true", content=marked, headers={"content-type": "application/json"}
+    )
+    assert ok.status_code == 200, ok.text
+    assert _state(primed)[:2] == before[:2]
 
 
 def test_wrong_content_type_is_415(primed: TestClient) -> None:

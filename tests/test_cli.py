@@ -22,8 +22,9 @@ from tests.factories import make_trace, step
 from tests.keys import SLOW
 from tests.server import TOKEN, Server, entry_point, free_port, running_server
 
-# Plain output whatever the caller's terminal settings; KP_* come from each test.
-PLAIN = {"FORCE_COLOR": None, "TTY_COMPATIBLE": None, "NO_COLOR": "1", "COLUMNS": "80"}
+# The caller's terminal settings do not reach the command (its output is not a terminal, so
+# it is plain and unwrapped whatever COLUMNS says); KP_* come from each test.
+PLAIN = {"FORCE_COLOR": None, "TTY_COMPATIBLE": None, "NO_COLOR": None, "COLUMNS": None}
 PLAIN |= {"KP_URL": None, "KP_ADMIN_TOKEN": None}
 
 BREAKDOWN = """\
@@ -68,7 +69,8 @@ def invalid_trace() -> dict[str, Any]:
 
 
 def lines(text: str) -> list[str]:
-    return [line.rstrip() for line in text.splitlines()]
+    """The lines printed, as they are: none wrapped, none padded."""
+    return text.splitlines()
 
 
 # --- evaluate ------------------------------------------------------------------------------
@@ -98,13 +100,13 @@ def test_exit_code_follows_the_threshold(
 
 def test_a_domain_with_no_profile_is_said(server: Server, tmp_path: Path) -> None:
     path = write(tmp_path / "trace.json", make_trace(domain="code-review"))
-    result = run(["evaluate", str(path), "--dry-run"], server.url, COLUMNS="200")
+    result = run(["evaluate", str(path), "--dry-run"], server.url)
     assert lines(result.stdout)[0] == (
         "kp:trace:test-0001  score 0.5763  below (threshold 0.75)  "
         "weights: default (task_domain not recognised)"
     )
     known = write(tmp_path / "known.json", make_trace(domain="code"))
-    result = run(["evaluate", str(known), "--dry-run"], server.url, COLUMNS="200")
+    result = run(["evaluate", str(known), "--dry-run"], server.url)
     assert lines(result.stdout)[0].endswith("weights: code")
 
 
@@ -163,14 +165,16 @@ def test_evaluate_a_directory(
     assert "scored 2 files" in result.stderr  # the progress bar, in its final state
     assert "━" in result.stderr
     assert "2/2" in result.stderr
-    rows = [line for line in lines(result.stdout) if ".json" in line]
-    assert len(rows) == 2
-    assert rows[0].split()[1:4:2] == ["a.json", "kp:trace:a"]
-    assert rows[1].split()[1] == "b.json"
-    assert rows[1].split()[3].startswith("kp:trace:[b")  # "[b]" is not taken for markup
-    assert [row.split()[5] for row in rows] == ["0.8711", "0.5763"]
-    assert all(row.split()[-2] == "pass" for row in rows)
-    assert "2 scored: 2 pass, 0 below 0.5" in result.stdout
+    # A line per trace in columns, its id and the rest beneath: 80 columns are enough.
+    assert lines(result.stdout) == [
+        "file    score   result  weights",
+        "a.json  0.8711  pass    default",
+        "  kp:trace:a; overrides: error_recovery_bonus; novelty: embedder_unavailable",
+        "b.json  0.5763  pass    default",
+        "  kp:trace:[b]; overrides: low_tool_diversity; novelty: embedder_unavailable",
+        "2 scored: 2 pass, 0 below 0.5",
+    ]
+    assert max(len(line) for line in lines(result.stdout)) <= 80
 
     below = run(["evaluate", "traces/"], server.url)
     assert below.exit_code == 1
@@ -354,9 +358,8 @@ def test_cache_reset_and_dry_run(onnx_server: Server, tmp_path: Path) -> None:
     assert "nearest kp:trace:test-0001 (1.000, " in " ".join(again.stdout.split())
     (tmp_path / "two").mkdir()
     write(tmp_path / "two" / "t.json", make_trace(trace_id="kp:trace:twin"))
-    table = run(["evaluate", str(tmp_path / "two"), "--dry-run"], onnx_server.url, COLUMNS="200")
-    assert "nearest" in table.stdout
-    assert "kp:trace:test-0001" in table.stdout
+    table = run(["evaluate", str(tmp_path / "two"), "--dry-run"], onnx_server.url)
+    assert "; nearest kp:trace:test-0001 (" in table.stdout
     reset = run(["cache", "reset"], onnx_server.url, KP_ADMIN_TOKEN=TOKEN)
     assert reset.exit_code == 0
     assert reset.stdout.strip() == "cleared 1 cached vectors"
@@ -372,7 +375,7 @@ def script(
     *args: str, url: str, stdin: str | None = None, cwd: Path | None = None
 ) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KP_", "FORCE_COLOR"))}
-    env |= {"KP_URL": url, "NO_COLOR": "1", "COLUMNS": "80"}
+    env |= {"KP_URL": url, "COLUMNS": "40"}  # a pipe: COLUMNS does not matter
     return subprocess.run(
         [entry_point(), *args],
         input=stdin,

@@ -96,7 +96,7 @@ def test_32_clients_posting_the_same_new_trace_see_one_empty_cache() -> None:
     run(scenario)
 
 
-@pytest.mark.parametrize("capacity", [1000, 5])
+@pytest.mark.parametrize("capacity", [pytest.param(1000, marks=pytest.mark.slow), 5])
 def test_concurrent_distinct_traces_equal_a_sequential_order(capacity: int) -> None:
     traces = [
         make_trace(

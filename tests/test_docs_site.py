@@ -13,10 +13,13 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
+from html.parser import HTMLParser
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
+import yaml
 
 from app.core.config import ENV_PREFIX, Settings
 
@@ -114,3 +117,110 @@ def test_the_decisions_page_lists_every_record(site: Path) -> None:
         body = record.read_text(encoding="utf-8")
         for section in ("## Context", "## Decision", "## Figures", "## Alternatives not kept"):
             assert section in body, f"{record.name} lacks {section}"
+
+
+class _Assets(HTMLParser):
+    """The URLs a page loads by itself (not the links a reader may follow)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.urls: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        found = dict(attrs)
+        if tag in ("script", "img", "iframe", "source", "audio", "video", "embed"):
+            self.urls.append(found.get("src") or "")
+        elif tag == "link":  # stylesheets, fonts, preconnects, icons: all fetched
+            self.urls.append(found.get("href") or "")
+        elif tag == "object":
+            self.urls.append(found.get("data") or "")
+
+
+def test_the_site_loads_nothing_from_another_host(site: Path) -> None:
+    """Offline as the service is: no font CDN, no script or stylesheet from elsewhere."""
+    remote = re.compile(r"^(https?:)?//", re.IGNORECASE)
+    loaded: list[str] = []
+    for page in site.rglob("*.html"):
+        parser = _Assets()
+        parser.feed(page.read_text(encoding="utf-8"))
+        loaded += [f"{page.relative_to(site)}: {u}" for u in parser.urls if remote.match(u)]
+    for sheet in site.rglob("*.css"):
+        text = sheet.read_text(encoding="utf-8")
+        imports = re.findall(r"""(?:url\(\s*['"]?|@import\s+['"])((?:https?:)?//[^'")\s]+)""", text)
+        loaded += [f"{sheet.relative_to(site)}: {u}" for u in imports]
+    assert not loaded, loaded
+
+
+def _sections(nav: list[Any], parent: str | None = None) -> Iterator[tuple[str | None, Any]]:
+    for entry in nav:
+        if isinstance(entry, dict):
+            for title, value in entry.items():
+                yield parent, title
+                if isinstance(value, list):
+                    yield from _sections(value, title)
+        else:
+            yield parent, None
+
+
+def test_no_section_of_the_nav_is_a_child_of_itself() -> None:
+    nav = yaml.safe_load((ROOT / "mkdocs.yml").read_text(encoding="utf-8"))["nav"]
+    entries = list(_sections(nav))
+    children: dict[str | None, list[str | None]] = {}
+    for parent, title in entries:
+        children.setdefault(parent, []).append(title)
+    for parent, titles in children.items():
+        if parent is None:
+            continue
+        # A page without a title in a section takes the section's name: "Decisions > Decisions".
+        assert len(titles) > 1 or titles[0] not in (None, parent), (parent, titles)
+
+
+def test_the_performance_page_plots_the_committed_results(site: Path) -> None:
+    page = (site / "performance" / "index.html").read_text(encoding="utf-8")
+    charts = re.findall(r'<figure class="kp-plot".*?</figure>', page, flags=re.S)
+    performance = _hook("performance")
+    expected = [n for n in performance.PLOTTERS if (ROOT / "bench/results" / f"{n}.json").is_file()]
+    assert expected
+    assert len(charts) >= len(expected)
+    latest = json.loads((ROOT / "bench" / "results" / "latest.json").read_text())
+    one_client = performance._number(latest["results"]["concurrency"]["1"]["throughput_rps"])
+    assert any(f"service: {one_client} at 1" in html.unescape(chart) for chart in charts)
+    assert all("<svg" in chart and ("<polyline" in chart or "<rect" in chart) for chart in charts)
+
+
+def test_a_chart_of_a_missing_or_unknown_result_is_left_out(tmp_path: Path) -> None:
+    performance = _hook("performance")
+    assert performance.plot("latest", tmp_path) == ""
+    (tmp_path / "latest.json").write_text(json.dumps({"other": 1}))
+    assert performance.plot("latest", tmp_path) == ""
+
+
+def test_a_figure_is_never_rounded_onto_the_target_it_missed() -> None:
+    performance = _hook("performance")
+    assert performance._number(0.9985) == "0.9985"
+    assert performance._checked(0.9985) == "0.9985"
+    assert performance._checked(6.703195679401687) == "6.7032"
+    assert performance._number(0.5) == "0.5"
+
+
+def test_every_bench_command_the_docs_name_exists() -> None:
+    pages = [ROOT / "README.md", ROOT / "bench" / "README.md", *(ROOT / "docs").rglob("*.md")]
+    missing = [
+        f"{page.relative_to(ROOT)}: python -m {module}"
+        for page in pages
+        for module in re.findall(r"python -m (bench(?:\.\w+)*)", page.read_text(encoding="utf-8"))
+        if importlib.util.find_spec(module) is None
+    ]
+    assert not missing, missing
+
+
+def test_every_snippet_line_is_whole() -> None:
+    """A formatter that takes a ```python block for Python turns `--8<--` into `--8 < --`, and
+    the page then shows that line instead of the file: such blocks use the `{ .python }`
+    form, which formatters leave alone."""
+    mangled = [
+        str(page.relative_to(ROOT))
+        for page in (ROOT / "docs").rglob("*.md")
+        if re.search(r"--8\s+<\s*--|--8<\s+--", page.read_text(encoding="utf-8"))
+    ]
+    assert not mangled, mangled

@@ -1,9 +1,10 @@
 """Every example of README.md and docs/ runs, and prints what the page shows.
 
-One live server with default settings (the model included) serves every page; its memory is
-emptied before each page, whose blocks run in order (a page's second request may see its
-first). The convention for marking blocks is in tests/doc_examples.py and
-docs/contributing.md.
+One live server with default settings (the model included) serves every page, and the pages
+run in the order a reader meets them (README.md, then the site's nav), their blocks in order,
+the memory never emptied between them: what a page shows is what a reader who followed the
+pages before it gets. A page that wants another state says so and sets it. The convention
+for marking blocks is in tests/doc_examples.py and docs/contributing.md.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from tests.doc_examples import (
@@ -31,6 +31,8 @@ from tests.doc_examples import (
     differences,
     on_live,
     pages,
+    shown_by_file,
+    snippet_file,
 )
 from tests.server import Server, running_server
 
@@ -65,18 +67,7 @@ def _marked(page: Path) -> list[Block]:
 
 
 def _params() -> list[object]:
-    params: list[object] = []
-    for page in pages():
-        runnable = _marked(page)
-        if not runnable:
-            continue
-        marks = (
-            [pytest.mark.slow]
-            if any(b.option("slow") or b.option("node") for b in runnable)
-            else []
-        )
-        params.append(pytest.param(page, id=str(page.relative_to(ROOT)), marks=marks))
-    return params
+    return [pytest.param(page, id=str(page.relative_to(ROOT))) for page in pages() if _marked(page)]
 
 
 def test_every_block_that_a_user_types_is_marked() -> None:
@@ -125,19 +116,13 @@ def _run_console(block: Block, url: str, env: dict[str, str]) -> list[str]:
 
 
 def _run_script(block: Block, url: str, env: dict[str, str]) -> list[str]:
+    if block.option("file"):
+        return _run_file(snippet_file(block), url, env)
     code = on_live(block.text, url)
     if block.language == "python":
         command = [sys.executable, "-c", code]
     elif block.language == "js":
-        from tests.typescript import PACKAGE, build
-
-        build()
-        # Inside the package, so that "@kp-scoring/client" resolves to it (a self-reference).
-        script = PACKAGE / "dist" / "doc-example.mjs"
-        script.write_text(code, encoding="utf-8")
-        node = shutil.which("node")
-        assert node is not None, "node 20+ is needed"
-        command = [node, str(script)]
+        command = _node_command(code, "doc-example.mjs")
     else:
         command = ["bash", "-c", code]
     returncode, stdout, stderr = _run(command, ROOT, env)
@@ -147,19 +132,58 @@ def _run_script(block: Block, url: str, env: dict[str, str]) -> list[str]:
     return differences(got, block.output.text)
 
 
-@pytest.mark.parametrize("page", _params())
-def test_the_examples_of_a_page_run_as_shown(page: Path, live: Server) -> None:
-    httpx.delete(f"{live.url}/cache", timeout=30).raise_for_status()
+def _node_command(code: str, name: str) -> list[str]:
+    from tests.typescript import PACKAGE, build
+
+    build()
+    # Inside the package, so that "@kp-scoring/client" resolves to it (a self-reference).
+    script = PACKAGE / "dist" / name
+    script.write_text(code, encoding="utf-8")
+    node = shutil.which("node")
+    assert node is not None, "node 20+ is needed"
+    return [node, str(script)]
+
+
+def _run_file(path: Path, url: str, env: dict[str, str]) -> list[str]:
+    """An example file, run as a user runs it (KP_URL set), and its output compared as it is:
+    byte for byte, no normalisation but the server's address."""
+    code = path.read_text(encoding="utf-8")
+    if path.suffix == ".py":
+        command = [sys.executable, str(path)]
+    elif path.suffix == ".mjs":
+        command = _node_command(code, f"example-{path.name}")
+    elif path.suffix == ".sh":
+        command = ["bash", str(path)]
+    else:
+        return [f"{path.name}: no way to run a {path.suffix} file"]
+    returncode, stdout, stderr = _run(command, ROOT, env)
+    if returncode != 0 and path.suffix != ".sh":
+        return [f"{path.name}: exit {returncode}:\n{stdout}{stderr}"]
+    shown = shown_by_file(path)
+    got = as_shown(stdout, url)
+    return [] if got == shown else [f"{path.name} printed:\n{got}\nwhere it shows:\n{shown}"]
+
+
+@pytest.fixture(scope="module")
+def reading(live: Server) -> dict[Path, list[str]]:
+    """Every page's examples, run once in reading order: each page's problems."""
     env = _environment(live.url)
-    problems: list[str] = []
-    for block in _marked(page):
-        required = block.option("requires")
-        if required and importlib.util.find_spec(required) is None:
-            warnings.warn(f"{block.where} not run: {required} is not installed", stacklevel=1)
-            continue
-        if block.language == "console":
-            found = _run_console(block, live.url, env)
-        else:
-            found = _run_script(block, live.url, env)
-        problems += [f"{block.where}: {p}" for p in found]
-    assert not problems, "\n\n".join(problems)
+    problems: dict[Path, list[str]] = {}
+    for page in pages():
+        problems[page] = []
+        for block in _marked(page):
+            required = block.option("requires")
+            if required and importlib.util.find_spec(required) is None:
+                warnings.warn(f"{block.where} not run: {required} is not installed", stacklevel=1)
+                continue
+            if block.language == "console" and not block.option("file"):
+                found = _run_console(block, live.url, env)
+            else:
+                found = _run_script(block, live.url, env)
+            problems[page] += [f"{block.where}: {p}" for p in found]
+    return problems
+
+
+@pytest.mark.parametrize("page", _params())
+def test_the_examples_of_a_page_run_as_shown(page: Path, reading: dict[Path, list[str]]) -> None:
+    assert not reading[page], "\n\n".join(reading[page])

@@ -24,7 +24,7 @@ from kp_scoring.text import visible
 from tests.factories import make_trace
 from tests.server import TOKEN, Server
 
-PLAIN = {"FORCE_COLOR": None, "TTY_COMPATIBLE": None, "NO_COLOR": "1", "COLUMNS": "400"}
+PLAIN = {"FORCE_COLOR": None, "TTY_COMPATIBLE": None, "NO_COLOR": None, "COLUMNS": None}
 PLAIN |= {"KP_URL": None, "KP_ADMIN_TOKEN": None, "KP_API_KEY": None}
 
 #: What issue 33 saw stored: clears the screen, paints, and forges a line for a model to read.

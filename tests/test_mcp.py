@@ -100,29 +100,47 @@ def test_the_tools_and_their_schemas_are_the_rest_apis(
 
 
 def test_reference_traces_score_as_over_rest(server: Server) -> None:
-    """Every reference trace (no embedder): the tool's structured answer is the REST answer."""
+    """Every reference trace (no embedder): the tools' structured answers are the REST
+    answers. The first 40 through kp_score_trace, one call each; all of them through
+    kp_score_traces, in batches (one call a trace for all 590 took most of this test's time,
+    and the tools share everything past the arguments' parsing)."""
+    singles = NO_EMBEDDER[:40]
 
-    async def go() -> list[dict[str, Any]]:
+    async def go() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         async with mcp_client(server) as client:
-            answers = []
-            for case in NO_EMBEDDER:
+            one_by_one = []
+            for case in singles:
                 result = await client.call_tool(
                     "kp_score_trace", {**case["trace"], "dry_run": True}
                 )
                 assert not result.is_error, text_of(result)
-                answers.append(result.structured_content)
-            return answers
+                one_by_one.append(result.structured_content)
+            batched = []
+            for start in range(0, len(NO_EMBEDDER), 64):
+                traces = [c["trace"] for c in NO_EMBEDDER[start : start + 64]]
+                result = await client.call_tool(
+                    "kp_score_traces", {"traces": traces, "dry_run": True}
+                )
+                assert not result.is_error, text_of(result)
+                batched += result.structured_content["results"]
+            return one_by_one, batched
 
-    via_mcp = asyncio.run(go())
+    one_by_one, batched = asyncio.run(go())
+    via_rest: list[dict[str, Any]] = []
     with httpx.Client(base_url=server.url) as http:
-        via_rest = [
-            http.post("/evaluate?dry_run=true", json=case["trace"]).json() for case in NO_EMBEDDER
-        ]
-    assert [a["score"] for a in via_mcp] == pytest.approx(
+        for start in range(0, len(NO_EMBEDDER), 64):
+            traces = [c["trace"] for c in NO_EMBEDDER[start : start + 64]]
+            answer = http.post("/evaluate/batch?dry_run=true", json={"traces": traces})
+            via_rest += answer.json()["results"]
+    assert [a["score"] for a in batched] == pytest.approx(
         [c["expected_score"] for c in NO_EMBEDDER], abs=SCORE_TOLERANCE
     )
-    drop_time = [{**a, "elapsed_ms": 0} for a in via_mcp]
-    assert drop_time == [{**a, "elapsed_ms": 0} for a in via_rest]
+
+    def drop_time(answers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [{**a, "elapsed_ms": 0} for a in answers]
+
+    assert drop_time(batched) == drop_time(via_rest)
+    assert drop_time(one_by_one) == drop_time(via_rest[: len(singles)])
 
 
 @pytest.mark.slow
@@ -349,6 +367,7 @@ def test_an_unexpected_error_is_an_internal_error_without_internals(
     assert "secret" not in r.text
 
 
+@pytest.mark.slow  # a fresh interpreter imports the app and the SDK: seconds
 def test_the_mcp_sdk_loads_on_the_first_mcp_request_not_at_start() -> None:
     """A start does not pay for the MCP SDK's import (the cold start); the first /mcp request
     loads it, and REST answers before and after. In a fresh interpreter: this one has it."""
@@ -378,6 +397,7 @@ print("ok")
     assert done.stdout.strip() == "ok"
 
 
+@pytest.mark.slow  # a fresh interpreter starts the app with the model: seconds
 def test_preload_starts_the_mcp_server_with_the_service() -> None:
     code = """
 import sys

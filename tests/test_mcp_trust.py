@@ -91,13 +91,14 @@ def test_mcp_answers_are_signed_as_the_rest_answers(signing: Server) -> None:
     trace = make_trace()
     r = httpx.post(f"{signing.url}/mcp", json=rpc_body("kp_score_trace", trace), headers=HEADERS)
     answer = r.json()["result"]["structuredContent"]
-    claims = verify(answer["signature"], trace, jwks)
-    assert claims["score"] == answer["score"] == 0.57625
+    claims = verify(answer["signature"], trace, jwks, answer=answer)
+    assert claims["answer"]["score"] == answer["score"] == 0.57625
     traces = [make_trace(trace_id="kp:trace:s-1"), make_trace(trace_id="kp:trace:s-2")]
     body = rpc_body("kp_score_traces", {"traces": traces, "dry_run": True})
     results = httpx.post(f"{signing.url}/mcp", json=body, headers=HEADERS).json()["result"]
     for sent, got in zip(traces, results["structuredContent"]["results"], strict=True):
-        assert verify(got["signature"], sent, jwks)["trace_id"] == sent["id"]
+        claims = verify(got["signature"], sent, jwks, answer=got)
+        assert claims["answer"]["trace_id"] == sent["id"]
 
 
 def test_a_trace_past_i_json_is_a_tool_error_when_signing(signing: Server) -> None:

@@ -29,17 +29,20 @@ def promtool(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.promtool
 def test_the_alert_rules_are_valid() -> None:
     checked = promtool("check", "rules", "alerts.yml")
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert "SUCCESS" in checked.stdout
 
 
+@pytest.mark.promtool
 def test_the_alert_rules_pass_their_unit_tests() -> None:
     tested = promtool("test", "rules", "alerts_test.yml")
     assert tested.returncode == 0, tested.stdout + tested.stderr
 
 
+@pytest.mark.promtool
 def test_the_example_configuration_is_valid_and_loads_the_rules() -> None:
     checked = promtool("check", "config", "prometheus.yml")
     assert checked.returncode == 0, checked.stdout + checked.stderr

@@ -69,3 +69,25 @@ def test_trace_schema_has_optional_fields_but_no_null() -> None:
     trace_parts = ("ReasoningTrace", "Metadata", "Task", "Step", "Tool", "KnowledgeGraphDelta")
     for name in trace_parts:
         assert _nullable_places(components["components"]["schemas"][name], name) == []
+
+
+def test_every_request_body_has_an_example_the_service_scores(
+    client_no_embedder: TestClient,
+) -> None:
+    """Swagger UI's "Try it out" starts from the document's example: each must be a 200, and
+    the one-trace example is examples/trace.json, the trace the docs show."""
+    document = json.loads((OPENAPI_DIR / "openapi.json").read_text(encoding="utf-8"))
+    trace = json.loads((OPENAPI_DIR.parent / "examples" / "trace.json").read_text("utf-8"))
+    sent = 0
+    for path in ("/evaluate", "/evaluate/batch"):
+        body = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]
+        assert body["examples"], path
+        for example in body["examples"].values():
+            r = client_no_embedder.post(f"{path}?dry_run=true", json=example["value"])
+            assert r.status_code == 200, (path, r.text)
+            sent += 1
+    (one,) = document["paths"]["/evaluate"]["post"]["requestBody"]["content"]["application/json"][
+        "examples"
+    ].values()
+    assert one["value"] == trace
+    assert sent >= 2

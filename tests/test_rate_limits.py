@@ -236,18 +236,21 @@ def test_a_batch_costs_one_token_per_trace(
         return server.client.post("/mcp", json=rpc, headers=headers).json()["result"]
 
     try:
+        # A refused batch spends nothing, its first token (taken before the body) included.
         too_big = batch(11, 0)  # more than the bucket ever holds: never retry it as it is
         assert too_big.status_code == 422, too_big.text
         assert too_big.json()["detail"][0]["loc"] == ["body", "traces"]
-        assert batch(6, 0).status_code == 200  # 10 - 1 (the refused one's) - 6 = 3 left
-        over = batch(4, 10)
+        assert too_big.json()["detail"][0]["type"] == "batch_over_rate"
+        assert batch(6, 0).status_code == 200  # 10 - 6 = 4 left
+        over = batch(5, 10)
         assert over.status_code == 429, over.text
         assert int(over.headers["retry-after"]) >= 1
-        assert "a batch of 4 costs 4" in over.json()["detail"][0]["msg"]
-        assert batch(2, 20).status_code == 200  # 3 - 1 (the 429's first) = 2: exactly
+        assert "a batch of 5 costs 5" in over.json()["detail"][0]["msg"]
+        assert batch(4, 20).status_code == 200  # still 4: exactly
         assert mcp_batch(3)["isError"] is False  # 4 - 3 = 1 left
-        refused = mcp_batch(2)  # its first token was there, its second is not
+        refused = mcp_batch(2)  # not enough: refused, and spends nothing
         assert refused["isError"] is True
         assert "over its rate of 4 traces a minute" in refused["content"][0]["text"]
+        assert mcp_batch(1)["isError"] is False  # the one token left is still there
     finally:
         server.stop()

@@ -116,11 +116,17 @@ def test_another_cpu_or_model_is_another_entry(built: Path, tmp_path: Path) -> N
     "damage",
     [
         "flip a weight",
-        "truncate the data",
-        "truncate the graph",
-        "garble the record",
-        "stale",
-        "a record that vouches for a bad graph",
+        # Each builds the graph again (seconds): make test-fast keeps one kind of damage.
+        *(
+            pytest.param(damage, marks=pytest.mark.slow)
+            for damage in (
+                "truncate the data",
+                "truncate the graph",
+                "garble the record",
+                "stale",
+                "a record that vouches for a bad graph",
+            )
+        ),
     ],
 )
 def test_a_damaged_or_stale_entry_is_built_again_never_used(
@@ -205,6 +211,7 @@ def test_the_cache_can_be_turned_off(tmp_path: Path) -> None:
     assert not (tmp_path / "cache").exists()
 
 
+@pytest.mark.slow  # an int8 graph built (seconds)
 def test_int8_mode_has_entries_of_its_own_with_the_same_vectors(
     built: Path, tmp_path: Path
 ) -> None:

@@ -30,17 +30,7 @@ from tests.server import Server, running_server
 
 pytestmark = pytest.mark.server
 
-CLAIMS = {
-    "iss",
-    "iat",
-    "trace_id",
-    "trace_sha256",
-    "score",
-    "dimensions",
-    "weights_profile",
-    "novelty_measured",
-    "dry_run",
-}
+CLAIMS = {"iss", "iat", "trace_sha256", "dry_run", "answer"}
 
 
 def pem(key: Any) -> bytes:
@@ -111,11 +101,9 @@ def test_a_score_verifies_against_the_jwks_with_pyjwt(signing: Server) -> None:
     claims = pyjwt_decode(token, jwks)
     assert set(claims) == CLAIMS
     assert claims["iss"] == "kp-scoring.test"
-    assert claims["trace_id"] == answer["trace_id"]
-    assert claims["score"] == answer["score"]
-    assert claims["dimensions"] == answer["dimensions"]
-    assert claims["weights_profile"] == answer["weights"]["profile"]
-    assert claims["novelty_measured"] is answer["novelty"]["measured"] is False
+    # The answer as shown, every field but the time it took and the signature itself.
+    unsigned = {"elapsed_ms", "signature"}
+    assert claims["answer"] == {k: v for k, v in answer.items() if k not in unsigned}
     assert claims["trace_sha256"] == canonical_sha256(trace)
 
 
@@ -128,7 +116,7 @@ def _tampered(token: str, claim: str) -> str:
     elif isinstance(value, (int, float)):
         claims[claim] = value + 1
     elif isinstance(value, dict):
-        claims[claim] = {**value, "novelty": 1.0 - value["novelty"] + 0.125}
+        claims[claim] = {**value, "score": 1.0 - value["score"] + 0.125}
     else:
         claims[claim] = value + "x"
     changed = base64.urlsafe_b64encode(json.dumps(claims).encode()).rstrip(b"=").decode()
@@ -179,7 +167,8 @@ def test_each_trace_of_a_batch_is_signed_for_itself(signing: Server) -> None:
     results = httpx.post(f"{signing.url}/evaluate/batch", json={"traces": traces}).json()
     jwks = jwks_of(signing)
     for trace, result in zip(traces, results["results"], strict=True):
-        assert verify_signature(result["signature"], trace, jwks)["trace_id"] == trace["id"]
+        claims = verify_signature(result["signature"], trace, jwks, answer=result)
+        assert claims["answer"]["trace_id"] == trace["id"]
     with pytest.raises(SignatureInvalidError, match="another trace"):
         verify_signature(results["results"][0]["signature"], traces[1], jwks)
 
@@ -189,20 +178,20 @@ def test_the_client_and_the_cli_verify(signing: Server, tmp_path: Path) -> None:
     with KpScoringClient(signing.url) as kp:
         answer = kp.evaluate(trace, dry_run=True)
         assert answer.signature is not None
-        assert kp.verify(answer.signature, trace)["score"] == answer.score
+        assert kp.verify(answer.signature, trace, answer=answer)["answer"]["score"] == answer.score
         with pytest.raises(SignatureInvalidError):
             kp.verify(answer.signature, {**trace, "id": "kp:trace:other"})
         model = ReasoningTrace.model_validate(trace)
         signed_model = kp.evaluate(model, dry_run=True).signature
         assert signed_model is not None
-        assert kp.verify(signed_model, model)["trace_id"] == trace["id"]
+        assert kp.verify(signed_model, model)["answer"]["trace_id"] == trace["id"]
     trace_file = tmp_path / "trace.json"
     trace_file.write_text(json.dumps(trace, indent=2))
     answer_file = tmp_path / "answer.json"
     answer_file.write_text(answer.model_dump_json())
     jwks_file = tmp_path / "jwks.json"
     jwks_file.write_text(json.dumps(jwks_of(signing)))
-    env = {"KP_URL": signing.url, "NO_COLOR": "1", "COLUMNS": "200"}
+    env = {"KP_URL": signing.url}
     runner = CliRunner()
     by_url = runner.invoke(cli, ["verify", str(trace_file), answer.signature], env=env)
     assert by_url.exit_code == 0, by_url.output
@@ -211,7 +200,7 @@ def test_the_client_and_the_cli_verify(signing: Server, tmp_path: Path) -> None:
         cli, ["verify", str(trace_file), str(answer_file), "--jwks", str(jwks_file), "--json"]
     )
     assert by_file.exit_code == 0, by_file.output
-    assert json.loads(by_file.stdout)["score"] == answer.score
+    assert json.loads(by_file.stdout)["answer"]["score"] == answer.score
     trace_file.write_text(json.dumps({**trace, "id": "kp:trace:forged"}))
     forged = runner.invoke(cli, ["verify", str(trace_file), answer.signature], env=env)
     assert forged.exit_code == 1

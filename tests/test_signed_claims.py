@@ -7,9 +7,9 @@ runs as docs/operating/signatures.md shows it."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,10 +18,12 @@ import httpx
 import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
+from joserfc.jwk import OKPKey
 from typer.testing import CliRunner
 
+from app.services.signing import Signer
 from kp_scoring.cli import cli
-from kp_scoring.signatures import SignatureInvalidError, verify
+from kp_scoring.signatures import SignatureInvalidError, answer_mismatches, verify
 from tests.factories import make_trace
 from tests.server import ROOT, Server, running_server
 
@@ -96,21 +98,38 @@ def test_the_batch_signs_dry_run_too(signing: Server) -> None:
         assert claims["dry_run"] is True
 
 
-@pytest.mark.parametrize(
-    ("edit", "field"),
-    [
-        (lambda a: a | {"score": 0.99}, "score"),
-        (lambda a: a | {"trace_id": "kp:trace:other"}, "trace_id"),
-        (lambda a: a | {"dimensions": a["dimensions"] | {"novelty": 1.0}}, "dimensions"),
-        (lambda a: a | {"weights": a["weights"] | {"profile": "coding"}}, "weights.profile"),
-        (lambda a: a | {"novelty": a["novelty"] | {"measured": True}}, "novelty.measured"),
-    ],
-)
-def test_an_edited_answer_fails_verification(signing: Server, edit: Any, field: str) -> None:
+NEAREST = {"trace_id": "kp:trace:someone-else", "cosine": 0.99, "age_ms": 10}
+
+
+# Every field a registry would act on; and one added, one removed.
+EDITS = [
+    (lambda a: a | {"score": 0.99}, "the answer's score is 0.99"),
+    (lambda a: a | {"trace_id": "kp:trace:other"}, "the answer's trace_id is"),
+    (lambda a: a | {"dimensions": a["dimensions"] | {"novelty": 1.0}}, "dimensions.novelty is"),
+    (lambda a: a | {"weights": a["weights"] | {"profile": "coding"}}, "weights.profile is"),
+    (lambda a: a | {"weights": a["weights"] | {"novelty": 0.9}}, "weights.novelty is"),
+    (lambda a: a | {"profile": a["profile"] | {"name": "coding"}}, "profile.name is"),
+    (lambda a: a | {"overrides": []}, "the answer's overrides is"),
+    (lambda a: a | {"novelty": a["novelty"] | {"measured": True}}, "novelty.measured is"),
+    (lambda a: a | {"novelty": a["novelty"] | {"max_cosine": 0.1}}, "novelty.max_cosine is"),
+    (lambda a: a | {"novelty": a["novelty"] | {"cache_size": 99}}, "novelty.cache_size is"),
+    (lambda a: a | {"novelty": a["novelty"] | {"nearest": NEAREST}}, "novelty.nearest is {"),
+    (lambda a: a | {"verified_by": "us"}, "the answer's verified_by is not signed"),
+    (lambda a: {k: v for k, v in a.items() if k != "profile"}, "the answer lacks profile"),
+]
+
+
+@pytest.mark.parametrize(("edit", "reason"), EDITS)
+def test_an_edited_answer_fails_verification(signing: Server, edit: Any, reason: str) -> None:
     trace = make_trace(trace_id="kp:trace:edited")
     answer = scored(signing, trace, dry_run=True)
-    with pytest.raises(SignatureInvalidError, match=f"the answer's {field} is"):
-        verify(answer["signature"], trace, jwks(signing), audience=AUDIENCE, answer=edit(answer))
+    assert answer["overrides"]
+    keys = jwks(signing)
+    assert verify(answer["signature"], trace, keys, audience=AUDIENCE, answer=answer)
+    timed = answer | {"elapsed_ms": answer["elapsed_ms"] + 1000}
+    assert verify(answer["signature"], trace, keys, audience=AUDIENCE, answer=timed)
+    with pytest.raises(SignatureInvalidError, match=re.escape(reason)):
+        verify(answer["signature"], trace, keys, audience=AUDIENCE, answer=edit(answer))
 
 
 def test_issuer_audience_and_expiry_are_checked(signing: Server) -> None:
@@ -123,8 +142,59 @@ def test_issuer_audience_and_expiry_are_checked(signing: Server) -> None:
         verify(token, trace, keys, audience="other-registry")
     with pytest.raises(SignatureInvalidError, match="name yours"):
         verify(token, trace, keys)  # signed for an audience: the verifier must be it
-    with pytest.raises(SignatureInvalidError, match="expired"):
-        verify(token, trace, keys, audience=AUDIENCE, now=time.time() + 3600 + 60)
+    expiry = verify(token, trace, keys, audience=AUDIENCE)["exp"]
+    # 5 s of leeway by default, for clocks that disagree; no more.
+    assert verify(token, trace, keys, audience=AUDIENCE, now=expiry + 4.9)
+    for late, leeway in ((5, None), (0, 0), (61, 60)):
+        options = {} if leeway is None else {"leeway_s": leeway}
+        with pytest.raises(SignatureInvalidError, match="expired"):
+            verify(token, trace, keys, audience=AUDIENCE, now=expiry + late, **options)
+    assert verify(token, trace, keys, audience=AUDIENCE, now=expiry + 59, leeway_s=60)
+
+
+def test_a_difference_is_named_by_its_path_in_the_answer() -> None:
+    signed = {"novelty": {"nearest": {"trace_id": "a", "cosine": 1}}, "overrides": ["x", "y"]}
+    claims = {"answer": signed}
+    shown = {"novelty": {"nearest": {"trace_id": "b", "cosine": 1.0}}, "overrides": ["x", "z"]}
+    assert answer_mismatches(claims, signed | {"elapsed_ms": 3.0, "signature": "s"}) == []
+    assert answer_mismatches(claims, shown) == [
+        "the answer's novelty.nearest.trace_id is 'b', the signed one 'a'",
+        "the answer's overrides.1 is 'z', the signed one 'y'",
+    ]
+    assert answer_mismatches(claims, signed | {"overrides": ["x"]}) == [
+        "the answer's overrides is ['x'], the signed one ['x', 'y']"
+    ]
+    (older,) = answer_mismatches({"score": 0.5}, shown)
+    assert "covers no answer" in older
+
+
+def test_the_cli_honours_expiry_with_a_stated_leeway(tmp_path: Path) -> None:
+    """A signature 10 s past its exp: refused with the default 5 s of leeway, accepted with
+    --leeway 60 (the CLI's help says both)."""
+    key = OKPKey.import_key(
+        ed25519.Ed25519PrivateKey.generate().private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    signer = Signer(key=key, previous=(), lifetime_s=-10)
+    trace = make_trace(trace_id="kp:trace:late")
+    answer = {"trace_id": trace["id"], "score": 0.5}
+    (tmp_path / "trace.json").write_text(json.dumps(trace))
+    (tmp_path / "jwks.json").write_text(json.dumps(signer.jwks()))
+    token = signer.sign(answer, trace, dry_run=False)
+    args = ["verify", str(tmp_path / "trace.json"), token, "--jwks", str(tmp_path / "jwks.json")]
+    runner = CliRunner()
+    late = runner.invoke(cli, args)
+    assert late.exit_code == 1, late.output
+    assert "invalid: the signature expired" in late.stderr
+    allowed = runner.invoke(cli, [*args, "--leeway", "60"])
+    assert allowed.exit_code == 0, allowed.output
+    assert allowed.stdout == "valid: kp:trace:late scored 0.5 by kp-scoring\n"
+    help_text = runner.invoke(cli, ["verify", "--help"], env={"COLUMNS": "100"}).stdout
+    assert "--leeway" in help_text
+    assert "5 s unless given" in " ".join(help_text.split())
 
 
 def run_example(
@@ -168,7 +238,7 @@ def test_the_cli_fails_an_edited_answer_and_a_dry_run_when_committed_is_asked(
 ) -> None:
     trace = make_trace(trace_id="kp:trace:cli")
     (tmp_path / "trace.json").write_text(json.dumps(trace))
-    env = {"KP_URL": signing.url, "NO_COLOR": "1", "COLUMNS": "200"}
+    env = {"KP_URL": signing.url}
     runner = CliRunner()
 
     def run(answer: dict[str, Any], *options: str) -> Any:

@@ -149,6 +149,7 @@ NOT_FILLING = {
 FULL_SIZE = {"one word", "CJK without spaces", "whitespace", "combining marks"}
 
 
+@pytest.mark.slow  # megabyte texts tokenized whole: seconds
 @pytest.mark.parametrize("name", [*FILLING, *NOT_FILLING])
 def test_megabyte_texts_equal_the_whole_text(name: str) -> None:
     text = {**FILLING, **NOT_FILLING}[name]
@@ -217,12 +218,14 @@ pieces = st.one_of(
 )
 
 
+@pytest.mark.slow  # 250 texts, each tokenized whole: seconds
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(pieces, max_size=50).map("".join))
 def test_any_text_windows_equal_the_whole_text(text: str) -> None:
     assert_windows_equal_whole(text)
 
 
+@pytest.mark.slow  # 30 texts past the model's window: the longest test of the file
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(pieces, min_size=400, max_size=900).map("".join))
 def test_long_mixed_texts_equal_the_whole_text_at_the_model_window(text: str) -> None:
@@ -236,11 +239,13 @@ def test_normaliser_equals_the_regex_one_it_replaced(text: str) -> None:
     assert js_bert_normalizer.normalize(text) == regex_normalizer.normalize(text)
 
 
+@pytest.mark.slow  # every code point through both normalisers: seconds
 def test_normaliser_equals_the_regex_one_on_every_code_point() -> None:
     text = "".join(map(chr, range(sys.maxunicode + 1))) + "ΑΣ"
     assert js_bert_normalizer.normalize(text) == regex_normalizer.normalize(text)
 
 
+@pytest.mark.slow  # every code point through the Rust pre-tokenizer: seconds
 def test_characters_kept_in_long_words_never_split_a_word() -> None:
     """_shorten_long_words keeps runs of characters _may_split says no to as one word: so
     does the Rust pre-tokenizer, for every code point (its Unicode tables are not Python's)."""

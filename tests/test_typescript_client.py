@@ -4,7 +4,10 @@ with an API keys file."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -31,4 +34,59 @@ def test_the_typescript_clients_against_live_servers(tmp_path: Path) -> None:
         ran = npm("test", env=env)
     assert ran.returncode == 0, ran.stdout[-8000:] + ran.stderr[-2000:]
     assert "# fail 0" in ran.stdout
-    assert "# pass 16" in ran.stdout
+    assert "# pass 17" in ran.stdout
+
+
+def test_the_package_file_is_a_copy_that_installs_into_a_project(tmp_path: Path) -> None:
+    """docs/clients.md: `npm pack`, then `npm install` of the package file. Unlike installing
+    the folder (npm links a local folder), the project holds a copy: it keeps working when the
+    clone moves. The package holds the built client and no test, source map of tests or
+    node_modules."""
+    build()
+    packed = npm("pack", "--json", "--pack-destination", str(tmp_path))
+    assert packed.returncode == 0, packed.stderr
+    (found,) = json.loads(packed.stdout)
+    files = {f["path"] for f in found["files"]}
+    assert "package.json" in files
+    assert "dist/src/index.js" in files
+    assert "dist/src/index.d.ts" in files
+    assert not {f for f in files if f.startswith(("dist/test", "node_modules", "src/"))}
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "package.json").write_text('{"name": "a-project", "private": true}')
+    npm_path = shutil.which("npm")
+    assert npm_path is not None
+    installed = subprocess.run(
+        [
+            npm_path,
+            "install",
+            "--offline",
+            "--no-audit",
+            "--no-fund",
+            str(tmp_path / found["filename"]),
+        ],
+        cwd=project,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert installed.returncode == 0, installed.stderr
+    where = project / "node_modules" / "@kp-scoring" / "client"
+    assert where.is_dir()
+    assert not where.is_symlink()  # a copy, not a link into the clone
+    node = shutil.which("node")
+    assert node is not None
+    imported = subprocess.run(
+        [
+            node,
+            "-e",
+            'import("@kp-scoring/client").then(m => console.log(typeof m.KpScoringClient))',
+        ],
+        cwd=project,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert imported.stdout.strip() == "function", imported.stderr

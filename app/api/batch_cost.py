@@ -1,9 +1,12 @@
 """A batch costs one rate-limit token per trace, as the same traces sent one by one would: the
 request's first token is taken before its body is read (app/api/asgi/rate_limit.py), the
-others here, once the traces are counted and before any is scored."""
+others here, once the traces are counted and before any is scored. A batch refused here (422:
+more traces than the key's bucket holds; 429: not enough tokens now) spends nothing: its
+first token is given back, as a request refused before its body spends none."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +37,7 @@ async def charge_batch(
             f"at most {rate} traces a batch for the API key {key.name!r} (its rate per minute: "
             "a batch costs one token per trace)"
         )
+        await _give_back_first(limiter, key.name, rate)
         return Refusal(422, field_error((*at, "traces"), msg, "batch_over_rate"))
     try:
         wait = await limiter.take(key.name, rate, traces - 1)
@@ -42,9 +46,18 @@ async def charge_batch(
         return None
     if wait <= 0:
         return None
+    await _give_back_first(limiter, key.name, rate)
     seconds = retry_after(wait)
     msg = (
         f"the API key {key.name!r} is over its rate of {rate} traces a minute (a batch of "
         f"{traces} costs {traces}): retry after {seconds} s"
     )
     return Refusal(429, field_error(("header", "authorization"), msg, "rate_limited"), seconds)
+
+
+async def _give_back_first(limiter: RateLimiter, name: str, rate: int) -> None:
+    """Returns the token the request paid before its body was read. A negative cost adds to
+    the bucket (both buckets clamp at their capacity as they refill). Should the shared
+    buckets have gone away since, the token stays spent: the limit errs on the strict side."""
+    with contextlib.suppress(RateLimitUnavailableError):
+        await limiter.take(name, rate, -1)

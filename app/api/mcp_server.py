@@ -325,9 +325,8 @@ class McpTools:
                 content=[types.TextContent(text=contribution_summary(answer))],
                 structured_content=answer.model_dump(mode="json"),
             )
-        signer = s.signer
         answers = [
-            evaluation_out(e, None if signer is None else signer.sign(e, trace, dry_run=dry_run))
+            evaluation_out(e, s.signer, trace, dry_run=dry_run)
             for e, trace in zip(evaluations, sent, strict=True)
         ]
         return _result(answers, batch=batch)

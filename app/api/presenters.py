@@ -3,8 +3,11 @@ that the schemas know nothing of the services."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
 
+from app.core.signatures import UNSIGNED_FIELDS
 from app.schemas.responses import (
     CacheBackendOut,
     DimensionsOut,
@@ -18,15 +21,28 @@ from app.services.evaluator import Evaluation
 from app.services.snapshots import SnapshotStatus
 from app.store.base import BackendInfo
 
+if TYPE_CHECKING:  # joserfc loads only when something is signed
+    from app.services.signing import Signer
 
-def evaluation_out(evaluation: Evaluation, signature: str | None = None) -> EvaluationOut:
+
+def evaluation_out(
+    evaluation: Evaluation,
+    signer: Signer | None = None,
+    trace: Any = None,
+    *,
+    dry_run: bool = False,
+    claims: Mapping[str, Any] | None = None,
+) -> EvaluationOut:
+    """The answer for one evaluation; with a `signer`, signed: the answer's own fields as the
+    API shows them (so that every field it shows is covered), `trace` as it was sent, and a
+    route's own `claims`."""
     s, n, w, d = (
         evaluation.score,
         evaluation.novelty,
         evaluation.score.weights,
         evaluation.score.dimensions,
     )
-    return EvaluationOut(
+    out = EvaluationOut(
         trace_id=evaluation.trace_id,
         score=s.value,
         dimensions=DimensionsOut.model_validate(d, from_attributes=True),
@@ -41,8 +57,11 @@ def evaluation_out(evaluation: Evaluation, signature: str | None = None) -> Eval
         overrides=list(s.overrides),
         novelty=NoveltyOut.model_validate(n, from_attributes=True),
         elapsed_ms=round(evaluation.elapsed_ms, 3),
-        signature=signature,
     )
+    if signer is not None:
+        shown = out.model_dump(mode="json", exclude=set(UNSIGNED_FIELDS))
+        out.signature = signer.sign(shown, trace, dry_run=dry_run, claims=claims)
+    return out
 
 
 def backend_out(info: BackendInfo) -> CacheBackendOut:

@@ -115,11 +115,11 @@ class EvaluationOut(BaseModel):
     signature: str | None = Field(
         default=None,
         description="With KP_SIGNING_KEY_FILE: a compact JWS (alg EdDSA, kid) over iss, iat, "
-        "trace_id, trace_sha256 (SHA-256 of the trace's RFC 8785 canonical JSON), score, "
-        "dimensions, weights_profile, novelty_measured and dry_run (true: the trace did not "
-        "enter the memory), with aud (KP_SIGNING_AUDIENCE) and exp (KP_SIGNING_LIFETIME_S) "
-        "when set; its keys are at /.well-known/jwks.json. null when the service signs "
-        "nothing.",
+        "trace_sha256 (SHA-256 of the trace's RFC 8785 canonical JSON), dry_run (true: the "
+        "trace did not enter the memory) and answer (this answer's every field but "
+        "elapsed_ms and signature), with aud (KP_SIGNING_AUDIENCE) and exp "
+        "(KP_SIGNING_LIFETIME_S) when set; its keys are at /.well-known/jwks.json. null when "
+        "the service signs nothing.",
     )
 
 

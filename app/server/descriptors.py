@@ -1,9 +1,11 @@
 """File descriptors: a watch that says (once, in the log and in /metrics) when the process
-runs out of them.
+runs out of them, and once when it has them again, with how many connections could not be
+accepted meanwhile.
 
 Each open connection holds a descriptor; granian raises the soft limit to the hard one at
-start (`ulimit -n`, docker run --ulimit nofile=N:N). At the limit it cannot accept and tells
-no one, hence the watch.
+start (`ulimit -n`, docker run --ulimit nofile=N:N). At the limit it cannot accept, and logs
+each failed accept on its own logger (`_granian`), many a second: those lines are counted here
+and left out of the log, which says it once instead.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import errno
 import logging
 import os
 import resource
+import threading
 from pathlib import Path
 
 from app.core.connection_metrics import CONNECTIONS
@@ -22,6 +25,10 @@ log = logging.getLogger("app.server")
 _FD_DIR = Path("/proc/self/fd")
 #: How often the watch counts the open descriptors.
 WATCH_INTERVAL_S = 1.0
+#: granian's logger, and what its line for an accept that failed for want of descriptors says.
+GRANIAN_LOGGER = "_granian"
+_ACCEPT_FAILED = "Failed to accept connection"
+_NO_DESCRIPTORS = ("TooManyOpenFiles", "Too many open files", "code: 24,", "code: 23,")
 
 
 def _can_count() -> bool:
@@ -42,31 +49,88 @@ def _running_out(open_fds: int, limit: int) -> bool:
     return open_fds >= limit - max(2, limit // 50)
 
 
+class DescriptorAlarm:
+    """Says once that the descriptors ran out (from the watch, or from the first accept that
+    failed), counts the accepts that fail meanwhile, and says once that they are back. Called
+    from the event loop and from granian's threads, hence the lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.low = False
+        self.refused_accepts = 0
+
+    def exhausted(self, open_fds: int | None, limit: int) -> None:
+        with self._lock:
+            if self.low:
+                return
+            self.low = True
+            self.refused_accepts = 0
+        CONNECTIONS.descriptors_exhausted.inc()
+        CONNECTIONS.descriptors_low.set(1)
+        log.error(
+            "out of file descriptors: new connections are refused until some close "
+            "(KP_HEADER_TIMEOUT_S and KP_BODY_TIMEOUT_S bound slow ones; raise the "
+            "hard limit: ulimit -n, docker run --ulimit nofile=N:N)",
+            extra={"open": open_fds, "limit": limit},
+        )
+
+    def accept_failed(self) -> None:
+        self.exhausted(None, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+        with self._lock:
+            self.refused_accepts += 1
+
+    def recovered(self, open_fds: int, limit: int) -> None:
+        with self._lock:
+            if not self.low:
+                return
+            self.low = False
+            refused = self.refused_accepts
+        CONNECTIONS.descriptors_low.set(0)
+        log.info(
+            "file descriptors available again",
+            extra={"open": open_fds, "limit": limit, "accepts_failed": refused},
+        )
+
+
+class _AcceptFailures(logging.Filter):
+    """Drops granian's line for each accept that failed for want of descriptors, counting it."""
+
+    def __init__(self, alarm: DescriptorAlarm) -> None:
+        super().__init__()
+        self.alarm = alarm
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if _ACCEPT_FAILED in message and any(s in message for s in _NO_DESCRIPTORS):
+            self.alarm.accept_failed()
+            return False
+        return True
+
+
 async def watch_descriptors(interval_s: float = WATCH_INTERVAL_S) -> None:
     """Counts open descriptors every `interval_s`; logs once when they come within 2% of
-    the limit (kp_fd_exhausted, kp_fd_low) and once when they are back under 90%."""
+    the limit (kp_fd_exhausted, kp_fd_low) and once when they are back under 90%; granian's
+    failed accepts meanwhile are counted into that second line."""
     if not _can_count():
         log.info("file descriptor watch off: no /proc/self/fd on this system")
         return
-    low = False
-    while True:
-        limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        open_fds = _open_descriptors(limit)
-        if limit != resource.RLIM_INFINITY:
-            if not low and _running_out(open_fds, limit):
-                low = True
-                CONNECTIONS.descriptors_exhausted.inc()
-                CONNECTIONS.descriptors_low.set(1)
-                log.error(
-                    "out of file descriptors: new connections are refused until some close "
-                    "(KP_HEADER_TIMEOUT_S and KP_BODY_TIMEOUT_S bound slow ones; raise the "
-                    "hard limit: ulimit -n, docker run --ulimit nofile=N:N)",
-                    extra={"open": open_fds, "limit": limit},
-                )
-            elif low and open_fds < limit * 0.9:
-                low = False
-                CONNECTIONS.descriptors_low.set(0)
-                log.info(
-                    "file descriptors available again", extra={"open": open_fds, "limit": limit}
-                )
-        await asyncio.sleep(interval_s)
+    alarm = DescriptorAlarm()
+    accept_failures = _AcceptFailures(alarm)
+    # On granian's handlers: its Rust side logs on child loggers (`_granian.<module>`), whose
+    # records reach those handlers but not a filter of the parent logger.
+    handlers = list(logging.getLogger(GRANIAN_LOGGER).handlers)
+    for handler in handlers:
+        handler.addFilter(accept_failures)
+    try:
+        while True:
+            limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+            open_fds = _open_descriptors(limit)
+            if limit != resource.RLIM_INFINITY:
+                if _running_out(open_fds, limit):
+                    alarm.exhausted(open_fds, limit)
+                elif open_fds < limit * 0.9:
+                    alarm.recovered(open_fds, limit)
+            await asyncio.sleep(interval_s)
+    finally:
+        for handler in handlers:
+            handler.removeFilter(accept_failures)

@@ -1,13 +1,15 @@
-"""Signed scores: a compact JWS (EdDSA, Ed25519) over what a score says about which trace, so
-that anyone holding the service's public key (GET /.well-known/jwks.json) can tell a score this
-service gave from a typed one (app/core/signatures.py checks them). The keys are
-`cryptography`'s, the JWS `joserfc`'s.
+"""Signed scores: a compact JWS (EdDSA, Ed25519) over the answer itself and the trace it is
+about, so that anyone holding the service's public key (GET /.well-known/jwks.json) can tell an
+answer this service gave from an edited or typed one (app/core/signatures.py says what is
+signed; clients/python's kp_scoring.signatures checks it). The keys are `cryptography`'s, the
+JWS `joserfc`'s.
 """
 
 from __future__ import annotations
 
 import re
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,8 +21,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from joserfc import jws
 from joserfc.jwk import OKPKey
 
-from app.core.signatures import ALGORITHM, trace_sha256
-from app.services.evaluator import Evaluation
+from app.core.signatures import ALGORITHM, signed_answer, trace_sha256
 
 DEFAULT_ISSUER = "kp-scoring"
 
@@ -60,40 +61,35 @@ class Signer:
         return {"keys": keys}
 
     def sign(
-        self, evaluation: Evaluation, trace: Any, *, dry_run: bool, contribution: Any = None
+        self,
+        answer: Mapping[str, Any],
+        trace: Any,
+        *,
+        dry_run: bool,
+        claims: Mapping[str, Any] | None = None,
     ) -> str:
-        """The JWS for one answer; `trace` as the agent sent it (parsed JSON). `dry_run` is
-        signed too: a registry that wants a score whose trace entered the memory (so that its
-        duplicates are no longer novel) requires `dry_run` false. `contribution` (POST
-        /contribution): the trace as it would be contributed, whose hash is signed beside the
-        trace's, so that a registry can tell the cleaned trace it received is the one scored."""
-        s = evaluation.score
+        """The JWS for one answer: `answer` as the API shows it (its JSON fields; all but
+        those app/core/signatures.py leaves out are signed, so that a field the answer gains
+        is signed with it), `trace` as the agent sent it (parsed JSON: its hash is signed).
+        `dry_run` is signed too: a registry that wants a score whose trace entered the memory
+        (so that its duplicates are no longer novel) requires `dry_run` false. `claims`: a
+        route's own (a digest of what else it was sent, say)."""
         issued = int(time.time())
-        claims: dict[str, Any] = {
+        payload: dict[str, Any] = {
             "iss": self.issuer,
             "iat": issued,
-            "trace_id": evaluation.trace_id,
             "trace_sha256": trace_sha256(trace),
-            "score": s.value,
-            "dimensions": {
-                "complexity": s.dimensions.complexity,
-                "novelty": s.dimensions.novelty,
-                "tool_diversity": s.dimensions.tool_diversity,
-                "outcome_confidence": s.dimensions.outcome_confidence,
-            },
-            "weights_profile": s.weights.name,
-            "novelty_measured": evaluation.novelty.measured,
             "dry_run": dry_run,
+            "answer": signed_answer(answer),
+            **(claims or {}),
         }
-        if contribution is not None:
-            claims["contribution_sha256"] = trace_sha256(contribution)
         if self.audience is not None:
-            claims["aud"] = self.audience
+            payload["aud"] = self.audience
         if self.lifetime_s is not None:
-            claims["exp"] = issued + self.lifetime_s
+            payload["exp"] = issued + self.lifetime_s
         header = {"alg": ALGORITHM, "kid": self.kid, "typ": "JWT"}
         token: str = jws.serialize_compact(
-            header, orjson.dumps(claims), self.key, algorithms=[ALGORITHM]
+            header, orjson.dumps(payload), self.key, algorithms=[ALGORITHM]
         )
         return token
 

@@ -4,19 +4,27 @@
 `bench/results/NAME.json`, headed by the machine (CPU, cores, flags, date, load) and the
 command that made it. A result that is missing renders as a note, never a failed build; a
 file whose layout this renderer does not know renders as a flat list of its figures.
+
+`<!-- plot: NAME -->` becomes a chart of the same file, an SVG written inline by this hook:
+a few lines and bars need no plotting library (matplotlib would add a heavy dependency to the
+docs build and fonts to embed for a handful of shapes), and inline SVG loads nothing from
+anywhere, so the site stays offline.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable, Iterator
+from html import escape
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"
 MARKER = re.compile(r"<!-- bench: ([\w.-]+) -->")
+PLOT_MARKER = re.compile(r"<!-- plot: ([\w.-]+) -->")
 
 #: The command that writes each file, where the file does not say it itself.
 COMMANDS = {
@@ -36,6 +44,8 @@ NOTED_CPUS = {
 
 
 def _number(value: Any) -> str:
+    """A figure as the tables show it: four significant digits below 100, so that a value is
+    not rounded onto a target it missed (0.9985 against >= 0.999 reads 0.9985, not 0.999)."""
     if isinstance(value, bool):
         return "PASS" if value else "FAIL"
     if isinstance(value, int):
@@ -43,8 +53,13 @@ def _number(value: Any) -> str:
     if isinstance(value, float):
         if value != 0 and abs(value) < 0.001:
             return f"{value:.2g}"
-        return f"{value:,.3f}".rstrip("0").rstrip(".") if abs(value) < 100 else f"{value:,.1f}"
+        return f"{value:,.4g}" if abs(value) < 100 else f"{value:,.1f}"
     return str(value)
+
+
+def _checked(value: Any) -> str:
+    """A figure beside its target and verdict: as many digits as it has, up to six."""
+    return f"{value:.6g}" if isinstance(value, float) else _number(value)
 
 
 def _table(header: list[str], rows: list[list[Any]]) -> str:
@@ -102,6 +117,9 @@ def _generic(data: dict[str, Any]) -> str:
 def _latest(data: dict[str, Any]) -> str:
     rows = [[t["target"], t["value"], t["pass"]] for t in data["targets"]]
     out = [_table(["target", "measured", "verdict"], rows)]
+    missed = sum(not t["pass"] for t in data["targets"])
+    if missed:
+        out.append(f"This run missed {missed} of its {len(rows)} targets (FAIL): {MISSED}")
     notes = data.get("notes") or []
     if notes:
         out.append("\n".join(f"- {note}" for note in notes))
@@ -188,7 +206,8 @@ def _memory(data: dict[str, Any]) -> str:
         "B / entry",
     ]
     checks = [
-        [c["size"], c["figure"], c["value"], c["target"], c["pass"]] for c in data.get("checks", [])
+        [c["size"], c["figure"], _checked(c["value"]), c["target"], c["pass"]]
+        for c in data.get("checks", [])
     ]
     out = [
         f"{_number(data.get('real_vectors', '?'))} real MiniLM vectors "
@@ -303,6 +322,195 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
 }
 
 
+MISSED = (
+    "the figure is published as measured, not rerun until it passes. Read it with the "
+    "machine's load above: on a shared host a busy neighbour moves the figures of one run."
+)
+
+
+# --- charts: inline SVG ---------------------------------------------------------------------
+
+_WIDTH, _HEIGHT = 640, 300
+_LEFT, _RIGHT, _TOP, _BOTTOM = 64, 150, 34, 46
+_COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd")
+
+
+def _ticks(top: float) -> list[float]:
+    """Round steps from 0 to at least `top`, five or so."""
+    raw = top / 5 if top > 0 else 1
+    magnitude = 10 ** math.floor(math.log10(raw))
+    step = next(m * magnitude for m in (1, 2, 2.5, 5, 10) if m * magnitude >= raw)
+    return [i * step for i in range(math.ceil(top / step) + 1)]
+
+
+def _svg(title: str, body: list[str], label: str) -> str:
+    return (
+        f'<figure class="kp-plot" markdown="0"><svg xmlns="http://www.w3.org/2000/svg" '
+        f'viewBox="0 0 {_WIDTH} {_HEIGHT}" width="100%" role="img" aria-label="{escape(label)}" '
+        'font-family="sans-serif" font-size="12" fill="currentColor">'
+        f'<text x="{_WIDTH / 2}" y="18" text-anchor="middle" font-weight="bold">'
+        f"{escape(title)}</text>" + "".join(body) + f"</svg><figcaption>{escape(label)}"
+        "</figcaption></figure>"
+    )
+
+
+def _axes(
+    ticks: list[float], y_label: str, x_label: str
+) -> tuple[list[str], Callable[[float], float]]:
+    plot_h = _HEIGHT - _TOP - _BOTTOM
+
+    def y(value: float) -> float:
+        return _TOP + plot_h * (1 - value / ticks[-1])
+
+    out = [
+        f'<line x1="{_LEFT}" y1="{_TOP}" x2="{_LEFT}" y2="{_HEIGHT - _BOTTOM}" '
+        'stroke="currentColor"/>',
+        f'<line x1="{_LEFT}" y1="{_HEIGHT - _BOTTOM}" x2="{_WIDTH - _RIGHT}" '
+        f'y2="{_HEIGHT - _BOTTOM}" stroke="currentColor"/>',
+        f'<text x="14" y="{_TOP + plot_h / 2}" text-anchor="middle" '
+        f'transform="rotate(-90 14 {_TOP + plot_h / 2})">{escape(y_label)}</text>',
+        f'<text x="{(_LEFT + _WIDTH - _RIGHT) / 2}" y="{_HEIGHT - 8}" text-anchor="middle">'
+        f"{escape(x_label)}</text>",
+    ]
+    for tick in ticks:
+        out.append(
+            f'<line x1="{_LEFT}" y1="{y(tick):.1f}" x2="{_WIDTH - _RIGHT}" y2="{y(tick):.1f}" '
+            'stroke="currentColor" stroke-opacity="0.15"/>'
+            f'<text x="{_LEFT - 6}" y="{y(tick) + 4:.1f}" text-anchor="end">{tick:g}</text>'
+        )
+    return out, y
+
+
+def _legend(names: list[str]) -> list[str]:
+    return [
+        f'<rect x="{_WIDTH - _RIGHT + 12}" y="{_TOP + 18 * i}" width="12" height="12" '
+        f'fill="{_COLOURS[i % len(_COLOURS)]}"/><text x="{_WIDTH - _RIGHT + 30}" '
+        f'y="{_TOP + 18 * i + 10}">{escape(name)}</text>'
+        for i, name in enumerate(names)
+    ]
+
+
+def line_chart(
+    title: str, x_label: str, y_label: str, xs: list[float], series: dict[str, list[float]]
+) -> str:
+    """Lines over categories `xs` (evenly spaced, as the clients 1, 4, 16, 64 are)."""
+    top = max(max(values) for values in series.values())
+    ticks = _ticks(top)
+    body, y = _axes(ticks, y_label, x_label)
+    span = _WIDTH - _RIGHT - _LEFT - 40
+
+    def x(i: int) -> float:
+        return _LEFT + 20 + (span * i / (len(xs) - 1) if len(xs) > 1 else span / 2)
+
+    for i, value in enumerate(xs):
+        body.append(
+            f'<text x="{x(i):.1f}" y="{_HEIGHT - _BOTTOM + 16}" text-anchor="middle">'
+            f"{value:g}</text>"
+        )
+    for k, values in enumerate(series.values()):
+        colour = _COLOURS[k % len(_COLOURS)]
+        points = " ".join(f"{x(i):.1f},{y(v):.1f}" for i, v in enumerate(values))
+        body.append(f'<polyline points="{points}" fill="none" stroke="{colour}" stroke-width="2"/>')
+        body += [
+            f'<circle cx="{x(i):.1f}" cy="{y(v):.1f}" r="3" fill="{colour}"/>'
+            for i, v in enumerate(values)
+        ]
+    summary = "; ".join(
+        f"{name}: "
+        + ", ".join(f"{_number(v)} at {x_value:g}" for x_value, v in zip(xs, values, strict=True))
+        for name, values in series.items()
+    )
+    return _svg(title, body + _legend(list(series)), f"{title}. {summary}.")
+
+
+def bar_chart(title: str, y_label: str, groups: dict[str, dict[str, float]]) -> str:
+    """Bars side by side in each group (a measure), one colour a series (who measured)."""
+    names = list(next(iter(groups.values())))
+    top = max(v for bars in groups.values() for v in bars.values())
+    ticks = _ticks(top)
+    body, y = _axes(ticks, y_label, "")
+    span = _WIDTH - _RIGHT - _LEFT
+    slot = span / len(groups)
+    bar = slot * 0.7 / len(names)
+    for g, (group, bars) in enumerate(groups.items()):
+        left = _LEFT + slot * g + slot * 0.15
+        for k, name in enumerate(names):
+            value = bars[name]
+            body.append(
+                f'<rect x="{left + bar * k:.1f}" y="{y(value):.1f}" width="{bar - 2:.1f}" '
+                f'height="{y(0) - y(value):.1f}" fill="{_COLOURS[k % len(_COLOURS)]}"/>'
+            )
+        body.append(
+            f'<text x="{_LEFT + slot * (g + 0.5):.1f}" y="{_HEIGHT - _BOTTOM + 16}" '
+            f'text-anchor="middle">{escape(group)}</text>'
+        )
+    summary = "; ".join(
+        f"{group}: " + ", ".join(f"{name} {_number(v)}" for name, v in bars.items())
+        for group, bars in groups.items()
+    )
+    return _svg(title, body + _legend(names), f"{title}. {summary}.")
+
+
+def _plot_latest(data: dict[str, Any]) -> str:
+    runs = data["results"]["concurrency"]
+    clients = sorted(runs, key=int)
+    xs = [float(c) for c in clients]
+    floor = data["results"]["floor"]["typical"]["throughput_rps"]
+    throughput = line_chart(
+        "Typical traces: answers a second against concurrent clients",
+        "concurrent clients",
+        "answers / s",
+        xs,
+        {
+            "service": [runs[c]["throughput_rps"] for c in clients],
+            "floor, one at a time": [floor for _ in clients],
+        },
+    )
+    latency = line_chart(
+        "Typical traces: latency against concurrent clients",
+        "concurrent clients",
+        "ms",
+        xs,
+        {
+            "p50": [runs[c]["p50_ms"] for c in clients],
+            "p99": [runs[c]["p99_ms"] for c in clients],
+        },
+    )
+    return f"{throughput}\n\n{latency}"
+
+
+def _plot_reference(data: dict[str, Any]) -> str:
+    figures = data["figures"]
+    who = {"floor": "floor", "reference (node)": "reference", "service": "service"}
+    groups = {
+        label: {name: figures[f"{prefix}_{key}"]["median"] for name, prefix in who.items()}
+        for label, key in (
+            ("typical p50", "typical_p50_ms"),
+            ("long p50", "long_p50_ms"),
+            ("long p99", "long_p99_ms"),
+        )
+    }
+    return bar_chart("Latency, one client: median of the rounds", "ms", groups)
+
+
+PLOTTERS: dict[str, Callable[[dict[str, Any]], str]] = {
+    "latest": _plot_latest,
+    "reference": _plot_reference,
+}
+
+
+def plot(name: str, results: Path = RESULTS) -> str:
+    """The chart of `bench/results/NAME.json`, or nothing when the file is missing or of a
+    layout the plotter does not know (its table still says what the file holds)."""
+    path = results / f"{name}.json"
+    if not path.is_file() or name not in PLOTTERS:
+        return ""
+    try:
+        return PLOTTERS[name](json.loads(path.read_text(encoding="utf-8")))
+    except (KeyError, TypeError, ValueError, StopIteration):
+        return ""
+
+
 def render(name: str, results: Path = RESULTS) -> str:
     path = results / f"{name}.json"
     if not path.is_file():
@@ -323,4 +531,5 @@ def render(name: str, results: Path = RESULTS) -> str:
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
     if page.file.src_uri != "performance.md":
         return markdown
+    markdown = PLOT_MARKER.sub(lambda match: plot(match.group(1)), markdown)
     return MARKER.sub(lambda match: render(match.group(1)), markdown)

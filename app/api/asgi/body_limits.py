@@ -1,6 +1,8 @@
-"""The body, read whole before any parsing: 413 past KP_MAX_BODY_BYTES (declared or sent),
-then 422 when its JSON nests past KP_MAX_JSON_DEPTH (checked before a parser could exhaust its
-recursion on it). Later pieces and the route get it replayed."""
+"""The body, read whole before any parsing: 413 past KP_MAX_BODY_BYTES (declared or sent), 400
+when it is not UTF-8 text (JSON exchanged between systems is UTF-8, RFC 8259 section 8.1: a
+UTF-16 or UTF-32 body, which a JSON parser would quietly guess, is refused, as is a byte that
+is not UTF-8), then 422 when its JSON nests past KP_MAX_JSON_DEPTH (checked before a parser
+could exhaust its recursion on it). Later pieces and the route get it replayed."""
 
 from __future__ import annotations
 
@@ -41,11 +43,32 @@ class BodySize:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
-        await self.app(scope, replaying(b"".join(chunks), receive), send)
+        body = b"".join(chunks)
+        problem = not_utf8(body)
+        if problem is not None:
+            await send_json(send, 400, detail(("body",), problem, "body_not_utf8"))
+            return
+        await self.app(scope, replaying(body, receive), send)
 
     async def _too_large(self, send: Send) -> None:
         msg = f"request body is larger than {self.max_body_bytes} bytes (KP_MAX_BODY_BYTES)"
         await send_json(send, 413, detail(("body",), msg, "body_too_large"))
+
+
+_UTF16_32_MARKS = (b"\xff\xfe", b"\xfe\xff")
+
+
+def not_utf8(body: bytes) -> str | None:
+    """Why `body` is not UTF-8 text, or None. JSON text starts with an ASCII character, so a
+    NUL among its first four bytes, or a UTF-16/32 byte order mark, is UTF-16 or UTF-32 (RFC
+    4627's detection); a UTF-8 byte order mark is allowed (RFC 8259 lets a parser ignore it)."""
+    if body.startswith(_UTF16_32_MARKS) or b"\x00" in body[:4]:
+        return "the body is UTF-16 or UTF-32: send JSON as UTF-8 text (RFC 8259)"
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return f"the body is not UTF-8: byte {exc.start} ({body[exc.start]:#04x}) {exc.reason}"
+    return None
 
 
 class JsonDepth:

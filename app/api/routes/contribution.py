@@ -14,6 +14,7 @@ from app.api.presenters import evaluation_out
 from app.api.routes import evaluate
 from app.api.routes.evaluate import DryRun, IdempotencyKey, _score, _sent_traces
 from app.core.errors import field_error
+from app.core.signatures import trace_sha256
 from app.domain.contribution import FieldRisk, Finding, lone_surrogate, prepare
 from app.schemas.contribution import ContributionOut, FieldRiskOut, FindingOut, InjectionOut
 from app.schemas.trace import ReasoningTrace
@@ -87,15 +88,13 @@ async def contribution_answer(
         if large
         else prepare(given, quality_score=score, clean_all=clean_all)
     )
-    signer = services.signer
-    signature = (
-        signer.sign(evaluation, given, dry_run=dry_run, contribution=gate.contribution)
-        if signer is not None and signed
-        else None
-    )
+    # The cleaned trace's digest is signed beside the trace's: a registry sent the contribution
+    # can tell it is the one scored and cleaned here.
+    claims = {"contribution_sha256": trace_sha256(gate.contribution)}
+    signer = services.signer if signed else None
     threshold = settings.contribution_threshold
     return ContributionOut(
-        evaluation=evaluation_out(evaluation, signature),
+        evaluation=evaluation_out(evaluation, signer, given, dry_run=dry_run, claims=claims),
         shareable=score >= threshold,
         threshold=threshold,
         contribution=gate.contribution,

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Header, HTTPException, Query, Request
+from fastapi import APIRouter, Body, Header, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 
 from app.api.asgi.namespaces import namespace_of
+from app.api import request_examples
 from app.api.batch_cost import charge_batch
 from app.api.deps import BEARER_SECURITY, NamespaceHeader, Services, services_of
 from app.api.presenters import evaluation_out
@@ -89,7 +90,7 @@ IdempotencyKey = Annotated[
     openapi_extra=BEARER_SECURITY,
 )
 async def evaluate(
-    trace: ReasoningTrace,
+    trace: Annotated[ReasoningTrace, Body(openapi_examples=request_examples.EVALUATE)],
     request: Request,
     dry_run: DryRun = False,
     idempotency_key: IdempotencyKey = None,
@@ -108,7 +109,7 @@ async def evaluate(
     openapi_extra=BEARER_SECURITY,
 )
 async def evaluate_batch(
-    batch: BatchIn,
+    batch: Annotated[BatchIn, Body(openapi_examples=request_examples.BATCH)],
     request: Request,
     dry_run: DryRun = False,
     idempotency_key: IdempotencyKey = None,
@@ -151,13 +152,9 @@ def _answer(
     *,
     dry_run: bool,
 ) -> EvaluationOut:
-    signer = services.signer
-    signature = (
-        None
-        if signer is None or sent is None
-        else signer.sign(evaluation, sent[index], dry_run=dry_run)
-    )
-    return evaluation_out(evaluation, signature)
+    if sent is None:
+        return evaluation_out(evaluation)
+    return evaluation_out(evaluation, services.signer, sent[index], dry_run=dry_run)
 
 
 async def _score(

@@ -5,6 +5,10 @@ Everything printed that came from the service or from a file (trace ids, the nea
 trace's id, error messages, file names) goes through `visible`: control and bidirectional
 characters are shown as escapes, never sent to the terminal. `--json` output is JSON with
 ASCII escapes, so it holds none either.
+
+Printed for the medium: on a terminal, colours and lines wrapped at its width; to a pipe or a
+file, plain lines as long as they are, with no padding at their ends (`say`, `aligned`), so
+that what a script captures does not depend on COLUMNS.
 """
 
 from __future__ import annotations
@@ -21,10 +25,11 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.cells import cell_len
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
+from rich.text import Text
 
 from kp_scoring import __version__
 from kp_scoring.client import (
@@ -38,6 +43,7 @@ from kp_scoring.client import (
     verify_signature,
 )
 from kp_scoring.models import ContributionOut, EvaluationOut
+from kp_scoring.signatures import DEFAULT_LEEWAY_S
 from kp_scoring.text import visible
 
 # The reference SDK captures a trace when its score reaches this value.
@@ -77,6 +83,31 @@ Exit codes:
 
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
+
+
+def say(*objects: Any, **options: Any) -> None:
+    """Print to stdout: wrapped at a terminal's width, never when written to a pipe or file."""
+    out.print(*objects, soft_wrap=not out.is_terminal, **options)
+
+
+def aligned(rows: list[list[str | tuple[str, str]]]) -> list[Text]:
+    """Rows of cells (text, or (text, style)) in left-aligned columns two spaces apart, each
+    line without trailing spaces: the same on a terminal and in a file."""
+    cells = [[c if isinstance(c, tuple) else (c, "") for c in row] for row in rows]
+    widths = [
+        max(cell_len(row[i][0]) for row in cells if i < len(row)) for i in range(len(cells[0]))
+    ]
+    lines = []
+    for row in cells:
+        line = Text()
+        for i, (text, style) in enumerate(row):
+            line.append(text, style)
+            if i < len(row) - 1:
+                line.append(" " * (widths[i] - cell_len(text) + 2))
+        line.rstrip()
+        lines.append(line)
+    return lines
+
 
 cli = typer.Typer(
     name="kp-scoring",
@@ -279,28 +310,36 @@ def verdict(value: float, threshold: float) -> str:
     return "[green]pass[/]" if value >= threshold else "[red]below[/]"
 
 
+def verdict_cell(value: float, threshold: float) -> tuple[str, str]:
+    return ("pass", "green") if value >= threshold else ("below", "red")
+
+
 def shown(text: object) -> str:
     """Text from the service or a file, for a rich markup string: visible, markup escaped."""
     return escape(visible(text))
 
 
 def print_breakdown(r: EvaluationOut, threshold: float) -> None:
-    out.print(
+    say(
         f"[bold]{shown(r.trace_id)}[/]  score [bold]{r.score:.4f}[/]  "
         f"{verdict(r.score, threshold)} (threshold {threshold})  "
         f"weights: {shown(weights_text(r))}"
     )
-    table = Table("dimension", "value", "weight", "weighted", box=None, pad_edge=False)
+    bold = "bold"
+    rows: list[list[str | tuple[str, str]]] = [
+        [("dimension", bold), ("value", bold), ("weight", bold), ("weighted", bold)]
+    ]
     total = 0.0
     for name in ("complexity", "novelty", "tool_diversity", "outcome_confidence"):
         value, weight = getattr(r.dimensions, name), getattr(r.weights, name)
         total += value * weight
-        table.add_row(name, f"{value:.3f}", f"{weight:.2f}", f"{value * weight:.3f}")
-    table.add_row("weighted sum", "", "", f"{total:.3f}")
-    out.print(table)
+        rows.append([name, f"{value:.3f}", f"{weight:.2f}", f"{value * weight:.3f}"])
+    rows.append(["weighted sum", "", "", f"{total:.3f}"])
+    for line in aligned(rows):
+        say(line)
     rules = [f"{visible(rule)} ({OVERRIDE_EFFECTS.get(rule, '?')})" for rule in r.overrides]
-    out.print("overrides: " + ("; ".join(rules) or "none"), markup=False)
-    out.print(novelty_line(r), markup=False)
+    say("overrides: " + ("; ".join(rules) or "none"), markup=False)
+    say(novelty_line(r), markup=False)
 
 
 def weights_text(r: EvaluationOut) -> str:
@@ -385,11 +424,11 @@ def evaluate(
             else:
                 for i, r in enumerate(results):
                     if i:
-                        out.print()
+                        say()
                     print_breakdown(r, threshold)
     below = sum(r.score < threshold for r in results)
     if not as_json and len(results) + failures > 1:
-        out.print(
+        say(
             f"{len(results)} scored: {len(results) - below} pass, {below} below {threshold}"
             + (f", {failures} failed" if failures else ""),
             markup=False,
@@ -522,28 +561,52 @@ def evaluate_directory(
 
 
 def print_summary(done: list[FileResult], threshold: float) -> None:
-    table = Table()
-    # The nearest stored trace gets a column when novelty was measured for any trace.
-    nearest = any(r.novelty.nearest is not None for f in done for r in f.results)
-    names = ("file", "trace", "score", "weights", "overrides", "novelty")
-    for name in (*names, *(["nearest"] if nearest else []), "result"):
-        table.add_column(name, overflow="fold")
+    """One line per trace in columns that fit 80 (file, score, result, weights), and beneath
+    it, indented, what identifies and explains it: the trace id, the overrides, novelty (and
+    the nearest stored trace when it was measured)."""
+    bold = "bold"
+    header: list[str | tuple[str, str]] = [
+        ("file", bold),
+        ("score", bold),
+        ("result", bold),
+        ("weights", bold),
+    ]
+    rows: list[list[str | tuple[str, str]]] = [header]
+    details: list[str | None] = [None]
     for f in done:
         if f.error:
-            table.add_row(shown(f.file), *[""] * (len(table.columns) - 2), "[red]error[/]")
+            rows.append([visible(f.file), "", ("error", "red")])
+            details.append(None)
         for r in f.results:
-            novelty = "measured" if r.novelty.measured else str(r.novelty.reason)
-            table.add_row(
-                shown(f.file),
-                shown(r.trace_id),
-                f"{r.score:.4f}",
-                shown(weights_text(r)),
-                shown(", ".join(r.overrides) or "-"),
-                shown(novelty),
-                *([escape(nearest_text(r))] if nearest else []),
-                verdict(r.score, threshold),
+            rows.append(
+                [
+                    visible(f.file),
+                    f"{r.score:.4f}",
+                    verdict_cell(r.score, threshold),
+                    visible(weights_text(r)),
+                ]
             )
-    out.print(table)
+            details.append(summary_detail(r))
+    for line, detail in zip(aligned(rows), details, strict=True):
+        say(line)
+        if detail is not None:
+            say("  " + detail, markup=False)
+
+
+def summary_detail(r: EvaluationOut) -> str:
+    novelty = (
+        f"measured, max cosine {r.novelty.max_cosine:.3f}"
+        if r.novelty.measured and r.novelty.max_cosine is not None
+        else visible(r.novelty.reason)
+    )
+    parts = [
+        visible(r.trace_id),
+        f"overrides: {visible(', '.join(r.overrides)) or 'none'}",
+        f"novelty: {novelty}",
+    ]
+    if r.novelty.nearest is not None:
+        parts.append(f"nearest {nearest_text(r)}")
+    return "; ".join(parts)
 
 
 @cli.command()
@@ -583,14 +646,24 @@ def verify(
             help="Require a committed score: not a dry run (the trace entered the memory).",
         ),
     ] = False,
+    leeway: Annotated[
+        float,
+        typer.Option(
+            "--leeway",
+            min=0,
+            help="Seconds an expired signature (exp) still verifies, for clocks that disagree.",
+        ),
+    ] = DEFAULT_LEEWAY_S,
     url: Url = DEFAULT_URL,
     as_json: AsJson = False,
 ) -> None:
     """Check a signed score against the trace and the service's public keys.
 
-    Given an answer's JSON file, its visible fields (trace_id, score, dimensions, the
-    profile, novelty.measured) must be the signed ones: an edited answer does not verify.
-    An expired signature (exp) never verifies.
+    Given an answer's JSON file, every field it shows but elapsed_ms (trace_id, score,
+    dimensions, weights, profile, overrides, novelty and all it holds, and any field a newer
+    service adds) must be the signed one, none missing or added: an edited answer does not
+    verify. A signature past its expiry (exp) does not verify once the leeway (--leeway,
+    5 s unless given) is spent.
 
     Exit code: 0 the signature verifies and is about this trace, 1 it does not, 2 bad input,
     3 service unreachable (when the JWKS is fetched from it), 4 try later (429 or 503).
@@ -618,14 +691,18 @@ def verify(
             audience=audience,
             committed=committed,
             answer=answer,
+            leeway_s=leeway,
         )
     except SignatureInvalidError as exc:
         raise fail(f"invalid: {visible(exc)}", Code.BELOW_THRESHOLD) from None
     if as_json:
         print_json(claims)
         return
-    out.print(
-        f"valid: {shown(claims.get('trace_id'))} scored {shown(claims.get('score'))} "
+    signed = claims.get("answer")
+    if not isinstance(signed, dict):
+        signed = {}
+    say(
+        f"valid: {shown(signed.get('trace_id'))} scored {shown(signed.get('score'))} "
         f"by {shown(claims.get('iss'))}"
         + (" (a dry run: not in the memory)" if claims.get("dry_run") is True else ""),
     )
@@ -636,7 +713,7 @@ _COMPACT_JWS = re.compile(r"[A-Za-z0-9_-]+\.[A-Za-z0-9_-]*\.[A-Za-z0-9_-]*")
 
 def _signature_of(value: str) -> tuple[str, dict[str, Any] | None]:
     """A compact JWS as given, or the `signature` of an answer in a JSON file and the answer
-    (whose visible fields are then checked against the signed ones)."""
+    (whose fields are then checked against the signed answer)."""
     if _COMPACT_JWS.fullmatch(value):
         return value, None
     try:
@@ -699,22 +776,29 @@ def cache_stats(
     if as_json:
         print_json(stats.model_dump(mode="json"))
         return
-    table = Table("cache", "value", box=None, pad_edge=False)
+    rows: list[list[str | tuple[str, str]]] = [[("cache", "bold"), ("value", "bold")]]
     for key, value in stats.model_dump(exclude={"embedder", "backend"}).items():
-        table.add_row(
-            shown(key),
-            "-" if value is None else f"{value:.1f}" if isinstance(value, float) else shown(value),
+        rows.append(
+            [
+                visible(key),
+                "-"
+                if value is None
+                else f"{value:.1f}"
+                if isinstance(value, float)
+                else visible(value),
+            ]
         )
     e = stats.embedder
-    table.add_row("embedder", shown(e.state + (f" ({e.model})" if e.model else "")))
+    rows.append(["embedder", visible(e.state + (f" ({e.model})" if e.model else ""))])
     if e.reason:
-        table.add_row("embedder reason", shown(e.reason))
+        rows.append(["embedder reason", visible(e.reason)])
     b = stats.backend
     where = f"shared: {b.location} (prefix {b.prefix})" if b.shared else "this process"
-    table.add_row("cache", shown(where + ("" if b.available else " UNAVAILABLE")))
+    rows.append(["cache", visible(where + ("" if b.available else " UNAVAILABLE"))])
     if b.reason:
-        table.add_row("cache reason", shown(b.reason))
-    out.print(table)
+        rows.append(["cache reason", visible(b.reason)])
+    for line in aligned(rows):
+        say(line)
 
 
 @cache_cli.command("reset")
@@ -722,7 +806,7 @@ def cache_reset(url: Url = DEFAULT_URL, token: Token = None, namespace: Namespac
     """Empty a namespace's cache (its novelty is measured against an empty cache afterwards)."""
     with connect(url, token, namespace=namespace) as kp, service_errors(token):
         cleared = kp.cache_reset()
-    out.print(f"cleared {cleared} cached vectors")
+    say(f"cleared {cleared} cached vectors")
 
 
 @cache_cli.command("namespaces")
@@ -731,7 +815,7 @@ def cache_namespaces(url: Url = DEFAULT_URL, token: Token = None) -> None:
     with connect(url, token) as kp, service_errors(token):
         names = kp.cache_namespaces()
     for name in names:
-        out.print(visible(name), markup=False)
+        say(visible(name), markup=False)
 
 
 def main() -> None:

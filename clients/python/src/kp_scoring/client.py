@@ -44,7 +44,7 @@ from kp_scoring.models import (
     NamespacesOut,
     ReadyOut,
 )
-from kp_scoring.signatures import SignatureInvalidError, trace_sha256, verify
+from kp_scoring.signatures import DEFAULT_LEEWAY_S, SignatureInvalidError, trace_sha256, verify
 from kp_scoring.text import visible
 
 #: Checks a signed score: its claims, or SignatureInvalidError (kp_scoring.signatures).
@@ -381,13 +381,15 @@ class KpScoringClient(_Base):
         issuer: str | None = None,
         audience: str | None = None,
         committed: bool = False,
-        answer: dict[str, Any] | None = None,
+        answer: dict[str, Any] | EvaluationOut | None = None,
+        leeway_s: float = DEFAULT_LEEWAY_S,
         contribution: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """The claims of a signed score about `trace` (as this client sent it), checked against
-        the service's JWKS and, when given, the issuer, the audience, a committed score, the
-        answer's visible fields and the contribution (POST /contribution's cleaned trace)
-        (kp_scoring.signatures.verify); SignatureInvalidError if it does not verify."""
+        the service's JWKS and, when given, the issuer, the audience, a committed score, every
+        field of the answer and the contribution (POST /contribution's cleaned trace)
+        (kp_scoring.signatures.verify); an `exp` honoured at most `leeway_s` seconds late;
+        SignatureInvalidError if it does not verify."""
         return verify(
             signature,
             _trace_json(trace),
@@ -396,6 +398,7 @@ class KpScoringClient(_Base):
             audience=audience,
             committed=committed,
             answer=answer,
+            leeway_s=leeway_s,
             contribution=contribution,
         )
 
@@ -542,7 +545,8 @@ class AsyncKpScoringClient(_Base):
         issuer: str | None = None,
         audience: str | None = None,
         committed: bool = False,
-        answer: dict[str, Any] | None = None,
+        answer: dict[str, Any] | EvaluationOut | None = None,
+        leeway_s: float = DEFAULT_LEEWAY_S,
         contribution: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """As `KpScoringClient.verify`."""
@@ -554,6 +558,7 @@ class AsyncKpScoringClient(_Base):
             audience=audience,
             committed=committed,
             answer=answer,
+            leeway_s=leeway_s,
             contribution=contribution,
         )
 

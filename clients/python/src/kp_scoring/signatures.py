@@ -4,8 +4,9 @@ trace, whose `trace_sha256` is the SHA-256 of its RFC 8785 (JCS) canonical JSON,
 the same whatever the trace's whitespace or key order. `joserfc` checks the JWS, the `rfc8785`
 package makes the canonical form. The service signs with the same hash (tests hold the two to
 the same value). Beyond that, `verify` can require an issuer, an audience and a committed score
-(not a dry run), always refuses an expired signature, and compares an answer's visible fields
-with the signed ones (the service's docs: operating/signatures.md).
+(not a dry run), refuses an expired signature (`exp`, honoured at most `leeway_s` late: 5 s
+unless said), and compares every field of an answer (but `UNSIGNED_FIELDS`) with the signed
+answer, the `answer` claim (the service's docs: operating/signatures.md).
 """
 
 from __future__ import annotations
@@ -14,13 +15,15 @@ import hashlib
 import json
 import time
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import rfc8785
 
 __all__ = [
     "ALGORITHM",
-    "SIGNED_FIELDS",
+    "DEFAULT_LEEWAY_S",
+    "UNSIGNED_FIELDS",
     "SignatureInvalidError",
     "TraceNotCanonicalError",
     "answer_mismatches",
@@ -30,8 +33,10 @@ __all__ = [
 ]
 
 ALGORITHM = "EdDSA"
-#: Clocks disagree: an `exp` is honoured this many seconds late.
-_LEEWAY_S = 30
+#: Clocks disagree: by default an `exp` is honoured this many seconds late, no more.
+DEFAULT_LEEWAY_S = 5.0
+#: The answer's fields the service does not sign: the time it took and the signature itself.
+UNSIGNED_FIELDS = frozenset({"elapsed_ms", "signature"})
 # RFC 9864 prefers the fully specified "Ed25519"; the registry asks for "EdDSA", which every
 # JOSE library verifies. joserfc warns on each use: it is the choice made here.
 warnings.filterwarnings("ignore", message="EdDSA is deprecated", module=r"joserfc\b")
@@ -62,20 +67,23 @@ def verify(
     issuer: str | None = None,
     audience: str | None = None,
     committed: bool = False,
-    answer: dict[str, Any] | None = None,
+    answer: Mapping[str, Any] | Any = None,
     now: float | None = None,
+    leeway_s: float = DEFAULT_LEEWAY_S,
     contribution: Any = None,
 ) -> dict[str, Any]:
     """The claims of `signature` if it verifies against a key of `jwks` (by its kid), is about
-    `trace` (parsed JSON, any key order) and has not expired; else SignatureInvalidError
-    saying why. Optionally also: signed by `issuer`; for `audience` (a signature that names
-    an audience is refused without it); a `committed` score (not a dry run: the trace
-    entered the memory); `answer` (the JSON answer it came in) says what the signature
-    says, field by field (docs/operating/signatures.md); and `contribution` (POST
-    /contribution's) is the cleaned trace the signature is about (`contribution_sha256`)."""
+    `trace` (parsed JSON, any key order) and has not expired (`exp` honoured at most
+    `leeway_s` seconds late); else SignatureInvalidError saying why. Optionally also: signed
+    by `issuer`; for `audience` (a signature that names an audience is refused without it); a
+    `committed` score (not a dry run: the trace entered the memory); `answer` (the JSON
+    answer it came in, or the client's model of it) says what the signature says: each of its
+    fields but UNSIGNED_FIELDS is the signed one, and none is missing or added
+    (docs/operating/signatures.md); and `contribution` (POST /contribution's) is the cleaned
+    trace the signature is about (`contribution_sha256`)."""
     claims = _verified_claims(signature, trace, jwks)
     problems = claim_problems(
-        claims, issuer=issuer, audience=audience, committed=committed, now=now
+        claims, issuer=issuer, audience=audience, committed=committed, now=now, leeway_s=leeway_s
     )
     if contribution is not None:
         problems += _contribution_problems(claims, contribution)
@@ -93,12 +101,18 @@ def claim_problems(
     audience: str | None = None,
     committed: bool = False,
     now: float | None = None,
+    leeway_s: float = DEFAULT_LEEWAY_S,
 ) -> list[str]:
-    """What the verified `claims` fail of the checks asked for (expiry always)."""
+    """What the verified `claims` fail of the checks asked for (expiry always, honoured at
+    most `leeway_s` seconds late)."""
+    if leeway_s < 0:
+        raise ValueError(f"leeway_s must be at least 0, got {leeway_s}")
     problems = []
     at = time.time() if now is None else now
     expiry = claims.get("exp")
-    if expiry is not None and (not isinstance(expiry, int | float) or at >= expiry + _LEEWAY_S):
+    if expiry is not None and (
+        isinstance(expiry, bool) or not isinstance(expiry, int | float) or at >= expiry + leeway_s
+    ):
         problems.append(f"the signature expired (exp {expiry})")
     if issuer is not None and claims.get("iss") != issuer:
         problems.append(f"the issuer is {claims.get('iss')!r}, not {issuer!r}")
@@ -118,36 +132,54 @@ def claim_problems(
     return problems
 
 
-#: The answer's fields that the signature covers: (path in the answer, claim).
-SIGNED_FIELDS: tuple[tuple[tuple[str, ...], str], ...] = (
-    (("trace_id",), "trace_id"),
-    (("score",), "score"),
-    (("dimensions",), "dimensions"),
-    (("weights", "profile"), "weights_profile"),
-    (("novelty", "measured"), "novelty_measured"),
-)
+def answer_mismatches(claims: dict[str, Any], answer: Mapping[str, Any] | Any) -> list[str]:
+    """Where the answer differs from the signed one (an answer edited after signing): a
+    field whose value is not the signed one, a signed field it lacks, a field it adds.
+    `answer`: the JSON answer, or a model of it (anything with pydantic's `model_dump`)."""
+    if hasattr(answer, "model_dump"):
+        answer = answer.model_dump(mode="json")
+    signed = claims.get("answer")
+    if not isinstance(signed, dict):
+        return ["the signature covers no answer (the `answer` claim): the answer cannot be checked"]
+    if not isinstance(answer, Mapping):
+        return [f"the answer is not a JSON object: {type(answer).__name__}"]
+    shown = {k: v for k, v in answer.items() if k not in UNSIGNED_FIELDS}
+    return _differences((), shown, signed)
 
 
-def answer_mismatches(claims: dict[str, Any], answer: dict[str, Any]) -> list[str]:
-    """Where the answer's visible fields differ from the signed ones (an edited answer)."""
-    problems = []
-    for path, claim in SIGNED_FIELDS:
-        shown: Any = answer
-        for part in path:
-            shown = shown.get(part) if isinstance(shown, dict) else None
-        if not _same(shown, claims.get(claim)):
-            problems.append(
-                f"the answer's {'.'.join(path)} is {shown!r}, the signed one {claims.get(claim)!r}"
-            )
-    return problems
+def _differences(path: tuple[str, ...], shown: Any, signed: Any) -> list[str]:
+    """Each place where `shown` is not `signed`, named by its dotted path (list items by
+    index: novelty.nearest.trace_id, overrides.0)."""
+    if isinstance(shown, Mapping) and isinstance(signed, dict):
+        problems = []
+        for key in [*signed, *(k for k in shown if k not in signed)]:
+            where = ".".join((*path, str(key)))
+            if key not in shown:
+                problems.append(f"the answer lacks {where}, signed as {signed[key]!r}")
+            elif key not in signed:
+                problems.append(f"the answer's {where} is not signed")
+            else:
+                problems += _differences((*path, str(key)), shown[key], signed[key])
+        return problems
+    if isinstance(shown, list) and isinstance(signed, list) and len(shown) == len(signed):
+        return [
+            problem
+            for i, (item, signed_item) in enumerate(zip(shown, signed, strict=True))
+            for problem in _differences((*path, str(i)), item, signed_item)
+        ]
+    if _same(shown, signed):
+        return []
+    return [f"the answer's {'.'.join(path)} is {shown!r}, the signed one {signed!r}"]
 
 
 def _same(a: Any, b: Any) -> bool:
     """Equal as JSON values: 1 and 1.0 are, true and 1 are not."""
     if isinstance(a, bool) or isinstance(b, bool):
         return a is b
-    if isinstance(a, dict) and isinstance(b, dict):
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
         return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
     return bool(a == b)
 
 
