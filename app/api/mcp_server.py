@@ -32,12 +32,12 @@ from app.api.asgi.namespaces import namespace_of
 from app.api.batch_cost import charge_batch
 from app.api.deps import Services
 from app.api.presenters import evaluation_out
-from app.core import namespaces
 from app.api.routes.contribution import (
     INLINE_BODY_BYTES,
     contribution_answer,
     lone_surrogate_errors,
 )
+from app.core import namespaces
 from app.core.api_keys import ApiKey
 from app.core.metrics import Metrics
 from app.core.signatures import unsignable_errors
@@ -179,6 +179,8 @@ def _namespace(ctx: Any, argument: object, metrics: Metrics) -> str | types.Call
             f"{namespaces.HEADER} header {visible(header)!r} differ; send one, or the same"
         )
     return chosen
+
+
 def _body_bytes(ctx: Any) -> int:
     """The HTTP request's declared body size (0 when unknown)."""
     scope = getattr(getattr(ctx, "request", None), "scope", None) or {}

@@ -2,7 +2,7 @@
 answered and its answer recorded; the same key with the same request within a day gets that
 answer again, and adds nothing; with another request, a 422; while the first is still being
 answered, a copy waits for it (and gets 409 if it waits too long). The first holds the key by a
-short lease it renews while it answers (app/store/idempotency.py), so a holder that died frees
+short lease it renews while it answers (app/guards/idempotency.py), so a holder that died frees
 the key within seconds."""
 
 from __future__ import annotations

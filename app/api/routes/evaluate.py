@@ -7,8 +7,8 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Header, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 
-from app.api.asgi.namespaces import namespace_of
 from app.api import request_examples
+from app.api.asgi.namespaces import namespace_of
 from app.api.batch_cost import charge_batch
 from app.api.deps import BEARER_SECURITY, NamespaceHeader, Services, services_of
 from app.api.presenters import evaluation_out
