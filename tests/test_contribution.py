@@ -190,7 +190,7 @@ def test_the_signature_carries_the_contributions_digest(
     assert "contribution_sha256" not in verify(evaluated, trace, jwks)
     with pytest.raises(SignatureInvalidError, match="contribution"):
         verify(evaluated, trace, jwks, contribution=contribution)
-    assert orjson.loads(orjson.dumps(claims))["trace_id"] == trace["id"]
+    assert orjson.loads(orjson.dumps(claims))["answer"]["trace_id"] == trace["id"]
 
 
 def test_the_mcp_tool_answers_as_the_route(client_no_embedder: TestClient) -> None:
