@@ -367,43 +367,51 @@ SERVICE_BLOCK = 20
 
 
 def service_phase(stored: Matrix, cache: IndexedCache, workdir: Path) -> dict[str, Any]:
-    """Restart on a snapshot of `cache` with its graph beside it; dry-run latency against a
-    1,000-entry service."""
+    """Restart on a database of `cache`'s entries; dry-run latency against a 1,000-entry
+    service."""
     from app.embedding import model_files
-    from app.services.snapshots import SnapshotStore, write_graph, write_snapshot
+    from app.store.sqlite_memory import NewRow, SqliteStore
     from bench.server import Server
 
     files = model_files.resolve(None, None)
     model_id = model_files.identity(files, "float32")
     now = time.time() * 1000
-    big, small = workdir / "big.snapshot", workdir / "small.snapshot"
+    big, small = workdir / "big.db", workdir / "small.db"
     n = cache.size
+
+    def write(path: Path, entries: CacheEntries) -> None:
+        store = SqliteStore(path, model_id, cache.dimensions, "process")
+        store.open(lambda namespace, loaded: None)
+        ids = entries.ids()
+        for start in range(0, len(entries.vectors), 10_000):
+            store.write(
+                [
+                    NewRow(
+                        "default",
+                        ids[i],
+                        float(entries.added_at_ms[i]),
+                        entries.vectors[i].astype("<f4").tobytes(),
+                    )
+                    for i in range(start, min(len(entries.vectors), start + 10_000))
+                ]
+            )
+        store.close()
+
     t = time.perf_counter()
-    assert SnapshotStore(big, cache, model_id).save(force=True)
+    write(big, cache.entries())
     write_s = time.perf_counter() - t
-    t = time.perf_counter()
-    graph = cache.serving_graph()
-    assert graph is not None
-    write_graph(big, graph, model_id, cache.dimensions)
-    graph_write_s = time.perf_counter() - t
-    del graph
     times = (now - 1000.0 + np.arange(1000) * 1.0).astype(np.float64)
     ids = [f"kp:trace:{i}" for i in range(1000)]
-    write_snapshot(small, CacheEntries(stored[-1000:], times, ids), model_id)
+    write(small, CacheEntries(stored[-1000:], times, ids))
     common = {
         "KP_EMBEDDER_PRELOAD": "true",
         "KP_EMBEDDER_WORKERS": "1",
         "KP_LOG_LEVEL": "warning",
-        "KP_CACHE_SNAPSHOT_INTERVAL_S": "100000",
     }
-    out: dict[str, Any] = {
-        "snapshot_write_s": round(write_s, 1),
-        "graph_write_s": round(graph_write_s, 1),
-        "entries": n,
-    }
+    out: dict[str, Any] = {"database_write_s": round(write_s, 1), "entries": n}
     started = time.perf_counter()
     large = Server(
-        common | {"KP_CACHE_CAPACITY": str(n), "KP_CACHE_SNAPSHOT_PATH": str(big)},
+        common | {"KP_CACHE_CAPACITY": str(n), "KP_CACHE_DB_PATH": str(big)},
         workdir / "large.log",
         timeout_s=600,
     )
@@ -411,17 +419,12 @@ def service_phase(stored: Matrix, cache: IndexedCache, workdir: Path) -> dict[st
     import httpx
 
     with httpx.Client(base_url=f"http://127.0.0.1:{large.port}", timeout=60) as c:
-        while (ready := c.get("/readyz").json())["status"] != "ready":
+        while c.get("/readyz").json()["status"] != "ready":
             time.sleep(0.2)
     out["restart_to_ready_s"] = round(time.perf_counter() - started, 1)
-    index = ready["cache_index"]
-    out["restart_builds"], out["restart_adoptions"] = (
-        index["builds_total"],
-        index["adoptions_total"],
-    )
     out["service_rss_mb"] = rss_mb(large.pid)
     smaller = Server(
-        common | {"KP_CACHE_CAPACITY": "1000", "KP_CACHE_SNAPSHOT_PATH": str(small)},
+        common | {"KP_CACHE_CAPACITY": "1000", "KP_CACHE_DB_PATH": str(small)},
         workdir / "small.log",
     )
     with (
@@ -589,10 +592,9 @@ def render(doc: dict[str, Any]) -> str:
     if "service" in doc:
         s = doc["service"]
         lines.append(
-            f"service at {s['entries']}: snapshot written in {s['snapshot_write_s']} s; restart "
-            f"to /healthz {s['restart_to_healthz_s']} s, to ready "
-            f"{s['restart_to_ready_s']} s (graphs built {s.get('restart_builds')}, adopted "
-            f"{s.get('restart_adoptions')}); RSS {s['service_rss_mb']:.0f} MB; dry-run p50 "
+            f"service at {s['entries']}: database written in {s['database_write_s']} s; "
+            f"restart to /healthz {s['restart_to_healthz_s']} s, to ready "
+            f"{s['restart_to_ready_s']} s; RSS {s['service_rss_mb']:.0f} MB; dry-run p50 "
             f"{s['large_p50_ms']:.2f} ms vs {s['small_p50_ms']:.2f} ms with 1,000 "
             f"(ratio {s['request_ratio']:.2f}); p99 {s['large_p99_ms']:.2f} vs {s['small_p99_ms']:.2f}"
         )

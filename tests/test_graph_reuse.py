@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
-import logging
 import time
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
@@ -20,7 +18,6 @@ import pytest
 
 from app.domain.vector_cache import CacheEntries
 from app.services.cache_transfer import export_lines
-from app.services.snapshots import SnapshotStore, graph_paths
 from app.store.ann_index import AnnIndex
 from app.store.indexed_memory import (
     HAND_ON_GROWTH,
@@ -32,7 +29,7 @@ from app.store.redis_shared import RedisSharedMemory
 from tests.factories import TOPICS, make_trace
 from tests.server import TOKEN, LiveServer, RedisServer
 from tests.test_large_memory import clustered, edit
-from tests.test_redis_store import MODEL, replicas, run
+from tests.test_redis_store import replicas, run
 
 N = 5_000
 DIMS = 384
@@ -64,13 +61,6 @@ def assert_finds_planted(
         assert expected.trace_id == f"t{i}"
 
 
-def cache_of_snapshot(path: Path) -> tuple[IndexedCache, SnapshotStore]:
-    cache = IndexedCache(capacity=N, index_threshold=THRESHOLD, background=False)
-    store = SnapshotStore(path, cache, MODEL)
-    store.restore()
-    return cache, store
-
-
 def nearest_of(cache: IndexedCache) -> Any:
     def answer(query: npt.NDArray[np.float32]) -> tuple[float, str]:
         found = cache.nearest(query)
@@ -78,183 +68,6 @@ def nearest_of(cache: IndexedCache) -> Any:
         return found.cosine, found.trace_id
 
     return answer
-
-
-@pytest.fixture
-def saved(tmp_path: Path, stored: npt.NDArray[np.float32]) -> Path:
-    """A snapshot of N entries whose cache built its graph (saved beside it by the build)."""
-    path = tmp_path / "cache.snapshot"
-    cache = IndexedCache(capacity=N, index_threshold=THRESHOLD, background=False)
-    store = SnapshotStore(path, cache, MODEL)
-    for i, v in enumerate(stored):
-        cache.add(v, trace_id=f"t{i}")
-    assert cache.index_status().builds_total == 1
-    assert all(p.exists() for p in graph_paths(path))
-    assert store.save(force=True)
-    return path
-
-
-def test_a_restart_adopts_the_saved_graph_instead_of_building(
-    saved: Path, stored: npt.NDArray[np.float32]
-) -> None:
-    restored, _ = cache_of_snapshot(saved)
-    status = restored.index_status()
-    assert (status.state, status.builds_total, status.adoptions_total) == ("ready", 0, 1)
-    assert status.indexed >= THRESHOLD
-    assert_finds_planted(stored, nearest_of(restored), exact_of(restored.entries()))
-    # The description now names the restored cache's numbering: a restart after a save of
-    # this cache adopts it again.
-    assert SnapshotStore(saved, restored, MODEL).save(force=True)
-    again, _ = cache_of_snapshot(saved)
-    assert (again.index_status().builds_total, again.index_status().adoptions_total) == (0, 1)
-    assert_finds_planted(stored, nearest_of(again), exact_of(again.entries()))
-
-
-def test_restarts_without_a_save_between_adopt_the_graph_each_time(
-    saved: Path, stored: npt.NDArray[np.float32]
-) -> None:
-    """A restart that adds nothing saves no snapshot: the next restart meets the same
-    snapshot and must still find the graph its predecessor adopted (and described anew)."""
-    for _ in range(3):
-        restored, store = cache_of_snapshot(saved)
-        status = restored.index_status()
-        assert (status.builds_total, status.adoptions_total) == (0, 1)
-        assert not store.save()  # nothing changed: the snapshot on disk stays as it was
-    assert_finds_planted(stored, nearest_of(restored), exact_of(restored.entries()))
-    # A graph handed on before the next save (the feeder's, after a tenth of growth) is
-    # described in both numberings too.
-    blob, described = graph_paths(saved)
-    about = json.loads(described.read_text())
-    assert restored.on_graph_built is not None
-    restored.on_graph_built(
-        BuiltGraph(blob.read_bytes(), about["first_seq"], about["count"], restored.lineage)
-    )
-    again, _ = cache_of_snapshot(saved)
-    assert (again.index_status().builds_total, again.index_status().adoptions_total) == (0, 1)
-
-
-def _flip_a_byte(path: Path) -> None:
-    blob, _ = graph_paths(path)
-    data = bytearray(blob.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    blob.write_bytes(bytes(data))
-
-
-def _describe_other(key: str, value: object) -> Any:
-    def change(path: Path) -> None:
-        _, described = graph_paths(path)
-        about = json.loads(described.read_text())
-        about[key] = value
-        described.write_text(json.dumps(about))
-
-    return change
-
-
-def _shift(path: Path) -> None:
-    """Describes the graph as starting one entry later: it would map onto the wrong rows."""
-    _, described = graph_paths(path)
-    about = json.loads(described.read_text())
-    about["first_seq"] += 1
-    about["count"] -= 1
-    described.write_text(json.dumps(about))
-
-
-@pytest.mark.parametrize(
-    "damage",
-    [
-        _flip_a_byte,
-        _describe_other("m", 32),
-        _describe_other("dimensions", 768),
-        _describe_other("lineage", "another-cache"),
-        _shift,
-    ],
-    ids=["damaged", "other-m", "other-dimensions", "other-cache", "shifted"],
-)
-def test_a_graph_that_does_not_fit_is_ignored_and_the_cache_builds(
-    saved: Path, stored: npt.NDArray[np.float32], damage: Any, caplog: pytest.LogCaptureFixture
-) -> None:
-    damage(saved)
-    with caplog.at_level(logging.WARNING, logger="app.services.snapshots"):
-        restored, store = cache_of_snapshot(saved)
-    assert store.status.state.value == "loaded"
-    assert restored.size == N
-    status = restored.index_status()
-    assert (status.state, status.builds_total, status.adoptions_total) == ("ready", 1, 0)
-    assert "graph ignored" in caplog.text
-    assert_finds_planted(stored, nearest_of(restored), exact_of(restored.entries()))
-
-
-def test_an_adopted_graph_may_hold_evicted_entries_but_must_cover_the_oldest_live_one(
-    stored: npt.NDArray[np.float32],
-) -> None:
-    """adopt_index maps the graph's id 0 onto a sequence number: entries the cache evicted
-    since are a dead prefix (filtered by the id range, as after evictions); a graph that
-    misses the oldest live entry, or is mapped one entry off, is refused and nothing changes."""
-    built: list[BuiltGraph] = []
-    source = IndexedCache(capacity=N, index_threshold=THRESHOLD, background=False)
-    source.on_graph_built = built.append
-    for i, v in enumerate(stored[:3000]):
-        source.add(v, trace_id=f"t{i}")
-    (graph,) = built
-    assert (graph.first_seq, graph.count) == (0, THRESHOLD)
-
-    def holding() -> IndexedCache:
-        cache = IndexedCache(capacity=2500, index_threshold=THRESHOLD, background=False)
-        cache.hold_index(True)
-        for i, v in enumerate(stored[:3000]):
-            cache.add(v, trace_id=f"t{i}")
-        assert cache.sequence_range == (500, 3000)
-        assert cache.index_status().warming  # held: not ready until a graph is adopted or built
-        return cache
-
-    def index() -> AnnIndex:
-        return AnnIndex.from_bytes(graph.data, DIMS, 0)
-
-    refused = holding()
-    assert "not this cache's" in (refused.adopt_index(index(), 1) or "")
-    assert "covers entries 600" in (refused.adopt_index(index(), 600) or "")
-    assert refused.index_status().adoptions_total == 0
-
-    cache = holding()
-    assert cache.adopt_index(index(), 0) is None
-    cache.hold_index(False)
-    status = cache.index_status()
-    assert (status.state, status.builds_total, status.adoptions_total) == ("ready", 0, 1)
-    live = stored[500:3000]
-    truth = exact_of(cache.entries())
-    rng = np.random.default_rng(8)
-    for i in rng.choice(len(live), 60, replace=False):
-        query = edit(live[i], rng, 0.3)
-        found, expected = cache.nearest(query), truth.nearest(query)
-        assert found is not None
-        assert expected is not None
-        assert (found.cosine, found.trace_id) == (expected.cosine, expected.trace_id)
-        assert found.trace_id == f"t{500 + i}"
-
-
-def test_entries_after_an_adopted_graph_join_it_before_the_cache_is_ready(
-    stored: npt.NDArray[np.float32],
-) -> None:
-    """A graph published a while ago covers the older entries only: the newer ones are
-    inserted into it while the cache warms (as a build's would be), so once ready the graph
-    covers all but a tail shorter than a batch; that is not counted as a build."""
-    built: list[BuiltGraph] = []
-    source = IndexedCache(capacity=N, index_threshold=THRESHOLD, background=False)
-    source.on_graph_built = built.append
-    for i, v in enumerate(stored[:THRESHOLD]):
-        source.add(v, trace_id=f"t{i}")
-    (graph,) = built
-    cache = IndexedCache(capacity=N, index_threshold=THRESHOLD)  # background threads
-    cache.hold_index(True)
-    cache.extend(stored, np.arange(N, dtype=np.float64), [f"t{i}" for i in range(N)])
-    assert cache.adopt_index(AnnIndex.from_bytes(graph.data, DIMS, 0), 0) is None
-    cache.hold_index(False)
-    assert cache.wait_for_index(timeout_s=600)
-    status = cache.index_status()
-    assert (status.state, status.warming) == ("ready", False)
-    assert (status.builds_total, status.adoptions_total) == (0, 1)
-    assert status.indexed > N - TAIL_BATCH
-    assert_finds_planted(stored, nearest_of(cache), exact_of(cache.entries()))
 
 
 def test_the_feeder_hands_on_the_graph_it_grew_by_a_tenth(

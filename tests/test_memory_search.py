@@ -4,28 +4,15 @@ one tie rule whichever path answers; the index follows the memory."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import re
-import struct
-import time
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-import orjson
 import pytest
-from fastapi.testclient import TestClient
 
 from app.api.mcp_server import summary
-from app.core.config import Settings
-from app.main import create_app
 from app.schemas.responses import EvaluationOut
-from app.services.snapshots import graph_paths
 from app.store.indexed_memory import CONFIRM_FROM, INDEX_BOUND, TAIL_BATCH, IndexedCache
-from tests.conftest import ClientFactory
-from tests.factories import export_line, make_trace
 from tests.test_large_memory import DIMS, clustered, edit
 
 
@@ -127,110 +114,6 @@ def test_mcp_text_says_when_the_index_answered() -> None:
         update={"novelty": out.novelty.model_copy(update={"search": "exact", "search_bound": None})}
     )
     assert "approximate" not in summary(exact)
-
-
-def test_rest_says_how_novelty_was_found(make_client: ClientFactory) -> None:
-    """A memory past the index threshold: a fresh trace is answered by the index (and says so,
-    with the bound), the same trace once stored is a near-duplicate answered exactly."""
-    client = make_client(cache_capacity=5_000, cache_index_threshold=1_000)
-    _import_lone(client, 1_500, seed=51)
-    _index_when_ready(client)
-    trace = make_trace()
-    fresh = client.post("/evaluate", params={"dry_run": "true"}, json=trace).json()["novelty"]
-    assert (fresh["search"], fresh["search_bound"]) == ("index", INDEX_BOUND)
-    assert client.post("/evaluate", json=trace).status_code == 200
-    again = client.post("/evaluate", params={"dry_run": "true"}, json=trace).json()["novelty"]
-    assert again["max_cosine"] == pytest.approx(1.0, abs=1e-6)
-    assert (again["search"], again["search_bound"]) == ("exact", None)
-    assert again["nearest"]["trace_id"] == trace["id"]
-
-
-def _import_lone(client: TestClient, count: int, seed: int) -> None:
-    lines = b"\n".join(
-        orjson.dumps(export_line(f"kp:trace:lone-{i}", v, time.time() * 1000.0))
-        for i, v in enumerate(lone(count, seed=seed))
-    )
-    r = client.post(
-        "/cache/import", content=lines, headers={"Content-Type": "application/x-ndjson"}
-    )
-    assert r.status_code == 200, r.text
-
-
-def _index_when_ready(client: TestClient) -> dict[str, Any]:
-    deadline = time.monotonic() + 120
-    while (ready := client.get("/readyz").json())["cache_index"]["state"] != "ready":
-        assert time.monotonic() < deadline, ready
-        time.sleep(0.1)
-    index: dict[str, Any] = ready["cache_index"]
-    return index
-
-
-def test_a_restart_is_ready_at_once_with_the_index_it_saved(tmp_path: Path) -> None:
-    """In process, past the threshold: the graph the build wrote beside the snapshot is adopted
-    at the next start, which is ready when it starts (no build ran: /readyz and /metrics
-    say so), and names the same nearest traces."""
-    path = tmp_path / "cache.snapshot"
-    settings = Settings(cache_snapshot_path=path, cache_capacity=5_000, cache_index_threshold=1_000)
-    probe = make_trace()
-    with TestClient(create_app(settings)) as first:
-        _import_lone(first, 1_500, seed=61)
-        assert first.post("/evaluate", json=probe).status_code == 200
-        index = _index_when_ready(first)
-        assert (index["builds_total"], index["adoptions_total"]) == (1, 0)
-        deadline = time.monotonic() + 60
-        while (index := first.get("/readyz").json()["cache_index"])["bounded"] < 1_000:
-            assert time.monotonic() < deadline, index  # the bounds follow the index
-            time.sleep(0.1)
-        assert index["bound_fits_total"] >= 1
-        deadline = time.monotonic() + 60
-        while not all(p.exists() for p in graph_paths(path)):
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
-        before = first.post("/evaluate", params={"dry_run": "true"}, json=probe).json()
-    with TestClient(create_app(settings)) as again:
-        ready = again.get("/readyz").json()  # at once: the start adopted it
-        index = ready["cache_index"]
-        assert ready["status"] == "ready", ready
-        assert (index["state"], index["builds_total"], index["adoptions_total"]) == (
-            "ready",
-            0,
-            1,
-        )
-        assert "kp_cache_index_adoptions_total 1.0" in again.get("/metrics").text
-        after = again.post("/evaluate", params={"dry_run": "true"}, json=probe).json()
-    assert after["novelty"] == before["novelty"] | {"nearest": after["novelty"]["nearest"]}
-    assert after["novelty"]["nearest"]["trace_id"] == probe["id"]
-
-
-def test_a_snapshot_written_the_old_way_still_loads_and_builds(tmp_path: Path) -> None:
-    """A format 1 snapshot (no trace ids, no place in a lineage, no graph beside it) of a
-    memory past the threshold: loaded whole, then the index is built (nothing to adopt)."""
-    path = tmp_path / "old.snapshot"
-    settings = Settings(cache_snapshot_path=path, cache_capacity=5_000, cache_index_threshold=1_000)
-    with TestClient(create_app(settings)) as client:  # the model's identity, as this start has it
-        assert client.post("/evaluate", json=make_trace()).status_code == 200
-    data = path.read_bytes()
-    (length,) = struct.unpack_from("<I", data, 8)
-    model = json.loads(data[12 : 12 + length])["model"]
-    vectors = lone(1_500, seed=71)
-    times = np.full(len(vectors), time.time() * 1000.0)
-    payload = vectors.astype("<f4").tobytes() + times.astype("<f8").tobytes()
-    header = json.dumps(
-        {
-            "version": 1,
-            "model": model,
-            "dimensions": DIMS,
-            "count": len(vectors),
-            "saved_at_ms": 0.0,
-            "payload_sha256": hashlib.sha256(payload).hexdigest(),
-        }
-    ).encode()
-    path.write_bytes(b"KPCACHE1" + struct.pack("<I", len(header)) + header + payload)
-    with TestClient(create_app(settings)) as client:
-        assert client.get("/readyz").json()["snapshot"]["state"] == "loaded"
-        index = _index_when_ready(client)
-        assert (index["builds_total"], index["adoptions_total"]) == (1, 0)
-        assert client.get("/cache").json()["size"] == len(vectors)
 
 
 def test_the_index_is_trained_again_when_the_memory_outgrows_it() -> None:

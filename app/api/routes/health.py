@@ -52,7 +52,7 @@ async def readyz(services: ServicesDep, request: Request) -> ReadyOut:
         cache_backend=backend_out(services.memory.backend),
         cache_index=index_out(index),
         admin_auth=not services.settings.cache_open,
-        snapshot=snapshot_out(services.snapshots.status),
+        snapshot=snapshot_out(services.runtime.storage_status()),
         warnings=[*health.warnings, *mcp_warnings],
     )
 
