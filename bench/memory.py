@@ -370,7 +370,7 @@ def service_phase(stored: Matrix, cache: IndexedCache, workdir: Path) -> dict[st
     """Restart on a database of `cache`'s entries; dry-run latency against a 1,000-entry
     service."""
     from app.embedding import model_files
-    from app.store.sqlite_memory import NewRow, SqliteStore
+    from app.store.sqlite_memory import Discard, NewRow, SqliteStore
     from bench.server import Server
 
     files = model_files.resolve(None, None)
@@ -381,7 +381,7 @@ def service_phase(stored: Matrix, cache: IndexedCache, workdir: Path) -> dict[st
 
     def write(path: Path, entries: CacheEntries) -> None:
         store = SqliteStore(path, model_id, cache.dimensions, "process")
-        store.open(lambda namespace, loaded: None)
+        store.open(Discard())
         ids = entries.ids()
         for start in range(0, len(entries.vectors), 10_000):
             store.write(

@@ -3,8 +3,8 @@ POST /evaluate at each durability, a 30,000-line POST /cache/import, and start t
 100,000 and 1,000,000 entries; side by side with the former snapshot and journal when a
 checkout of the former release is given (`--former DIR`), in the same run.
 
-    python -m bench persistence [--requests 100] [--lines 30000] [--sizes 100000,1000000]
-        [--former DIR]
+    python -m bench persistence [--adds 600] [--requests 100] [--lines 30000]
+        [--sizes 100000,1000000] [--former DIR] [--only-step]
 
 Each server runs the real model (preloaded, one thread, no memo), the exact search, and the
 servers take turns request by request in a rotating order, so that a busy host slows all of
@@ -151,6 +151,52 @@ def commits(requests: int, lines: int, former: Path | None) -> dict[str, Any]:
     }
 
 
+def memory_step(adds: int) -> dict[str, Any]:
+    """The memory's step of a committed trace in process (InProcessMemory.compare with add,
+    a 1,000-entry memory): kept nowhere, then at each durability, taking turns in a rotating
+    order; p50 and p99 in microseconds."""
+    import asyncio
+
+    from app.store.base import DEFAULT_NAMESPACE
+    from app.store.in_process import InProcessMemory
+    from app.store.sqlite_memory import SqliteStore
+
+    vectors, _, _ = _entries(adds + 1000, seed=9)
+
+    async def run(directory: Path) -> dict[str, list[float]]:
+        memories = {
+            "none": InProcessMemory(1000),
+            **{
+                d: InProcessMemory(1000, store=SqliteStore(directory / f"{d}.db", "bench", 384, d))
+                for d in ("process", "power")
+            },
+        }
+        for memory in memories.values():
+            await memory.start()
+            for i in range(1000):  # full, as a service soon is
+                await memory.compare(DEFAULT_NAMESPACE, [vectors[i]], [f"w{i}"], add=True)
+        us: dict[str, list[float]] = {name: [] for name in memories}
+        names = list(memories)
+        for i in range(adds):
+            k = i % len(names)
+            for name in names[k:] + names[:k]:
+                started = time.perf_counter()
+                await memories[name].compare(
+                    DEFAULT_NAMESPACE, [vectors[1000 + i]], [f"t{i}"], add=True
+                )
+                us[name].append((time.perf_counter() - started) * 1e6)
+        for memory in memories.values():
+            await memory.close()
+        return us
+
+    with tempfile.TemporaryDirectory() as tmp:
+        us = asyncio.run(run(Path(tmp)))
+    return {
+        name: {"p50_us": round(percentile(v, 50), 1), "p99_us": round(percentile(v, 99), 1)}
+        for name, v in us.items()
+    }
+
+
 def _model_id() -> str:
     from app.embedding import model_files
 
@@ -167,11 +213,11 @@ def _entries(size: int, seed: int = 3) -> tuple[np.ndarray, np.ndarray, list[str
 
 def write_database(path: Path, model_id: str, size: int) -> None:
     """A database of `size` entries in the default namespace, as the service writes them."""
-    from app.store.sqlite_memory import NewRow, SqliteStore
+    from app.store.sqlite_memory import Discard, NewRow, SqliteStore
 
     vectors, times, ids = _entries(size)
     store = SqliteStore(path, model_id, 384, "process")
-    store.open(lambda namespace, entries: None)
+    store.open(Discard())
     for start in range(0, size, 10_000):
         stop = min(size, start + 10_000)
         store.write(
@@ -269,13 +315,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--former", type=Path, default=None, help="a checkout of the former release, to compare"
     )
+    parser.add_argument("--adds", type=int, default=600, help="in-process adds per mode")
     parser.add_argument("--skip-commits", action="store_true")
+    parser.add_argument("--only-step", action="store_true")
     args = parser.parse_args(argv)
-    result: dict[str, Any] = {"cpu": _cpu()}
-    if not args.skip_commits:
+    result: dict[str, Any] = {"cpu": _cpu(), "memory_step": memory_step(args.adds)}
+    if not args.skip_commits and not args.only_step:
         result["commits"] = commits(args.requests, args.lines, args.former)
     sizes = [int(s) for s in args.sizes.split(",") if s]
-    result["start_to_ready"] = start_to_ready(sizes, args.former)
+    if not args.only_step:
+        result["start_to_ready"] = start_to_ready(sizes, args.former)
     print(json.dumps(result, indent=2))
     return 0
 

@@ -87,13 +87,15 @@ class Runtime:
                 "stored across restarts",
                 extra={"path": str(self.settings.cache_db_path)},
             )
-        await self.memory.start()
+        if self.settings.embedder_preload:
+            # Independent: the memory's load (its database, off the loop) beside the model's.
+            await asyncio.gather(self.memory.start(), self.embeddings.preload())
+        else:
+            await self.memory.start()
         if self.settings.api_keys_file is not None:
             log.info("API keys required", extra={"file": str(self.settings.api_keys_file)})
         if self.settings.cache_open:
             log.warning("KP_ADMIN_TOKEN is not set: GET and DELETE /cache are open to every caller")
-        if self.settings.embedder_preload:
-            await self.embeddings.preload()
         backend = self.memory.backend
         log.info(
             "kp-scoring started",

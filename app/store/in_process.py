@@ -332,11 +332,8 @@ class InProcessMemory:
         if store is None:
             return
 
-        def load(namespace: str, entries: CacheEntries) -> None:
-            self._made(namespace).extend(entries.vectors, entries.added_at_ms, entries.ids())
-
         def open_and_trim() -> None:
-            store.open(load)
+            store.open(self)
             with self._lock:
                 held = {ns: c.size for ns, c in self._caches.items()}
             # Rows past the capacity or the TTL (or of a smaller capacity than before).
@@ -345,6 +342,18 @@ class InProcessMemory:
                     store.write(held=held)
 
         await asyncio.to_thread(open_and_trim)
+
+    # LoadTarget (app/store/sqlite_memory.py): where the database's entries go at start.
+
+    def load(self, namespace: str, entries: CacheEntries) -> None:
+        self._made(namespace).extend(entries.vectors, entries.added_at_ms, entries.ids())
+
+    def reserve(self, namespace: str, rows: int) -> None:
+        self._made(namespace).reserve(rows)
+
+    def reset(self) -> None:
+        with self._lock:
+            self._caches.clear()
 
     async def close(self) -> None:
         await asyncio.to_thread(self._in_order_thread.shutdown)

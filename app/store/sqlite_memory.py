@@ -32,7 +32,7 @@ import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
@@ -121,6 +121,32 @@ class NewRow:
 Loader = Callable[[str, CacheEntries], None]
 
 
+class LoadTarget(Protocol):
+    """Where a start's entries go (the memory)."""
+
+    def load(self, namespace: str, entries: CacheEntries) -> None:
+        """The next entries of the namespace, oldest first."""
+
+    def reserve(self, namespace: str, rows: int) -> None:
+        """About `rows` entries of the namespace follow."""
+
+    def reset(self) -> None:
+        """Forget what was loaded: the file turned out damaged part way."""
+
+
+class Discard:
+    """A LoadTarget that keeps nothing (tools that only write a database)."""
+
+    def load(self, namespace: str, entries: CacheEntries) -> None:
+        pass
+
+    def reserve(self, namespace: str, rows: int) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+
 class SqliteStore:
     """The database of one process's memory; used by one thread at a time (the memory's
     in-order thread after `open`)."""
@@ -135,15 +161,17 @@ class SqliteStore:
         self._unopened: str | None = None  # why the database could not be opened
         self._rows: dict[str, int] = {}  # rows each namespace holds in the database
         self._start_warnings: list[str] = []
+        self._counts: dict[str, int] = {}  # rows of each namespace, as the index counts them
+        self._bad: list[int] = []  # ids of rows that failed their checksum at start
 
     # ── start ───────────────────────────────────────────────────────────────
 
-    def open(self, load: Loader) -> None:
+    def open(self, target: LoadTarget) -> None:
         """Opens (converting, recovering or making) the database and hands its entries to
         `load`, a chunk of one namespace at a time, oldest first. A database that cannot be
         opened leaves the memory empty and every write failing with the reason (health)."""
         try:
-            self._open(load)
+            self._open(target)
         except (sqlite3.Error, OSError) as exc:
             self._unopened = _reason(exc)
             self.status.state, self.status.detail = SnapshotState.ERROR, self._unopened
@@ -153,25 +181,44 @@ class SqliteStore:
                 extra={"path": str(self.path), "reason": self._unopened},
             )
 
-    def _open(self, load: Loader) -> None:
+    def _open(self, target: LoadTarget) -> None:
         path = self.path
         if path.exists() and is_former_snapshot(path):
-            self._convert(load)
+            self._convert(target)
             return
         if path.exists() and path.stat().st_size and not _has_sqlite_header(path):
-            self._recover(load, "not an SQLite database")
+            self._recover(target, "not an SQLite database")
             return
+        conn: sqlite3.Connection | None = None
         try:
             conn = self._connect(path)
-            verdict = conn.execute("PRAGMA quick_check").fetchone()[0]
-        except sqlite3.DatabaseError as exc:
-            self._recover(load, _reason(exc))
+            other = self._other_model(conn)
+            if other is None:
+                # Every page of the index and of the table is read: a damaged one fails the
+                # read (SQLITE_CORRUPT), or the two disagree on the count.
+                counts = dict(
+                    conn.execute(
+                        "SELECT namespace, count(*) FROM entries INDEXED BY "
+                        "entries_by_namespace GROUP BY namespace"
+                    ).fetchall()
+                )
+                self._counts = counts
+                loaded = self._load_rows(conn, target)
+                if loaded + self.status.checksum_failures_total != sum(counts.values()):
+                    raise sqlite3.DatabaseError(
+                        f"the index counts {sum(counts.values())} entries, the table "
+                        f"{loaded + self.status.checksum_failures_total}"
+                    )
+        except sqlite3.OperationalError:
+            raise  # not damage: the file cannot be opened or is busy (open() reports it)
+        except sqlite3.DatabaseError as exc:  # SQLITE_CORRUPT, SQLITE_NOTADB
+            if conn is not None:
+                with contextlib.suppress(sqlite3.Error):
+                    conn.close()
+            self._reset_loaded(target)
+            self._recover(target, _reason(exc))
             return
-        if verdict != "ok":
-            conn.close()
-            self._recover(load, f"integrity check: {verdict}")
-            return
-        other = self._other_model(conn)
+        assert conn is not None
         if other is not None:
             conn.close()
             self._set_aside(other)
@@ -180,7 +227,7 @@ class SqliteStore:
             return
         self._write_meta(conn)
         self._conn = conn
-        loaded = self._load_rows(conn, load)
+        self._drop(conn, self._bad)
         self.status.state = SnapshotState.LOADED if loaded else SnapshotState.NONE
         self.status.loaded_vectors = loaded
         log.info("cache database opened", extra={"path": str(path), "entries": loaded})
@@ -212,51 +259,75 @@ class SqliteStore:
             f"{self.model_id} ({self.dimensions} dimensions)"
         )
 
-    def _load_rows(self, conn: sqlite3.Connection, load: Loader) -> int:
-        """Every good row to `load`, a chunk per namespace; bad ones deleted and counted."""
+    def _load_rows(self, conn: sqlite3.Connection, target: LoadTarget) -> int:
+        """Every good row to `target`, a chunk per namespace; the ids of bad ones kept (and
+        counted) for _drop."""
+        for namespace, count in self._counts.items():
+            target.reserve(namespace, count)
         rows = conn.execute(f"SELECT {_COLUMNS} FROM entries ORDER BY id")
-        bad = self._dispatch(iter(lambda: rows.fetchmany(CHUNK), []), load)
+        self._bad = self._dispatch(iter(lambda: rows.fetchmany(CHUNK), []), target.load)
+        return sum(self._rows.values())
+
+    def _drop(self, conn: sqlite3.Connection, bad: list[int]) -> None:
+        """Deletes the rows that failed their checksum (they are never served)."""
         if bad:
             with contextlib.suppress(sqlite3.Error):
                 conn.execute("BEGIN IMMEDIATE")
                 conn.executemany("DELETE FROM entries WHERE id = ?", [(b,) for b in bad])
                 conn.execute("COMMIT")
-        return sum(self._rows.values())
 
-    def _dispatch(self, batches: Iterable[list[tuple[object, ...]]], load: Loader) -> list[int]:
+    def _reset_loaded(self, target: LoadTarget) -> None:
+        self._rows.clear()
+        self._bad = []
+        self.status.checksum_failures_total = 0
+        self._start_warnings.clear()
+        target.reset()
+
+    def _dispatch(self, batches: Iterable[list[Any]], load: Loader) -> list[int]:
         """Rows (id, namespace, trace_id, added_at_ms, vector, checksum) to `load`, checked;
         the ids of those that fail their checksum."""
         size = self.dimensions * 4
-        pending: dict[str, list[tuple[str, float, bytes]]] = {}
+        pending: dict[str, list[tuple[int, str, float, bytes]]] = {}
         bad: list[int] = []
 
         def flush(namespace: str) -> None:
             chunk = pending.pop(namespace, [])
-            if chunk:
-                vectors = np.frombuffer(b"".join(v for _, _, v in chunk), "<f4")
-                load(
-                    namespace,
-                    CacheEntries(
-                        vectors.reshape(len(chunk), self.dimensions).astype(np.float32),
-                        np.array([t for _, t, _ in chunk], dtype=np.float64),
-                        [i for i, _, _ in chunk],
-                    ),
-                )
+            if not chunk:
+                return
+            vectors = np.frombuffer(b"".join(c[3] for c in chunk), "<f4").reshape(
+                len(chunk), self.dimensions
+            )
+            finite = np.isfinite(vectors).all(axis=1)  # a checksum of a bad vector is no proof
+            if not finite.all():
+                bad.extend(c[0] for c, ok in zip(chunk, finite, strict=True) if not ok)
+                chunk = [c for c, ok in zip(chunk, finite, strict=True) if ok]
+                vectors = vectors[finite]
+            self._rows[namespace] = self._rows.get(namespace, 0) + len(chunk)
+            load(
+                namespace,
+                CacheEntries(
+                    vectors.astype(np.float32),
+                    np.array([c[2] for c in chunk], dtype=np.float64),
+                    [c[1] for c in chunk],
+                ),
+            )
 
+        crc32, pack = zlib.crc32, _TIME.pack  # entry_checksum, inlined: once a row
         for batch in batches:
             for row_id, namespace, trace_id, added_at, vector, checksum in batch:
-                ns, tid, t = str(namespace), str(trace_id), float(str(added_at))
-                if (
-                    not isinstance(vector, bytes)
-                    or len(vector) != size
-                    or entry_checksum(ns, tid, t, vector) != checksum
-                    or not np.isfinite(np.frombuffer(vector, "<f4")).all()
-                ):
-                    bad.append(int(str(row_id)))
+                try:
+                    good = len(vector) == size and checksum == crc32(
+                        f"{namespace}\x00{trace_id}".encode(),
+                        crc32(pack(added_at), crc32(vector)),
+                    )
+                except (TypeError, struct.error):  # a value of another type
+                    good = False
+                if not good:
+                    bad.append(row_id)
                     continue
-                self._rows[ns] = self._rows.get(ns, 0) + 1
+                ns = namespace
                 rows = pending.setdefault(ns, [])
-                rows.append((tid, t, vector))
+                rows.append((row_id, trace_id, added_at, vector))
                 if len(rows) >= CHUNK:
                     flush(ns)
         for namespace in list(pending):
@@ -271,7 +342,7 @@ class SqliteStore:
             log.error(warning, extra={"path": str(self.path), "dropped": len(bad)})
         return bad
 
-    def _recover(self, load: Loader, why: str) -> None:
+    def _recover(self, target: LoadTarget, why: str) -> None:
         """Copies the damaged file aside byte for byte, keeps what can be read of it row by
         row in a new database, and says how many (log, health until the next start)."""
         path = self.path
@@ -282,7 +353,7 @@ class SqliteStore:
             if extra.exists():
                 shutil.copyfile(extra, Path(f"{aside}{suffix}"))
         scratch = path.with_name(f"{path.name}.reading")
-        rows: list[tuple[object, ...]] = []
+        rows: list[Any] = []
         try:
             shutil.copyfile(path, scratch)
             wal = Path(f"{path}-wal")
@@ -296,14 +367,14 @@ class SqliteStore:
         _remove_database(path)
         conn = self._connect(path)
         self._write_meta(conn)
-        kept: list[tuple[object, ...]] = []
+        kept: list[tuple[str, str, float, bytes, int]] = []
 
         def keep(namespace: str, entries: CacheEntries) -> None:
             for trace_id, added_at, vector in zip(
                 entries.ids(), entries.added_at_ms, entries.vectors, strict=True
             ):
                 kept.append(NewRow(namespace, trace_id, float(added_at), _wire(vector)).values())
-            load(namespace, entries)
+            target.load(namespace, entries)
 
         self._dispatch([rows], keep)
         conn.execute("BEGIN IMMEDIATE")
@@ -322,7 +393,7 @@ class SqliteStore:
             extra={"path": str(path), "aside": str(aside), "kept": len(kept), "reason": why},
         )
 
-    def _convert(self, load: Loader) -> None:
+    def _convert(self, target: LoadTarget) -> None:
         """The former snapshot and journal, read once into a new database; the former files
         kept beside it (`<name>.old-format`)."""
         path = self.path
@@ -368,7 +439,8 @@ class SqliteStore:
         for _, journal in journal_files(path):
             os.replace(journal, journal.with_name(f"{journal.name}.old-format"))
         self._conn = self._connect(path)
-        loaded = self._load_rows(self._conn, load)
+        loaded = self._load_rows(self._conn, target)
+        self._drop(self._conn, self._bad)
         self.status.state = SnapshotState.CONVERTED
         self.status.loaded_vectors = loaded
         self.status.detail = (
@@ -497,7 +569,7 @@ def _fsync_file(path: Path) -> None:
         os.close(fd)
 
 
-def _readable_rows(path: Path) -> Iterator[tuple[object, ...]]:
+def _readable_rows(path: Path) -> Iterator[Any]:
     """The entries a damaged database still yields, read a block of ids at a time and,
     where a block fails, one id at a time (a broken page costs only its own rows)."""
     try:
