@@ -245,7 +245,11 @@ class InProcessMemory:
                 except Exception as exc:  # the caller's to handle
                     _settle(first, None, exc)
             else:
-                for item, outcome in zip(group, self._add_group(group), strict=True):
+                try:
+                    outcomes = self._add_group(group)
+                except Exception as exc:  # a bad vector: every request of the group hears it
+                    outcomes = [exc] * len(group)
+                for item, outcome in zip(group, outcomes, strict=True):
                     if isinstance(outcome, Exception):
                         _settle(item, None, outcome)
                     else:

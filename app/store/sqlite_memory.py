@@ -306,7 +306,7 @@ class SqliteStore:
             load(
                 namespace,
                 CacheEntries(
-                    vectors.astype(np.float32),
+                    vectors.astype(np.float32, copy=False),  # copied into the ring
                     np.array([c[2] for c in chunk], dtype=np.float64),
                     [c[1] for c in chunk],
                 ),
