@@ -19,6 +19,7 @@ import pytest
 from app.domain.vector_cache import CacheEntries
 from app.services.cache_transfer import export_lines
 from app.store.ann_index import AnnIndex
+from app.store.base import DEFAULT_NAMESPACE as NS
 from app.store.indexed_memory import (
     HAND_ON_GROWTH,
     TAIL_BATCH,
@@ -142,7 +143,7 @@ async def _planted_answers(
     rng = np.random.default_rng(5)
     out = []
     for i in rng.choice(len(stored), 60, replace=False):
-        (found,) = await memory.compare([edit(stored[i], rng, 0.3)], ["q"], add=False)
+        (found,) = await memory.compare(NS, [edit(stored[i], rng, 0.3)], ["q"], add=False)
         assert found.nearest is not None
         out.append((found.max_cosine, found.nearest.trace_id))
     return out
@@ -175,7 +176,7 @@ def test_a_new_replica_adopts_the_published_graph_and_a_reset_deletes_it(
 
     async def scenario() -> None:
         async with replica(redis_server, redis_prefix) as (first,):
-            assert await first.import_entries(entries()) == (N, 0)
+            assert await first.import_entries(NS, entries()) == (N, 0)
             await _ready(first)
             await _until(lambda: len(_graph_keys(redis_server, redis_prefix)) >= 2, "published")
             assert first.index_status().builds_total >= 1
@@ -204,12 +205,12 @@ def test_a_new_replica_adopts_the_published_graph_and_a_reset_deletes_it(
                     lambda: damaged not in _graph_keys(redis_server, redis_prefix), "replaced"
                 )
 
-            assert await first.clear() == N
+            assert await first.clear(NS) == N
             assert _graph_keys(redis_server, redis_prefix) == []
 
         # Refilled by a replica that does not publish: a new one finds no graph to adopt.
         async with replica(redis_server, redis_prefix, index_share=False) as (writer,):
-            assert await writer.import_entries(entries()) == (N, 0)
+            assert await writer.import_entries(NS, entries()) == (N, 0)
             await _ready(writer)
             assert _graph_keys(redis_server, redis_prefix) == []
             async with replica(redis_server, redis_prefix) as (fresh,):
@@ -250,7 +251,7 @@ def test_a_replica_serializes_a_grown_graph_only_when_it_would_publish_it(
                 publish(built)
 
             memory.mirror.on_graph_built = counted
-            assert await memory.import_entries(entries(0, start)) == (start, 0)
+            assert await memory.import_entries(NS, entries(0, start)) == (start, 0)
             await _ready(memory)
             await _until(lambda: len(_graph_keys(redis_server, redis_prefix)) >= 2, "published")
             built_at_start = len(handed)
@@ -258,14 +259,14 @@ def test_a_replica_serializes_a_grown_graph_only_when_it_would_publish_it(
             with redis_server.client() as client:
                 client.set(lease, "another replica", px=120_000)
 
-            assert await memory.import_entries(entries(start, start + step)) == (step, 0)
+            assert await memory.import_entries(NS, entries(start, start + step)) == (step, 0)
             await _until(lambda: memory.index_status().indexed == start + step, "fed")
             assert len(handed) == built_at_start  # another replica publishes: not serialized
 
             with redis_server.client() as client:
                 client.delete(lease)
             stop = start + 2 * step
-            assert await memory.import_entries(entries(start + step, stop)) == (step, 0)
+            assert await memory.import_entries(NS, entries(start + step, stop)) == (step, 0)
             await _until(lambda: memory.index_status().indexed == stop, "fed")
             await _until(lambda: len(handed) > built_at_start, "handed on")
             assert handed[-1].count > start + step

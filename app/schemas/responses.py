@@ -83,11 +83,13 @@ class NoveltyOut(BaseModel):
         "otherwise.",
     )
     stored: bool = Field(
+        default=False,
         description="True when the trace is in the novelty memory now, committed (it survives "
         "a crash as docs/operating/persistence.md says); false for a dry run and whenever it "
         "could not be stored (not_stored says why).",
     )
     not_stored: NotStoredReason | None = Field(
+        default=None,
         description="Why the trace was not stored: 'dry_run'; 'not_measured' (no vector: the "
         "embedder is unavailable); 'cache_unavailable' (the shared memory could not be "
         "reached); 'storage_failed' (the memory's storage refused the write, e.g. a full disk: "
