@@ -287,49 +287,50 @@ class SqliteStore:
         """Rows (id, namespace, trace_id, added_at_ms, vector, checksum) to `load`, checked;
         the ids of those that fail their checksum."""
         size = self.dimensions * 4
-        pending: dict[str, list[tuple[int, str, float, bytes]]] = {}
+        pending: dict[str, list[Any]] = {}  # rows as read, per namespace
         bad: list[int] = []
 
         def flush(namespace: str) -> None:
             chunk = pending.pop(namespace, [])
             if not chunk:
                 return
-            vectors = np.frombuffer(b"".join(c[3] for c in chunk), "<f4").reshape(
+            vectors = np.frombuffer(b"".join([r[4] for r in chunk]), "<f4").reshape(
                 len(chunk), self.dimensions
             )
             finite = np.isfinite(vectors).all(axis=1)  # a checksum of a bad vector is no proof
             if not finite.all():
-                bad.extend(c[0] for c, ok in zip(chunk, finite, strict=True) if not ok)
-                chunk = [c for c, ok in zip(chunk, finite, strict=True) if ok]
+                bad.extend(r[0] for r, ok in zip(chunk, finite, strict=True) if not ok)
+                chunk = [r for r, ok in zip(chunk, finite, strict=True) if ok]
                 vectors = vectors[finite]
             self._rows[namespace] = self._rows.get(namespace, 0) + len(chunk)
             load(
                 namespace,
                 CacheEntries(
                     vectors.astype(np.float32, copy=False),  # copied into the ring
-                    np.array([c[2] for c in chunk], dtype=np.float64),
-                    [c[1] for c in chunk],
+                    np.array([r[3] for r in chunk], dtype=np.float64),
+                    [r[2] for r in chunk],
                 ),
             )
 
-        crc32, pack = zlib.crc32, _TIME.pack  # entry_checksum, inlined: once a row
+        def take(namespace: str, rows: list[Any]) -> None:
+            held = pending.setdefault(namespace, [])
+            held.extend(rows)
+            if len(held) >= CHUNK:
+                flush(namespace)
+
         for batch in batches:
-            for row_id, namespace, trace_id, added_at, vector, checksum in batch:
-                try:
-                    good = len(vector) == size and checksum == crc32(
-                        f"{namespace}\x00{trace_id}".encode(),
-                        crc32(pack(added_at), crc32(vector)),
-                    )
-                except (TypeError, struct.error):  # a value of another type
-                    good = False
-                if not good:
-                    bad.append(row_id)
-                    continue
-                ns = namespace
-                rows = pending.setdefault(ns, [])
-                rows.append((row_id, trace_id, added_at, vector))
-                if len(rows) >= CHUNK:
-                    flush(ns)
+            if not batch:
+                continue
+            good = self._checked(batch, size)
+            first = batch[0][1]
+            if all(good) and all(r[1] == first for r in batch):
+                take(str(first), batch)  # the common case: one namespace, nothing damaged
+                continue
+            for row, ok in zip(batch, good, strict=True):
+                if ok:
+                    take(str(row[1]), [row])
+                else:
+                    bad.append(row[0])
         for namespace in list(pending):
             flush(namespace)
         if bad:
@@ -341,6 +342,20 @@ class SqliteStore:
             self._start_warnings.append(warning)
             log.error(warning, extra={"path": str(self.path), "dropped": len(bad)})
         return bad
+
+    @staticmethod
+    def _checked(batch: list[Any], size: int) -> list[bool]:
+        """Whether each row (id, namespace, trace_id, added_at_ms, vector, checksum) holds
+        what its checksum says (entry_checksum, inlined: it runs once a row)."""
+        crc32, pack = zlib.crc32, _TIME.pack
+        try:
+            return [
+                len(r[4]) == size
+                and r[5] == crc32(f"{r[1]}\x00{r[2]}".encode(), crc32(pack(r[3]), crc32(r[4])))
+                for r in batch
+            ]
+        except (TypeError, struct.error):  # a value of another type somewhere: row by row
+            return [_row_ok(r, size) for r in batch]
 
     def _recover(self, target: LoadTarget, why: str) -> None:
         """Copies the damaged file aside byte for byte, keeps what can be read of it row by
@@ -538,6 +553,19 @@ class SqliteStore:
                 "scored but not stored, novelty.stored is false)"
             )
         return Health(warnings=tuple(warnings))
+
+
+def _row_ok(row: Any, size: int) -> bool:
+    try:
+        _, namespace, trace_id, added_at, vector, checksum = row
+        return bool(
+            isinstance(namespace, str)
+            and isinstance(trace_id, str)
+            and len(vector) == size
+            and checksum == entry_checksum(namespace, trace_id, added_at, vector)
+        )
+    except (TypeError, ValueError, struct.error):
+        return False
 
 
 def _wire(vector: np.ndarray) -> bytes:
