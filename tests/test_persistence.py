@@ -334,7 +334,7 @@ def test_the_former_setting_names_still_work_for_one_release() -> None:
 
 def test_a_path_without_a_model_is_refused_at_start_with_the_reason() -> None:
     with pytest.raises(SystemExit, match="KP_CACHE_DB_PATH is set with KP_EMBEDDER=none"):
-        _from_env({"KP_EMBEDDER": "none", "KP_CACHE_DB_PATH": "/tmp/m.db"})
+        _from_env({"KP_EMBEDDER": "none", "KP_CACHE_DB_PATH": "/data/m.db"})
 
 
 def _from_env(env: dict[str, str]) -> Settings:
