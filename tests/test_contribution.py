@@ -255,3 +255,26 @@ def test_a_large_trace_over_mcp_is_prepared_off_the_loop(client_no_embedder: Tes
     rest = client_no_embedder.post("/contribution", json=trace, params={"dry_run": "true"}).json()
     assert {**structured, "evaluation": None} == {**rest, "evaluation": None}
     assert len(rest["redactions"]) == 100
+
+
+def test_verify_reads_a_contribution_answer_and_its_cleaned_trace(
+    make_client: ClientFactory, tmp_path: Path
+) -> None:
+    """`kp-scoring verify TRACE ANSWER.json` with a /contribution answer: the signature under
+    `evaluation`, and the `contribution` beside it must be the one signed."""
+    client = make_client(embedder="none", signing_key_file=str(_signing_key(tmp_path)))
+    trace = leaky_trace()
+    body = client.post("/contribution", json=trace).json()
+    (tmp_path / "jwks.json").write_text(json.dumps(client.get("/.well-known/jwks.json").json()))
+    (tmp_path / "trace.json").write_text(json.dumps(trace))
+    (tmp_path / "answer.json").write_text(json.dumps(body))
+    args = ["verify", str(tmp_path / "trace.json"), str(tmp_path / "answer.json")]
+    args += ["--jwks", str(tmp_path / "jwks.json")]
+    ran = CliRunner().invoke(cli, args)
+    assert ran.exit_code == 0, ran.output
+    assert ran.output.startswith("valid: ")
+    body["contribution"]["steps"][0]["content"] = f"Use {SECRET} to call the API"
+    (tmp_path / "answer.json").write_text(json.dumps(body))
+    ran = CliRunner().invoke(cli, args)
+    assert ran.exit_code == 1
+    assert "contribution" in ran.output

@@ -120,6 +120,7 @@ class Runtime:
             return Health()
         return Health(warnings=("KP_ADMIN_TOKEN is not set: /cache is open to every caller",))
 
+
 class RuntimeCollector(Collector):
     """The parts' own figures, read at each scrape. The running totals live in the parts
     (the shared memory's evictions even in Redis, counted by every replica), so they are

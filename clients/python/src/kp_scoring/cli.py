@@ -620,7 +620,8 @@ def verify(
     signature: Annotated[
         str,
         typer.Argument(
-            help="The answer's signature (a compact JWS), or a JSON file holding the answer.",
+            help="The answer's signature (a compact JWS), or a JSON file holding the answer "
+            "(of /evaluate or /contribution).",
             metavar="SIGNATURE",
         ),
     ],
@@ -659,7 +660,8 @@ def verify(
 ) -> None:
     """Check a signed score against the trace and the service's public keys.
 
-    Given an answer's JSON file, every field it shows but elapsed_ms (trace_id, score,
+    Given an answer's JSON file (of POST /evaluate, or of POST /contribution: then its
+    contribution must be the one signed too), every field it shows but elapsed_ms (trace_id, score,
     dimensions, weights, profile, overrides, novelty and all it holds, and any field a newer
     service adds) must be the signed one, none missing or added: an edited answer does not
     verify. A signature past its expiry (exp) does not verify once the leeway (--leeway,
@@ -675,7 +677,7 @@ def verify(
                 f"{visible(trace_path)}: one trace, not an array: a signature is about one"
             )
         trace = traces[0]
-        token, answer = _signature_of(signature)
+        token, answer, contribution = _signature_of(signature)
         jwks = json.loads(read_source(str(jwks_path))) if jwks_path is not None else None
     except ValueError as exc:  # InputError, or a JWKS file that is not JSON
         raise fail(visible(exc), Code.INPUT_ERROR) from None
@@ -692,6 +694,7 @@ def verify(
             committed=committed,
             answer=answer,
             leeway_s=leeway,
+            contribution=contribution,
         )
     except SignatureInvalidError as exc:
         raise fail(f"invalid: {visible(exc)}", Code.BELOW_THRESHOLD) from None
@@ -711,23 +714,28 @@ def verify(
 _COMPACT_JWS = re.compile(r"[A-Za-z0-9_-]+\.[A-Za-z0-9_-]*\.[A-Za-z0-9_-]*")
 
 
-def _signature_of(value: str) -> tuple[str, dict[str, Any] | None]:
+def _signature_of(value: str) -> tuple[str, dict[str, Any] | None, Any]:
     """A compact JWS as given, or the `signature` of an answer in a JSON file and the answer
-    (whose fields are then checked against the signed answer)."""
+    (whose fields are then checked against the signed answer); for a POST /contribution
+    answer, its `evaluation`'s, and the `contribution` the signature must be about."""
     if _COMPACT_JWS.fullmatch(value):
-        return value, None
+        return value, None, None
     try:
         answer = json.loads(read_source(value))
     except json.JSONDecodeError as exc:
         raise InputError(
             f"{visible(value)}: neither a compact JWS nor an answer's JSON: {exc}"
         ) from None
+    contribution = None
+    if isinstance(answer, dict) and isinstance(answer.get("evaluation"), dict):
+        contribution = answer.get("contribution")
+        answer = answer["evaluation"]
     signature = answer.get("signature") if isinstance(answer, dict) else None
     if not isinstance(signature, str):
         raise InputError(
             f"{visible(value)}: the answer has no signature (the service signs nothing?)"
         )
-    return signature, answer
+    return signature, answer, contribution
 
 
 @cli.command()
