@@ -565,3 +565,84 @@ def test_entries_of_an_import_keep_their_order_and_times(
             assert list(chunk.ids()) == ["x", "y", "z"]
 
     run(scenario)
+
+
+# ── a replica holds no copy ──────────────────────────────────────────────────────────
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.mark.server
+@pytest.mark.slow
+def test_a_replica_s_memory_does_not_grow_with_the_shared_memory(
+    redis_server: RedisServer, redis_prefix: str, tmp_path: Path
+) -> None:
+    """A replica with the real model scores dry runs against 1,000 entries, then against
+    100,000 loaded straight into Redis (the memory's own import, 150 MB of vectors): its
+    resident memory stays where it was, and it was ready at once both times."""
+    from tests.factories import TOPICS, make_trace
+    from tests.server import LiveServer
+
+    capacity = 100_000
+    env = {
+        "KP_EMBEDDER": "onnx",
+        "KP_EMBEDDER_PRELOAD": "true",
+        "KP_EMBEDDER_WORKERS": "1",
+        "KP_LOG_LEVEL": "warning",
+        "KP_REDIS_URL": redis_server.url,
+        "KP_REDIS_PREFIX": redis_prefix,
+        "KP_REDIS_TIMEOUT_MS": "10000",
+        "KP_CACHE_CAPACITY": str(capacity),
+        "KP_REDIS_HNSW_FROM": "0",  # FLAT: the test is about the replica, not the index
+    }
+    rng = np.random.default_rng(18)
+
+    async def load(count: int) -> None:
+        # No model named: the namespace takes the replica's at its first step.
+        async with replicas(
+            redis_server.url, redis_prefix, count=1, capacity=capacity, model=None
+        ) as (m,):
+            for first in range(0, count, 10_000):
+                rows = rng.standard_normal((10_000, 384)).astype(np.float32)
+                rows /= np.linalg.norm(rows, axis=1, keepdims=True)
+                ids = [f"kp:trace:load-{first + i}" for i in range(10_000)]
+                times = np.full(10_000, 1e12)
+                await m.import_entries(NS, CacheEntries(rows[: count - first], times, ids))
+
+    def dry_runs(replica: LiveServer) -> None:
+        for i in range(10):
+            r = replica.client.post(
+                "/evaluate",
+                json=make_trace(objective=f"{TOPICS[i % len(TOPICS)]}, case {i}"),
+                params={"dry_run": "true"},
+            )
+            assert r.status_code == 200, r.text
+            assert r.json()["novelty"]["measured"] is True
+
+    run(lambda: load(1_000))
+    replica = LiveServer(env, tmp_path / "replica.log")
+    try:
+        ready = replica.client.get("/readyz").json()
+        assert ready["status"] == "ready", ready
+        dry_runs(replica)
+        small = _rss_mb(replica.process.pid)
+        run(lambda: load(capacity - 1_000))
+        assert replica.client.get("/readyz").json()["cache_size"] >= 1_000
+        dry_runs(replica)
+        large = _rss_mb(replica.process.pid)
+        stats = replica.client.get("/cache", headers={"Authorization": "Bearer none"})
+        assert stats.status_code in (200, 401)
+    finally:
+        replica.stop()
+    # A copy would be 150 MB or more; allocator noise is a few MB.
+    assert large - small < 30, (small, large)
+    late = LiveServer(env, tmp_path / "late.log")
+    try:  # a new replica is ready at once: there is nothing to load
+        assert late.client.get("/readyz").json()["status"] == "ready"
+    finally:
+        late.stop()

@@ -92,6 +92,7 @@ elseif op ~= 'clear' then
   end
 end
 local first, next_seq, mode = tonumber(state[4]), tonumber(state[5]), state[6]
+local first_at_start, mode_at_start = first, mode
 local last_t = tonumber(state[7]) or 0
 local mem_capacity = tonumber(state[1])
 
@@ -113,7 +114,6 @@ end
 if mode == 'building' and tonumber(info_of(hnsw_idx, 'indexing')) == 0 then
   mode = 'hnsw'
   redis.call('FT.DROPINDEX', flat_idx)
-  redis.call('HSET', meta, 'mode', mode)
 end
 
 local added, evicted = 0, 0
@@ -133,8 +133,12 @@ local function evictions_total()
   return tonumber(redis.call('HGET', meta, 'evictions'))
 end
 
+-- Writes the namespace's state back when a step changed it (a dry run that expired nothing
+-- writes nothing: no AOF write, no fsync).
 local function save()
-  redis.call('HSET', meta, 'first', first, 'next', next_seq, 'last_t', last_t)
+  if added > 0 or first ~= first_at_start then
+    redis.call('HSET', meta, 'first', first, 'next', next_seq, 'last_t', last_t)
+  end
   if added > 0 then
     redis.call('HINCRBY', meta, 'adds', added)
   end
@@ -144,6 +148,8 @@ local function save()
   if mode == 'flat' and hnsw_from > 0 and next_seq - first >= hnsw_from then
     create_index(hnsw_idx, 'HNSW')
     mode = 'building'
+  end
+  if mode ~= mode_at_start then
     redis.call('HSET', meta, 'mode', mode)
   end
 end
@@ -257,12 +263,12 @@ if op == 'read' then
       out[#out + 1] = entry[3]
     end
   end
-  redis.call('HSET', meta, 'first', first)
+  save()
   return out
 end
 
 if op == 'stats' then
-  redis.call('HSET', meta, 'first', first)
+  save()
   local counters = redis.call('HMGET', meta, 'adds', 'evictions')
   local oldest, newest, entry_bytes, index_mb = false, false, 0, '0'
   if next_seq > first then
