@@ -141,6 +141,10 @@ class RedisVectorMemory:
         ]
         self._script_text = (resources.files("app.store") / "memory.lua").read_text("utf-8")
         self._client: Redis | RedisCluster | None = None
+        # Clients dropped at an outage: their pooled connections may be dead (a restarted
+        # Redis closed them), so the probe connects anew and closes these.
+        self._stale: list[Redis | RedisCluster] = []
+        self._connecting = asyncio.Lock()
         self._script: Any = None
         self._register: Any = None
         self._registry = f"{prefix}namespaces"
@@ -253,8 +257,10 @@ class RedisVectorMemory:
             self._probe.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._probe
-        if self._client is not None:
-            await self._client.aclose()
+        for client in (*self._stale, self._client):
+            if client is not None:
+                with contextlib.suppress(RedisError, OSError):
+                    await client.aclose()
 
     # ── the interface ───────────────────────────────────────────────────────
 
@@ -382,6 +388,13 @@ class RedisVectorMemory:
         return f"{self.prefix}{{{namespace}}}:meta"
 
     async def _ready_client(self) -> Redis | RedisCluster:
+        async with self._connecting:  # one connect at a time: no client made twice
+            if self._client is None:
+                await self._connect_or_fail()
+        assert self._client is not None
+        return self._client
+
+    async def _connect_or_fail(self) -> None:
         if self._client is None:
             try:
                 await self._connect()
@@ -390,8 +403,6 @@ class RedisVectorMemory:
                 raise MemoryUnavailableError(self._unavailable_detail()) from None
             except (RedisError, OSError, TimeoutError) as exc:
                 raise self._failed(exc) from None
-        assert self._client is not None
-        return self._client
 
     async def _run(
         self,
@@ -472,6 +483,9 @@ class RedisVectorMemory:
         if not self._available:
             return
         self._available = False
+        if self._client is not None:
+            self._stale.append(self._client)
+            self._client = None
         self._outages_total += 1
         self._outage_started = time.monotonic()
         self._unmeasured_in_outage = 0
@@ -506,6 +520,9 @@ class RedisVectorMemory:
         the namespace whose settings differed this replica's."""
         while not self._available and not self._closed:
             await asyncio.sleep(RETRY_INTERVAL_S)
+            while self._stale:
+                with contextlib.suppress(RedisError, OSError):
+                    await self._stale.pop().aclose()
             try:
                 client = await self._ready_client()
                 mismatched = self._mismatched
