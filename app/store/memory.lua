@@ -155,8 +155,8 @@ local function save()
 end
 
 -- The stored entries nearest `vector` among those with seq >= lo: {method, count, seq,
--- trace, t, v, ...}. The exact path (FLAT) widens until every entry within MARGIN of the
--- best is in (ties included: the newest must be there); HNSW returns its own candidates.
+-- trace, t, v, ...}. The search widens until every entry it finds within MARGIN of the best
+-- is in (ties included: the newest copy of a repeated trace must be there).
 local function search(vector, lo)
   local exact = mode ~= 'hnsw'
   local index, knn = flat_idx, ' AS d]'
@@ -175,7 +175,7 @@ local function search(vector, lo)
       'RETURN', '5', 'd', 'seq', 'trace', 't', 'v', 'DIALECT', '2')
     local n = (#found - 1) / 2
     local wider = false
-    if exact and n == k and k < live then
+    if n == k and k < live then
       local best, worst = nil, nil
       local fields = found[3]
       for j = 1, #fields, 2 do
