@@ -646,3 +646,20 @@ def test_a_replica_s_memory_does_not_grow_with_the_shared_memory(
         assert late.client.get("/readyz").json()["status"] == "ready"
     finally:
         late.stop()
+
+
+def test_a_retired_index_setting_is_named_with_what_took_its_place(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from app.core.config import Settings, retired_settings
+
+    monkeypatch.setenv("KP_CACHE_INDEX_THRESHOLD", "20000")
+    monkeypatch.setenv("KP_CACHE_SEARCH", "exact")
+    Settings.from_env()  # the start goes on
+    lines = retired_settings()
+    assert len(lines) == 2
+    assert any(
+        line.startswith("KP_CACHE_INDEX_THRESHOLD is no longer read")
+        and "KP_REDIS_HNSW_FROM" in line
+        for line in lines
+    )
