@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -20,7 +23,7 @@ from app.domain.vector_cache import CacheEntries, exact_cosine
 from app.services.cache_transfer import LineReader, export_lines
 from app.store.base import Comparison, MemoryUnavailableError, NamespaceLimitError, Vector
 from app.store.redis_vectors import RedisVectorMemory
-from tests.server import RedisCluster, RedisServer
+from tests.server import RedisCluster, RedisServer, free_port
 
 pytestmark = pytest.mark.redis
 
@@ -348,8 +351,21 @@ def test_a_redis_without_the_query_engine_is_refused_at_start(tmp_path: Path) ->
 
     try:
         run(scenario)
+        # The service itself: one line on stderr, before it serves, and exit status 1.
+        env = dict(os.environ, KP_EMBEDDER="none", KP_REDIS_URL=plain.url)
+        started = subprocess.run(
+            [sys.executable, "-m", "app.serve", "--port", str(free_port())],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     finally:
         plain.stop()
+    assert started.returncode == 1
+    assert started.stderr.strip().count("\n") == 0, started.stderr
+    assert "KP_REDIS_URL" in started.stderr
+    assert "Query Engine" in started.stderr
 
 
 class _Records(logging.Handler):

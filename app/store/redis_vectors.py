@@ -86,6 +86,35 @@ class QueryEngineMissingError(Exception):
     """The Redis at KP_REDIS_URL has no vector search."""
 
 
+def refuse_without_query_engine(url: str, location: str, timeout_s: float = 5.0) -> None:
+    """Before the server starts: a Redis that answers without vector search stops the start
+    with one line (ConfigError); one that does not answer is left to the memory's outage
+    handling (the service starts and says so)."""
+    import redis
+
+    try:
+        with redis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+        ) as client:
+            execute: Callable[..., Any] = client.execute_command  # untyped in redis-py
+            try:
+                execute("FT._LIST")
+            except ResponseError as exc:
+                if "unknown command" not in str(exc).lower():
+                    return
+                version = client.info("server").get("redis_version", "unknown")
+                raise config_error("REDIS_URL", _missing(location, version)) from None
+    except (RedisError, OSError):
+        return
+
+
+def _missing(location: str, version: str) -> str:
+    return (
+        f"the Redis at {location} (version {version}) has no vector search: the shared memory "
+        "needs Redis 8 with its Query Engine, or Redis Stack 7.4"
+    )
+
+
 def _number(value: float | None) -> str:
     if value is None:
         return "0"
@@ -246,10 +275,7 @@ class RedisVectorMemory:
             if "unknown command" not in str(exc).lower():
                 raise
             version = (await client.info("server")).get("redis_version", "unknown")
-            raise QueryEngineMissingError(
-                f"the Redis at {self.location} (version {version}) has no vector search: the "
-                "shared memory needs Redis 8 with its Query Engine, or Redis Stack 7.4"
-            ) from None
+            raise QueryEngineMissingError(_missing(self.location, version)) from None
 
     async def close(self) -> None:
         self._closed = True
