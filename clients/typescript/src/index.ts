@@ -16,7 +16,7 @@ export type Evaluation = Schemas["EvaluationOut"];
 /** Which weight profile applied, and whether the trace's `task_domain` named one (when not,
  * the default profile applied). */
 export type Profile = Schemas["ProfileOut"];
-/** How `novelty.max_cosine` was found: "exact", or "index" (within `novelty.search_bound`). */
+/** How `novelty.max_cosine` was found: "exact", or "index" (Redis's HNSW index of a large shared memory). */
 export type SearchMethod = NonNullable<Schemas["NoveltyOut"]["search"]>;
 export type CacheStats = Schemas["CacheOut"];
 export type Readiness = Schemas["ReadyOut"];
