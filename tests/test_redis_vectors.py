@@ -621,7 +621,7 @@ def test_a_replica_s_memory_does_not_grow_with_the_shared_memory(
     async def load(count: int) -> None:
         # No model named: the namespace takes the replica's at its first step.
         async with replicas(
-            redis_server.url, redis_prefix, count=1, capacity=capacity, model=None
+            redis_server.url, redis_prefix, count=1, capacity=capacity, model=None, hnsw_from=0
         ) as (m,):
             for first in range(0, count, 10_000):
                 rows = rng.standard_normal((10_000, 384)).astype(np.float32)
