@@ -390,6 +390,7 @@ def test_redis_down_at_start_then_back(tmp_path: Path) -> None:
             for _ in range(5):
                 with pytest.raises(MemoryUnavailableError, match=r"127\.0\.0\.1"):
                     await memory.compare(NS, v, ["t"], add=True)
+            assert (await memory.stats(NS)).size == 0  # GET /cache: the last view, no 503
             redis.start()
             for _ in range(600):  # the probe reconnects by itself
                 if memory.backend.available:

@@ -180,6 +180,7 @@ class RedisVectorMemory:
         self._known: set[str] = set()  # namespaces this replica registered
         self._sizes: dict[str, int] = {}  # entries per namespace as last seen
         self._evictions: dict[str, int] = {}
+        self._last_stats: dict[str, CacheStats] = {}  # GET /cache's answer while unavailable
         self._available = True
         self._reason = ""
         self._outages_total = 0
@@ -330,13 +331,24 @@ class RedisVectorMemory:
         return [n for n, (a, b) in zip(names, sizes, strict=True) if a and int(b) > int(a)]
 
     async def stats(self, namespace: str) -> CacheStats:
-        reply = await self._run(namespace, "stats", [], create=False, bulk=False)
+        """The namespace's figures in Redis; while Redis cannot be reached, the last ones this
+        replica saw (backend.available says so)."""
+        try:
+            reply = await self._run(namespace, "stats", [], create=False, bulk=False)
+        except MemoryUnavailableError:
+            last = self._last_stats.get(namespace)
+            if last is not None:
+                return last
+            size = self._sizes.get(namespace, 0)
+            return CacheStats(
+                size, self.capacity, self._dimensions, self.ttl_ms, 0, None, None, 0, 0
+            )
         if reply is None:
             return CacheStats(0, self.capacity, self._dimensions, self.ttl_ms, 0, None, None, 0, 0)
         now, size, capacity, ttl, adds, evictions, oldest, newest, entry_bytes, index_mb = reply
         now, size = float(now), int(size)
         ttl_ms = float(ttl) or None
-        return CacheStats(
+        stats = CacheStats(
             size=size,
             capacity=int(capacity),
             dimensions=self._dimensions,
@@ -347,6 +359,8 @@ class RedisVectorMemory:
             adds_total=int(adds or 0),
             evictions_total=int(evictions or 0),
         )
+        self._last_stats[namespace] = stats
+        return stats
 
     async def clear(self, namespace: str) -> int:
         # Tried even while unavailable: a clear is also how operators give a namespace new
