@@ -680,3 +680,37 @@ def test_a_retired_index_setting_is_named_with_what_took_its_place(
         and "KP_REDIS_HNSW_FROM" in line
         for line in lines
     )
+
+
+def test_a_large_clear_deletes_in_batches_while_others_go_on(
+    redis_server: RedisServer, redis_prefix: str
+) -> None:
+    """25,000 entries: the clear empties the namespace for every request at once, and its keys
+    go a batch a run, with another replica's adds in between; none of the old ones remain."""
+    rng = np.random.default_rng(19)
+    rows = rng.standard_normal((25_000, 384)).astype(np.float32)
+    v = unit_vectors(8, seed=20)
+
+    async def scenario() -> None:
+        async with replicas(redis_server.url, redis_prefix, capacity=30_000, hnsw_from=0) as (a, b):
+            ids = [f"kp:trace:old-{i}" for i in range(len(rows))]
+            await a.import_entries(NS, CacheEntries(rows, np.full(len(rows), 1e12), ids))
+
+            async def adds() -> list[list[Comparison]]:
+                out = []
+                for i, vector in enumerate(v):
+                    out.append(await b.compare(NS, [vector], [f"new-{i}"], add=True))
+                return out
+
+            cleared, answers = await asyncio.gather(a.clear(NS), adds())
+            assert cleared == 25_000
+            log = await entries_of(a)
+            assert all(t.startswith("new-") for t, _ in log)  # nothing old is seen
+            assert len(log) <= len(v)
+            for answer in answers:
+                assert answer[0].stored
+        with redis_server.client() as client:
+            keys = list(client.scan_iter(match=f"{redis_prefix}{{{NS}}}:e:*", count=10_000))
+        assert len(keys) == len(log)  # the old keys are all deleted
+
+    run(scenario)

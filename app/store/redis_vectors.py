@@ -369,6 +369,10 @@ class RedisVectorMemory:
         if reply is None:
             return 0
         self._sizes[namespace] = 0
+        left = int(reply[2])
+        while left > 0:  # the cleared keys, a batch a run: other requests go on between
+            swept = await self._run(namespace, "sweep", [], create=False, bulk=True)
+            left = 0 if swept is None else int(swept[1])
         client = await self._ready_client()
         with contextlib.suppress(RedisError, OSError, TimeoutError):
             async with asyncio.timeout(self._timeout_s):
