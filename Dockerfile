@@ -7,7 +7,7 @@
 # Both stages use the same BASE, so the venv's python links stay valid.
 #
 #   docker build -t kp-scoring .
-#   docker run -p 8000:8000 -v kp-cache:/data -e KP_CACHE_SNAPSHOT_PATH=/data/cache.snapshot kp-scoring
+#   docker run -p 8000:8000 -v kp-cache:/data -e KP_CACHE_DB_PATH=/data/memory.db kp-scoring
 ARG BASE=python:3.11-slim
 
 # ── build: a self-contained venv with the service, its dependencies and the model ──
@@ -42,7 +42,7 @@ RUN /opt/venv/bin/pip install --no-cache-dir ./clients/python . \
 FROM ${BASE} AS runtime
 
 # A fixed, unprivileged uid/gid (10001), so volume ownership is predictable on every host.
-# /data holds the cache snapshot (KP_CACHE_SNAPSHOT_PATH=/data/cache.snapshot).
+# /data holds the memory's database (KP_CACHE_DB_PATH=/data/memory.db).
 RUN groupadd --system --gid 10001 kp \
  && useradd --system --no-log-init --uid 10001 --gid kp --home-dir /app --no-create-home \
         --shell /usr/sbin/nologin kp \

@@ -77,7 +77,7 @@ image-test:
 	bash scripts/image_test.sh
 
 ## bench: every phase of the benchmark (floor, load, window, shared, reference, memory);
-## one phase: make bench PHASE=load (floor|load|cold|window|reference|memory|shared|precision|journal)
+## one phase: make bench PHASE=load (floor|load|cold|window|reference|memory|shared|precision|persistence)
 PHASE ?= all
 bench: $(BIN)/.installed-test
 	$(BIN)/python -m bench $(PHASE) $(BENCH_ARGS)

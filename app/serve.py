@@ -123,7 +123,7 @@ def exit_after_stop() -> None:
     interpreter's finalization: granian's threads may still call into Python then, and a
     Rust panic there aborts the process (exit status 134 on a SIGTERM, seen once in the image
     test's shared mode). The lifespan has closed what the service owns (the memory, its
-    snapshot and journal, the Redis clients), and the logs are flushed here."""
+    database, the Redis clients), and the logs are flushed here."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -13,8 +13,8 @@ Phases (default: all; `python -m bench PHASE --help` for each one's options):
 - memory: the shared memory in Redis's Query Engine at size (bench/memory.py);
 - shared: the shared mode over Redis (bench/shared.py);
 - precision: int8 mode against float32, in process (bench/precision.py);
-- journal: what the in-process journal costs a request and an import, side by side with it
-  off (bench/journal.py);
+- persistence: what keeping the in-process memory in SQLite costs a trace, an import and a
+  start, side by side with the former snapshot and journal (bench/persistence.py);
 - all: every figure of bench/results/latest.json (floor, load, window, shared, first
   requests), then the reference and memory phases. See bench/README.md.
 """
@@ -37,10 +37,10 @@ from bench import (
     cold_start,
     corpus,
     floor,
-    journal,
     load,
     megabyte,
     memory,
+    persistence,
     precision,
     reference,
     shared,
@@ -325,7 +325,7 @@ DELEGATED = {
     "memory": memory.main,
     "shared": shared.main,
     "precision": precision.main,
-    "journal": journal.main,
+    "persistence": persistence.main,
 }
 PHASES = ("all", "floor", "load", "window", *DELEGATED)
 

@@ -303,8 +303,8 @@ if "command" in svc or "entrypoint" in svc:
 if cmd[:3] != ["python3", "-m", "app.serve"]:
     problems.append(f"the Cmd is not python3 -m app.serve (the one launch path): {cmd!r}")
 cenv = svc.get("environment") or {}
-if cenv.get("KP_CACHE_SNAPSHOT_PATH") != "/data/cache.snapshot":
-    problems.append("docker-compose.yml does not set KP_CACHE_SNAPSHOT_PATH=/data/cache.snapshot")
+if cenv.get("KP_CACHE_DB_PATH") != "/data/memory.db":
+    problems.append("docker-compose.yml does not set KP_CACHE_DB_PATH=/data/memory.db")
 if not any(str(v).split(":")[-1] == "/data" for v in svc.get("volumes") or []):
     problems.append("docker-compose.yml mounts no volume on /data")
 
@@ -323,7 +323,7 @@ if not any(str(v).endswith(":/data") for v in redis.get("volumes") or []):
 if replica.get("ports"):
     problems.append("docker-compose.scale.yml: kp-scoring publishes host ports (--scale needs none)")
 renv = replica.get("environment") or {}
-if not str(renv.get("KP_REDIS_URL", "")).startswith("redis://") or "KP_CACHE_SNAPSHOT_PATH" in renv:
+if not str(renv.get("KP_REDIS_URL", "")).startswith("redis://") or "KP_CACHE_DB_PATH" in renv:
     problems.append("docker-compose.scale.yml: kp-scoring needs KP_REDIS_URL and no snapshot path")
 if replica.get("healthcheck", {}).get("test") != health:
     problems.append("docker-compose.scale.yml: kp-scoring's healthcheck differs from the image's")
@@ -417,7 +417,7 @@ HOME_DIR=$(awk -F: -v u="${IMG_USER%%:*}" '$1 == u || $3 == u { print $6; exit }
 declare -a TEST_ENV=(
     "HOME=${HOME_DIR:-/}" "HOSTNAME=kp-image-test"
     "KP_ADMIN_TOKEN=$ADMIN_TOKEN"                 # as docker-compose.yml passes it
-    "KP_CACHE_SNAPSHOT_PATH=/data/cache.snapshot" # as docker-compose.yml sets it
+    "KP_CACHE_DB_PATH=/data/memory.db" # as docker-compose.yml sets it
     "KP_LOG_LEVEL=info"
 )
 # The command line that runs "$@" in the chroot as the image's user, with the image's Env, in
@@ -538,9 +538,9 @@ if in_image "${HEALTH_CMD[@]}" 2>/dev/null; then
 fi
 say "HEALTHCHECK exits non-zero once the service is down"
 
-# The cache snapshot on the /data volume, when this build of the app writes one.
-if [[ -s $DATA_DIR/cache.snapshot ]]; then
-    say "/data/cache.snapshot written ($(stat -c %s "$DATA_DIR/cache.snapshot") bytes, owner $(stat -c %u:%g "$DATA_DIR/cache.snapshot")): restart with it"
+# The memory's database on the /data volume, when this build of the app writes one.
+if [[ -s $DATA_DIR/memory.db ]]; then
+    say "/data/memory.db written ($(stat -c %s "$DATA_DIR/memory.db") bytes, owner $(stat -c %u:%g "$DATA_DIR/memory.db")): restart with it"
     start_server restart
     python3 - "$PORT" "$ADMIN_TOKEN" <<'PY' || fail "the cache did not survive the restart"
 import json, sys, urllib.request
@@ -554,11 +554,11 @@ PY
     stop_server TERM
     ((SERVER_RC == 0 || SERVER_RC == 143)) || fail "the restarted service exited $SERVER_RC on SIGTERM"
 else
-    say "NOTE: no /data/cache.snapshot after the stop: this build of the app does not save the cache"
+    say "NOTE: no /data/memory.db after the stop: this build of the app does not save the cache"
 fi
 
 # The opt-in int8 mode needs the onnx package at start: it must be in the image.
-start_server int8 KP_EMBEDDER_PRECISION=int8 KP_CACHE_SNAPSHOT_PATH=/data/int8.snapshot
+start_server int8 KP_EMBEDDER_PRECISION=int8 KP_CACHE_DB_PATH=/data/int8.db
 python3 - "$PORT" "$ROOT/tests" <<'PY' || fail "int8 mode does not work in the image"
 import json, sys, urllib.request
 sys.path.insert(0, sys.argv[2])
@@ -611,8 +611,8 @@ done
 REDIS_VERSION=$(redis_ping) || fail "redis-server did not start (log: $REDIS_DIR/redis.log)"
 say "Redis $REDIS_VERSION with the Query Engine on 127.0.0.1:$REDIS_PORT (AOF on, a password)"
 REDIS_URL="redis://:$REDIS_PASSWORD@127.0.0.1:$REDIS_PORT/0"
-# Snapshots are refused with Redis: the image test's KP_CACHE_SNAPSHOT_PATH is taken away.
-SHARED_ENV=(-u KP_CACHE_SNAPSHOT_PATH "KP_REDIS_URL=$REDIS_URL" "KP_REDIS_PREFIX=image-test:")
+# Snapshots are refused with Redis: the image test's KP_CACHE_DB_PATH is taken away.
+SHARED_ENV=(-u KP_CACHE_DB_PATH "KP_REDIS_URL=$REDIS_URL" "KP_REDIS_PREFIX=image-test:")
 declare -a RUN_CMD2=()
 for arg in "${RUN_CMD[@]}"; do  # the same command on the second port
     case $arg in

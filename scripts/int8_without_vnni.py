@@ -28,12 +28,12 @@ import numpy as np
 import numpy.typing as npt
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from app.domain.vector_cache import VectorCache
 from app.embedding import model_files
 from app.embedding.onnx_embedder import OnnxEmbedder, TokenizedText
 from app.schemas.trace import ReasoningTrace
 from app.services.embeddings import EmbeddingService
 from app.services.evaluator import Evaluator
+from app.store.in_process import InProcessMemory
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests/fixtures/reference/embedder_sequence.json"
@@ -78,7 +78,7 @@ def scores(embedder: Any, traces: list[ReasoningTrace]) -> list[float]:
     async def run() -> list[float]:
         service = EmbeddingService(lambda: embedder, model_name="stored", workers=1)
         await service.load()
-        evaluator = Evaluator(VectorCache(1000), service)
+        evaluator = Evaluator(InProcessMemory(1000), service)
         out = []
         for trace in traces:
             (evaluation,) = await evaluator.evaluate([trace])

@@ -2,7 +2,7 @@
 
     python scripts/soak.py --seconds 180 --clients 8
 
-Starts `python -m app.serve` on a free 127.0.0.1 port (real model, snapshots on), keeps
+Starts `python -m app.serve` on a free 127.0.0.1 port (real model, the memory kept in SQLite), keeps
 `--clients` clients posting distinct traces (with a share of repeats, dry runs, batches,
 cache reads and bad payloads) until the time or `--max-requests` is reached, and reports
 errors, latency percentiles and the server's RSS over time. Exits 1 if any request got a 5xx
@@ -73,7 +73,7 @@ async def soak(args: argparse.Namespace) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="kp-soak-"))
     env = {
         "KP_EMBEDDER_PRELOAD": "true",
-        "KP_CACHE_SNAPSHOT_PATH": str(tmp / "cache.snapshot"),
+        "KP_CACHE_DB_PATH": str(tmp / "memory.db"),
         "KP_CACHE_SNAPSHOT_INTERVAL_S": "5",
         "KP_LOG_LEVEL": "warning",
     }

@@ -284,7 +284,9 @@ def test_running_totals_are_counters_named_total(client: TestClient) -> None:
         "kp_embed_runs",
         "kp_cache_evictions",
         "kp_cache_outages",
-        "kp_snapshot_save_errors",
+        "kp_cache_db_commits",
+        "kp_cache_db_write_errors",
+        "kp_cache_db_checksum_failures",
     )
     for name in totals:
         assert re.search(rf"^# TYPE {name}(_total)? counter$", text, re.M), name

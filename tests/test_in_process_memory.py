@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -13,7 +14,8 @@ import pytest
 
 from app.domain.vector_cache import CacheEntries, VectorCache
 from app.store.base import DEFAULT_NAMESPACE, Comparison, NamespaceLimitError
-from app.store.in_process import InProcessMemory
+from app.store.in_process import InProcessMemory, compare_in_order
+from app.store.sqlite_memory import SqliteStore
 
 DIMS = 384
 
@@ -168,3 +170,40 @@ def test_a_namespace_past_the_limit_is_refused_and_nothing_is_stored() -> None:
         assert await memory.namespaces() == ["a", "c"]
 
     asyncio.run(scenario())
+
+
+def test_concurrent_adds_kept_in_a_database_equal_one_at_a_time_in_its_order(
+    tmp_path: Path,
+) -> None:
+    """Adds queued together share a commit; each answer still equals adding the traces one
+    at a time in the order they were committed, and that order is the database's."""
+    v = unit_vectors(40, 8)
+    memory = InProcessMemory(25, store=SqliteStore(tmp_path / "m.db", "m", DIMS, "process"))
+
+    async def scenario() -> list[list[Comparison]]:
+        await memory.start()
+        asked = [
+            memory.compare(DEFAULT_NAMESPACE, list(v[i : i + 2]), [f"t{i}", f"t{i}b"], add=True)
+            for i in range(0, 40, 2)
+        ]
+        answers = await asyncio.gather(*asked)
+        await memory.close()
+        return answers
+
+    answers = asyncio.run(scenario())
+    assert all(c.stored for answer in answers for c in answer)
+    again = InProcessMemory(25, store=SqliteStore(tmp_path / "m.db", "m", DIMS, "process"))
+    asyncio.run(again.start())
+    kept = [i for c in [again.cache(DEFAULT_NAMESPACE).entries()] for i in c.ids()]
+    asyncio.run(again.close())
+    assert len(kept) == 25
+    # Replayed one at a time in the order requests were asked (asyncio.gather starts them in
+    # order, and the memory keeps the order asked).
+    replay = VectorCache(25, DIMS)
+    order = [(v[i + k], f"t{i}{'b' if k else ''}") for i in range(0, 40, 2) for k in (0, 1)]
+    expected = compare_in_order(replay, [x for x, _ in order], [t for _, t in order], add=True)
+    got = [c for answer in answers for c in answer]
+    assert [(c.max_cosine, c.size, _nearest_id(c)) for c in got] == [
+        (c.max_cosine, c.size, _nearest_id(c)) for c in expected
+    ]
+    assert kept == [t for _, t in order][-25:]

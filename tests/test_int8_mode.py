@@ -129,15 +129,15 @@ def test_declined_int8_scores_are_the_references(make_client: ClientFactory) -> 
     assert max(changes) <= 1e-6, f"largest score change {max(changes):.2e}"
 
 
-def test_a_declined_int8_service_shares_snapshots_with_float32(
+def test_a_declined_int8_service_shares_its_database_with_float32(
     make_client: ClientFactory, tmp_path: Path
 ) -> None:
-    """Its vectors are float32 ones, and its snapshot says so."""
-    path = tmp_path / "cache.snapshot"
-    first = make_client(cache_snapshot_path=path, embedder_precision="int8", cpu=DECLINING["arm64"])
+    """Its vectors are float32 ones, and its database says so."""
+    path = tmp_path / "cache.db"
+    first = make_client(cache_db_path=path, embedder_precision="int8", cpu=DECLINING["arm64"])
     first.post("/evaluate", json=make_trace(objective="alpha topic"))
-    first.__exit__(None, None, None)  # shutdown saves
-    second = make_client(cache_snapshot_path=path)  # float32
+    first.__exit__(None, None, None)  # committed before the answer
+    second = make_client(cache_db_path=path)  # float32
     snapshot = second.get("/readyz").json()["snapshot"]
     assert (snapshot["state"], snapshot["loaded_vectors"]) == ("loaded", 1)
 
@@ -244,17 +244,17 @@ def test_another_model_is_refused_in_int8_mode_and_says_why(
     assert "calibrated for the packaged model" in embedder["reason"]
 
 
-def test_int8_and_float32_snapshots_are_kept_apart(
+def test_int8_and_float32_databases_are_kept_apart(
     make_client: ClientFactory, tmp_path: Path
 ) -> None:
-    path = tmp_path / "cache.snapshot"
-    first = make_client(cache_snapshot_path=path, embedder_precision="int8", cpu=NO_VNNI)
+    path = tmp_path / "cache.db"
+    first = make_client(cache_db_path=path, embedder_precision="int8", cpu=NO_VNNI)
     first.post("/evaluate", json=make_trace(objective="alpha topic"))
-    first.__exit__(None, None, None)  # shutdown saves
-    second = make_client(cache_snapshot_path=path)  # float32
+    first.__exit__(None, None, None)  # committed before the answer
+    second = make_client(cache_db_path=path)  # float32
     assert second.get("/readyz").json()["snapshot"]["state"] == "set_aside"
     assert second.get("/cache").json()["size"] == 0
-    assert len(list(tmp_path.glob("cache.snapshot.other_model-*"))) == 1
+    assert len(list(tmp_path.glob("cache.db.other_model-*"))) == 1
 
 
 def test_precision_is_reported_and_checked(make_client: ClientFactory) -> None:

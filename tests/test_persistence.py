@@ -1,281 +1,482 @@
-"""Cache snapshots: restart, crash, damage, other models, unwritable disks."""
+"""The in-process memory's database (KP_CACHE_DB_PATH): real SQLite files, real faults (a full
+tmpfs, bytes changed in the file, kill -9), the former files converted."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import errno
-import hashlib
-import json
-import re
+import logging
+import os
+import shutil
 import signal
-import struct
-import threading
-import time
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
+import orjson
 import pytest
 
+from app.core.config import Settings
 from app.domain.vector_cache import CacheEntries
-from app.services import snapshots
-from app.services.snapshots import SnapshotError, read_snapshot, write_snapshot
+from app.store.base import DEFAULT_NAMESPACE
+from app.store.in_process import InProcessMemory
+from app.store.sqlite_memory import SqliteStore
 from tests.conftest import ClientFactory
-from tests.factories import make_trace
+from tests.factories import make_trace, random_units
 from tests.server import LiveServer
 
 MODEL = "test-model"
+FORMER = Path(__file__).parent / "fixtures" / "former-persistence"
 
 
-def entries(n: int, dims: int = 384) -> CacheEntries:
-    rng = np.random.default_rng(n)
+def memory_at(
+    path: Path, *, capacity: int = 100, durability: Any = "process", **options: Any
+) -> InProcessMemory:
+    """A started memory kept at `path`."""
+    store = SqliteStore(path, MODEL, 384, durability)
+    memory = InProcessMemory(capacity, store=store, **options)
+    asyncio.run(memory.start())
+    return memory
+
+
+def add(
+    memory: InProcessMemory, namespace: str, vectors: npt.NDArray[np.float32], ids: list[str]
+) -> Any:
+    async def run() -> Any:
+        return await memory.compare(namespace, list(vectors), ids, add=True)
+
+    return asyncio.run(run())
+
+
+def exported(memory: InProcessMemory, namespace: str = DEFAULT_NAMESPACE) -> CacheEntries:
+    async def run() -> list[CacheEntries]:
+        return [chunk async for chunk in memory.export_chunks(namespace)]
+
+    chunks = asyncio.run(run())
+    if not chunks:
+        return CacheEntries(np.empty((0, 384), np.float32), np.empty(0), [])
     return CacheEntries(
-        rng.standard_normal((n, dims)).astype(np.float32),
-        np.arange(n, dtype=np.float64) + 1e12,
-        [f"kp:trace:{i}" for i in range(n)],
+        np.concatenate([c.vectors for c in chunks]),
+        np.concatenate([c.added_at_ms for c in chunks]),
+        [i for c in chunks for i in c.ids()],
     )
 
 
-def test_snapshot_round_trip(tmp_path: Path) -> None:
-    path = tmp_path / "cache.snapshot"
-    original = entries(5)
-    write_snapshot(path, original, MODEL)
-    loaded = read_snapshot(path, MODEL, 384)
-    np.testing.assert_array_equal(loaded.vectors, original.vectors)
-    np.testing.assert_array_equal(loaded.added_at_ms, original.added_at_ms)
-    assert list(loaded.trace_ids) == list(original.trace_ids)
-    assert list(tmp_path.iterdir()) == [path]  # no temporary file left behind
+def close(memory: InProcessMemory) -> None:
+    asyncio.run(memory.close())
 
 
-def test_a_format_1_snapshot_still_loads_without_trace_ids(tmp_path: Path) -> None:
-    """Written as the previous version did: no trace ids after the times."""
-    original = entries(4)
-    payload = original.vectors.astype("<f4").tobytes() + original.added_at_ms.tobytes()
-    header = json.dumps(
-        {
-            "version": 1,
-            "model": MODEL,
-            "dimensions": 384,
-            "count": 4,
-            "saved_at_ms": 0.0,
-            "payload_sha256": hashlib.sha256(payload).hexdigest(),
-        }
-    ).encode()
-    path = tmp_path / "old.snapshot"
-    path.write_bytes(b"KPCACHE1" + struct.pack("<I", len(header)) + header + payload)
-    loaded = read_snapshot(path, MODEL, 384)
-    np.testing.assert_array_equal(loaded.vectors, original.vectors)
-    assert list(loaded.ids()) == [""] * 4
+# ── the database ────────────────────────────────────────────────────────────
 
 
-@pytest.mark.parametrize(
-    "damage",
-    [
-        lambda b: b[: len(b) // 2],  # truncated
-        lambda b: b[:10],  # truncated header
-        lambda b: b[:-1] + bytes([b[-1] ^ 0xFF]),  # flipped payload byte
-        lambda b: b"GARBAGE!" + b[8:],  # bad magic
-        lambda b: b"",  # empty
-    ],
-    ids=["half", "header", "flipped", "magic", "empty"],
-)
-def test_damaged_snapshots_are_detected(tmp_path: Path, damage: object) -> None:
-    path = tmp_path / "cache.snapshot"
-    write_snapshot(path, entries(3), MODEL)
-    path.write_bytes(damage(path.read_bytes()))  # type: ignore[operator]
-    with pytest.raises(SnapshotError) as caught:
-        read_snapshot(path, MODEL, 384)
-    assert caught.value.kind == "corrupt"
+def test_every_namespace_survives_a_restart_with_its_order_and_capacity(tmp_path: Path) -> None:
+    path = tmp_path / "memory.db"
+    v = random_units(12, seed=1)
+    memory = memory_at(path, capacity=4)
+    answers = add(memory, DEFAULT_NAMESPACE, v[:6], [f"d{i}" for i in range(6)])
+    assert all(a.stored and a.not_stored is None for a in answers)
+    add(memory, "team-a", v[6:8], ["a0", "a1"])
+    imported = CacheEntries(
+        v[8:12], np.array([1.0, 2.0, 3.0, 4.0]) + 1.7e12, ["b0", "b1", "b2", "b3"]
+    )
+    assert asyncio.run(memory.import_entries("team-b", imported)) == (4, 0)
+    assert asyncio.run(memory.clear("team-a")) == 2
+    before = exported(memory)
+    close(memory)
+    assert path.read_bytes()[:16] == b"SQLite format 3\x00"
+
+    again = memory_at(path, capacity=4)
+    try:
+        assert asyncio.run(again.namespaces()) == [DEFAULT_NAMESPACE, "team-b"]
+        after = exported(again)
+        assert list(after.ids()) == ["d2", "d3", "d4", "d5"]  # the capacity's newest
+        assert np.array_equal(after.vectors, before.vectors)
+        assert np.array_equal(after.added_at_ms, before.added_at_ms)
+        assert list(exported(again, "team-b").ids()) == ["b0", "b1", "b2", "b3"]
+        assert again.store is not None
+        assert again.store.status.state == "loaded"
+        # The database holds no more than the memory: evicted rows were trimmed.
+        assert again.store.rows(DEFAULT_NAMESPACE) == 4
+        (seen,) = add(again, DEFAULT_NAMESPACE, v[5:6], ["d5-again"])
+        assert seen.nearest is not None
+        assert seen.nearest.trace_id == "d5"
+    finally:
+        close(again)
 
 
-def test_other_model_or_dimension_is_not_loaded(tmp_path: Path) -> None:
-    path = tmp_path / "cache.snapshot"
-    write_snapshot(path, entries(3), "another-model")
-    with pytest.raises(SnapshotError, match="another-model") as caught:
-        read_snapshot(path, MODEL, 384)
-    assert caught.value.kind == "other_model"
-    write_snapshot(path, entries(3, dims=8), MODEL)
-    with pytest.raises(SnapshotError, match="8 dimensions"):
-        read_snapshot(path, MODEL, 384)
+def test_a_smaller_capacity_or_an_expired_entry_is_not_loaded(tmp_path: Path) -> None:
+    path = tmp_path / "memory.db"
+    memory = memory_at(path, capacity=10)
+    add(memory, DEFAULT_NAMESPACE, random_units(6, seed=2), [f"t{i}" for i in range(6)])
+    close(memory)
+    smaller = memory_at(path, capacity=3)
+    assert list(exported(smaller).ids()) == ["t3", "t4", "t5"]
+    assert smaller.store is not None
+    assert smaller.store.rows(DEFAULT_NAMESPACE) == 3
+    close(smaller)
+    expired = memory_at(path, capacity=10, ttl_ms=1.0, clock_ms=lambda: 4e12)
+    assert expired.size == 0
+    close(expired)
 
 
-def test_cache_survives_a_restart_in_process(make_client: ClientFactory, tmp_path: Path) -> None:
-    path = tmp_path / "cache.snapshot"
-    first = make_client(cache_snapshot_path=path)
-    for objective in ("alpha topic", "beta topic", "gamma topic"):
-        first.post("/evaluate", json=make_trace(objective=objective))
-    first.__exit__(None, None, None)  # shutdown saves
-    assert path.exists()
+def test_a_write_that_fails_is_answered_as_not_stored_and_not_kept(tmp_path: Path) -> None:
+    """A database that cannot be opened (its directory is gone): scoring goes on, the trace is
+    compared with the memory, not kept, and the answer says why."""
+    memory = memory_at(tmp_path / "gone" / "memory.db")
+    try:
+        (first,) = add(memory, DEFAULT_NAMESPACE, random_units(1, seed=3), ["t0"])
+        assert (first.stored, first.max_cosine) == (False, None)
+        assert first.not_stored in ("unable to open database file", "No such file or directory")
+        assert memory.size == 0
+        assert memory.store is not None
+        assert memory.store.status.save_errors_total == 1
+        assert any(str(first.not_stored) in w for w in memory.health().warnings)
+        assert not memory.health().degraded
+    finally:
+        close(memory)
 
-    second = make_client(cache_snapshot_path=path)
-    ready = second.get("/readyz").json()
-    assert ready["snapshot"]["state"] == "loaded"
-    assert ready["snapshot"]["loaded_vectors"] == 3
-    assert second.get("/cache").json()["size"] == 3
-    repeat = second.post("/evaluate", json=make_trace(objective="beta topic")).json()
-    assert repeat["novelty"]["measured"] is True
-    assert repeat["dimensions"]["novelty"] == pytest.approx(0.0, abs=1e-6)
+
+def _vector_offset(path: Path, vector: npt.NDArray[np.float32]) -> int:
+    data = path.read_bytes()
+    at = data.find(np.ascontiguousarray(vector, "<f4").tobytes())
+    assert at > 0
+    return at
 
 
-def test_corrupt_snapshot_is_set_aside_and_reported(
+def _change_four_bytes(path: Path, at: int) -> None:
+    with path.open("r+b") as f:
+        f.seek(at)
+        old = f.read(4)
+        f.seek(at)
+        f.write(bytes(b ^ 0x5A for b in old))
+
+
+def test_four_bytes_changed_inside_a_stored_vector_drop_that_entry_only(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SQLite's check passes (the file's structure is whole); the entry's checksum does not:
+    it is never served, the rest are, and /readyz, the log and the counter say so."""
+    path = tmp_path / "memory.db"
+    v = random_units(30, seed=4)
+    memory = memory_at(path)
+    add(memory, DEFAULT_NAMESPACE, v, [f"t{i}" for i in range(30)])
+    close(memory)
+    _change_four_bytes(path, _vector_offset(path, v[15]) + 700)
+
+    with caplog.at_level(logging.ERROR, logger="app.store.sqlite_memory"):
+        again = memory_at(path)
+    try:
+        assert again.store is not None
+        assert again.store.status.checksum_failures_total == 1
+        kept = exported(again)
+        assert list(kept.ids()) == [f"t{i}" for i in range(30) if i != 15]
+        assert np.array_equal(kept.vectors, np.delete(v, 15, axis=0))
+        assert any("failed their checksum" in w for w in again.health().warnings)
+        assert "1 entries failed their checksum" in caplog.text
+    finally:
+        close(again)
+    # Dropped from the file too: the next start finds nothing wrong.
+    third = memory_at(path)
+    assert third.store is not None
+    assert third.store.status.checksum_failures_total == 0
+    assert third.size == 29
+    close(third)
+
+
+def _btree_page_in_the_middle(path: Path) -> int:
+    """The offset of the table page nearest the middle of the file (its header's first
+    bytes: the page type, the first freeblock)."""
+    data = path.read_bytes()
+    page = int.from_bytes(data[16:18], "big")
+    middle = len(data) // 2 // page
+    for number in [middle + k for k in range(50)] + [middle - k for k in range(1, 50)]:
+        if data[number * page] == 0x0D:  # a table leaf page
+            return number * page
+    raise AssertionError("no table page near the middle")
+
+
+def test_four_bytes_changed_in_a_page_in_the_middle_are_copied_aside_and_the_rest_kept(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The file fails SQLite's check: it is copied aside byte for byte (never deleted), what
+    can be read is kept in a new database, and the log and /readyz say how many."""
+    path = tmp_path / "memory.db"
+    v = random_units(400, seed=5)
+    memory = memory_at(path, capacity=1000)
+    for start in range(0, 400, 50):  # several transactions, as traces come
+        add(
+            memory,
+            DEFAULT_NAMESPACE,
+            v[start : start + 50],
+            [f"t{i}" for i in range(start, start + 50)],
+        )
+    close(memory)
+    _change_four_bytes(path, _btree_page_in_the_middle(path))
+    damaged = path.read_bytes()
+
+    with caplog.at_level(logging.ERROR, logger="app.store.sqlite_memory"):
+        again = memory_at(path, capacity=1000)
+    try:
+        assert again.store is not None
+        status = again.store.status
+        assert status.state == "recovered"
+        asides = list(tmp_path.glob("memory.db.damaged-*"))
+        assert [
+            p.read_bytes() == damaged for p in asides if not p.name.endswith(("-wal", "-shm"))
+        ] == [True]
+        kept = exported(again)
+        # Whatever is served is what was stored; a page holds a few entries at most.
+        index = {f"t{i}": i for i in range(400)}
+        assert np.array_equal(kept.vectors, v[[index[i] for i in kept.ids()]])
+        assert 400 - 10 <= len(kept.ids()) < 400
+        assert f"{len(kept.ids())} entries kept" in (status.detail or "")
+        assert any("recovered" in w for w in again.health().warnings)
+        assert '"kept"' in caplog.text or "kept" in caplog.text
+        add(again, DEFAULT_NAMESPACE, random_units(1, seed=6), ["after"])  # writable again
+    finally:
+        close(again)
+    third = memory_at(path, capacity=1000)
+    assert third.store is not None
+    assert third.store.status.state == "loaded"
+    assert third.size == len(kept.ids()) + 1
+    close(third)
+
+
+def test_a_database_of_another_model_is_set_aside(tmp_path: Path) -> None:
+    path = tmp_path / "memory.db"
+    memory = memory_at(path)
+    add(memory, DEFAULT_NAMESPACE, random_units(2, seed=7), ["a", "b"])
+    close(memory)
+    store = SqliteStore(path, "another-model", 384, "process")
+    other = InProcessMemory(100, store=store)
+    asyncio.run(other.start())
+    assert other.size == 0
+    assert store.status.state == "set_aside"
+    assert len(list(tmp_path.glob("memory.db.other_model-*"))) == 1
+    close(other)
+
+
+# ── the former files ────────────────────────────────────────────────────────
+
+
+def _former_at(directory: Path) -> Path:
+    for each in FORMER.glob("memory.kpcache*"):
+        shutil.copyfile(each, directory / each.name)
+    return directory / "memory.kpcache"
+
+
+def test_the_former_snapshot_and_journal_are_converted_once(
+    make_client: ClientFactory, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Files made by the former release (a snapshot of three traces and a journal of two
+    more): read into the database at the same path, kept beside it, under the former setting
+    names (with a deprecation warning)."""
+    path = _former_at(tmp_path)
+    former = path.read_bytes()
+    with caplog.at_level(logging.WARNING):
+        client = make_client(cache_snapshot_path=path, cache_journal_fsync="always")
+    ready = client.get("/readyz").json()["snapshot"]
+    assert (ready["state"], ready["loaded_vectors"], ready["durability"]) == (
+        "converted",
+        5,
+        "power",
+    )
+    assert "KP_CACHE_SNAPSHOT_PATH is deprecated" in caplog.text
+    assert "KP_CACHE_JOURNAL_FSYNC is deprecated" in caplog.text
+    assert path.read_bytes()[:16] == b"SQLite format 3\x00"
+    assert (tmp_path / "memory.kpcache.old-format").read_bytes() == former
+    assert (tmp_path / "memory.kpcache.journal.000001.old-format").exists()
+    lines = [orjson.loads(line) for line in client.get("/cache/export").text.splitlines()]
+    expected = [orjson.loads(line) for line in (FORMER / "export.ndjson").read_text().splitlines()]
+    assert lines == expected
+    repeat = client.post("/evaluate", json=make_trace(objective="Plan a trip to Kyoto")).json()
+    assert repeat["novelty"]["nearest"]["trace_id"] == "kp:trace:old-0"
+    client.__exit__(None, None, None)
+
+    again = make_client(cache_db_path=path)
+    assert again.get("/readyz").json()["snapshot"]["state"] == "loaded"
+    assert again.get("/cache").json()["size"] == 6
+
+
+def test_a_former_snapshot_of_another_model_is_kept_and_the_way_named(
     make_client: ClientFactory, tmp_path: Path
 ) -> None:
-    path = tmp_path / "cache.snapshot"
-    path.write_bytes(b"KPCACHE1\x05\x00\x00\x00{oops")
-    client = make_client(cache_snapshot_path=path)
+    path = _former_at(tmp_path)
+    data = bytearray(path.read_bytes())
+    at = data.find(b"minilm-l6-v2")
+    data[at : at + 6] = b"MINILM"
+    path.write_bytes(bytes(data))
+    client = make_client(cache_db_path=path)
     ready = client.get("/readyz").json()
     assert ready["snapshot"]["state"] == "set_aside"
-    assert any("snapshot" in w for w in ready["warnings"])
-    assert client.get("/cache").json()["size"] == 0
-    assert not path.exists()
-    assert len(list(tmp_path.glob("cache.snapshot.corrupt-*"))) == 1
-    assert client.post("/evaluate", json=make_trace()).status_code == 200
-
-
-def test_snapshot_of_another_model_is_set_aside(make_client: ClientFactory, tmp_path: Path) -> None:
-    path = tmp_path / "cache.snapshot"
-    write_snapshot(path, entries(4), "some-other-model")
-    client = make_client(cache_snapshot_path=path)
-    assert client.get("/readyz").json()["snapshot"]["state"] == "set_aside"
-    assert len(list(tmp_path.glob("cache.snapshot.other_model-*"))) == 1
+    assert any("POST /cache/import" in w for w in ready["warnings"])
+    assert (tmp_path / "memory.kpcache.old-format").read_bytes() == bytes(data)
     assert client.get("/cache").json()["size"] == 0
 
 
-def test_unwritable_snapshot_location_keeps_serving(
-    make_client: ClientFactory, tmp_path: Path
+# ── settings ────────────────────────────────────────────────────────────────
+
+
+def test_the_former_setting_names_still_work_for_one_release() -> None:
+    old = Settings(cache_snapshot_path=Path("/data/m.db"), cache_journal_fsync="everysec")
+    assert (old.cache_db_path, old.cache_durability) == (Path("/data/m.db"), "process")
+    assert Settings(cache_journal_fsync="always").cache_durability == "power"
+    assert Settings(cache_journal_fsync="off").cache_durability == "process"
+    new_wins = Settings(cache_db_path=Path("/a.db"), cache_snapshot_path=Path("/b.db"))
+    assert new_wins.cache_db_path == Path("/a.db")
+    assert len(Settings(cache_snapshot_interval_s=5).deprecation_warnings()) == 1
+    assert Settings().deprecation_warnings() == []
+
+
+def test_a_path_without_a_model_is_refused_at_start_with_the_reason() -> None:
+    with pytest.raises(SystemExit, match="KP_CACHE_DB_PATH is set with KP_EMBEDDER=none"):
+        _from_env({"KP_EMBEDDER": "none", "KP_CACHE_DB_PATH": "/data/m.db"})
+
+
+def _from_env(env: dict[str, str]) -> Settings:
+    saved = {k: v for k, v in os.environ.items() if k.startswith("KP_")}
+    for k in saved:
+        del os.environ[k]
+    os.environ.update(env)
+    try:
+        return Settings.from_env()
+    finally:
+        for k in env:
+            del os.environ[k]
+        os.environ.update(saved)
+
+
+# ── live servers: kill -9, a full disk ─────────────────────────────────────
+
+
+def _server(path: Path, log: Path, **env: str) -> LiveServer:
+    return LiveServer({"KP_CACHE_DB_PATH": str(path), "KP_EMBEDDER_PRELOAD": "true", **env}, log)
+
+
+def _ids_in(server: LiveServer) -> list[str]:
+    text = server.client.get("/cache/export").text
+    return [orjson.loads(line)["trace_id"] for line in text.splitlines()]
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("durability", ["process", "power"])
+def test_kill_9_right_after_the_answers_keeps_every_stored_trace(
+    tmp_path: Path, durability: str
 ) -> None:
-    blocker = tmp_path / "not-a-directory"
-    blocker.write_text("a file where a directory should be")
-    client = make_client(
-        cache_snapshot_path=blocker / "cache.snapshot", cache_snapshot_interval_s=0.05
+    path = tmp_path / "memory.db"
+    server = _server(path, tmp_path / "server.log", KP_CACHE_DURABILITY=durability)
+    ids = []
+    try:
+        for i in range(12):
+            trace = make_trace(trace_id=f"kp:trace:k{i}", objective=f"kill nine topic {i}")
+            novelty = server.post("/evaluate", trace).json()["novelty"]
+            assert novelty["stored"] is True
+            ids.append(trace["id"])
+        batch = [
+            make_trace(trace_id=f"kp:trace:b{i}", objective=f"batch topic {i}") for i in range(4)
+        ]
+        results = server.post("/evaluate/batch", {"traces": batch}).json()["results"]
+        assert all(r["novelty"]["stored"] for r in results)
+        ids += [t["id"] for t in batch]
+    finally:
+        server.stop(signal.SIGKILL)  # at once: no shutdown, nothing flushed after the answers
+    again = _server(path, tmp_path / "server.log", KP_CACHE_DURABILITY=durability)
+    try:
+        assert _ids_in(again) == ids
+    finally:
+        again.stop()
+
+
+@contextlib.contextmanager
+def _tmpfs(where: Path, size: str) -> Iterator[Path]:
+    where.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+        capture_output=True,
+        text=True,
     )
-    assert client.post("/evaluate", json=make_trace()).status_code == 200
-    deadline = time.monotonic() + 10
-    while client.get("/readyz").json()["snapshot"]["save_errors_total"] == 0:
-        assert time.monotonic() < deadline, "the periodic save never ran"
-        time.sleep(0.05)
-    ready = client.get("/readyz").json()
-    assert "Not a directory" in ready["snapshot"]["last_save_error"]
-    assert any("not saved" in w for w in ready["warnings"])
-    errors = ready["snapshot"]["save_errors_total"]
-    metrics = client.get("/metrics").text
-    assert re.search(r"^# TYPE kp_snapshot_save_errors(_total)? counter$", metrics, re.M)
-    saved = re.search(r"^kp_snapshot_save_errors_total (\S+)$", metrics, re.M)
-    assert saved is not None
-    assert float(saved.group(1)) >= errors >= 1
-    assert client.post("/evaluate", json=make_trace()).status_code == 200
+    if done.returncode != 0:
+        pytest.skip(f"a small tmpfs cannot be mounted here ({done.stderr.strip()}): needs root")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
 
 
-def test_disk_full_keeps_the_old_snapshot(
-    make_client: ClientFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    path = tmp_path / "cache.snapshot"
-    write_snapshot(path, entries(2), "placeholder")
-    before = path.read_bytes()
-
-    def no_space(fd: int) -> None:
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    client = make_client(cache_snapshot_path=tmp_path / "other.snapshot")
-    client.post("/evaluate", json=make_trace())
-    store = client.app.state.services.snapshots  # type: ignore[attr-defined]
-    store.status.path = path
-    monkeypatch.setattr(snapshots.os, "fsync", no_space)
-    assert store.save(force=True) is False
-    assert "No space left" in store.status.last_save_error
-    assert path.read_bytes() == before  # the previous snapshot is untouched
-    assert list(tmp_path.glob(".*.tmp")) == []
+def _fill(directory: Path) -> Path:
+    """A file that takes the file system's last byte."""
+    filler = directory / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+    try:
+        for block in (1 << 20, 1 << 12, 1):
+            while True:
+                try:
+                    os.write(fd, b"\0" * block)
+                except OSError as exc:
+                    if exc.errno != errno.ENOSPC:
+                        raise
+                    break
+    finally:
+        os.close(fd)
+    return filler
 
 
 @pytest.mark.server
-def test_sigterm_restart_keeps_the_cache(tmp_path: Path) -> None:
-    env = {
-        "KP_CACHE_SNAPSHOT_PATH": str(tmp_path / "cache.snapshot"),
-        "KP_EMBEDDER_PRELOAD": "true",
-    }
-    server = LiveServer(env, tmp_path / "server.log")
-    traces = [make_trace(objective=f"restart topic number {i}") for i in range(5)]
-    for trace in traces:
-        assert server.post("/evaluate", trace).status_code == 200
-    # The server shuts down gracefully (lifespan, snapshot) on SIGTERM.
-    assert server.stop(signal.SIGTERM) in (0, -signal.SIGTERM)
-    assert '"kp-scoring stopped"' in server.log()
-
-    again = LiveServer(env, tmp_path / "server.log")
-    try:
-        assert again.client.get("/cache").json()["size"] == 5
-        repeat = again.post("/evaluate", traces[2]).json()
-        assert repeat["dimensions"]["novelty"] == pytest.approx(0.0, abs=1e-6)
-    finally:
-        again.stop()
-
-
-@pytest.mark.server
-@pytest.mark.slow
-def test_kill_9_under_load_leaves_a_loadable_snapshot(tmp_path: Path) -> None:
-    env = {
-        "KP_CACHE_SNAPSHOT_PATH": str(tmp_path / "cache.snapshot"),
-        "KP_CACHE_SNAPSHOT_INTERVAL_S": "0.02",
-        "KP_EMBEDDER_PRELOAD": "true",
-    }
-    server = LiveServer(env, tmp_path / "server.log")
-    stop = threading.Event()
-    failures: list[int] = []
-
-    def load(worker: int) -> None:
-        i = 0
-        while not stop.is_set():
-            try:
-                r = server.post("/evaluate", make_trace(objective=f"load {worker} {i}"))
-                if r.status_code != 200:
-                    failures.append(r.status_code)
-            except Exception:
-                return  # the server is gone
-            i += 1
-
-    threads = [threading.Thread(target=load, args=(w,)) for w in range(4)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 20
-    while server.client.get("/readyz").json()["snapshot"]["saves_total"] < 3:
-        assert time.monotonic() < deadline, "no periodic saves happened"
-        time.sleep(0.02)
-    server.stop(signal.SIGKILL)
-    stop.set()
-    for t in threads:
-        t.join()
-    assert failures == []
-
-    again = LiveServer(env, tmp_path / "server.log")
-    try:
-        snapshot = again.client.get("/readyz").json()["snapshot"]
-        assert snapshot["state"] == "loaded"
-        assert snapshot["loaded_vectors"] > 0
-        assert list(tmp_path.glob(".*.tmp")) == []
-    finally:
-        again.stop()
-
-
-def test_a_large_cache_is_saved_in_chunks_and_restored_with_its_trace_ids(
+def test_a_full_disk_is_answered_as_not_stored_and_what_follows_survives_kill_9(
     tmp_path: Path,
 ) -> None:
-    """Written from the cache's chunks (never one joined copy); an empty cache saves too."""
-    from app.domain.vector_cache import VectorCache
-    from app.services.snapshots import SnapshotStore
+    """The data directory on a small tmpfs filled to its last byte: every trace is scored
+    (200, novelty measured), those that could not be committed say so and are not kept;
+    /readyz warns from the first failure, not degraded, and stops once space is back; the
+    counter counts; after kill -9 exactly the traces answered as stored are there."""
+    disk = tmp_path / "disk"
+    with _tmpfs(disk, "16m"):
+        path = disk / "memory.db"
+        server = _server(path, tmp_path / "server.log")
+        stored: list[str] = []
+        try:
 
-    cache = VectorCache(capacity=20_000)
-    original = entries(10_000)
-    cache.load(original)
-    assert len(list(cache.chunks())) > 1
-    store = SnapshotStore(tmp_path / "big.snapshot", cache, MODEL)
-    assert store.save(force=True)
-    restored = VectorCache(capacity=20_000)
-    SnapshotStore(tmp_path / "big.snapshot", restored, MODEL).restore()
-    again = restored.entries()
-    np.testing.assert_array_equal(again.vectors, original.vectors)
-    assert list(again.trace_ids) == list(original.trace_ids)
-    cache.clear()
-    assert store.save()
-    empty = VectorCache(capacity=20_000)
-    loader = SnapshotStore(tmp_path / "big.snapshot", empty, MODEL)
-    loader.restore()
-    assert loader.status.state.value == "loaded"
-    assert empty.size == 0
+            def post(name: str) -> dict[str, Any]:
+                trace = make_trace(trace_id=f"kp:trace:{name}", objective=f"full disk topic {name}")
+                r = server.post("/evaluate", trace)
+                assert r.status_code == 200
+                novelty: dict[str, Any] = r.json()["novelty"]
+                if novelty["stored"]:
+                    stored.append(trace["id"])
+                return novelty
+
+            for i in range(3):
+                assert post(f"before{i}")["stored"]
+            filler = _fill(disk)
+            refused = [post(f"full{i}") for i in range(20)]
+            failed = [n for n in refused if not n["stored"]]
+            assert failed, "every commit found room on a full disk"
+            for n in failed:
+                assert n["not_stored"] == "storage_failed"
+                assert n["not_stored_detail"] == "database or disk is full"
+                assert n["measured"] is True  # scored against what is in memory
+            ready = server.client.get("/readyz").json()
+            assert ready["status"] == "ready"
+            assert not ready["degraded"]
+            assert any("database or disk is full" in w for w in ready["warnings"])
+            metrics = server.client.get("/metrics").text
+            assert f"kp_cache_db_write_errors_total {float(len(failed))}" in metrics
+            size = server.client.get("/cache").json()["size"]
+            assert size == len(stored)
+
+            filler.unlink()
+            after = [post(f"after{i}") for i in range(20)]
+            assert all(n["stored"] for n in after)
+            ready = server.client.get("/readyz").json()
+            assert not any("not written" in w for w in ready["warnings"])
+        finally:
+            server.stop(signal.SIGKILL)
+        again = _server(path, tmp_path / "server.log")
+        try:
+            assert _ids_in(again) == stored
+        finally:
+            again.stop()

@@ -16,7 +16,6 @@ from app.services.embeddings import EmbeddingService
 from app.services.evaluator import Evaluator
 from app.services.idempotency import Idempotency
 from app.services.runtime import Runtime
-from app.services.snapshots import SnapshotStore
 from app.store.base import NoveltyMemory
 
 if TYPE_CHECKING:
@@ -44,10 +43,6 @@ class Services:
     @property
     def evaluator(self) -> Evaluator:
         return self.runtime.evaluator
-
-    @property
-    def snapshots(self) -> SnapshotStore:
-        return self.runtime.snapshots
 
     @property
     def rate_limiter(self) -> RateLimiter:

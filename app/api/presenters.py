@@ -15,8 +15,8 @@ from app.schemas.responses import (
     WeightsOut,
 )
 from app.services.evaluator import Evaluation
-from app.services.snapshots import SnapshotStatus
 from app.store.base import BackendInfo
+from app.store.sqlite_memory import StorageStatus
 
 
 def evaluation_out(evaluation: Evaluation, signature: str | None = None) -> EvaluationOut:
@@ -49,7 +49,7 @@ def backend_out(info: BackendInfo) -> CacheBackendOut:
     return CacheBackendOut(**asdict(info))
 
 
-def snapshot_out(status: SnapshotStatus) -> SnapshotOut:
+def snapshot_out(status: StorageStatus) -> SnapshotOut:
     fields = asdict(status)
     fields["path"] = str(status.path) if status.path else None
     return SnapshotOut(**fields)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
@@ -114,28 +114,38 @@ class Settings(BaseSettings):
             "MiB is about 30,000 entries); send more in several requests.",
         ),
     ] = 64 * 1_048_576
+    cache_db_path: Path | None = Field(
+        None,
+        description="The SQLite database that keeps the in-process memory (every namespace) "
+        "across restarts: every trace added is committed to it before it is answered. Unset: "
+        "the memory lives only as long as the process. A snapshot of the former format found "
+        "there is converted at start and kept beside it (`<name>.old-format`). Refused with "
+        "`KP_REDIS_URL` (Redis's own persistence keeps a shared memory) and with "
+        "`KP_EMBEDDER=none` (no model: no vector to keep) (docs/operating/persistence.md).",
+    )
+    cache_durability: Literal["process", "power"] = Field(
+        "process",
+        description="What a committed trace survives. `process`: a crash or kill of the "
+        "process loses nothing answered; a power loss or kernel crash may lose the last "
+        "commits (SQLite `synchronous=NORMAL` in WAL mode). `power`: a power loss loses "
+        "nothing answered either; each commit waits for the disk's flush (`synchronous=FULL`; "
+        "concurrent requests share one).",
+    )
     cache_snapshot_path: Path | None = Field(
         None,
-        description="File the in-process memory is saved to, so that it survives a restart. "
-        "Refused with `KP_REDIS_URL` (Redis's own persistence keeps a shared memory).",
+        description="Deprecated (removed in the next release): the former name of "
+        "`KP_CACHE_DB_PATH`, still read, with a warning in the log.",
     )
-    cache_snapshot_interval_s: Annotated[
-        float,
-        Field(gt=0, description="How often a changed memory is saved (also at shutdown)."),
-    ] = 30.0
-    cache_journal_fsync: Annotated[
-        Literal["everysec", "always", "off"],
-        Field(
-            description="With KP_CACHE_SNAPSHOT_PATH: every trace added (and every import and "
-            "clear) is appended to a journal beside the snapshot before it is answered, and "
-            "replayed after the snapshot at start, so a killed process loses nothing it "
-            "answered. everysec: the journal is flushed to disk once a second (a power loss "
-            "costs at most about the last second); always: before every answer (slower on "
-            "slow disks); off: no journal (a crash loses what came after the last snapshot). "
-            "Imports and clears are flushed before their answer either way "
-            "(docs/operating/persistence.md)."
-        ),
-    ] = "everysec"
+    cache_journal_fsync: Literal["everysec", "always", "off"] | None = Field(
+        None,
+        description="Deprecated (removed in the next release): read as `KP_CACHE_DURABILITY` "
+        "(`always`: `power`; `everysec` and `off`: `process`), with a warning in the log.",
+    )
+    cache_snapshot_interval_s: Annotated[float, Field(gt=0)] | None = Field(
+        None,
+        description="Deprecated (removed in the next release): ignored, with a warning in the "
+        "log; every change is committed before its answer, there is no snapshot to time.",
+    )
 
     admin_token: SecretStr | None = Field(
         None,
@@ -392,15 +402,49 @@ class Settings(BaseSettings):
         check_redis_url(url.get_secret_value())
         return url
 
+    @model_validator(mode="before")
+    @classmethod
+    def _former_names(cls, data: Any) -> Any:
+        """The deprecated persistence settings, read as the settings that replace them (the
+        new name wins when both are set; deprecation_warnings says so in the log)."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        if data.get("cache_db_path") is None and data.get("cache_snapshot_path") is not None:
+            data["cache_db_path"] = data["cache_snapshot_path"]
+        fsync = data.get("cache_journal_fsync")
+        if data.get("cache_durability") is None and fsync is not None:
+            data["cache_durability"] = "power" if fsync == "always" else "process"
+        return data
+
     @model_validator(mode="after")
     def _one_persistence(self) -> Settings:
-        if self.redis_url is not None and self.cache_snapshot_path is not None:
+        if self.redis_url is not None and self.cache_db_path is not None:
             raise ValueError(
-                "KP_CACHE_SNAPSHOT_PATH and KP_REDIS_URL are both set: with Redis the shared "
-                "cache is kept by Redis's own persistence (AOF), not by snapshot files; "
-                "unset KP_CACHE_SNAPSHOT_PATH"
+                f"{_db_path_name(self)} and KP_REDIS_URL are both set: with Redis the shared "
+                "cache is kept by Redis's own persistence (AOF), not by a database file; "
+                f"unset {_db_path_name(self)}"
+            )
+        if self.embedder == "none" and self.cache_db_path is not None:
+            raise ValueError(
+                f"{_db_path_name(self)} is set with KP_EMBEDDER=none: without a model there is "
+                "no model identity to keep vectors under, and nothing kept could be trusted at "
+                f"the next start; unset {_db_path_name(self)} or run the model"
             )
         return self
+
+    def deprecation_warnings(self) -> list[str]:
+        """One line for each deprecated setting in use (logged at start)."""
+        replaced = {
+            "cache_snapshot_path": "KP_CACHE_DB_PATH",
+            "cache_journal_fsync": "KP_CACHE_DURABILITY (always: power; everysec, off: process)",
+            "cache_snapshot_interval_s": "nothing: every change is committed before its answer",
+        }
+        return [
+            f"{ENV_PREFIX}{name.upper()} is deprecated and goes in the next release: use {instead}"
+            for name, instead in replaced.items()
+            if getattr(self, name) is not None
+        ]
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -438,6 +482,14 @@ def retired_settings() -> list[str]:
         for name, instead in RETIRED.items()
         if f"{ENV_PREFIX}{name}" in os.environ
     ]
+
+
+def _db_path_name(settings: Settings) -> str:
+    """The variable the database path came from, as the operator wrote it."""
+    former = settings.cache_snapshot_path is not None and (
+        settings.cache_snapshot_path == settings.cache_db_path
+    )
+    return f"{ENV_PREFIX}{'CACHE_SNAPSHOT_PATH' if former else 'CACHE_DB_PATH'}"
 
 
 def user_cache_directory() -> Path | None:

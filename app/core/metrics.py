@@ -1,6 +1,6 @@
 """Prometheus metrics, one registry per app so that several apps can live in one process.
 
-Counted here: what requests do. The running service's parts (cache, embedder, snapshots)
+Counted here: what requests do. The running service's parts (cache, its database, embedder)
 expose their own figures through app.services.runtime.RuntimeCollector."""
 
 from __future__ import annotations

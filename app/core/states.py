@@ -49,3 +49,5 @@ class SnapshotState(StrEnum):
     LOADED = "loaded"
     SET_ASIDE = "set_aside"  # unusable file renamed aside; the cache started empty
     ERROR = "error"  # could not read or write; the cache works in memory
+    RECOVERED = "recovered"  # a damaged file copied aside; what could be read was kept
+    CONVERTED = "converted"  # the former snapshot and journal read into the database

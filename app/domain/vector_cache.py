@@ -308,15 +308,27 @@ class VectorCache:
                 self.evictions_total += evicted
             while len(self._vectors) < min(self.capacity, self._size + len(v)):
                 self._grow()
-            slots = (self._head + self._size + np.arange(len(v))) % len(self._vectors)
-            wide = v.astype(np.float64)
+            start = (self._head + self._size) % len(self._vectors)
+            slots: slice | npt.NDArray[np.intp] = (
+                # One run of rows (a load into a reserved ring): copied as slices.
+                slice(start, start + len(v))
+                if start + len(v) <= len(self._vectors)
+                else (start + np.arange(len(v))) % len(self._vectors)
+            )
             self._vectors[slots] = v
-            self._norms[slots] = np.sqrt((wide * wide).sum(axis=1))
+            self._norms[slots] = _row_norms(v)
             self._added_at[slots] = times
             self._trace_ids[slots] = ids
             self._size += len(v)
             self.adds_total += n
             self._changed()
+
+    def reserve(self, rows: int) -> None:
+        """Room for `rows` entries (at most the capacity) in one allocation, so that loading
+        that many does not grow the ring a doubling at a time."""
+        with self._lock:
+            if len(self._vectors) < min(self.capacity, rows):
+                self._grow(min(self.capacity, rows))
 
     def append(self, entries: CacheEntries) -> tuple[int, int]:
         """Adds `entries` (oldest first) as the newest entries, each keeping its time where
@@ -484,8 +496,8 @@ class VectorCache:
         )
         return found, int(seqs[at])
 
-    def _grow(self) -> None:
-        new_len = min(self.capacity, max(64, 2 * len(self._vectors)))
+    def _grow(self, to: int | None = None) -> None:
+        new_len = min(self.capacity, max(64, 2 * len(self._vectors))) if to is None else to
         order = self._ordered_indices()
         vectors = np.empty((new_len, self.dimensions), dtype=np.float32)
         norms = np.empty(new_len, dtype=np.float64)
@@ -570,10 +582,15 @@ def exact_cosine(a: Vector, b: Vector) -> float:
 def _row_norms(rows: npt.NDArray[np.float32]) -> npt.NDArray[np.float64]:
     """Each row's norm as norm64 computes it, a block at a time (no float64 copy of all)."""
     out = np.empty(len(rows), dtype=np.float64)
-    for start in range(0, len(rows), CHUNK):
-        wide = rows[start : start + CHUNK].astype(np.float64)
-        out[start : start + CHUNK] = np.sqrt((wide * wide).sum(axis=1))
+    # Blocks that stay in the CPU's cache (the same sums: each row's is its own).
+    for start in range(0, len(rows), _NORM_BLOCK):
+        wide = rows[start : start + _NORM_BLOCK].astype(np.float64)
+        np.multiply(wide, wide, out=wide)
+        out[start : start + _NORM_BLOCK] = np.sqrt(wide.sum(axis=1))
     return out
+
+
+_NORM_BLOCK = 256
 
 
 def norm64(v: Vector) -> float:

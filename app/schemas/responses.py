@@ -82,11 +82,13 @@ class NoveltyOut(BaseModel):
         "(docs/operating/large-memory.md).",
     )
     stored: bool = Field(
+        default=False,
         description="True when the trace is in the novelty memory now, committed (it survives "
         "a crash as docs/operating/persistence.md says); false for a dry run and whenever it "
         "could not be stored (not_stored says why).",
     )
     not_stored: NotStoredReason | None = Field(
+        default=None,
         description="Why the trace was not stored: 'dry_run'; 'not_measured' (no vector: the "
         "embedder is unavailable); 'cache_unavailable' (the shared memory could not be "
         "reached); 'storage_failed' (the memory's storage refused the write, e.g. a full disk: "
@@ -219,14 +221,29 @@ class HealthOut(BaseModel):
 
 
 class SnapshotOut(BaseModel):
-    path: str | None
-    state: SnapshotState
-    detail: str | None = Field(description="Why a snapshot was set aside or could not be read.")
-    loaded_vectors: int
-    last_saved_at_ms: float | None
-    last_save_error: str | None = Field(description="The latest save failure, until a save works.")
-    saves_total: int
-    save_errors_total: int
+    """The in-process memory's database (KP_CACHE_DB_PATH; docs/operating/persistence.md)."""
+
+    path: str | None = Field(description="The database file; null when none is set.")
+    state: SnapshotState = Field(
+        description="What the start found: disabled (no database), none (a new one), loaded, "
+        "recovered (damaged: copied aside, what could be read kept), converted (from the "
+        "former snapshot and journal), set_aside (another model's, or not convertible), error "
+        "(cannot be opened: traces are scored but not stored)."
+    )
+    detail: str | None = Field(description="What happened to the file at start, when anything.")
+    loaded_vectors: int = Field(description="Entries read from it at start.")
+    last_saved_at_ms: float | None = Field(description="The last commit (ms since the epoch).")
+    last_save_error: str | None = Field(
+        description="The database's reason for the latest failed write, until a write works."
+    )
+    saves_total: int = Field(description="Transactions committed since start.")
+    save_errors_total: int = Field(description="Writes refused since start.")
+    checksum_failures_total: int = Field(
+        default=0, description="Entries dropped at start because they failed their checksum."
+    )
+    durability: Literal["process", "power"] | None = Field(
+        default=None, description="KP_CACHE_DURABILITY; null without a database."
+    )
 
 
 class ReadyOut(BaseModel):

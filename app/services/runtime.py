@@ -1,10 +1,9 @@
-"""The parts a running service holds (embeddings, novelty memory, snapshots, evaluator), built
+"""The parts a running service holds (embeddings, novelty memory and its database, evaluator), built
 from Settings, started and stopped in order; what they report to /readyz and /metrics."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -15,8 +14,7 @@ from prometheus_client.registry import Collector
 
 from app.core.config import Settings, redis_location, retired_settings
 from app.core.health import UNMEASURED, Health
-from app.core.states import EmbedderState, Precision
-from app.domain.vector_cache import VectorCache
+from app.core.states import EmbedderState, Precision, SnapshotState
 from app.embedding import model_files
 from app.embedding.int8_support import CpuFeatures, Int8Support, int8_support
 from app.embedding.onnx_embedder import ModelError, OnnxEmbedder
@@ -25,11 +23,10 @@ from app.services.embedding_memo import EmbeddingMemo
 from app.services.embeddings import EmbeddingService
 from app.services.embeddings_types import EmbedObserver
 from app.services.evaluator import Evaluator
-from app.services.snapshots import SnapshotStore
 from app.services.trust import build_trust_stores
-from app.store.base import DEFAULT_NAMESPACE, NoveltyMemory
+from app.store.base import NoveltyMemory
 from app.store.in_process import InProcessMemory
-from app.store.journal import Journal
+from app.store.sqlite_memory import SqliteStore, StorageStatus
 
 log = logging.getLogger("app")
 
@@ -49,57 +46,35 @@ class Runtime:
         if observer is not None:
             self.embeddings.observe(observer)
         # Vectors are comparable only with vectors of the same model and arithmetic: the
-        # shared memory and the snapshots both carry this identity.
-        needs_identity = settings.redis_url is not None or settings.cache_snapshot_path is not None
+        # shared memory and the database both carry this identity.
+        needs_identity = settings.redis_url is not None or settings.cache_db_path is not None
         model_id = None
         if needs_identity and files is not None:
             model_id = _model_identity(files, self.embeddings.precision or "float32")
         self.memory = build_memory(settings, model_id)
-        # Snapshots (and their journal) are the in-process memory's persistence; with Redis,
-        # Redis's own (AOF): the settings refuse KP_CACHE_SNAPSHOT_PATH there.
-        journal = None
-        if (
-            isinstance(self.memory, InProcessMemory)
-            and settings.cache_snapshot_path is not None
-            and settings.cache_journal_fsync != "off"
-            and model_id is not None
-        ):
-            journal = Journal(
-                settings.cache_snapshot_path,
-                model_id,
-                self.memory.dimensions,
-                settings.cache_journal_fsync,
-            )
-            self.memory.journal = journal
-        # Snapshots keep the in-process memory's default namespace.
-        saved = (
-            self.memory.cache(DEFAULT_NAMESPACE)
-            if isinstance(self.memory, InProcessMemory)
-            else None
-        )
-        self.snapshots = SnapshotStore(
-            settings.cache_snapshot_path if saved is not None else None,
-            saved if saved is not None else VectorCache(1, self.memory.dimensions),
-            model_id,
-            journal,
-        )
         self.memo = EmbeddingMemo(self.embeddings, settings.embed_memo_capacity)
         self.evaluator = Evaluator(self.memory, self.memo)
         self.trust = build_trust_stores(settings)
         self.collector = RuntimeCollector(self)
-        self._saver: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        await asyncio.to_thread(self.snapshots.restore)
-        for retired in retired_settings():
-            log.warning(retired)
-        await self.memory.start()
+        for warning in [*self.settings.deprecation_warnings(), *retired_settings()]:
+            log.warning(warning)
+        if self.settings.cache_db_path is not None and self.store is None:
+            log.error(
+                "the model identity is unknown: the cache database is not used, nothing is "
+                "stored across restarts",
+                extra={"path": str(self.settings.cache_db_path)},
+            )
+        if self.settings.embedder_preload:
+            # Independent: the memory's load (its database, off the loop) beside the model's.
+            await asyncio.gather(self.memory.start(), self.embeddings.preload())
+        else:
+            await self.memory.start()
         if self.settings.api_keys_file is not None:
             log.info("API keys required", extra={"file": str(self.settings.api_keys_file)})
         if self.settings.cache_open:
             log.warning("KP_ADMIN_TOKEN is not set: GET and DELETE /cache are open to every caller")
-        if self.settings.embedder_preload:
-            await self.embeddings.preload()
         backend = self.memory.backend
         log.info(
             "kp-scoring started",
@@ -109,16 +84,9 @@ class Runtime:
                 "cache": backend.location or backend.kind,
             },
         )
-        self._saver = asyncio.create_task(self._save_periodically())
 
     async def stop(self) -> None:
-        for task in (self._saver,):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
         await self.embeddings.close()
-        await asyncio.to_thread(self.snapshots.save)
         await self.memory.close()
         await self.trust.close()
         log.info("kp-scoring stopped", extra={"cache_size": self.memory.size})
@@ -126,21 +94,31 @@ class Runtime:
     def health(self) -> Health:
         """Every part's report, in one: degraded when any part is."""
         parts = [self._settings_health(), _embedder_health(self.embeddings)]
-        parts += [self.memory.health(), self.snapshots.health()]
+        parts += [self.memory.health()]
+        if self.settings.cache_db_path is not None and self.store is None:
+            parts.append(
+                Health(warnings=("cache database not used: the model identity is unknown",))
+            )
         return Health(
             degraded=any(p.degraded for p in parts),
             warnings=tuple(w for p in parts for w in p.warnings),
         )
 
+    @property
+    def store(self) -> SqliteStore | None:
+        """The in-process memory's database, when it has one."""
+        return self.memory.store if isinstance(self.memory, InProcessMemory) else None
+
+    def storage_status(self) -> StorageStatus:
+        store = self.store
+        if store is not None:
+            return store.status
+        return StorageStatus(self.settings.cache_db_path, SnapshotState.DISABLED)
+
     def _settings_health(self) -> Health:
         if not self.settings.cache_open:
             return Health()
         return Health(warnings=("KP_ADMIN_TOKEN is not set: /cache is open to every caller",))
-
-    async def _save_periodically(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.cache_snapshot_interval_s)
-            await asyncio.to_thread(self.snapshots.save)
 
 
 class RuntimeCollector(Collector):
@@ -197,10 +175,23 @@ class RuntimeCollector(Collector):
         memo.add_metric(["hit"], self.runtime.memo.hits_total)
         memo.add_metric(["miss"], self.runtime.memo.misses_total)
         yield memo
+        storage = self.runtime.storage_status()
         yield CounterMetricFamily(
-            "kp_snapshot_save_errors",
-            "Failed cache snapshot saves since start.",
-            self.runtime.snapshots.status.save_errors_total,
+            "kp_cache_db_commits",
+            "Transactions committed to the in-process memory's database since start (a group "
+            "of concurrent traces is one).",
+            storage.saves_total,
+        )
+        yield CounterMetricFamily(
+            "kp_cache_db_write_errors",
+            "Writes the in-process memory's database refused since start (disk full, "
+            "read-only, I/O error): their traces were scored but not stored.",
+            storage.save_errors_total,
+        )
+        yield CounterMetricFamily(
+            "kp_cache_db_checksum_failures",
+            "Entries of the database that failed their checksum at start: dropped, never served.",
+            storage.checksum_failures_total,
         )
 
 
@@ -216,7 +207,7 @@ def _model_identity(files: model_files.ModelFiles, precision: Precision) -> str 
         return model_files.identity(files, precision)
     except ModelError as exc:
         log.error(
-            "model identity unknown: no shared cache exchange or snapshot can be trusted",
+            "model identity unknown: no shared cache exchange or stored vector can be trusted",
             extra={"reason": str(exc)},
         )
         return None
@@ -288,12 +279,18 @@ def build_embeddings(
 
 
 def build_memory(settings: Settings, model_id: str | None) -> NoveltyMemory:
-    """This process's memory, or the one shared through KP_REDIS_URL (connected by start())."""
+    """This process's memory (kept in KP_CACHE_DB_PATH when set and the model is known), or
+    the one shared through KP_REDIS_URL (connected, or loaded, by start())."""
     if settings.redis_url is None:
+        path = settings.cache_db_path
+        store = None
+        if path is not None and model_id is not None:
+            store = SqliteStore(path, model_id, 384, settings.cache_durability)
         return InProcessMemory(
             settings.cache_capacity,
             ttl_ms=settings.cache_ttl_ms,
             max_namespaces=settings.max_namespaces,
+            store=store,
         )
     from app.store.redis_vectors import RedisVectorMemory  # redis is slow to import; only here
 

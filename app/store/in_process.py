@@ -1,14 +1,16 @@
 """The default novelty memory: one exact VectorCache per namespace, in this process (no
-Redis needed)."""
+Redis needed), kept in an SQLite database (app/store/sqlite_memory.py) when configured."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import threading
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -25,11 +27,12 @@ from app.store.base import (
     DEFAULT_NAMESPACE,
     BackendInfo,
     Comparison,
+    MemoryUnavailableError,
     NamespaceLimitError,
     NearestTrace,
     Vector,
 )
-from app.store.journal import Journal
+from app.store.sqlite_memory import NewRow, SqliteStore, StorageError
 
 T = TypeVar("T")
 
@@ -40,47 +43,83 @@ T = TypeVar("T")
 OFF_LOOP_FROM = 20_000
 
 
+#: An entry compared but not yet in the cache: (vector, trace id, time).
+Pending = tuple[Vector, str, float]
+
+
 def compare_in_order(
     cache: VectorCache, vectors: Sequence[Vector], trace_ids: Sequence[str], *, add: bool
 ) -> list[Comparison]:
     """Each vector against `cache`, then added to it when `add`. Without `add` (a dry run)
-    several vectors still see the ones before them: the cache is left as it is, and each is
-    compared with it less the oldest entries the earlier ones would have evicted, and with
-    the earlier ones themselves (newer than any cached entry, so they win ties)."""
+    several vectors still see the ones before them (compare_pending)."""
+    if not add:
+        return compare_pending(cache, vectors, trace_ids, [])
     results = []
-    pending: list[tuple[Vector, str]] = []
+    for vector, trace_id in zip(vectors, trace_ids, strict=True):
+        results.extend(compare_pending(cache, [vector], [trace_id], [], stored=True))
+        cache.add(vector, trace_id=trace_id)
+    return results
+
+
+def compare_pending(
+    cache: VectorCache,
+    vectors: Sequence[Vector],
+    trace_ids: Sequence[str],
+    pending: list[Pending],
+    *,
+    stored: bool = False,
+) -> list[Comparison]:
+    """Each vector against `cache` as it would be with `pending` added, then appended to
+    `pending`: the cache is left as it is, and each is compared with it less the oldest
+    entries the pending ones would evict, and with the pending ones themselves (newer than
+    any cached entry, so they win ties). What adding them one by one would answer."""
+    results = []
     for vector, trace_id in zip(vectors, trace_ids, strict=True):
         now = cache.now_ms()
         size = cache.size
         evicted = max(0, size + len(pending) - cache.capacity)
         found = cache.nearest(vector, skip_oldest=evicted)
         searched, bound = ("exact", None) if found is None else (found.search, found.bound)
-        for earlier, earlier_id in pending:
+        for earlier, earlier_id, earlier_at in pending[max(0, len(pending) - cache.capacity) :]:
             cosine = exact_cosine(np.asarray(vector, dtype=np.float32), earlier)
             if found is None or cosine >= found.cosine:
-                found = Nearest(cosine, earlier_id, now)
+                found = Nearest(cosine, earlier_id, earlier_at)
         seen = min(cache.capacity, size + len(pending))
         if found is None:
-            results.append(Comparison(None, 0, stored=add))
+            results.append(Comparison(None, 0, stored=stored))
         else:
             nearest = NearestTrace(found.trace_id, found.cosine, max(0.0, now - found.added_at_ms))
-            # An earlier trace of the call that beats the memory's answer is compared exactly,
-            # but the memory's part is still only as exact as its search.
-            results.append(Comparison(found.cosine, seen, nearest, searched, bound, stored=add))
-        if add:
-            cache.add(vector, trace_id=trace_id)
-        else:
-            pending.append((np.asarray(vector, dtype=np.float32), trace_id))
+            # An earlier trace that beats the memory's answer is compared exactly, but the
+            # memory's part is still only as exact as its search.
+            results.append(Comparison(found.cosine, seen, nearest, searched, bound, stored=stored))
+        pending.append((np.asarray(vector, dtype=np.float32), trace_id, now))
     return results
+
+
+@dataclass(eq=False, slots=True)
+class _Item:
+    """One change (or read) waiting for its turn: a trace compare that adds (`add`, grouped
+    with the adds queued beside it into one commit), or any other `work`."""
+
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[Any]
+    work: Callable[[], Any] | None = None
+    namespace: str = DEFAULT_NAMESPACE
+    vectors: Sequence[Vector] = ()
+    trace_ids: Sequence[str] = ()
 
 
 class InProcessMemory:
     """The memory of one process: a dict of exact VectorCaches, one per namespace, each with
-    the same capacity and TTL. What changes them (compare, clear, import) meets them in one
-    one-at-a-time order: as one step of the event loop while the namespace is small, and on
-    one thread of its own, in the order asked, once an exact scan takes milliseconds that the
-    loop's other requests would otherwise wait for. The loop takes the work back only once
-    that thread has nothing left to do, so the order holds across the switch."""
+    the same capacity and TTL, kept in an SQLite database when given one (`store`).
+
+    What changes them (compare, clear, import) meets them in one one-at-a-time order: as one
+    step of the event loop while the namespace is small and nothing needs the disk, and else
+    on one thread of its own, in the order asked. The loop takes the work back only once that
+    thread has nothing left to do, so the order holds across the switch. With a database, the
+    adds queued together on that thread are compared in order as if each were added, committed
+    in one transaction (group commit), then added: no answer before its commit, and a trace
+    whose commit failed is not in the memory (its answer says so)."""
 
     def __init__(
         self,
@@ -91,24 +130,23 @@ class InProcessMemory:
         max_namespaces: int = 1000,
         off_loop_from: int = OFF_LOOP_FROM,
         clock_ms: Callable[[], float] = wall_clock_ms,
-        journal: Journal | None = None,
+        store: SqliteStore | None = None,
     ) -> None:
         self.capacity = capacity
         self.ttl_ms = ttl_ms
         self.max_namespaces = max_namespaces
         self.off_loop_from = off_loop_from
+        self.store = store
         self._dimensions = dimensions
         self._clock_ms = clock_ms
-        # One reentrant lock for every namespace: the snapshot's thread reads while the loop
+        # One reentrant lock for every namespace: exports and metrics read while the loop
         # (or the in-order thread) writes.
         self._lock = threading.RLock()
         self._caches: dict[str, VectorCache] = {}
-        #: Set (beside a snapshot): every change of the default namespace is appended to it
-        #: before it is answered.
-        self.journal = journal
         self._in_order_thread = ThreadPoolExecutor(1, thread_name_prefix="kp-memory")
-        self._on_thread = 0  # calls handed to the thread and not yet returned
-        self._flusher: asyncio.Task[None] | None = None
+        self._queue: deque[_Item] = deque()
+        self._queue_lock = threading.Lock()
+        self._on_thread = 0  # items handed to the thread and not yet answered
 
     # ── namespaces ──────────────────────────────────────────────────────────
 
@@ -120,48 +158,160 @@ class InProcessMemory:
     def cache(self, namespace: str) -> VectorCache:
         """The namespace's cache, made when first asked (NamespaceLimitError past the limit
         of namespaces that hold entries)."""
+        self._admit(namespace, set())
         with self._lock:
             found = self._caches.get(namespace)
-            if found is not None:
-                return found
-            holding = sum(1 for c in self._caches.values() if c.size)
-            if holding >= self.max_namespaces:
-                raise NamespaceLimitError(
-                    f"namespace {namespace!r} would be number {holding + 1}: "
-                    f"KP_MAX_NAMESPACES is {self.max_namespaces} (clear a namespace first)"
-                )
-            made = self._caches[namespace] = self._new_cache()
-            return made
+            if found is None:
+                found = self._caches[namespace] = self._new_cache()
+            return found
+
+    def _admit(self, namespace: str, fresh: set[str]) -> None:
+        """NamespaceLimitError unless `namespace` holds entries, or may start to beside the
+        ones that do and the `fresh` ones about to (added to `fresh` when new)."""
+        with self._lock:
+            found = self._caches.get(namespace)
+            if (found is not None and found.size) or namespace in fresh:
+                return
+            holding = sum(1 for c in self._caches.values() if c.size) + len(fresh)
+        if holding >= self.max_namespaces:
+            raise NamespaceLimitError(
+                f"namespace {namespace!r} would be number {holding + 1}: "
+                f"KP_MAX_NAMESPACES is {self.max_namespaces} (clear a namespace first)"
+            )
+        fresh.add(namespace)
 
     def _forget_empty(self) -> None:
         """Drops empty caches but the default's (their counters go with them); in the
         memory's order only, so that no queued change holds a cache that was dropped."""
-        for name in [n for n, c in self._caches.items() if n != DEFAULT_NAMESPACE and not c.size]:
-            del self._caches[name]
+        with self._lock:
+            for name in [
+                n for n, c in self._caches.items() if n != DEFAULT_NAMESPACE and not c.size
+            ]:
+                del self._caches[name]
+
+    def _made(self, namespace: str) -> VectorCache:
+        """The namespace's cache, made without a check (admitted already)."""
+        with self._lock:
+            found = self._caches.get(namespace)
+            if found is None:
+                found = self._caches[namespace] = self._new_cache()
+            return found
 
     def _existing(self, namespace: str) -> VectorCache:
         """The namespace's cache, or an empty one that is not kept (reads never make one)."""
         with self._lock:
             return self._caches.get(namespace) or self._new_cache()
 
-    def _searches_take_milliseconds(self, namespace: str) -> bool:
+    def _large(self, namespace: str) -> bool:
         cache = self._caches.get(namespace)
         return cache is not None and cache.size >= self.off_loop_from
 
-    async def _in_order(self, namespace: str, work: Callable[[], T]) -> T:
-        if self._on_thread == 0 and not self._searches_take_milliseconds(namespace):
+    # ── the order ───────────────────────────────────────────────────────────
+
+    async def _in_order(self, namespace: str, work: Callable[[], T], *, disk: bool) -> T:
+        """`work` in the memory's order: here, when nothing is queued, it needs no disk and
+        the namespace is small; else on the in-order thread."""
+        if self._on_thread == 0 and not disk and not self._large(namespace):
             return work()
+        loop = asyncio.get_running_loop()
+        result: T = await self._submit(_Item(loop, loop.create_future(), work=work))
+        return result
+
+    async def _submit(self, item: _Item) -> Any:
+        with self._queue_lock:
+            self._queue.append(item)
         self._on_thread += 1
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._in_order_thread, work)
+            self._in_order_thread.submit(self._drain)
+            return await item.future
         finally:
             self._on_thread -= 1
+
+    def _drain(self) -> None:
+        """On the in-order thread: every queued item in order, the adds at the head of the
+        queue as one group."""
+        while True:
+            with self._queue_lock:
+                if not self._queue:
+                    return
+                first = self._queue.popleft()
+                group = [first]
+                if first.work is None:
+                    while self._queue and self._queue[0].work is None:
+                        group.append(self._queue.popleft())
+            if first.work is not None:
+                try:
+                    _settle(first, first.work(), None)
+                except Exception as exc:  # the caller's to handle
+                    _settle(first, None, exc)
+            else:
+                try:
+                    outcomes = self._add_group(group)
+                except Exception as exc:  # a bad vector: every request of the group hears it
+                    outcomes = [exc] * len(group)
+                for item, outcome in zip(group, outcomes, strict=True):
+                    if isinstance(outcome, Exception):
+                        _settle(item, None, outcome)
+                    else:
+                        _settle(item, outcome, None)
+
+    def _add_group(self, group: Sequence[_Item]) -> list[list[Comparison] | Exception]:
+        """Adds committed as one transaction: compared in order as if each were added, the
+        transaction committed, then added. When it fails, each trace is compared with the
+        memory as it is (nothing of the group in it) and answered as not stored."""
+        store = self.store
+        assert store is not None
+        outcomes: list[list[Comparison] | Exception] = []
+        pending: dict[str, list[Pending]] = {}
+        held: dict[str, int] = {}
+        fresh: set[str] = set()
+        for item in group:
+            try:
+                self._admit(item.namespace, fresh)
+            except NamespaceLimitError as exc:
+                outcomes.append(exc)
+                continue
+            cache = self._existing(item.namespace)
+            held.setdefault(item.namespace, cache.size)
+            queued = pending.setdefault(item.namespace, [])
+            outcomes.append(
+                compare_pending(cache, item.vectors, item.trace_ids, queued, stored=True)
+            )
+        rows = [
+            NewRow(ns, trace_id, at, _wire(vector))
+            for ns, queued in pending.items()
+            for vector, trace_id, at in queued
+        ]
+        try:
+            store.write(rows, held=held)
+        except StorageError as exc:
+            return [
+                outcome if isinstance(outcome, Exception) else self._unstored(item, str(exc))
+                for item, outcome in zip(group, outcomes, strict=True)
+            ]
+        for namespace, queued in pending.items():
+            if queued:
+                self._made(namespace).extend(
+                    np.stack([v for v, _, _ in queued]),
+                    np.array([at for _, _, at in queued], dtype=np.float64),
+                    [trace_id for _, trace_id, _ in queued],
+                )
+        return outcomes
+
+    def _unstored(self, item: _Item, reason: str) -> list[Comparison]:
+        """Each trace of `item` against the memory alone, answered as not stored."""
+        cache = self._existing(item.namespace)
+        return [
+            replace(compare_pending(cache, [v], [t], [])[0], not_stored=reason)
+            for v, t in zip(item.vectors, item.trace_ids, strict=True)
+        ]
 
     # ── the interface ───────────────────────────────────────────────────────
 
     @property
     def backend(self) -> BackendInfo:
-        return BackendInfo("in_process", False, None, None, True, None, 0)
+        location = None if self.store is None else str(self.store.path)
+        return BackendInfo("in_process", False, location, None, True, None, 0)
 
     @property
     def size(self) -> int:
@@ -178,64 +328,41 @@ class InProcessMemory:
             return sum(c.evictions_total for c in self._caches.values())
 
     def health(self) -> Health:
-        return Health()
+        return Health() if self.store is None else self.store.health()
 
     async def start(self) -> None:
-        if self.journal is not None and self.journal.fsync == "everysec":
-            self._flusher = asyncio.create_task(self._flush_every_second(self.journal))
+        """Loads the database (off the loop) when there is one."""
+        store = self.store
+        if store is None:
+            return
+
+        def open_and_trim() -> None:
+            store.open(self)
+            with self._lock:
+                held = {ns: c.size for ns, c in self._caches.items()}
+            # Rows past the capacity or the TTL (or of a smaller capacity than before).
+            if any(store.rows(ns) > kept for ns, kept in held.items()):
+                with contextlib.suppress(StorageError):
+                    store.write(held=held)
+
+        await asyncio.to_thread(open_and_trim)
+
+    # LoadTarget (app/store/sqlite_memory.py): where the database's entries go at start.
+
+    def load(self, namespace: str, entries: CacheEntries) -> None:
+        self._made(namespace).extend(entries.vectors, entries.added_at_ms, entries.ids())
+
+    def reserve(self, namespace: str, rows: int) -> None:
+        self._made(namespace).reserve(rows)
+
+    def reset(self) -> None:
+        with self._lock:
+            self._caches.clear()
 
     async def close(self) -> None:
-        if self._flusher is not None:
-            self._flusher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._flusher
         await asyncio.to_thread(self._in_order_thread.shutdown)
-        if self.journal is not None:
-            await asyncio.to_thread(self.journal.close)
-
-    @staticmethod
-    async def _flush_every_second(journal: Journal) -> None:
-        while True:
-            await asyncio.sleep(1.0)
-            await asyncio.to_thread(journal.sync)
-
-    def _journaled(
-        self, namespace: str, change: Callable[[VectorCache], T], *, clear: bool = False
-    ) -> Callable[[], T]:
-        """`change` on the namespace's cache as it is when its turn comes (made then if
-        needed), then its record in the journal (which keeps the default namespace), as one
-        step no rotation comes between."""
-        journal = self.journal
-
-        def target() -> VectorCache:
-            # A clear never makes a namespace (nor counts against the limit).
-            return self._existing(namespace) if clear else self.cache(namespace)
-
-        if journal is None or namespace != DEFAULT_NAMESPACE:
-            return lambda: change(target())
-
-        def step() -> T:
-            cache = target()
-            with journal.lock:
-                _, before = cache.sequence_range
-                result = change(cache)
-                if clear:
-                    journal.record_clear()
-                else:
-                    first, after = cache.sequence_range
-                    journal.record_adds(cache.entries_between(max(first, before), after))
-                return result
-
-        return step
-
-    async def _durable(self, namespace: str, *, always: bool) -> None:
-        """Before the answer: flushed to disk when the policy (or the change: imports and
-        clears) asks for it; else written, and flushed within a second."""
-        journal = self.journal
-        if namespace != DEFAULT_NAMESPACE or journal is None:
-            return
-        if always or journal.fsync == "always":
-            await asyncio.to_thread(journal.sync)
+        if self.store is not None:
+            await asyncio.to_thread(self.store.close)
 
     async def compare(
         self, namespace: str, vectors: Sequence[Vector], trace_ids: Sequence[str], *, add: bool
@@ -244,13 +371,17 @@ class InProcessMemory:
             return await self._in_order(
                 namespace,
                 lambda: compare_in_order(self._existing(namespace), vectors, trace_ids, add=False),
+                disk=False,
             )
-
-        def work(cache: VectorCache) -> list[Comparison]:
-            return compare_in_order(cache, vectors, trace_ids, add=True)
-
-        results = await self._in_order(namespace, self._journaled(namespace, work))
-        await self._durable(namespace, always=False)
+        if self.store is None:
+            return await self._in_order(
+                namespace,
+                lambda: compare_in_order(self.cache(namespace), vectors, trace_ids, add=True),
+                disk=False,
+            )
+        loop = asyncio.get_running_loop()
+        item = _Item(loop, loop.create_future(), None, namespace, vectors, trace_ids)
+        results: list[Comparison] = await self._submit(item)
         return results
 
     async def namespaces(self) -> list[str]:
@@ -261,14 +392,21 @@ class InProcessMemory:
         return self._existing(namespace).stats()
 
     async def clear(self, namespace: str) -> int:
-        def work(cache: VectorCache) -> int:
-            cleared = cache.clear()
+        def work() -> int:
+            if self.store is not None:
+                try:
+                    self.store.write(clear=namespace)
+                except StorageError as exc:
+                    raise MemoryUnavailableError(
+                        f"the memory's database cannot be written ({exc}): nothing was cleared"
+                    ) from None
+            with self._lock:
+                cache = self._caches.get(namespace)
+            cleared = 0 if cache is None else cache.clear()
             self._forget_empty()
             return cleared
 
-        cleared = await self._in_order(namespace, self._journaled(namespace, work, clear=True))
-        await self._durable(namespace, always=True)
-        return cleared
+        return await self._in_order(namespace, work, disk=self.store is not None)
 
     async def export_chunks(self, namespace: str) -> AsyncIterator[CacheEntries]:
         for chunk in self._existing(namespace).chunks():
@@ -278,8 +416,48 @@ class InProcessMemory:
     async def import_entries(self, namespace: str, entries: CacheEntries) -> tuple[int, int]:
         if not len(entries.vectors):
             return 0, 0
-        counts = await self._in_order(
-            namespace, self._journaled(namespace, lambda cache: cache.append(entries))
-        )
-        await self._durable(namespace, always=True)
-        return counts
+
+        def work() -> tuple[int, int]:
+            store = self.store
+            cache = self.cache(namespace)
+            if store is None:
+                return cache.append(entries)
+            now = cache.now_ms()
+            times = np.minimum(np.asarray(entries.added_at_ms, dtype=np.float64), now)
+            keep = np.ones(len(times), dtype=bool)
+            if self.ttl_ms is not None:
+                keep = np.asarray(entries.added_at_ms) > now - self.ttl_ms
+            ids = [trace_id for trace_id, kept in zip(entries.ids(), keep, strict=True) if kept]
+            vectors, times = np.asarray(entries.vectors)[keep], times[keep]
+            rows = [
+                NewRow(namespace, trace_id, float(at), _wire(vector))
+                for trace_id, at, vector in zip(ids, times, vectors, strict=True)
+            ]
+            try:
+                store.write(rows, held={namespace: cache.size})
+            except StorageError as exc:
+                raise MemoryUnavailableError(
+                    f"the memory's database cannot be written ({exc}): nothing was imported"
+                ) from None
+            cache.extend(vectors, times, ids)
+            return len(ids), len(keep) - len(ids)
+
+        return await self._in_order(namespace, work, disk=self.store is not None)
+
+
+def _settle(item: _Item, result: Any, error: Exception | None) -> None:
+    """Hands an outcome to the waiting request, on its loop (it may have gone: cancelled)."""
+
+    def settle() -> None:
+        if item.future.done():
+            return
+        if error is not None:
+            item.future.set_exception(error)
+        else:
+            item.future.set_result(result)
+
+    item.loop.call_soon_threadsafe(settle)
+
+
+def _wire(vector: Vector) -> bytes:
+    return np.ascontiguousarray(vector, dtype="<f4").tobytes()

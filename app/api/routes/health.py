@@ -50,7 +50,7 @@ async def readyz(services: ServicesDep, request: Request) -> ReadyOut:
         cache_size=services.memory.size,
         cache_backend=backend_out(services.memory.backend),
         admin_auth=not services.settings.cache_open,
-        snapshot=snapshot_out(services.snapshots.status),
+        snapshot=snapshot_out(services.runtime.storage_status()),
         warnings=[*health.warnings, *mcp_warnings],
     )
 

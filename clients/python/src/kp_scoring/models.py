@@ -130,6 +130,9 @@ class SnapshotOut(_Answer):
     last_save_error: str | None
     saves_total: int
     save_errors_total: int
+    #: The in-process memory's database (None from an older service, which kept snapshots).
+    checksum_failures_total: int | None = None
+    durability: str | None = None
 
 
 class ReadyOut(_Answer):

@@ -1,0 +1,633 @@
+"""The in-process memory's persistence: one SQLite database (Python's sqlite3, WAL mode)
+(docs/operating/persistence.md).
+
+One table holds every namespace's entries in the order they were added (its rowid); each row
+carries a CRC-32 of its namespace, trace id, time and vector bytes, because SQLite checks a
+file's structure, not what a row holds. Every change is one transaction, committed before its
+answer (app/store/in_process.py groups concurrent requests into one); `KP_CACHE_DURABILITY`
+is SQLite's `synchronous`: NORMAL (a process crash loses nothing committed) or FULL (a power
+loss neither).
+
+The database may hold more rows than the memory (entries the memory evicted or let expire
+since the last change of their namespace): a start keeps the newest of each namespace within
+the capacity and the TTL, as the memory does, and each write trims what the memory no longer
+holds.
+
+At start: a file that fails SQLite's quick check is copied aside byte for byte and what can
+be read of it, row by row, is kept in a new database; a row failing its checksum is never
+served (dropped, counted); a database of another model is set aside; a snapshot of the former
+format is converted once (app/store/former_files.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import sqlite3
+import struct
+import time
+import zlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import numpy as np
+
+from app.core.health import Health
+from app.core.states import SnapshotState
+from app.domain.vector_cache import CHUNK, CacheEntries
+from app.store.former_files import (
+    FormerFilesError,
+    is_former_snapshot,
+    journal_files,
+    read_former,
+)
+
+log = logging.getLogger(__name__)
+
+Durability = Literal["process", "power"]
+SYNCHRONOUS: dict[Durability, str] = {"process": "NORMAL", "power": "FULL"}
+SCHEMA_VERSION = 1
+SQLITE_HEADER = b"SQLite format 3\x00"
+_TIME = struct.Struct("<d")
+#: Row ids read at a time when a damaged file is read row by row.
+_RECOVER_BLOCK = 256
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS entries (
+    id INTEGER PRIMARY KEY,
+    namespace TEXT NOT NULL,
+    trace_id TEXT NOT NULL,
+    added_at_ms REAL NOT NULL,
+    vector BLOB NOT NULL,
+    checksum INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS entries_by_namespace ON entries (namespace, id);
+"""
+_INSERT = (
+    "INSERT INTO entries (namespace, trace_id, added_at_ms, vector, checksum) "
+    "VALUES (?, ?, ?, ?, ?)"
+)
+_TRIM = (
+    "DELETE FROM entries WHERE id IN "
+    "(SELECT id FROM entries WHERE namespace = ? ORDER BY id LIMIT ?)"
+)
+_COLUMNS = "id, namespace, trace_id, added_at_ms, vector, checksum"
+
+
+def entry_checksum(namespace: str, trace_id: str, added_at_ms: float, vector: bytes) -> int:
+    """CRC-32 of the vector's bytes, the time and the names: what a row must still hold."""
+    crc = zlib.crc32(vector)
+    crc = zlib.crc32(_TIME.pack(added_at_ms), crc)
+    return zlib.crc32(f"{namespace}\x00{trace_id}".encode(), crc)
+
+
+class StorageError(Exception):
+    """The database could not be written; the message is SQLite's (or the system's) reason."""
+
+
+@dataclass
+class StorageStatus:
+    """The database, for operators (/readyz, metrics, the log)."""
+
+    path: Path | None
+    state: SnapshotState
+    detail: str | None = None  # what happened to the file at start
+    loaded_vectors: int = 0
+    last_saved_at_ms: float | None = None  # the last commit
+    last_save_error: str | None = None  # from a failed write until one succeeds
+    saves_total: int = 0  # commits
+    save_errors_total: int = 0  # failed writes
+    checksum_failures_total: int = 0  # rows dropped at start: their checksum failed
+    durability: Durability | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class NewRow:
+    namespace: str
+    trace_id: str
+    added_at_ms: float
+    vector: bytes  # little-endian float32
+
+    def values(self) -> tuple[str, str, float, bytes, int]:
+        checksum = entry_checksum(self.namespace, self.trace_id, self.added_at_ms, self.vector)
+        return self.namespace, self.trace_id, self.added_at_ms, self.vector, checksum
+
+
+Loader = Callable[[str, CacheEntries], None]
+
+
+class LoadTarget(Protocol):
+    """Where a start's entries go (the memory)."""
+
+    def load(self, namespace: str, entries: CacheEntries) -> None:
+        """The next entries of the namespace, oldest first."""
+
+    def reserve(self, namespace: str, rows: int) -> None:
+        """About `rows` entries of the namespace follow."""
+
+    def reset(self) -> None:
+        """Forget what was loaded: the file turned out damaged part way."""
+
+
+class Discard:
+    """A LoadTarget that keeps nothing (tools that only write a database)."""
+
+    def load(self, namespace: str, entries: CacheEntries) -> None:
+        pass
+
+    def reserve(self, namespace: str, rows: int) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+
+class SqliteStore:
+    """The database of one process's memory; used by one thread at a time (the memory's
+    in-order thread after `open`)."""
+
+    def __init__(self, path: Path, model_id: str, dimensions: int, durability: Durability):
+        self.path = path
+        self.model_id = model_id
+        self.dimensions = dimensions
+        self.durability = durability
+        self.status = StorageStatus(path, SnapshotState.NONE, durability=durability)
+        self._conn: sqlite3.Connection | None = None
+        self._unopened: str | None = None  # why the database could not be opened
+        self._rows: dict[str, int] = {}  # rows each namespace holds in the database
+        self._start_warnings: list[str] = []
+        self._counts: dict[str, int] = {}  # rows of each namespace, as the index counts them
+        self._bad: list[int] = []  # ids of rows that failed their checksum at start
+
+    # ── start ───────────────────────────────────────────────────────────────
+
+    def open(self, target: LoadTarget) -> None:
+        """Opens (converting, recovering or making) the database and hands its entries to
+        `load`, a chunk of one namespace at a time, oldest first. A database that cannot be
+        opened leaves the memory empty and every write failing with the reason (health)."""
+        try:
+            self._open(target)
+        except (sqlite3.Error, OSError) as exc:
+            self._unopened = _reason(exc)
+            self.status.state, self.status.detail = SnapshotState.ERROR, self._unopened
+            self._conn = None
+            log.error(
+                "cache database cannot be opened: traces are scored but not stored",
+                extra={"path": str(self.path), "reason": self._unopened},
+            )
+
+    def _open(self, target: LoadTarget) -> None:
+        path = self.path
+        if path.exists() and is_former_snapshot(path):
+            self._convert(target)
+            return
+        if path.exists() and path.stat().st_size and not _has_sqlite_header(path):
+            self._recover(target, "not an SQLite database")
+            return
+        conn: sqlite3.Connection | None = None
+        try:
+            conn = self._connect(path)
+            other = self._other_model(conn)
+            if other is None:
+                # Every page of the index and of the table is read: a damaged one fails the
+                # read (SQLITE_CORRUPT), or the two disagree on the count.
+                counts = dict(
+                    conn.execute(
+                        "SELECT namespace, count(*) FROM entries INDEXED BY "
+                        "entries_by_namespace GROUP BY namespace"
+                    ).fetchall()
+                )
+                self._counts = counts
+                loaded = self._load_rows(conn, target)
+                if loaded + self.status.checksum_failures_total != sum(counts.values()):
+                    raise sqlite3.DatabaseError(
+                        f"the index counts {sum(counts.values())} entries, the table "
+                        f"{loaded + self.status.checksum_failures_total}"
+                    )
+        except sqlite3.OperationalError:
+            raise  # not damage: the file cannot be opened or is busy (open() reports it)
+        except sqlite3.DatabaseError as exc:  # SQLITE_CORRUPT, SQLITE_NOTADB
+            if conn is not None:
+                with contextlib.suppress(sqlite3.Error):
+                    conn.close()
+            self._reset_loaded(target)
+            self._recover(target, _reason(exc))
+            return
+        assert conn is not None
+        if other is not None:
+            conn.close()
+            self._set_aside(other)
+            self._conn = self._connect(path)
+            self._write_meta(self._conn)
+            return
+        self._write_meta(conn)
+        self._conn = conn
+        self._drop(conn, self._bad)
+        self.status.state = SnapshotState.LOADED if loaded else SnapshotState.NONE
+        self.status.loaded_vectors = loaded
+        log.info("cache database opened", extra={"path": str(path), "entries": loaded})
+
+    def _connect(self, path: Path) -> sqlite3.Connection:
+        conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute(f"PRAGMA synchronous={SYNCHRONOUS[self.durability]}")
+        conn.executescript(_SCHEMA)
+        return conn
+
+    def _write_meta(self, conn: sqlite3.Connection) -> None:
+        conn.executemany(
+            "INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
+            [
+                ("schema", str(SCHEMA_VERSION)),
+                ("model", self.model_id),
+                ("dimensions", str(self.dimensions)),
+            ],
+        )
+
+    def _other_model(self, conn: sqlite3.Connection) -> str | None:
+        meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
+        model, dimensions = meta.get("model"), meta.get("dimensions")
+        if model is None or (model == self.model_id and dimensions == str(self.dimensions)):
+            return None
+        return (
+            f"the database is from model {model} ({dimensions} dimensions); this service runs "
+            f"{self.model_id} ({self.dimensions} dimensions)"
+        )
+
+    def _load_rows(self, conn: sqlite3.Connection, target: LoadTarget) -> int:
+        """Every good row to `target`, a chunk per namespace; the ids of bad ones kept (and
+        counted) for _drop."""
+        for namespace, count in self._counts.items():
+            target.reserve(namespace, count)
+        rows = conn.execute(f"SELECT {_COLUMNS} FROM entries ORDER BY id")
+        self._bad = self._dispatch(iter(lambda: rows.fetchmany(CHUNK), []), target.load)
+        return sum(self._rows.values())
+
+    def _drop(self, conn: sqlite3.Connection, bad: list[int]) -> None:
+        """Deletes the rows that failed their checksum (they are never served)."""
+        if bad:
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("BEGIN IMMEDIATE")
+                conn.executemany("DELETE FROM entries WHERE id = ?", [(b,) for b in bad])
+                conn.execute("COMMIT")
+
+    def _reset_loaded(self, target: LoadTarget) -> None:
+        self._rows.clear()
+        self._bad = []
+        self.status.checksum_failures_total = 0
+        self._start_warnings.clear()
+        target.reset()
+
+    def _dispatch(self, batches: Iterable[list[Any]], load: Loader) -> list[int]:
+        """Rows (id, namespace, trace_id, added_at_ms, vector, checksum) to `load`, checked;
+        the ids of those that fail their checksum."""
+        size = self.dimensions * 4
+        pending: dict[str, list[Any]] = {}  # rows as read, per namespace
+        bad: list[int] = []
+
+        def flush(namespace: str) -> None:
+            chunk = pending.pop(namespace, [])
+            if not chunk:
+                return
+            vectors = np.frombuffer(b"".join([r[4] for r in chunk]), "<f4").reshape(
+                len(chunk), self.dimensions
+            )
+            finite = np.isfinite(vectors).all(axis=1)  # a checksum of a bad vector is no proof
+            if not finite.all():
+                bad.extend(r[0] for r, ok in zip(chunk, finite, strict=True) if not ok)
+                chunk = [r for r, ok in zip(chunk, finite, strict=True) if ok]
+                vectors = vectors[finite]
+            self._rows[namespace] = self._rows.get(namespace, 0) + len(chunk)
+            load(
+                namespace,
+                CacheEntries(
+                    vectors.astype(np.float32, copy=False),  # copied into the ring
+                    np.array([r[3] for r in chunk], dtype=np.float64),
+                    [r[2] for r in chunk],
+                ),
+            )
+
+        def take(namespace: str, rows: list[Any]) -> None:
+            held = pending.setdefault(namespace, [])
+            held.extend(rows)
+            if len(held) >= CHUNK:
+                flush(namespace)
+
+        for batch in batches:
+            if not batch:
+                continue
+            good = self._checked(batch, size)
+            first = batch[0][1]
+            if all(good) and all(r[1] == first for r in batch):
+                take(str(first), batch)  # the common case: one namespace, nothing damaged
+                continue
+            for row, ok in zip(batch, good, strict=True):
+                if ok:
+                    take(str(row[1]), [row])
+                else:
+                    bad.append(row[0])
+        for namespace in list(pending):
+            flush(namespace)
+        if bad:
+            self.status.checksum_failures_total += len(bad)
+            warning = (
+                f"cache database: {len(bad)} entries failed their checksum at start and were "
+                "dropped (never served)"
+            )
+            self._start_warnings.append(warning)
+            log.error(warning, extra={"path": str(self.path), "dropped": len(bad)})
+        return bad
+
+    @staticmethod
+    def _checked(batch: list[Any], size: int) -> list[bool]:
+        """Whether each row (id, namespace, trace_id, added_at_ms, vector, checksum) holds
+        what its checksum says (entry_checksum, inlined: it runs once a row)."""
+        crc32, pack = zlib.crc32, _TIME.pack
+        try:
+            return [
+                len(r[4]) == size
+                and r[5] == crc32(f"{r[1]}\x00{r[2]}".encode(), crc32(pack(r[3]), crc32(r[4])))
+                for r in batch
+            ]
+        except (TypeError, struct.error):  # a value of another type somewhere: row by row
+            return [_row_ok(r, size) for r in batch]
+
+    def _recover(self, target: LoadTarget, why: str) -> None:
+        """Copies the damaged file aside byte for byte, keeps what can be read of it row by
+        row in a new database, and says how many (log, health until the next start)."""
+        path = self.path
+        aside = path.with_name(f"{path.name}.damaged-{int(time.time())}")
+        shutil.copyfile(path, aside)
+        for suffix in ("-wal", "-shm"):
+            extra = Path(f"{path}{suffix}")
+            if extra.exists():
+                shutil.copyfile(extra, Path(f"{aside}{suffix}"))
+        scratch = path.with_name(f"{path.name}.reading")
+        rows: list[Any] = []
+        try:
+            shutil.copyfile(path, scratch)
+            wal = Path(f"{path}-wal")
+            if wal.exists():
+                shutil.copyfile(wal, Path(f"{scratch}-wal"))
+            rows = list(_readable_rows(scratch))
+        finally:
+            for leftover in (scratch, Path(f"{scratch}-wal"), Path(f"{scratch}-shm")):
+                with contextlib.suppress(OSError):
+                    leftover.unlink()
+        _remove_database(path)
+        conn = self._connect(path)
+        self._write_meta(conn)
+        kept: list[tuple[str, str, float, bytes, int]] = []
+
+        def keep(namespace: str, entries: CacheEntries) -> None:
+            for trace_id, added_at, vector in zip(
+                entries.ids(), entries.added_at_ms, entries.vectors, strict=True
+            ):
+                kept.append(NewRow(namespace, trace_id, float(added_at), _wire(vector)).values())
+            target.load(namespace, entries)
+
+        self._dispatch([rows], keep)
+        conn.execute("BEGIN IMMEDIATE")
+        conn.executemany(_INSERT, kept)
+        conn.execute("COMMIT")
+        self._conn = conn
+        detail = (
+            f"the database was damaged ({why}); copied to {aside.name}; "
+            f"{len(kept)} entries kept of {len(rows)} readable rows"
+        )
+        self.status.state, self.status.detail = SnapshotState.RECOVERED, detail
+        self.status.loaded_vectors = len(kept)
+        self._start_warnings.append(f"cache database recovered at start: {detail}")
+        log.error(
+            "cache database damaged: what could be read was kept",
+            extra={"path": str(path), "aside": str(aside), "kept": len(kept), "reason": why},
+        )
+
+    def _convert(self, target: LoadTarget) -> None:
+        """The former snapshot and journal, read once into a new database; the former files
+        kept beside it (`<name>.old-format`)."""
+        path = self.path
+        aside = path.with_name(f"{path.name}.old-format")
+        try:
+            former = read_former(path, self.model_id, self.dimensions)
+        except (FormerFilesError, OSError, ValueError) as exc:
+            os.replace(path, aside)
+            for _, journal in journal_files(path):
+                os.replace(journal, journal.with_name(f"{journal.name}.old-format"))
+            message = (
+                f"the former snapshot at {path.name} cannot be converted ({exc}); kept as "
+                f"{aside.name}: export it with the former release (GET /cache/export) and "
+                "import it here (POST /cache/import)"
+            )
+            self.status.state, self.status.detail = SnapshotState.SET_ASIDE, message
+            self._start_warnings.append(message)
+            log.error("cache snapshot not converted", extra={"reason": message})
+            self._conn = self._connect(path)
+            self._write_meta(self._conn)
+            return
+        building = path.with_name(f"{path.name}.converting")
+        _remove_database(building)
+        conn = self._connect(building)
+        self._write_meta(conn)
+        e = former.entries
+        conn.execute("BEGIN IMMEDIATE")
+        conn.executemany(
+            _INSERT,
+            (
+                NewRow("default", trace_id, float(t), _wire(v)).values()
+                for trace_id, t, v in zip(e.ids(), e.added_at_ms, e.vectors, strict=True)
+            ),
+        )
+        conn.execute("COMMIT")
+        conn.close()
+        shutil.copyfile(path, aside)  # beside it before the database takes its name
+        _fsync_file(aside)
+        os.replace(building, path)
+        for suffix in ("-wal", "-shm"):
+            with contextlib.suppress(OSError):
+                os.replace(Path(f"{building}{suffix}"), Path(f"{path}{suffix}"))
+        for _, journal in journal_files(path):
+            os.replace(journal, journal.with_name(f"{journal.name}.old-format"))
+        self._conn = self._connect(path)
+        loaded = self._load_rows(self._conn, target)
+        self._drop(self._conn, self._bad)
+        self.status.state = SnapshotState.CONVERTED
+        self.status.loaded_vectors = loaded
+        self.status.detail = (
+            f"converted from the former snapshot and journal ({len(e.vectors)} entries, "
+            f"{former.records_dropped} journal records cut short); kept as {aside.name}"
+        )
+        log.warning(
+            "cache snapshot converted to the database",
+            extra={"path": str(path), "entries": loaded, "former": str(aside)},
+        )
+
+    def _set_aside(self, why: str) -> None:
+        path = self.path
+        aside = path.with_name(f"{path.name}.other_model-{int(time.time())}")
+        os.replace(path, aside)
+        for suffix in ("-wal", "-shm"):
+            with contextlib.suppress(OSError):
+                os.replace(Path(f"{path}{suffix}"), Path(f"{aside}{suffix}"))
+        detail = f"{why}; moved to {aside.name}"
+        self.status.state, self.status.detail = SnapshotState.SET_ASIDE, detail
+        self._start_warnings.append(f"cache database set aside: {detail}")
+        log.error("cache database set aside; starting empty", extra={"reason": detail})
+
+    # ── writes ──────────────────────────────────────────────────────────────
+
+    def rows(self, namespace: str) -> int:
+        return self._rows.get(namespace, 0)
+
+    def write(
+        self,
+        rows: Sequence[NewRow] = (),
+        *,
+        held: dict[str, int] | None = None,
+        clear: str | None = None,
+    ) -> None:
+        """One transaction, committed: `rows` appended; for each namespace in `held` (the
+        entries the memory holds of it, before these rows), the rows the memory no longer
+        holds deleted, oldest first; `clear`: every row of that namespace deleted.
+        StorageError (nothing changed) when it cannot be committed."""
+        conn = self._conn
+        if conn is None:
+            self._failed(self._unopened or "the database is not open")
+        assert conn is not None
+        trims = {
+            ns: self.rows(ns) - kept for ns, kept in (held or {}).items() if self.rows(ns) > kept
+        }
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            for namespace, excess in trims.items():
+                conn.execute(_TRIM, (namespace, excess))
+            if clear is not None:
+                conn.execute("DELETE FROM entries WHERE namespace = ?", (clear,))
+            conn.executemany(_INSERT, (row.values() for row in rows))
+            conn.execute("COMMIT")
+        except (sqlite3.Error, OSError) as exc:
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("ROLLBACK")
+            self._failed(_reason(exc))
+        for namespace, excess in trims.items():
+            self._rows[namespace] -= excess
+        if clear is not None:
+            self._rows.pop(clear, None)
+        for row in rows:
+            self._rows[row.namespace] = self._rows.get(row.namespace, 0) + 1
+        status = self.status
+        if status.last_save_error is not None:
+            log.warning("cache database written again", extra={"path": str(self.path)})
+        status.last_save_error = None
+        status.saves_total += 1
+        status.last_saved_at_ms = time.time() * 1000.0
+
+    def _failed(self, reason: str) -> None:
+        status = self.status
+        if status.last_save_error is None:
+            log.error(
+                "cache database not written: traces are scored but not stored",
+                extra={"path": str(self.path), "reason": reason},
+            )
+        status.last_save_error = reason
+        status.save_errors_total += 1
+        raise StorageError(reason)
+
+    def close(self) -> None:
+        if self._conn is not None:
+            with contextlib.suppress(sqlite3.Error):
+                self._conn.close()
+            self._conn = None
+
+    def health(self) -> Health:
+        """Warnings, never degraded: novelty is measured whatever the file does."""
+        warnings = list(self._start_warnings)
+        if self.status.last_save_error is not None:
+            warnings.append(
+                f"cache database not written: {self.status.last_save_error} (traces are "
+                "scored but not stored, novelty.stored is false)"
+            )
+        return Health(warnings=tuple(warnings))
+
+
+def _row_ok(row: Any, size: int) -> bool:
+    try:
+        _, namespace, trace_id, added_at, vector, checksum = row
+        return bool(
+            isinstance(namespace, str)
+            and isinstance(trace_id, str)
+            and len(vector) == size
+            and checksum == entry_checksum(namespace, trace_id, added_at, vector)
+        )
+    except (TypeError, ValueError, struct.error):
+        return False
+
+
+def _wire(vector: np.ndarray) -> bytes:
+    return np.ascontiguousarray(vector, dtype="<f4").tobytes()
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return str(exc) or type(exc).__name__
+
+
+def _has_sqlite_header(path: Path) -> bool:
+    with path.open("rb") as f:
+        return f.read(len(SQLITE_HEADER)) == SQLITE_HEADER
+
+
+def _remove_database(path: Path) -> None:
+    for each in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
+        with contextlib.suppress(FileNotFoundError):
+            each.unlink()
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _readable_rows(path: Path) -> Iterator[Any]:
+    """The entries a damaged database still yields, read a block of ids at a time and,
+    where a block fails, one id at a time (a broken page costs only its own rows)."""
+    try:
+        conn = sqlite3.connect(path, isolation_level=None)
+    except sqlite3.Error:
+        return
+    try:
+        try:
+            top = conn.execute("SELECT max(id) FROM entries").fetchone()[0]
+        except sqlite3.Error:
+            top = None
+        if top is None:
+            top = _highest_readable_id(conn)
+        query = f"SELECT {_COLUMNS} FROM entries WHERE id BETWEEN ? AND ? ORDER BY id"
+        for start in range(1, int(top) + 1, _RECOVER_BLOCK):
+            stop = start + _RECOVER_BLOCK - 1
+            try:
+                yield from conn.execute(query, (start, stop)).fetchall()
+            except sqlite3.Error:
+                for one in range(start, stop + 1):
+                    with contextlib.suppress(sqlite3.Error):
+                        yield from conn.execute(query, (one, one)).fetchall()
+    finally:
+        conn.close()
+
+
+def _highest_readable_id(conn: sqlite3.Connection) -> int:
+    """The largest id found by walking the table until it fails (0: none)."""
+    top = 0
+    with contextlib.suppress(sqlite3.Error):
+        for (row_id,) in conn.execute("SELECT id FROM entries ORDER BY id"):
+            top = int(row_id)
+    return top
