@@ -32,6 +32,13 @@ def run(host: str = "127.0.0.1", port: int = 8000) -> None:
 
     settings = Settings.from_env()
     configure_logging(settings.log_level)
+    if settings.redis_url is not None:
+        # One line, before the server starts, for a Redis without vector search.
+        from app.core.config import redis_location
+        from app.store.redis_vectors import refuse_without_query_engine
+
+        url = settings.redis_url.get_secret_value()
+        refuse_without_query_engine(url, redis_location(url))
     from app.main import create_app
 
     app = create_app(settings)

@@ -119,7 +119,7 @@ def exact_best(
     stored: Matrix, queries: Matrix
 ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]]:
     """The exact maximum cosine of each query over every stored vector, in float64, and the
-    row that has it."""
+    row that has it (ties: the newest, the last row, as the memory names them)."""
     best = np.full(len(queries), -1.0)
     where = np.zeros(len(queries), dtype=np.int64)
     q64 = queries.astype(np.float64)
@@ -128,9 +128,9 @@ def exact_best(
         block = stored[start : start + 100_000].astype(np.float64)
         block /= np.linalg.norm(block, axis=1, keepdims=True)
         scores = block @ q64.T
-        rows = scores.argmax(axis=0)
+        rows = len(block) - 1 - scores[::-1].argmax(axis=0)
         found = scores[rows, np.arange(len(queries))]
-        better = found > best
+        better = found >= best
         best = np.where(better, found, best)
         where = np.where(better, rows + start, where)
     return best, where

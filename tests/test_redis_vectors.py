@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -20,7 +23,7 @@ from app.domain.vector_cache import CacheEntries, exact_cosine
 from app.services.cache_transfer import LineReader, export_lines
 from app.store.base import Comparison, MemoryUnavailableError, NamespaceLimitError, Vector
 from app.store.redis_vectors import RedisVectorMemory
-from tests.server import RedisCluster, RedisServer
+from tests.server import RedisCluster, RedisServer, free_port
 
 pytestmark = pytest.mark.redis
 
@@ -348,8 +351,21 @@ def test_a_redis_without_the_query_engine_is_refused_at_start(tmp_path: Path) ->
 
     try:
         run(scenario)
+        # The service itself: one line on stderr, before it serves, and exit status 1.
+        env = dict(os.environ, KP_EMBEDDER="none", KP_REDIS_URL=plain.url)
+        started = subprocess.run(
+            [sys.executable, "-m", "app.serve", "--port", str(free_port())],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     finally:
         plain.stop()
+    assert started.returncode == 1
+    assert started.stderr.strip().count("\n") == 0, started.stderr
+    assert "KP_REDIS_URL" in started.stderr
+    assert "Query Engine" in started.stderr
 
 
 class _Records(logging.Handler):
@@ -374,6 +390,7 @@ def test_redis_down_at_start_then_back(tmp_path: Path) -> None:
             for _ in range(5):
                 with pytest.raises(MemoryUnavailableError, match=r"127\.0\.0\.1"):
                     await memory.compare(NS, v, ["t"], add=True)
+            assert (await memory.stats(NS)).size == 0  # GET /cache: the last view, no 503
             redis.start()
             for _ in range(600):  # the probe reconnects by itself
                 if memory.backend.available:
@@ -563,5 +580,137 @@ def test_entries_of_an_import_keep_their_order_and_times(
             (chunk,) = [c async for c in a.export_chunks(NS)]
             assert list(chunk.added_at_ms) == [1_000.0, 3_000.0, 3_000.0]
             assert list(chunk.ids()) == ["x", "y", "z"]
+
+    run(scenario)
+
+
+# ── a replica holds no copy ──────────────────────────────────────────────────────────
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.mark.server
+@pytest.mark.slow
+def test_a_replica_s_memory_does_not_grow_with_the_shared_memory(
+    redis_server: RedisServer, redis_prefix: str, tmp_path: Path
+) -> None:
+    """A replica with the real model scores dry runs against 1,000 entries, then against
+    100,000 loaded straight into Redis (the memory's own import, 150 MB of vectors): its
+    resident memory stays where it was, and it was ready at once both times."""
+    from tests.factories import TOPICS, make_trace
+    from tests.server import LiveServer
+
+    capacity = 100_000
+    env = {
+        "KP_EMBEDDER": "onnx",
+        "KP_EMBEDDER_PRELOAD": "true",
+        "KP_EMBEDDER_WORKERS": "1",
+        "KP_LOG_LEVEL": "warning",
+        "KP_REDIS_URL": redis_server.url,
+        "KP_REDIS_PREFIX": redis_prefix,
+        "KP_REDIS_TIMEOUT_MS": "10000",
+        "KP_CACHE_CAPACITY": str(capacity),
+        "KP_REDIS_HNSW_FROM": "0",  # FLAT: the test is about the replica, not the index
+    }
+    rng = np.random.default_rng(18)
+
+    async def load(count: int) -> None:
+        # No model named: the namespace takes the replica's at its first step.
+        async with replicas(
+            redis_server.url, redis_prefix, count=1, capacity=capacity, model=None, hnsw_from=0
+        ) as (m,):
+            for first in range(0, count, 10_000):
+                rows = rng.standard_normal((10_000, 384)).astype(np.float32)
+                rows /= np.linalg.norm(rows, axis=1, keepdims=True)
+                ids = [f"kp:trace:load-{first + i}" for i in range(10_000)]
+                times = np.full(10_000, 1e12)
+                await m.import_entries(NS, CacheEntries(rows[: count - first], times, ids))
+
+    def dry_runs(replica: LiveServer) -> None:
+        for i in range(10):
+            r = replica.client.post(
+                "/evaluate",
+                json=make_trace(objective=f"{TOPICS[i % len(TOPICS)]}, case {i}"),
+                params={"dry_run": "true"},
+            )
+            assert r.status_code == 200, r.text
+            assert r.json()["novelty"]["measured"] is True
+
+    run(lambda: load(1_000))
+    replica = LiveServer(env, tmp_path / "replica.log")
+    try:
+        ready = replica.client.get("/readyz").json()
+        assert ready["status"] == "ready", ready
+        dry_runs(replica)
+        small = _rss_mb(replica.process.pid)
+        run(lambda: load(capacity - 1_000))
+        assert replica.client.get("/readyz").json()["cache_size"] >= 1_000
+        dry_runs(replica)
+        large = _rss_mb(replica.process.pid)
+        stats = replica.client.get("/cache", headers={"Authorization": "Bearer none"})
+        assert stats.status_code in (200, 401)
+    finally:
+        replica.stop()
+    # A copy would be 150 MB or more; allocator noise is a few MB.
+    assert large - small < 30, (small, large)
+    late = LiveServer(env, tmp_path / "late.log")
+    try:  # a new replica is ready at once: there is nothing to load
+        assert late.client.get("/readyz").json()["status"] == "ready"
+    finally:
+        late.stop()
+
+
+def test_a_retired_index_setting_is_named_with_what_took_its_place(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from app.core.config import Settings, retired_settings
+
+    monkeypatch.setenv("KP_CACHE_INDEX_THRESHOLD", "20000")
+    monkeypatch.setenv("KP_CACHE_SEARCH", "exact")
+    Settings.from_env()  # the start goes on
+    lines = retired_settings()
+    assert len(lines) == 2
+    assert any(
+        line.startswith("KP_CACHE_INDEX_THRESHOLD is no longer read")
+        and "KP_REDIS_HNSW_FROM" in line
+        for line in lines
+    )
+
+
+def test_a_large_clear_deletes_in_batches_while_others_go_on(
+    redis_server: RedisServer, redis_prefix: str
+) -> None:
+    """25,000 entries: the clear empties the namespace for every request at once, and its keys
+    go a batch a run, with another replica's adds in between; none of the old ones remain."""
+    rng = np.random.default_rng(19)
+    rows = rng.standard_normal((25_000, 384)).astype(np.float32)
+    v = unit_vectors(8, seed=20)
+
+    async def scenario() -> None:
+        async with replicas(redis_server.url, redis_prefix, capacity=30_000, hnsw_from=0) as (a, b):
+            ids = [f"kp:trace:old-{i}" for i in range(len(rows))]
+            await a.import_entries(NS, CacheEntries(rows, np.full(len(rows), 1e12), ids))
+
+            async def adds() -> list[list[Comparison]]:
+                out = []
+                for i, vector in enumerate(v):
+                    out.append(await b.compare(NS, [vector], [f"new-{i}"], add=True))
+                return out
+
+            cleared, answers = await asyncio.gather(a.clear(NS), adds())
+            assert cleared == 25_000
+            log = await entries_of(a)
+            assert all(t.startswith("new-") for t, _ in log)  # nothing old is seen
+            assert len(log) <= len(v)
+            for answer in answers:
+                assert answer[0].stored
+        with redis_server.client() as client:
+            keys = list(client.scan_iter(match=f"{redis_prefix}{{{NS}}}:e:*", count=10_000))
+        assert len(keys) == len(log)  # the old keys are all deleted
 
     run(scenario)

@@ -219,7 +219,7 @@ def summary(answer: EvaluationOut) -> str:
         line += f"; novelty not measured ({novelty.reason})"
     if novelty.search == "index":
         # Said, so that an agent does not read an approximate cosine as the exact one.
-        line += f" (approximate search: within {novelty.search_bound:g} of the exact maximum)"
+        line += " (approximate search: Redis's HNSW index, not the exact scan)"
     return line
 
 

@@ -11,10 +11,8 @@ cosine, so that a long row cannot crowd out the true nearest); cosines are then 
 float64 for the few rows that can be the maximum, so the result equals the reference's
 double-precision loop, not just nearly, whatever the rows' lengths.
 
-Pure: no threads, no I/O. A cache shared between threads is given a lock (`lock=`); the
-approximate index of a large memory, and the threads that build and feed it, live with the
-store (app.store.indexed_memory), which extends this class through its hooks
-(`_search`, `_changed`, `_reset`, `_extra_memory_bytes`).
+Pure: no threads, no I/O. A cache shared between threads is given a lock (`lock=`); the store
+(app.store.in_process) keeps one per namespace and decides where its work runs.
 """
 
 from __future__ import annotations
@@ -127,7 +125,7 @@ class VectorCache:
         self.clears_total = 0
         self.lineage = uuid.uuid4().hex  # the sequence numbers' identity: new at load/clear
 
-    # ── hooks (app.store.indexed_memory) ────────────────────────────────────
+    # ── hooks (a subclass may search or account differently) ────────────────
 
     def _search(self, q: Vector, first: int, next_seq: int) -> Nearest:
         """The best of the live entries first <= seq < next_seq (under the lock)."""
@@ -498,19 +496,6 @@ class VectorCache:
         )
         return found, int(seqs[at])
 
-    def _copies_after(self, seq: int, stop_seq: int) -> npt.NDArray[np.int64]:
-        """The entries after `seq` (up to stop_seq) that hold the same vector as `seq`: they tie
-        with it for any query. Found by their norms (one float64 per entry), then compared."""
-        row = self._row(seq)
-        norm, vector = self._norms[row], self._vectors[row]
-        found = []
-        if seq + 1 < stop_seq:
-            for first, start, stop in self._runs(seq + 1, stop_seq):
-                same = start + np.flatnonzero(self._norms[start:stop] == norm)
-                same = same[(self._vectors[same] == vector).all(axis=1)]
-                found.append(first + (same - start))
-        return np.concatenate(found).astype(np.int64) if found else np.empty(0, dtype=np.int64)
-
     def _grow(self, to: int | None = None) -> None:
         new_len = min(self.capacity, max(64, 2 * len(self._vectors))) if to is None else to
         order = self._ordered_indices()
@@ -616,12 +601,3 @@ def norm64(v: Vector) -> float:
 def unit(v: Vector) -> Vector:
     norm = float(np.linalg.norm(v))
     return v if norm == 0 else (v / norm).astype(np.float32)
-
-
-def unit_rows(
-    rows: npt.NDArray[np.float32], norms: npt.NDArray[np.float64] | None
-) -> npt.NDArray[np.float32]:
-    if norms is None:
-        norms = np.linalg.norm(rows.astype(np.float64), axis=1)
-    safe = np.where(norms == 0, 1.0, norms)
-    return (rows / safe[:, None]).astype(np.float32)

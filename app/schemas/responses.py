@@ -70,17 +70,16 @@ class NoveltyOut(BaseModel):
     )
     search: Literal["exact", "index"] | None = Field(
         default=None,
-        description="How max_cosine was found: 'exact' (the exact scan, or an index answer "
-        "confirmed by it: always so from 0.85 up, where near-duplicates are) or 'index' (the "
-        "approximate index of a large memory: a true cosine with the trace it names, "
-        "search_bound below the exact maximum at most, as measured); null when novelty is not "
-        "measured.",
+        description="How max_cosine was found: 'exact' (every stored entry compared: the true "
+        "maximum) or 'index' (the HNSW index of a large shared memory in Redis: a true cosine "
+        "with the trace it names, as near the maximum as docs/operating/large-memory.md "
+        "measures); null when novelty is not measured.",
     )
     search_bound: float | None = Field(
         default=None,
-        description="With search 'index': how far below the exact maximum max_cosine may be, "
-        "as measured on the bench's traces, not proven (docs/operating/large-memory.md); null "
-        "otherwise.",
+        description="How far below the exact maximum max_cosine may be, when an index states "
+        "a bound; null when the search is exact and for Redis's HNSW index, which states none "
+        "(docs/operating/large-memory.md).",
     )
     stored: bool = Field(
         default=False,

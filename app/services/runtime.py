@@ -58,7 +58,7 @@ class Runtime:
         self.collector = RuntimeCollector(self)
 
     async def start(self) -> None:
-        for warning in self.settings.deprecation_warnings() + retired_settings():
+        for warning in [*self.settings.deprecation_warnings(), *retired_settings()]:
             log.warning(warning)
         if self.settings.cache_db_path is not None and self.store is None:
             log.error(
@@ -94,7 +94,7 @@ class Runtime:
     def health(self) -> Health:
         """Every part's report, in one: degraded when any part is."""
         parts = [self._settings_health(), _embedder_health(self.embeddings)]
-        parts.append(self.memory.health())
+        parts += [self.memory.health()]
         if self.settings.cache_db_path is not None and self.store is None:
             parts.append(
                 Health(warnings=("cache database not used: the model identity is unknown",))

@@ -3,8 +3,9 @@
 -- is one step of the namespace's single order: its search and its adds see no other request.
 --
 -- KEYS[1]  the namespace's hash: capacity, ttl_ms, model, first, next, adds, evictions,
---          last_t, mode ('flat', 'building': the HNSW index fills meanwhile, 'hnsw')
--- ARGV[1]  the operation: 'step', 'import', 'read', 'stats', 'clear'
+--          last_t, mode ('flat', 'building': the HNSW index fills meanwhile, 'hnsw'), sweep
+--          (entries from sweep to first are cleared but their keys not deleted yet)
+-- ARGV[1]  the operation: 'step', 'import', 'read', 'stats', 'clear', 'sweep'
 -- ARGV[2]  the entries' key prefix ('<prefix>{ns}:e:'; an entry is <that><seq>, a hash of
 --          v (float32 bytes), trace, t (Redis's clock in ms when added), seq)
 -- ARGV[3]  the FLAT index's name   ARGV[4]  the HNSW index's name
@@ -24,6 +25,9 @@ local ef_runtime, first_k = ARGV[12], tonumber(ARGV[13])
 -- Candidates whose float32 distance is this close to the best are all returned: Python
 -- rescores them in float64 (the reference's arithmetic), so the exact answer is among them.
 local MARGIN = 1e-4
+-- Keys of cleared entries deleted by a clear or sweep run, and by any other run on the side:
+-- a clear of a large namespace holds its node a batch at a time, not all at once.
+local CLEAR_BATCH, SWEEP_ON_THE_SIDE = 10000, 100
 
 local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
@@ -58,14 +62,14 @@ local function create_index(name, algorithm)
   end
 end
 
-if op == 'stats' or op == 'read' or op == 'clear' then
+if op == 'stats' or op == 'read' or op == 'clear' or op == 'sweep' then
   if redis.call('EXISTS', meta) == 0 then
     return {'absent'}
   end
 end
 
 local state = redis.call('HMGET', meta, 'capacity', 'ttl_ms', 'model', 'first', 'next',
-  'mode', 'last_t')
+  'mode', 'last_t', 'sweep')
 local created = 0
 if not state[1] then
   if ARGV[14] ~= '1' then
@@ -76,7 +80,7 @@ if not state[1] then
   create_index(flat_idx, 'FLAT')
   state = {ARGV[5], ARGV[6], model, '0', '0', 'flat', '0'}
   created = 1
-elseif op ~= 'clear' then
+elseif op ~= 'clear' and op ~= 'sweep' then
   if tonumber(state[1]) ~= capacity or tonumber(state[2]) ~= ttl then
     return {'settings_mismatch', 'the shared cache has KP_CACHE_CAPACITY=' .. state[1] ..
       ' and KP_CACHE_TTL_MS=' .. state[2] .. ' (0: unset), this replica ' .. ARGV[5] ..
@@ -92,7 +96,22 @@ elseif op ~= 'clear' then
   end
 end
 local first, next_seq, mode = tonumber(state[4]), tonumber(state[5]), state[6]
+local first_at_start, mode_at_start = first, mode
 local last_t = tonumber(state[7]) or 0
+local sweep = tonumber(state[8]) or first
+local sweep_at_start = sweep
+
+-- Deletes up to `count` keys of cleared entries (from sweep on).
+local function swept(count)
+  local stop = math.min(first, sweep + count)
+  for seq = sweep, stop - 1 do
+    redis.call('DEL', prefix .. seq)
+  end
+  sweep = stop
+end
+if sweep < first and op ~= 'clear' and op ~= 'sweep' then
+  swept(SWEEP_ON_THE_SIDE)
+end
 local mem_capacity = tonumber(state[1])
 
 -- Entries added at or before now - ttl have expired (the reference keeps addedAt > cutoff).
@@ -113,7 +132,6 @@ end
 if mode == 'building' and tonumber(info_of(hnsw_idx, 'indexing')) == 0 then
   mode = 'hnsw'
   redis.call('FT.DROPINDEX', flat_idx)
-  redis.call('HSET', meta, 'mode', mode)
 end
 
 local added, evicted = 0, 0
@@ -133,8 +151,12 @@ local function evictions_total()
   return tonumber(redis.call('HGET', meta, 'evictions'))
 end
 
+-- Writes the namespace's state back when a step changed it (a dry run that expired nothing
+-- writes nothing: no AOF write, no fsync).
 local function save()
-  redis.call('HSET', meta, 'first', first, 'next', next_seq, 'last_t', last_t)
+  if added > 0 or first ~= first_at_start then
+    redis.call('HSET', meta, 'first', first, 'next', next_seq, 'last_t', last_t)
+  end
   if added > 0 then
     redis.call('HINCRBY', meta, 'adds', added)
   end
@@ -144,13 +166,18 @@ local function save()
   if mode == 'flat' and hnsw_from > 0 and next_seq - first >= hnsw_from then
     create_index(hnsw_idx, 'HNSW')
     mode = 'building'
+  end
+  if mode ~= mode_at_start then
     redis.call('HSET', meta, 'mode', mode)
+  end
+  if sweep ~= sweep_at_start then
+    redis.call('HSET', meta, 'sweep', sweep)
   end
 end
 
 -- The stored entries nearest `vector` among those with seq >= lo: {method, count, seq,
--- trace, t, v, ...}. The exact path (FLAT) widens until every entry within MARGIN of the
--- best is in (ties included: the newest must be there); HNSW returns its own candidates.
+-- trace, t, v, ...}. The search widens until every entry it finds within MARGIN of the best
+-- is in (ties included: the newest copy of a repeated trace must be there).
 local function search(vector, lo)
   local exact = mode ~= 'hnsw'
   local index, knn = flat_idx, ' AS d]'
@@ -158,7 +185,7 @@ local function search(vector, lo)
     index, knn = hnsw_idx, ' EF_RUNTIME ' .. ef_runtime .. ' AS d]'
   end
   local filter = '*'
-  if lo > first then
+  if lo > first or sweep < first then  -- cleared entries may linger in the index
     filter = '@seq:[' .. lo .. ' +inf]'
   end
   local live = next_seq - lo
@@ -169,7 +196,7 @@ local function search(vector, lo)
       'RETURN', '5', 'd', 'seq', 'trace', 't', 'v', 'DIALECT', '2')
     local n = (#found - 1) / 2
     local wider = false
-    if exact and n == k and k < live then
+    if n == k and k < live then
       local best, worst = nil, nil
       local fields = found[3]
       for j = 1, #fields, 2 do
@@ -257,12 +284,12 @@ if op == 'read' then
       out[#out + 1] = entry[3]
     end
   end
-  redis.call('HSET', meta, 'first', first)
+  save()
   return out
 end
 
 if op == 'stats' then
-  redis.call('HSET', meta, 'first', first)
+  save()
   local counters = redis.call('HMGET', meta, 'adds', 'evictions')
   local oldest, newest, entry_bytes, index_mb = false, false, 0, '0'
   if next_seq > first then
@@ -277,19 +304,30 @@ if op == 'stats' then
 end
 
 if op == 'clear' then
-  -- Every entry goes; this replica's settings become the namespace's (the way to change
-  -- them), and the namespace answers by FLAT again. Seqs keep growing.
+  -- Every entry goes at once for every request after this run (the namespace's first is its
+  -- next); their keys are deleted CLEAR_BATCH a run, here and by 'sweep' runs. This replica's
+  -- settings become the namespace's (the way to change them), and the namespace answers by
+  -- FLAT again. Seqs keep growing. Returns {'ok', now, dropped, keys left to delete}.
   local dropped = next_seq - first
-  for seq = first, next_seq - 1 do
-    redis.call('DEL', prefix .. seq)
+  if sweep >= first then
+    sweep = first
   end
+  first = next_seq
+  swept(CLEAR_BATCH)
   if mode ~= 'flat' then
     pcall(redis.call, 'FT.DROPINDEX', hnsw_idx)
     create_index(flat_idx, 'FLAT')
   end
-  redis.call('HSET', meta, 'first', next_seq, 'capacity', ARGV[5], 'ttl_ms', ARGV[6],
-    'model', model, 'mode', 'flat')
-  return {'ok', now, dropped}
+  redis.call('HSET', meta, 'first', first, 'sweep', sweep, 'capacity', ARGV[5], 'ttl_ms',
+    ARGV[6], 'model', model, 'mode', 'flat')
+  return {'ok', now, dropped, first - sweep}
+end
+
+if op == 'sweep' then
+  -- The next CLEAR_BATCH keys of cleared entries: {'ok', now, keys left to delete}.
+  swept(CLEAR_BATCH)
+  redis.call('HSET', meta, 'sweep', sweep)
+  return {'ok', now, first - sweep}
 end
 
 return redis.error_reply('unknown operation ' .. op)

@@ -86,6 +86,35 @@ class QueryEngineMissingError(Exception):
     """The Redis at KP_REDIS_URL has no vector search."""
 
 
+def refuse_without_query_engine(url: str, location: str, timeout_s: float = 5.0) -> None:
+    """Before the server starts: a Redis that answers without vector search stops the start
+    with one line (ConfigError); one that does not answer is left to the memory's outage
+    handling (the service starts and says so)."""
+    import redis
+
+    try:
+        with redis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+        ) as client:
+            execute: Callable[..., Any] = client.execute_command  # untyped in redis-py
+            try:
+                execute("FT._LIST")
+            except ResponseError as exc:
+                if "unknown command" not in str(exc).lower():
+                    return
+                version = client.info("server").get("redis_version", "unknown")
+                raise config_error("REDIS_URL", _missing(location, version)) from None
+    except (RedisError, OSError):
+        return
+
+
+def _missing(location: str, version: str) -> str:
+    return (
+        f"the Redis at {location} (version {version}) has no vector search: the shared memory "
+        "needs Redis 8 with its Query Engine, or Redis Stack 7.4"
+    )
+
+
 def _number(value: float | None) -> str:
     if value is None:
         return "0"
@@ -141,12 +170,17 @@ class RedisVectorMemory:
         ]
         self._script_text = (resources.files("app.store") / "memory.lua").read_text("utf-8")
         self._client: Redis | RedisCluster | None = None
+        # Clients dropped at an outage: their pooled connections may be dead (a restarted
+        # Redis closed them), so the probe connects anew and closes these.
+        self._stale: list[Redis | RedisCluster] = []
+        self._connecting = asyncio.Lock()
         self._script: Any = None
         self._register: Any = None
         self._registry = f"{prefix}namespaces"
         self._known: set[str] = set()  # namespaces this replica registered
         self._sizes: dict[str, int] = {}  # entries per namespace as last seen
         self._evictions: dict[str, int] = {}
+        self._last_stats: dict[str, CacheStats] = {}  # GET /cache's answer while unavailable
         self._available = True
         self._reason = ""
         self._outages_total = 0
@@ -242,10 +276,7 @@ class RedisVectorMemory:
             if "unknown command" not in str(exc).lower():
                 raise
             version = (await client.info("server")).get("redis_version", "unknown")
-            raise QueryEngineMissingError(
-                f"the Redis at {self.location} (version {version}) has no vector search: the "
-                "shared memory needs Redis 8 with its Query Engine, or Redis Stack 7.4"
-            ) from None
+            raise QueryEngineMissingError(_missing(self.location, version)) from None
 
     async def close(self) -> None:
         self._closed = True
@@ -253,8 +284,10 @@ class RedisVectorMemory:
             self._probe.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._probe
-        if self._client is not None:
-            await self._client.aclose()
+        for client in (*self._stale, self._client):
+            if client is not None:
+                with contextlib.suppress(RedisError, OSError):
+                    await client.aclose()
 
     # ── the interface ───────────────────────────────────────────────────────
 
@@ -298,13 +331,24 @@ class RedisVectorMemory:
         return [n for n, (a, b) in zip(names, sizes, strict=True) if a and int(b) > int(a)]
 
     async def stats(self, namespace: str) -> CacheStats:
-        reply = await self._run(namespace, "stats", [], create=False, bulk=False)
+        """The namespace's figures in Redis; while Redis cannot be reached, the last ones this
+        replica saw (backend.available says so)."""
+        try:
+            reply = await self._run(namespace, "stats", [], create=False, bulk=False)
+        except MemoryUnavailableError:
+            last = self._last_stats.get(namespace)
+            if last is not None:
+                return last
+            size = self._sizes.get(namespace, 0)
+            return CacheStats(
+                size, self.capacity, self._dimensions, self.ttl_ms, 0, None, None, 0, 0
+            )
         if reply is None:
             return CacheStats(0, self.capacity, self._dimensions, self.ttl_ms, 0, None, None, 0, 0)
         now, size, capacity, ttl, adds, evictions, oldest, newest, entry_bytes, index_mb = reply
         now, size = float(now), int(size)
         ttl_ms = float(ttl) or None
-        return CacheStats(
+        stats = CacheStats(
             size=size,
             capacity=int(capacity),
             dimensions=self._dimensions,
@@ -315,6 +359,8 @@ class RedisVectorMemory:
             adds_total=int(adds or 0),
             evictions_total=int(evictions or 0),
         )
+        self._last_stats[namespace] = stats
+        return stats
 
     async def clear(self, namespace: str) -> int:
         # Tried even while unavailable: a clear is also how operators give a namespace new
@@ -323,6 +369,10 @@ class RedisVectorMemory:
         if reply is None:
             return 0
         self._sizes[namespace] = 0
+        left = int(reply[2])
+        while left > 0:  # the cleared keys, a batch a run: other requests go on between
+            swept = await self._run(namespace, "sweep", [], create=False, bulk=True)
+            left = 0 if swept is None else int(swept[1])
         client = await self._ready_client()
         with contextlib.suppress(RedisError, OSError, TimeoutError):
             async with asyncio.timeout(self._timeout_s):
@@ -382,6 +432,13 @@ class RedisVectorMemory:
         return f"{self.prefix}{{{namespace}}}:meta"
 
     async def _ready_client(self) -> Redis | RedisCluster:
+        async with self._connecting:  # one connect at a time: no client made twice
+            if self._client is None:
+                await self._connect_or_fail()
+        assert self._client is not None
+        return self._client
+
+    async def _connect_or_fail(self) -> None:
         if self._client is None:
             try:
                 await self._connect()
@@ -390,8 +447,6 @@ class RedisVectorMemory:
                 raise MemoryUnavailableError(self._unavailable_detail()) from None
             except (RedisError, OSError, TimeoutError) as exc:
                 raise self._failed(exc) from None
-        assert self._client is not None
-        return self._client
 
     async def _run(
         self,
@@ -472,6 +527,9 @@ class RedisVectorMemory:
         if not self._available:
             return
         self._available = False
+        if self._client is not None:
+            self._stale.append(self._client)
+            self._client = None
         self._outages_total += 1
         self._outage_started = time.monotonic()
         self._unmeasured_in_outage = 0
@@ -506,6 +564,9 @@ class RedisVectorMemory:
         the namespace whose settings differed this replica's."""
         while not self._available and not self._closed:
             await asyncio.sleep(RETRY_INTERVAL_S)
+            while self._stale:
+                with contextlib.suppress(RedisError, OSError):
+                    await self._stale.pop().aclose()
             try:
                 client = await self._ready_client()
                 mismatched = self._mismatched

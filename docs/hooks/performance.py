@@ -30,17 +30,13 @@ PLOT_MARKER = re.compile(r"<!-- plot: ([\w.-]+) -->")
 COMMANDS = {
     "latest": "python -m bench --repeat 3",
     "reference": "python -m bench.reference --rounds 5",
-    "memory": "python -m bench.memory --sizes 100000,1000000 --no-service",
+    "memory": "python -m bench.memory --sizes 100000",
     "precision": "python -m bench.precision",
-    "replica": "python -m bench.replica --size 1000000",
 }
 
 
 #: The CPU of a file that does not record it, as noted when it was run.
-NOTED_CPUS = {
-    "memory": "AMD EPYC, 2 cores (AVX-512, VNNI), one core for queries (noted with the run; "
-    "the file does not record it)",
-}
+NOTED_CPUS: dict[str, str] = {}
 
 
 def _number(value: Any) -> str:
@@ -177,42 +173,72 @@ def _reference(data: dict[str, Any]) -> str:
 
 
 def _memory(data: dict[str, Any]) -> str:
+    """bench.memory: the shared memory in Redis's Query Engine, one namespace."""
     rows = []
     for size in data["sizes"]:
+        near, fresh = size["near_duplicates"], size["fresh"]
+        rest = fresh.get("beyond_0_02", {})
         rows.append(
             [
                 size["entries"],
-                size.get("near_duplicate_recall"),
-                size.get("fresh", {}).get("recall"),
-                size.get("recall_all"),
-                size.get("worst_difference"),
-                f"{_number(size.get('query_p50_ms'))} / {_number(size.get('query_p99_ms'))}",
-                size.get("exact_scan_ms"),
-                size.get("add_ms_mean"),
-                size.get("index_ready_s"),
-                size.get("bytes_per_entry"),
+                f"{_number(near.get('twin_named'))} ({_number(near.get('twins'))})",
+                _pair(near, "query_p50_ms", "query_p99_ms"),
+                fresh.get("within_0_02"),
+                fresh.get("recall"),
+                f"{_number(rest.get('count', 0))}: median {_number(rest.get('p50'))}, "
+                f"worst {_number(fresh.get('worst_difference'))}",
+                _pair(fresh, "query_p50_ms", "query_p99_ms"),
+                size.get("redis_bytes_per_entry"),
+                _pair(size, "fill_s", "hnsw_ready_after_fill_s"),
             ]
         )
     header = [
         "entries",
-        "near-dup recall",
-        "fresh recall",
-        "all",
-        "worst diff",
-        "query p50 / p99 ms",
-        "exact scan ms",
-        "add ms",
-        "index ready s",
-        "B / entry",
-    ]
-    checks = [
-        [c["size"], c["figure"], _checked(c["value"]), c["target"], c["pass"]]
-        for c in data.get("checks", [])
+        "near-duplicate names its twin (count)",
+        "its p50 / p99 ms",
+        "fresh within 0.02",
+        "fresh exact",
+        "fresh past 0.02: count, spread",
+        "fresh p50 / p99 ms",
+        "Redis B / entry",
+        "import s / HNSW answering after, s",
     ]
     out = [
         f"{_number(data.get('real_vectors', '?'))} real MiniLM vectors "
-        f"({data.get('source', '')}); one core for queries.",
+        f"({data.get('source', '')}), the rest derived from them; HNSW from "
+        f"{_number(data.get('hnsw_from'))} entries; {data.get('cpu', '')}.",
         _table(header, rows),
+    ]
+    service = data.get("service")
+    if service:
+        out.append(
+            _table(
+                ["service at size", "value"],
+                [
+                    ["entries", service["entries"]],
+                    [
+                        "dry-run typical p50 / p99 ms, at size",
+                        _pair(service, "large_p50_ms", "large_p99_ms"),
+                    ],
+                    [
+                        "the same against 1,000 entries",
+                        _pair(service, "small_p50_ms", "small_p99_ms"),
+                    ],
+                    ["ratio of the p50s", service.get("request_ratio")],
+                    [
+                        "new replica to ready, s: at size / at an empty memory",
+                        _pair(service, "replica_to_ready_large_s", "replica_to_ready_empty_s"),
+                    ],
+                    [
+                        "new replica RSS, MB: at size / at an empty memory",
+                        _pair(service, "replica_rss_large_mb", "replica_rss_empty_mb"),
+                    ],
+                ],
+            )
+        )
+    checks = [
+        [c["size"], c["figure"], _checked(c["value"]), c["target"], c["pass"]]
+        for c in data.get("checks", [])
     ]
     if checks:
         out.append(_table(["entries", "figure", "value", "target", "verdict"], checks))
@@ -277,48 +303,11 @@ def _pair(data: dict[str, Any], first: str, second: str, middle: str = " / ", en
     return f"{_number(data.get(first))}{middle}{_number(data.get(second))}{end}"
 
 
-def _replica(data: dict[str, Any]) -> str:
-    shared = data["shared"]
-    adopting = shared["replica_adopting"]
-    restart = data["in_process_restart"]["restarted"]
-    rows = [
-        ["entries", data["entries"]],
-        ["filled through POST /cache/import, s", shared.get("import_s")],
-        [
-            "Redis memory, MB (bytes an entry)",
-            _pair(shared, "redis_used_memory_mb", "redis_bytes_per_entry", " (", ")"),
-        ],
-        [
-            "of which the log / the published graph, bytes an entry",
-            _pair(shared, "redis_log_bytes_per_entry", "published_graph_bytes_per_entry"),
-        ],
-        [
-            "new replica: to /healthz / to ready, s",
-            f"{_number(adopting['to_healthz_s'])} / {_number(adopting['to_ready_s'])}",
-        ],
-        [
-            "new replica: graphs built / adopted",
-            f"{adopting['index_builds']} / {adopting['index_adoptions']}",
-        ],
-        ["new replica: RSS, MB", adopting.get("rss_mb")],
-        [
-            "in-process restart from a snapshot: to /healthz / to ready, s",
-            f"{_number(restart['to_healthz_s'])} / {_number(restart['to_ready_s'])}",
-        ],
-        [
-            "in-process restart: graphs built / adopted",
-            f"{restart['index_builds']} / {restart['index_adoptions']}",
-        ],
-    ]
-    return _table(["measure", "value"], rows)
-
-
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
     "latest": _latest,
     "reference": _reference,
     "memory": _memory,
     "precision": _precision,
-    "replica": _replica,
 }
 
 

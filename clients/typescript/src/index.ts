@@ -16,7 +16,7 @@ export type Evaluation = Schemas["EvaluationOut"];
 /** Which weight profile applied, and whether the trace's `task_domain` named one (when not,
  * the default profile applied). */
 export type Profile = Schemas["ProfileOut"];
-/** How `novelty.max_cosine` was found: "exact", or "index" (within `novelty.search_bound`). */
+/** How `novelty.max_cosine` was found: "exact", or "index" (Redis's HNSW index of a large shared memory). */
 export type SearchMethod = NonNullable<Schemas["NoveltyOut"]["search"]>;
 /** POST /contribution's answer: the evaluation, and the trace as the SDK's capture would
  * contribute it (cleaned), with what was redacted, what would go uncleaned and the SDK's
