@@ -90,8 +90,8 @@ async def contribution_answer(
     )
     # The cleaned trace's digest is signed beside the trace's: a registry sent the contribution
     # can tell it is the one scored and cleaned here.
-    claims = {"contribution_sha256": trace_sha256(gate.contribution)}
     signer = services.signer if signed else None
+    claims = None if signer is None else {"contribution_sha256": trace_sha256(gate.contribution)}
     threshold = settings.contribution_threshold
     return ContributionOut(
         evaluation=evaluation_out(evaluation, signer, given, dry_run=dry_run, claims=claims),
