@@ -7,10 +7,11 @@ file's structure, not what a row holds. The checksum is 64 bits, checked a batch
 once at start: two sums of the vector's and the time's little-endian uint32 words, each word
 times its own odd weight, modulo 2**32 (numpy; any change confined to one word changes both),
 the first XORed with a CRC-32 of the namespace and trace id. Schema 1 kept a CRC-32 of it all,
-checked row by row: such a database is checked with it once, then its checksums rewritten. Every change is one transaction, committed before its
-answer (app/store/in_process.py groups concurrent requests into one); `KP_CACHE_DURABILITY`
-is SQLite's `synchronous`: NORMAL (a process crash loses nothing committed) or FULL (a power
-loss neither).
+checked row by row: such a database is checked with it once, then its checksums rewritten.
+
+Every change is one transaction, committed before its answer (app/store/in_process.py
+groups concurrent requests into one); `KP_CACHE_DURABILITY` is SQLite's `synchronous`:
+NORMAL (a process crash loses nothing committed) or FULL (a power loss neither).
 
 The database may hold more rows than the memory (entries the memory evicted or let expire
 since the last change of their namespace): a start keeps the newest of each namespace within
@@ -109,7 +110,10 @@ def _weights(words: int, seed: int) -> npt.NDArray[np.uint32]:
     )
 
 
+#: Per dimension: the weights of the vector's words and of the time's two, two lanes each.
 _LANES: dict[int, tuple[npt.NDArray[np.uint32], npt.NDArray[np.uint32]]] = {}
+#: The same weights as one (d + 2, 2) matrix: a row's vector words then its time's.
+_ROW_LANES: dict[int, npt.NDArray[np.uint32]] = {}
 
 
 def _checksums(
@@ -118,18 +122,19 @@ def _checksums(
     """The checksums of rows given as their vectors' little-endian uint32 words (n, d), their
     times and the CRC-32 of their names: two weighted sums modulo 2**32 over the vector's and
     the time's words (numpy, a batch at once), the first XORed with the names' CRC-32."""
-    d = words.shape[1] + 2
+    d = words.shape[1]
     if d not in _LANES:
-        _LANES[d] = (_weights(d, 0x85EBCA6B), _weights(d, 0xC2B2AE35))
-    high_w, low_w = _LANES[d]
+        lanes = np.stack([_weights(d + 2, 0x85EBCA6B), _weights(d + 2, 0xC2B2AE35)], axis=1)
+        _LANES[d] = (np.ascontiguousarray(lanes[:d]), np.ascontiguousarray(lanes[d:]))
+        _ROW_LANES[d] = np.ascontiguousarray(lanes)
+    vector_w, time_w = _LANES[d]
     time_words = np.ascontiguousarray(times, dtype="<f8").view("<u4").reshape(-1, 2)
-    high = np.einsum("ij,j->i", words, high_w[:-2]) + np.einsum("ij,j->i", time_words, high_w[-2:])
-    low = np.einsum("ij,j->i", words, low_w[:-2]) + np.einsum("ij,j->i", time_words, low_w[-2:])
-    high ^= np.asarray(text_crcs, dtype=np.uint32)
-    sums: npt.NDArray[np.int64] = (
-        (high.astype(np.uint64) << np.uint64(32)) | low.astype(np.uint64)
-    ).view(np.int64)
-    return sums
+    sums = words @ vector_w  # (n, 2), modulo 2**32
+    sums += time_words @ time_w
+    sums[:, 0] ^= np.asarray(text_crcs, dtype=np.uint32)
+    # Each (high, low) pair read as one little-endian 64-bit integer: high << 32 | low.
+    checksums: npt.NDArray[np.int64] = sums[:, ::-1].astype("<u4").view("<i8")[:, 0]
+    return checksums
 
 
 def schema1_checksum(namespace: str, trace_id: str, added_at_ms: float, vector: bytes) -> int:
@@ -168,18 +173,30 @@ class NewRow:
 
 
 def _values(rows: Sequence[NewRow]) -> list[tuple[str, str, float, bytes, int]]:
-    """The rows as inserted, with their checksums (computed together)."""
+    """The rows as inserted, with their checksums: _checksums' sums, in as few numpy calls as
+    can be (a commit is often one row: each call costs microseconds there)."""
     if not rows:
         return []
-    sums = _checksums(
-        np.frombuffer(b"".join([r.vector for r in rows]), "<u4").reshape(len(rows), -1),
-        np.array([r.added_at_ms for r in rows], dtype=np.float64),
-        [zlib.crc32(_text(r.namespace, r.trace_id)) for r in rows],
-    ).tolist()
+    d = len(rows[0].vector) // 4
+    if d not in _LANES:
+        _checksums(np.zeros((1, d), dtype=np.uint32), np.zeros(1), [0])  # makes the weights
+    weights = _ROW_LANES[d]
+    pack = _TIME.pack
+    words = np.frombuffer(b"".join([r.vector + pack(r.added_at_ms) for r in rows]), "<u4")
+    sums = (words.reshape(len(rows), d + 2) @ weights).tolist()
     return [
-        (r.namespace, r.trace_id, r.added_at_ms, r.vector, checksum)
-        for r, checksum in zip(rows, sums, strict=True)
+        (r.namespace, r.trace_id, r.added_at_ms, r.vector, _signed(h ^ _text_crc(r), low))
+        for r, (h, low) in zip(rows, sums, strict=True)
     ]
+
+
+def _text_crc(row: NewRow) -> int:
+    return zlib.crc32(_text(row.namespace, row.trace_id))
+
+
+def _signed(high: int, low: int) -> int:
+    """high << 32 | low as SQLite's signed 64-bit INTEGER."""
+    return (((high << 32) | low) ^ (1 << 63)) - (1 << 63)
 
 
 Loader = Callable[[str, CacheEntries], None]
