@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +40,8 @@ T = TypeVar("T")
 #: From this many entries a namespace's ring is prefaulted beside the load at start
 #: (VectorCache.prefault): about 100 MB, where the page faults start to count.
 PREFAULT_FROM = 65_536
+#: Rows prefaulted under the memory's lock at a time: well under a millisecond of faults.
+PREFAULT_BLOCK = 256
 
 
 class _Prefaulter:
@@ -59,8 +62,9 @@ class _Prefaulter:
 
     def _run(self) -> None:
         while self._caches and not self._stopped.is_set():
-            if not self._caches[0].prefault():
+            if not self._caches[0].prefault(PREFAULT_BLOCK):
                 self._caches.pop(0)
+            time.sleep(0)  # the load's thread takes the memory's lock between blocks
 
     def stop(self) -> None:
         self._stopped.set()
