@@ -23,6 +23,7 @@ import pytest
 
 from app.core.config import Settings
 from app.domain.vector_cache import CacheEntries
+from app.store import in_process
 from app.store.base import DEFAULT_NAMESPACE
 from app.store.in_process import InProcessMemory
 from app.store.sqlite_memory import SqliteStore, entry_checksum, schema1_checksum
@@ -139,6 +140,29 @@ def test_a_write_that_fails_is_answered_as_not_stored_and_not_kept(tmp_path: Pat
         assert not memory.health().degraded
     finally:
         close(memory)
+
+
+def test_a_start_that_prefaults_the_rings_loads_the_same_entries(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rings prefaulted beside the load (from any size here, a few rows at a time): every
+    entry where the load put it, in order."""
+    monkeypatch.setattr(in_process, "PREFAULT_FROM", 1)
+    monkeypatch.setattr(in_process, "PREFAULT_BLOCK", 3)
+    path = tmp_path / "memory.db"
+    v = random_units(300, seed=8)
+    memory = memory_at(path, capacity=1000)
+    add(memory, "ns-a", v[:200], [f"a{i}" for i in range(200)])
+    add(memory, "ns-b", v[200:], [f"b{i}" for i in range(100)])
+    close(memory)
+
+    again = memory_at(path, capacity=1000)
+    try:
+        assert np.array_equal(exported(again, "ns-a").vectors, v[:200])
+        assert list(exported(again, "ns-b").ids()) == [f"b{i}" for i in range(100)]
+        assert np.array_equal(exported(again, "ns-b").vectors, v[200:])
+    finally:
+        close(again)
 
 
 def _vector_offset(path: Path, vector: npt.NDArray[np.float32]) -> int:

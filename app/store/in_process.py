@@ -60,10 +60,19 @@ class _Prefaulter:
             self._thread = threading.Thread(target=self._run, name="kp-prefault", daemon=True)
             self._thread.start()
 
+    def forget(self) -> None:
+        """The rings added so far are no longer the memory's (a load started over)."""
+        self._caches.clear()
+
     def _run(self) -> None:
-        while self._caches and not self._stopped.is_set():
-            if not self._caches[0].prefault(PREFAULT_BLOCK):
-                self._caches.pop(0)
+        while not self._stopped.is_set():
+            try:
+                cache = self._caches[0]
+            except IndexError:
+                return
+            if not cache.prefault(PREFAULT_BLOCK):
+                with contextlib.suppress(ValueError):
+                    self._caches.remove(cache)
             time.sleep(0)  # the load's thread takes the memory's lock between blocks
 
     def stop(self) -> None:
@@ -399,6 +408,7 @@ class InProcessMemory:
             self._prefaulter.add(cache)
 
     def reset(self) -> None:
+        self._prefaulter.forget()
         with self._lock:
             self._caches.clear()
 
