@@ -4,7 +4,7 @@ POST /evaluate at each durability, a 30,000-line POST /cache/import, and start t
 checkout of the former release is given (`--former DIR`), in the same run.
 
     python -m bench persistence [--adds 600] [--requests 100] [--lines 30000]
-        [--sizes 100000,1000000] [--former DIR] [--only-step]
+        [--sizes 100000,1000000] [--former DIR] [--only-step | --only-start]
 
 Each server runs the real model (preloaded, one thread, no memo), the exact search, and the
 servers take turns request by request in a rotating order, so that a busy host slows all of
@@ -318,9 +318,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--adds", type=int, default=600, help="in-process adds per mode")
     parser.add_argument("--skip-commits", action="store_true")
     parser.add_argument("--only-step", action="store_true")
+    parser.add_argument(
+        "--only-start", action="store_true", help="only start to ready, at each of --sizes"
+    )
     args = parser.parse_args(argv)
-    result: dict[str, Any] = {"cpu": _cpu(), "memory_step": memory_step(args.adds)}
-    if not args.skip_commits and not args.only_step:
+    result: dict[str, Any] = {"cpu": _cpu()}
+    if not args.only_start:
+        result["memory_step"] = memory_step(args.adds)
+    if not args.skip_commits and not args.only_step and not args.only_start:
         result["commits"] = commits(args.requests, args.lines, args.former)
     sizes = [int(s) for s in args.sizes.split(",") if s]
     if not args.only_step:

@@ -10,6 +10,7 @@ import logging
 import os
 import shutil
 import signal
+import sqlite3
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,9 +23,10 @@ import pytest
 
 from app.core.config import Settings
 from app.domain.vector_cache import CacheEntries
+from app.store import in_process
 from app.store.base import DEFAULT_NAMESPACE
 from app.store.in_process import InProcessMemory
-from app.store.sqlite_memory import SqliteStore
+from app.store.sqlite_memory import SqliteStore, entry_checksum, schema1_checksum
 from tests.conftest import ClientFactory
 from tests.factories import make_trace, random_units
 from tests.server import LiveServer
@@ -140,6 +142,29 @@ def test_a_write_that_fails_is_answered_as_not_stored_and_not_kept(tmp_path: Pat
         close(memory)
 
 
+def test_a_start_that_prefaults_the_rings_loads_the_same_entries(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rings prefaulted beside the load (from any size here, a few rows at a time): every
+    entry where the load put it, in order."""
+    monkeypatch.setattr(in_process, "PREFAULT_FROM", 1)
+    monkeypatch.setattr(in_process, "PREFAULT_BLOCK", 3)
+    path = tmp_path / "memory.db"
+    v = random_units(300, seed=8)
+    memory = memory_at(path, capacity=1000)
+    add(memory, "ns-a", v[:200], [f"a{i}" for i in range(200)])
+    add(memory, "ns-b", v[200:], [f"b{i}" for i in range(100)])
+    close(memory)
+
+    again = memory_at(path, capacity=1000)
+    try:
+        assert np.array_equal(exported(again, "ns-a").vectors, v[:200])
+        assert list(exported(again, "ns-b").ids()) == [f"b{i}" for i in range(100)]
+        assert np.array_equal(exported(again, "ns-b").vectors, v[200:])
+    finally:
+        close(again)
+
+
 def _vector_offset(path: Path, vector: npt.NDArray[np.float32]) -> int:
     data = path.read_bytes()
     at = data.find(np.ascontiguousarray(vector, "<f4").tobytes())
@@ -184,6 +209,114 @@ def test_four_bytes_changed_inside_a_stored_vector_drop_that_entry_only(
     assert third.store is not None
     assert third.store.status.checksum_failures_total == 0
     assert third.size == 29
+    close(third)
+
+
+@pytest.mark.parametrize(
+    ("field", "where"),
+    [
+        ("namespace", lambda ns, tid: 0),
+        ("trace id", lambda ns, tid: len(ns) + 3),
+        ("time", lambda ns, tid: len(ns) + len(tid) + 6),  # the REAL's low bytes
+        ("vector's first byte", lambda ns, tid: len(ns) + len(tid) + 8),
+        ("vector's last byte", lambda ns, tid: len(ns) + len(tid) + 8 + 384 * 4 - 1),
+        ("checksum", lambda ns, tid: len(ns) + len(tid) + 8 + 384 * 4 + 5),
+    ],
+)
+def test_a_byte_changed_in_any_field_of_a_row_drops_that_row_only(
+    tmp_path: Path, field: str, where: Any
+) -> None:
+    """One bit of one byte of a row changed in the file (the row's record: namespace, trace
+    id, time, vector, checksum, side by side): the checksum catches it, whichever field."""
+    path = tmp_path / "memory.db"
+    v = random_units(40, seed=5)
+    memory = memory_at(path)
+    add(memory, "ns-a", v[:20], [f"a{i:03}" for i in range(20)])
+    add(memory, "ns-b", v[20:], [f"b{i:03}" for i in range(20)])
+    close(memory)
+    data = path.read_bytes()
+    record = data.find(b"ns-bb007")  # the namespace and the trace id, side by side
+    assert record > 0
+    assert data.find(b"ns-bb007", record + 1) < 0
+    at = record + where("ns-b", "b007")
+    assert data[record + 8 + 8 : record + 16 + 384 * 4] == v[27].astype("<f4").tobytes()
+    with path.open("r+b") as f:
+        f.seek(at)
+        f.write(bytes([data[at] ^ 0x01]))
+
+    again = memory_at(path)
+    try:
+        assert again.store is not None
+        assert again.store.status.checksum_failures_total == 1, field
+        assert list(exported(again, "ns-b").ids()) == [f"b{i:03}" for i in range(20) if i != 7]
+        assert np.array_equal(exported(again, "ns-b").vectors, np.delete(v[20:], 7, axis=0))
+        assert list(exported(again, "ns-a").ids()) == [f"a{i:03}" for i in range(20)]
+    finally:
+        close(again)
+
+
+def test_a_name_changed_into_bytes_that_are_not_utf8_costs_that_row_only(
+    tmp_path: Path,
+) -> None:
+    """SQLite cannot hand the row's trace id over as text: the file is read row by row, as a
+    damaged one, and every other row is kept."""
+    path = tmp_path / "memory.db"
+    v = random_units(20, seed=6)
+    memory = memory_at(path)
+    add(memory, "ns-b", v, [f"b{i:03}" for i in range(20)])
+    close(memory)
+    data = path.read_bytes()
+    record = data.find(b"ns-bb007")
+    with path.open("r+b") as f:
+        f.seek(record + 5)
+        f.write(b"\xff")
+
+    again = memory_at(path)
+    try:
+        assert again.store is not None
+        assert again.store.status.state == "recovered"
+        assert list(exported(again, "ns-b").ids()) == [f"b{i:03}" for i in range(20) if i != 7]
+    finally:
+        close(again)
+
+
+def test_a_database_of_the_first_schema_is_read_and_its_checksums_rewritten(
+    tmp_path: Path,
+) -> None:
+    """Schema 1 kept a CRC-32 a row: its rows are checked with it (a failing one dropped),
+    then their checksums rewritten in this schema's, once."""
+    path = tmp_path / "memory.db"
+    v = random_units(10, seed=7)
+    memory = memory_at(path)
+    add(memory, DEFAULT_NAMESPACE, v, [f"t{i}" for i in range(10)])
+    close(memory)
+    with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as conn:
+        rows = conn.execute(
+            "SELECT id, namespace, trace_id, added_at_ms, vector FROM entries"
+        ).fetchall()
+        conn.executemany(
+            "UPDATE entries SET checksum = ? WHERE id = ?",
+            [(schema1_checksum(*r[1:]) + (r[2] == "t3"), r[0]) for r in rows],
+        )
+        conn.execute("UPDATE meta SET value = '1' WHERE key = 'schema'")
+
+    again = memory_at(path)
+    try:
+        assert again.store is not None
+        assert again.store.status.checksum_failures_total == 1
+        assert list(exported(again).ids()) == [f"t{i}" for i in range(10) if i != 3]
+    finally:
+        close(again)
+    with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as conn:
+        assert conn.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone() == ("2",)
+        stored = conn.execute(
+            "SELECT namespace, trace_id, added_at_ms, vector, checksum FROM entries"
+        ).fetchall()
+    assert [r[4] for r in stored] == [entry_checksum(*r[:4]) for r in stored]
+    third = memory_at(path)
+    assert third.store is not None
+    assert third.store.status.checksum_failures_total == 0
+    assert third.size == 9
     close(third)
 
 

@@ -236,3 +236,28 @@ def test_extend_equals_adding_one_by_one(capacity: int, before: int, batch: int)
     assert (one.adds_total, one.evictions_total) == (many.adds_total, many.evictions_total)
     query = rng.standard_normal(384).astype(np.float32)
     assert one.nearest(query) == many.nearest(query)
+
+
+def test_prefaulting_writes_only_free_rows_and_leaves_the_entries_as_they_were() -> None:
+    cache = VectorCache(capacity=1000, dimensions=8)
+    cache.reserve(1000)
+    rows = np.stack([unit(i, 8) for i in range(300)])
+    cache.extend(rows[:100], np.arange(100, dtype=np.float64), [f"t{i}" for i in range(100)])
+    while cache.prefault(64):
+        pass
+    cache.extend(
+        rows[100:], np.arange(100, 300, dtype=np.float64), [f"t{i}" for i in range(100, 300)]
+    )
+    assert np.array_equal(cache.entries().vectors, rows)
+    assert list(cache.entries().ids()) == [f"t{i}" for i in range(300)]
+    found = cache.nearest(rows[150])
+    assert found is not None
+    assert found.trace_id == "t150"
+
+
+def test_a_ring_that_wraps_is_not_prefaulted() -> None:
+    cache = VectorCache(capacity=64, dimensions=8)
+    rows = np.stack([unit(i, 8) for i in range(100)])
+    cache.extend(rows, np.arange(100, dtype=np.float64), [f"t{i}" for i in range(100)])
+    assert not cache.prefault()
+    assert np.array_equal(cache.entries().vectors, rows[36:])

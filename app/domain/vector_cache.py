@@ -118,6 +118,7 @@ class VectorCache:
         self._added_at = np.empty(0, dtype=np.float64)
         self._trace_ids = np.empty(0, dtype=object)
         self._head = 0  # slot of the oldest entry
+        self._prefaulted = 0  # rows of the ring written since its allocation (prefault)
         self._size = 0
         self._first_seq = 0  # sequence number of the oldest entry
         self.adds_total = 0
@@ -330,6 +331,22 @@ class VectorCache:
             if len(self._vectors) < min(self.capacity, rows):
                 self._grow(min(self.capacity, rows))
 
+    def prefault(self, rows: int = CHUNK) -> bool:
+        """Writes zeros into up to `rows` free rows of the ring past the newest entry, so that
+        a large load's copies find their memory mapped (the first write to a fresh allocation
+        costs a page fault a page: seconds for a gigabyte on some hosts); a thread beside the
+        load calls it while the load reads. False when no free row is left past the newest
+        entry (a ring that wraps is never touched: its free rows are few)."""
+        with self._lock:
+            length = len(self._vectors)
+            start = max(self._prefaulted, self._head + self._size)
+            if self._head + self._size > length or start >= length:
+                return False
+            stop = min(length, start + rows)
+            self._vectors[start:stop] = 0
+            self._prefaulted = stop
+            return stop < length
+
     def append(self, entries: CacheEntries) -> tuple[int, int]:
         """Adds `entries` (oldest first) as the newest entries, each keeping its time where
         the order allows (raised to the newest entry's, lowered to now); an entry already
@@ -394,6 +411,7 @@ class VectorCache:
             self._added_at = added_at.copy()
             self._trace_ids = ids
             self._head = 0
+            self._prefaulted = len(vectors)
             self._size = len(vectors)
             self.lineage = uuid.uuid4().hex
             self._reset()
@@ -509,6 +527,7 @@ class VectorCache:
         ids[: self._size] = self._trace_ids[order]
         self._vectors, self._norms, self._added_at, self._trace_ids = vectors, norms, added, ids
         self._head = 0
+        self._prefaulted = self._size
 
     def _tail_index(self) -> int:
         return (self._head + self._size - 1) % len(self._vectors)

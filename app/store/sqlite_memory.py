@@ -2,11 +2,16 @@
 (docs/operating/persistence.md).
 
 One table holds every namespace's entries in the order they were added (its rowid); each row
-carries a CRC-32 of its namespace, trace id, time and vector bytes, because SQLite checks a
-file's structure, not what a row holds. Every change is one transaction, committed before its
-answer (app/store/in_process.py groups concurrent requests into one); `KP_CACHE_DURABILITY`
-is SQLite's `synchronous`: NORMAL (a process crash loses nothing committed) or FULL (a power
-loss neither).
+carries a checksum of its namespace, trace id, time and vector bytes, because SQLite checks a
+file's structure, not what a row holds. The checksum is 64 bits, checked a batch of rows at
+once at start: two sums of the vector's and the time's little-endian uint32 words, each word
+times its own odd weight, modulo 2**32 (numpy; any change confined to one word changes both),
+the first XORed with a CRC-32 of the namespace and trace id. Schema 1 kept a CRC-32 of it all,
+checked row by row: such a database is checked with it once, then its checksums rewritten.
+
+Every change is one transaction, committed before its answer (app/store/in_process.py
+groups concurrent requests into one); `KP_CACHE_DURABILITY` is SQLite's `synchronous`:
+NORMAL (a process crash loses nothing committed) or FULL (a power loss neither).
 
 The database may hold more rows than the memory (entries the memory evicted or let expire
 since the last change of their namespace): a start keeps the newest of each namespace within
@@ -31,10 +36,12 @@ import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 import numpy as np
+import numpy.typing as npt
 
 from app.core.health import Health
 from app.core.states import SnapshotState
@@ -50,7 +57,7 @@ log = logging.getLogger(__name__)
 
 Durability = Literal["process", "power"]
 SYNCHRONOUS: dict[Durability, str] = {"process": "NORMAL", "power": "FULL"}
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 SQLITE_HEADER = b"SQLite format 3\x00"
 _TIME = struct.Struct("<d")
 #: Row ids read at a time when a damaged file is read row by row.
@@ -80,7 +87,58 @@ _COLUMNS = "id, namespace, trace_id, added_at_ms, vector, checksum"
 
 
 def entry_checksum(namespace: str, trace_id: str, added_at_ms: float, vector: bytes) -> int:
-    """CRC-32 of the vector's bytes, the time and the names: what a row must still hold."""
+    """What a row must still hold: its checksum (module docstring, the checksum)."""
+    return int(
+        _checksums(
+            np.frombuffer(vector, "<u4").reshape(1, -1),
+            np.array([added_at_ms], dtype="<f8"),
+            [zlib.crc32(_text(namespace, trace_id))],
+        )[0]
+    )
+
+
+def _text(namespace: str, trace_id: str) -> bytes:
+    return f"{namespace}\x00{trace_id}".encode()
+
+
+def _weights(words: int, seed: int) -> npt.NDArray[np.uint32]:
+    """Odd (so a change confined to one word always changes the sum), all different (so
+    words swapped change it too), fixed: part of the file format."""
+    i = np.arange(words, dtype=np.uint64)
+    return ((i * np.uint64(seed) + np.uint64(0x9E3779B9)) % np.uint64(2**32) | np.uint64(1)).astype(
+        np.uint32
+    )
+
+
+#: Per dimension: the weights of the vector's words and of the time's two, two lanes each.
+_LANES: dict[int, tuple[npt.NDArray[np.uint32], npt.NDArray[np.uint32]]] = {}
+#: The same weights as one (d + 2, 2) matrix: a row's vector words then its time's.
+_ROW_LANES: dict[int, npt.NDArray[np.uint32]] = {}
+
+
+def _checksums(
+    words: npt.NDArray[np.uint32], times: npt.NDArray[np.float64], text_crcs: Sequence[int]
+) -> npt.NDArray[np.int64]:
+    """The checksums of rows given as their vectors' little-endian uint32 words (n, d), their
+    times and the CRC-32 of their names: two weighted sums modulo 2**32 over the vector's and
+    the time's words (numpy, a batch at once), the first XORed with the names' CRC-32."""
+    d = words.shape[1]
+    if d not in _LANES:
+        lanes = np.stack([_weights(d + 2, 0x85EBCA6B), _weights(d + 2, 0xC2B2AE35)], axis=1)
+        _LANES[d] = (np.ascontiguousarray(lanes[:d]), np.ascontiguousarray(lanes[d:]))
+        _ROW_LANES[d] = np.ascontiguousarray(lanes)
+    vector_w, time_w = _LANES[d]
+    time_words = np.ascontiguousarray(times, dtype="<f8").view("<u4").reshape(-1, 2)
+    sums = words @ vector_w  # (n, 2), modulo 2**32
+    sums += time_words @ time_w
+    sums[:, 0] ^= np.asarray(text_crcs, dtype=np.uint32)
+    # Each (high, low) pair read as one little-endian 64-bit integer: high << 32 | low.
+    checksums: npt.NDArray[np.int64] = sums[:, ::-1].astype("<u4").view("<i8")[:, 0]
+    return checksums
+
+
+def schema1_checksum(namespace: str, trace_id: str, added_at_ms: float, vector: bytes) -> int:
+    """Schema 1's checksum: a CRC-32 of the vector's bytes, the time and the names."""
     crc = zlib.crc32(vector)
     crc = zlib.crc32(_TIME.pack(added_at_ms), crc)
     return zlib.crc32(f"{namespace}\x00{trace_id}".encode(), crc)
@@ -113,12 +171,46 @@ class NewRow:
     added_at_ms: float
     vector: bytes  # little-endian float32
 
-    def values(self) -> tuple[str, str, float, bytes, int]:
-        checksum = entry_checksum(self.namespace, self.trace_id, self.added_at_ms, self.vector)
-        return self.namespace, self.trace_id, self.added_at_ms, self.vector, checksum
+
+def _values(rows: Sequence[NewRow]) -> list[tuple[str, str, float, bytes, int]]:
+    """The rows as inserted, with their checksums: _checksums' sums, in as few numpy calls as
+    can be (a commit is often one row: each call costs microseconds there)."""
+    if not rows:
+        return []
+    d = len(rows[0].vector) // 4
+    if d not in _LANES:
+        _checksums(np.zeros((1, d), dtype=np.uint32), np.zeros(1), [0])  # makes the weights
+    weights = _ROW_LANES[d]
+    pack = _TIME.pack
+    words = np.frombuffer(b"".join([r.vector + pack(r.added_at_ms) for r in rows]), "<u4")
+    sums = (words.reshape(len(rows), d + 2) @ weights).tolist()
+    return [
+        (r.namespace, r.trace_id, r.added_at_ms, r.vector, _signed(h ^ _text_crc(r), low))
+        for r, (h, low) in zip(rows, sums, strict=True)
+    ]
+
+
+def _text_crc(row: NewRow) -> int:
+    return zlib.crc32(_text(row.namespace, row.trace_id))
+
+
+def _signed(high: int, low: int) -> int:
+    """high << 32 | low as SQLite's signed 64-bit INTEGER."""
+    return (((high << 32) | low) ^ (1 << 63)) - (1 << 63)
 
 
 Loader = Callable[[str, CacheEntries], None]
+
+
+class _Checked(NamedTuple):
+    """A batch of rows read at start: which hold what their checksum says, and their columns."""
+
+    ok: npt.NDArray[np.bool_]
+    vectors: npt.NDArray[np.float32]
+    times: npt.NDArray[np.float64]
+    ids: tuple[int, ...]
+    namespaces: tuple[str, ...]
+    trace_ids: list[str]
 
 
 class LoadTarget(Protocol):
@@ -163,6 +255,7 @@ class SqliteStore:
         self._start_warnings: list[str] = []
         self._counts: dict[str, int] = {}  # rows of each namespace, as the index counts them
         self._bad: list[int] = []  # ids of rows that failed their checksum at start
+        self._upgrades: list[tuple[int, int]] = []  # (new checksum, id) of schema 1's rows
 
     # ── start ───────────────────────────────────────────────────────────────
 
@@ -203,7 +296,7 @@ class SqliteStore:
                     ).fetchall()
                 )
                 self._counts = counts
-                loaded = self._load_rows(conn, target)
+                loaded = self._load_rows(conn, target, _schema(conn))
                 if loaded + self.status.checksum_failures_total != sum(counts.values()):
                     raise sqlite3.DatabaseError(
                         f"the index counts {sum(counts.values())} entries, the table "
@@ -225,6 +318,7 @@ class SqliteStore:
             self._conn = self._connect(path)
             self._write_meta(self._conn)
             return
+        self._upgrade(conn)
         self._write_meta(conn)
         self._conn = conn
         self._drop(conn, self._bad)
@@ -259,14 +353,35 @@ class SqliteStore:
             f"{self.model_id} ({self.dimensions} dimensions)"
         )
 
-    def _load_rows(self, conn: sqlite3.Connection, target: LoadTarget) -> int:
+    def _load_rows(self, conn: sqlite3.Connection, target: LoadTarget, schema: int) -> int:
         """Every good row to `target`, a chunk per namespace; the ids of bad ones kept (and
         counted) for _drop."""
         for namespace, count in self._counts.items():
             target.reserve(namespace, count)
         rows = conn.execute(f"SELECT {_COLUMNS} FROM entries ORDER BY id")
-        self._bad = self._dispatch(iter(lambda: rows.fetchmany(CHUNK), []), target.load)
+        try:
+            self._bad = self._dispatch(iter(lambda: rows.fetchmany(CHUNK), []), target.load, schema)
+        except sqlite3.OperationalError as exc:
+            if "decode" not in str(exc):
+                raise
+            # A byte changed in a name so that it is no longer UTF-8: damage, read row by row.
+            raise sqlite3.DatabaseError(str(exc)) from exc
         return sum(self._rows.values())
+
+    def _upgrade(self, conn: sqlite3.Connection) -> None:
+        """A database of schema 1 (CRC-32 checksums), its rows checked: their checksums
+        rewritten in this schema's, in the transaction that records the schema."""
+        if not self._upgrades:
+            return
+        conn.execute("BEGIN IMMEDIATE")
+        conn.executemany("UPDATE entries SET checksum = ? WHERE id = ?", self._upgrades)
+        self._write_meta(conn)
+        conn.execute("COMMIT")
+        log.warning(
+            "cache database: checksums rewritten in the current schema",
+            extra={"path": str(self.path), "entries": len(self._upgrades)},
+        )
+        self._upgrades = []
 
     def _drop(self, conn: sqlite3.Connection, bad: list[int]) -> None:
         """Deletes the rows that failed their checksum (they are never served)."""
@@ -279,60 +394,53 @@ class SqliteStore:
     def _reset_loaded(self, target: LoadTarget) -> None:
         self._rows.clear()
         self._bad = []
+        self._upgrades = []
         self.status.checksum_failures_total = 0
         self._start_warnings.clear()
         target.reset()
 
-    def _dispatch(self, batches: Iterable[list[Any]], load: Loader) -> list[int]:
-        """Rows (id, namespace, trace_id, added_at_ms, vector, checksum) to `load`, checked;
-        the ids of those that fail their checksum."""
-        size = self.dimensions * 4
-        pending: dict[str, list[Any]] = {}  # rows as read, per namespace
+    def _dispatch(self, batches: Iterable[list[Any]], load: Loader, schema: int) -> list[int]:
+        """Rows (id, namespace, trace_id, added_at_ms, vector, checksum) to `load`, checked
+        a batch at a time; the ids of those that fail their checksum (or hold a vector that
+        is not finite: a checksum of a bad vector is no proof). Rows of schema 1 (a CRC-32
+        each) are checked row by row and their new checksums kept for _upgrade."""
         bad: list[int] = []
-
-        def flush(namespace: str) -> None:
-            chunk = pending.pop(namespace, [])
-            if not chunk:
-                return
-            vectors = np.frombuffer(b"".join([r[4] for r in chunk]), "<f4").reshape(
-                len(chunk), self.dimensions
-            )
-            finite = np.isfinite(vectors).all(axis=1)  # a checksum of a bad vector is no proof
-            if not finite.all():
-                bad.extend(r[0] for r, ok in zip(chunk, finite, strict=True) if not ok)
-                chunk = [r for r, ok in zip(chunk, finite, strict=True) if ok]
-                vectors = vectors[finite]
-            self._rows[namespace] = self._rows.get(namespace, 0) + len(chunk)
-            load(
-                namespace,
-                CacheEntries(
-                    vectors.astype(np.float32, copy=False),  # copied into the ring
-                    np.array([r[3] for r in chunk], dtype=np.float64),
-                    [r[2] for r in chunk],
-                ),
-            )
-
-        def take(namespace: str, rows: list[Any]) -> None:
-            held = pending.setdefault(namespace, [])
-            held.extend(rows)
-            if len(held) >= CHUNK:
-                flush(namespace)
-
         for batch in batches:
             if not batch:
                 continue
-            good = self._checked(batch, size)
-            first = batch[0][1]
-            if all(good) and all(r[1] == first for r in batch):
-                take(str(first), batch)  # the common case: one namespace, nothing damaged
+            if schema == SCHEMA_VERSION:
+                checked = self._checked_batch(batch)
+                if checked is None:  # a value of another type or length somewhere
+                    good = [_row_ok(r, self.dimensions * 4, schema) for r in batch]
+                    bad.extend(r[0] for r, ok in zip(batch, good, strict=True) if not ok)
+                    batch = [r for r, ok in zip(batch, good, strict=True) if ok]
+                    checked = self._checked_batch(batch) if batch else None
+                    if checked is None:
+                        bad.extend(r[0] for r in batch)
+                        continue
+            else:
+                good = [_row_ok(r, self.dimensions * 4, schema) for r in batch]
+                bad.extend(r[0] for r, ok in zip(batch, good, strict=True) if not ok)
+                batch = [r for r, ok in zip(batch, good, strict=True) if ok]
+                if not batch:
+                    continue
+                checked = self._checked_batch(batch, upgrade=True)
+                assert checked is not None
+            ok, vectors, times, ids, namespaces, trace_ids = checked
+            if not ok.all():
+                bad.extend(i for i, good_row in zip(ids, ok.tolist(), strict=True) if not good_row)
+            first = namespaces[0]
+            if ok.all() and namespaces.count(first) == len(namespaces):
+                self._loaded(load, first, vectors, times, trace_ids)  # the common case
                 continue
-            for row, ok in zip(batch, good, strict=True):
-                if ok:
-                    take(str(row[1]), [row])
-                else:
-                    bad.append(row[0])
-        for namespace in list(pending):
-            flush(namespace)
+            names = np.array(namespaces, dtype=object)
+            for namespace in dict.fromkeys(namespaces):
+                keep = ok & (names == namespace)
+                if keep.any():
+                    at = np.flatnonzero(keep)
+                    self._loaded(
+                        load, namespace, vectors[at], times[at], [trace_ids[i] for i in at]
+                    )
         if bad:
             self.status.checksum_failures_total += len(bad)
             warning = (
@@ -343,19 +451,47 @@ class SqliteStore:
             log.error(warning, extra={"path": str(self.path), "dropped": len(bad)})
         return bad
 
-    @staticmethod
-    def _checked(batch: list[Any], size: int) -> list[bool]:
-        """Whether each row (id, namespace, trace_id, added_at_ms, vector, checksum) holds
-        what its checksum says (entry_checksum, inlined: it runs once a row)."""
-        crc32, pack = zlib.crc32, _TIME.pack
+    def _loaded(
+        self,
+        load: Loader,
+        namespace: str,
+        vectors: npt.NDArray[np.float32],
+        times: npt.NDArray[np.float64],
+        trace_ids: list[str],
+    ) -> None:
+        self._rows[namespace] = self._rows.get(namespace, 0) + len(vectors)
+        load(namespace, CacheEntries(vectors, times, trace_ids))
+
+    def _checked_batch(self, batch: list[Any], *, upgrade: bool = False) -> _Checked | None:
+        """Whether each row holds what its checksum says, with the rows' columns; None when
+        a value is of another type or length (the caller checks row by row). `upgrade`:
+        rows already checked (schema 1); their new checksums are kept instead."""
+        n, size = len(batch), self.dimensions * 4
+        # Column by column, in C where it can be (a million rows at a start).
+        ids, namespaces, trace_ids, times_of, blobs, stored_of = zip(*batch, strict=True)
         try:
-            return [
-                len(r[4]) == size
-                and r[5] == crc32(f"{r[1]}\x00{r[2]}".encode(), crc32(pack(r[3]), crc32(r[4])))
-                for r in batch
-            ]
-        except (TypeError, struct.error):  # a value of another type somewhere: row by row
-            return [_row_ok(r, size) for r in batch]
+            blob = b"".join(blobs)
+            if len(blob) != n * size or set(map(type, times_of)) != {float}:
+                return None
+            first = namespaces[0]
+            if namespaces.count(first) == n:
+                names = repeat(zlib.crc32(f"{first}\x00".encode()), n)
+                text = list(map(zlib.crc32, map(str.encode, trace_ids), names))
+            else:
+                text = list(map(zlib.crc32, map(_text, namespaces, trace_ids)))
+            stored = np.array(stored_of, dtype=np.int64)
+        except (TypeError, AttributeError, ValueError, OverflowError):
+            return None
+        times = np.array(times_of, dtype=np.float64)
+        sums = _checksums(np.frombuffer(blob, "<u4").reshape(n, self.dimensions), times, text)
+        vectors = np.frombuffer(blob, "<f4").reshape(n, self.dimensions)
+        if upgrade:
+            self._upgrades.extend(zip(sums.tolist(), ids, strict=True))
+            ok = np.ones(n, dtype=bool)
+        else:
+            ok = sums == stored
+        ok &= np.isfinite(vectors).all(axis=1)
+        return _Checked(ok, vectors, times, ids, namespaces, list(trace_ids))
 
     def _recover(self, target: LoadTarget, why: str) -> None:
         """Copies the damaged file aside byte for byte, keeps what can be read of it row by
@@ -369,11 +505,13 @@ class SqliteStore:
                 shutil.copyfile(extra, Path(f"{aside}{suffix}"))
         scratch = path.with_name(f"{path.name}.reading")
         rows: list[Any] = []
+        schema = SCHEMA_VERSION
         try:
             shutil.copyfile(path, scratch)
             wal = Path(f"{path}-wal")
             if wal.exists():
                 shutil.copyfile(wal, Path(f"{scratch}-wal"))
+            schema = _readable_schema(scratch)
             rows = list(_readable_rows(scratch))
         finally:
             for leftover in (scratch, Path(f"{scratch}-wal"), Path(f"{scratch}-shm")):
@@ -385,13 +523,20 @@ class SqliteStore:
         kept: list[tuple[str, str, float, bytes, int]] = []
 
         def keep(namespace: str, entries: CacheEntries) -> None:
-            for trace_id, added_at, vector in zip(
-                entries.ids(), entries.added_at_ms, entries.vectors, strict=True
-            ):
-                kept.append(NewRow(namespace, trace_id, float(added_at), _wire(vector)).values())
+            kept.extend(
+                _values(
+                    [
+                        NewRow(namespace, trace_id, float(added_at), _wire(vector))
+                        for trace_id, added_at, vector in zip(
+                            entries.ids(), entries.added_at_ms, entries.vectors, strict=True
+                        )
+                    ]
+                )
+            )
             target.load(namespace, entries)
 
-        self._dispatch([rows], keep)
+        self._dispatch([rows[i : i + CHUNK] for i in range(0, len(rows), CHUNK)], keep, schema)
+        self._upgrades = []  # the rows are written anew, with this schema's checksums
         conn.execute("BEGIN IMMEDIATE")
         conn.executemany(_INSERT, kept)
         conn.execute("COMMIT")
@@ -436,13 +581,22 @@ class SqliteStore:
         self._write_meta(conn)
         e = former.entries
         conn.execute("BEGIN IMMEDIATE")
-        conn.executemany(
-            _INSERT,
-            (
-                NewRow("default", trace_id, float(t), _wire(v)).values()
-                for trace_id, t, v in zip(e.ids(), e.added_at_ms, e.vectors, strict=True)
-            ),
-        )
+        ids = e.ids()
+        for i in range(0, len(e.vectors), CHUNK):
+            conn.executemany(
+                _INSERT,
+                _values(
+                    [
+                        NewRow("default", trace_id, float(t), _wire(v))
+                        for trace_id, t, v in zip(
+                            ids[i : i + CHUNK],
+                            e.added_at_ms[i : i + CHUNK],
+                            e.vectors[i : i + CHUNK],
+                            strict=True,
+                        )
+                    ]
+                ),
+            )
         conn.execute("COMMIT")
         conn.close()
         shutil.copyfile(path, aside)  # beside it before the database takes its name
@@ -454,7 +608,7 @@ class SqliteStore:
         for _, journal in journal_files(path):
             os.replace(journal, journal.with_name(f"{journal.name}.old-format"))
         self._conn = self._connect(path)
-        loaded = self._load_rows(self._conn, target)
+        loaded = self._load_rows(self._conn, target, SCHEMA_VERSION)
         self._drop(self._conn, self._bad)
         self.status.state = SnapshotState.CONVERTED
         self.status.loaded_vectors = loaded
@@ -508,7 +662,7 @@ class SqliteStore:
                 conn.execute(_TRIM, (namespace, excess))
             if clear is not None:
                 conn.execute("DELETE FROM entries WHERE namespace = ?", (clear,))
-            conn.executemany(_INSERT, (row.values() for row in rows))
+            conn.executemany(_INSERT, _values(rows))
             conn.execute("COMMIT")
         except (sqlite3.Error, OSError) as exc:
             with contextlib.suppress(sqlite3.Error):
@@ -555,17 +709,40 @@ class SqliteStore:
         return Health(warnings=tuple(warnings))
 
 
-def _row_ok(row: Any, size: int) -> bool:
+def _row_ok(row: Any, size: int, schema: int) -> bool:
+    checksum_of = entry_checksum if schema == SCHEMA_VERSION else schema1_checksum
     try:
         _, namespace, trace_id, added_at, vector, checksum = row
         return bool(
             isinstance(namespace, str)
             and isinstance(trace_id, str)
+            and isinstance(added_at, float)
+            and isinstance(vector, bytes)
             and len(vector) == size
-            and checksum == entry_checksum(namespace, trace_id, added_at, vector)
+            and checksum == checksum_of(namespace, trace_id, added_at, vector)
         )
     except (TypeError, ValueError, struct.error):
         return False
+
+
+def _schema(conn: sqlite3.Connection) -> int:
+    """The schema the database's checksums follow (a new database: this one)."""
+    row = conn.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()
+    return 1 if row is not None and row[0] == "1" else SCHEMA_VERSION
+
+
+def _readable_schema(path: Path) -> int:
+    """_schema of a damaged database; this schema's when its meta cannot be read."""
+    try:
+        conn = sqlite3.connect(path, isolation_level=None)
+    except sqlite3.Error:
+        return SCHEMA_VERSION
+    try:
+        return _schema(conn)
+    except sqlite3.Error:
+        return SCHEMA_VERSION
+    finally:
+        conn.close()
 
 
 def _wire(vector: np.ndarray) -> bytes:
