@@ -37,7 +37,7 @@ test: lint docs typescript unit
 
 ## test-fast: the tests that need no live server, no redis-server, no promtool and no long run
 test-fast: $(BIN)/.installed-test
-	$(BIN)/python -m pytest -m "not server and not redis and not slow and not promtool"
+	$(BIN)/python -m pytest -n auto --dist loadfile -m "not server and not redis and not slow and not promtool"
 
 lint: $(BIN)/.installed-test
 	$(BIN)/ruff check .
@@ -45,7 +45,7 @@ lint: $(BIN)/.installed-test
 	$(BIN)/mypy
 
 unit: $(BIN)/.installed-test promtool
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n auto --dist loadfile
 
 ## docs: build the documentation site into site/ (mkdocs --strict: a broken link or a missing
 ## page fails); `.venv/bin/mkdocs serve` serves it while you edit
