@@ -4,7 +4,11 @@ POST /evaluate at each durability, a 30,000-line POST /cache/import, and start t
 checkout of the former release is given (`--former DIR`), in the same run.
 
     python -m bench persistence [--adds 600] [--requests 100] [--lines 30000]
-        [--sizes 100000,1000000] [--former DIR] [--only-step | --only-start]
+        [--sizes 100000,1000000] [--starts 3] [--former DIR] [--only-step | --only-start]
+        [--out FILE]
+
+A whole run writes bench/results/persistence.json (rendered on docs/performance.md and
+docs/operating/persistence.md); a partial one only where --out says.
 
 Each server runs the real model (preloaded, one thread, no memo), the exact search, and the
 servers take turns request by request in a rotating order, so that a busy host slows all of
@@ -27,10 +31,12 @@ from typing import Any
 import httpx
 import numpy as np
 
+from bench.machine import machine
 from bench.server import ADMIN_TOKEN, HOST, ROOT, Server
 from bench.stats import percentile
 from tests.factories import import_body
 
+DEFAULT_OUT = ROOT / "bench" / "results" / "persistence.json"
 #: (name, settings, former?): the memory kept nowhere, then each durability, now and before.
 COMMON = {
     "KP_CACHE_CAPACITY": "100000",
@@ -258,8 +264,9 @@ def _ready_s(env: dict[str, str], root: Path | None, log: Path) -> float:
         server.stop()
 
 
-def start_to_ready(sizes: list[int], former: Path | None) -> dict[str, Any]:
-    """From the process's start to /readyz ready, on a memory of each size."""
+def start_to_ready(sizes: list[int], former: Path | None, starts: int = 1) -> dict[str, Any]:
+    """From the process's start to /readyz ready, on a memory of each size, `starts` times
+    (the database and the former snapshot in turn)."""
     model_id = _model_id()
     out: dict[str, Any] = {}
     for size in sizes:
@@ -267,42 +274,36 @@ def start_to_ready(sizes: list[int], former: Path | None) -> dict[str, Any]:
             directory = Path(tmp)
             path = directory / "memory.db"
             write_database(path, model_id, size)
-            figures = {
-                "database_mb": round(path.stat().st_size / 2**20),
-                "sqlite_s": _ready_s(
-                    {"KP_CACHE_DB_PATH": str(path), "KP_CACHE_CAPACITY": str(size)},
-                    None,
-                    directory / "sqlite.log",
-                ),
-            }
-            path.unlink()
+            figures: dict[str, Any] = {"database_mb": round(path.stat().st_size / 2**20)}
+            snapshot = directory / "memory.snapshot"
             if former is not None:
-                snapshot = directory / "memory.snapshot"
                 subprocess.run(
                     [sys.executable, "-c", _FORMER_SNAPSHOT, str(snapshot), str(size), model_id],
                     cwd=former,
                     check=True,
                 )
-                figures["former_s"] = _ready_s(
-                    {
-                        "KP_CACHE_SNAPSHOT_PATH": str(snapshot),
-                        "KP_CACHE_SNAPSHOT_INTERVAL_S": "86400",
-                        "KP_CACHE_CAPACITY": str(size),
-                    },
-                    former,
-                    directory / "former.log",
+            for _ in range(starts):
+                figures.setdefault("sqlite_s", []).append(
+                    _ready_s(
+                        {"KP_CACHE_DB_PATH": str(path), "KP_CACHE_CAPACITY": str(size)},
+                        None,
+                        directory / "sqlite.log",
+                    )
                 )
+                if former is not None:
+                    figures.setdefault("former_s", []).append(
+                        _ready_s(
+                            {
+                                "KP_CACHE_SNAPSHOT_PATH": str(snapshot),
+                                "KP_CACHE_SNAPSHOT_INTERVAL_S": "86400",
+                                "KP_CACHE_CAPACITY": str(size),
+                            },
+                            former,
+                            directory / "former.log",
+                        )
+                    )
             out[str(size)] = figures
     return out
-
-
-def _cpu() -> str:
-    import os
-
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} cores"
-    return f"{os.cpu_count()} cores"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -321,16 +322,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only-start", action="store_true", help="only start to ready, at each of --sizes"
     )
+    parser.add_argument("--starts", type=int, default=3, help="starts to ready at each size")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help=f"where the figures go (default: {DEFAULT_OUT.relative_to(ROOT)} after a whole run)",
+    )
     args = parser.parse_args(argv)
-    result: dict[str, Any] = {"cpu": _cpu()}
+    result: dict[str, Any] = {
+        "machine": machine(),
+        "command": " ".join(["python -m bench persistence", *(argv or sys.argv[1:])]),
+    }
     if not args.only_start:
         result["memory_step"] = memory_step(args.adds)
     if not args.skip_commits and not args.only_step and not args.only_start:
         result["commits"] = commits(args.requests, args.lines, args.former)
     sizes = [int(s) for s in args.sizes.split(",") if s]
     if not args.only_step:
-        result["start_to_ready"] = start_to_ready(sizes, args.former)
-    print(json.dumps(result, indent=2))
+        result["start_to_ready"] = start_to_ready(sizes, args.former, args.starts)
+    text = json.dumps(result, indent=2)
+    print(text)
+    whole = not (args.skip_commits or args.only_step or args.only_start)
+    out = args.out or (DEFAULT_OUT if whole else None)
+    if out is not None:
+        out.write_text(text + "\n")
     return 0
 
 

@@ -1,6 +1,6 @@
 """mkdocs hook: the performance page's tables, rendered from the committed bench results.
 
-`<!-- bench: NAME -->` on docs/performance.md becomes the tables of
+`<!-- bench: NAME -->` on docs/performance.md (or another page of PAGES) becomes the tables of
 `bench/results/NAME.json`, headed by the machine (CPU, cores, flags, date, load) and the
 command that made it. A result that is missing renders as a note, never a failed build; a
 file whose layout this renderer does not know renders as a flat list of its figures.
@@ -32,6 +32,7 @@ COMMANDS = {
     "reference": "python -m bench.reference --rounds 5",
     "memory": "python -m bench.memory --sizes 100000",
     "precision": "python -m bench.precision",
+    "persistence": "python -m bench persistence",
 }
 
 
@@ -303,11 +304,94 @@ def _pair(data: dict[str, Any], first: str, second: str, middle: str = " / ", en
     return f"{_number(data.get(first))}{middle}{_number(data.get(second))}{end}"
 
 
+#: bench.persistence's servers, as its tables head them.
+_KEEPERS = {
+    "none": "kept nowhere",
+    "process": "`process`",
+    "power": "`power`",
+    "former_everysec": "former `everysec`",
+    "former_always": "former `always`",
+}
+#: Start to ready at a million entries, the target (docs/operating/persistence.md).
+START_TARGET_S = 10.0
+
+
+def _persistence(data: dict[str, Any]) -> str:
+    """bench.persistence: the in-process memory's database against keeping nothing (and the
+    former snapshot and journal, when the run had them)."""
+    step = data.get("memory_step", {})
+    commits = data.get("commits", {})
+    trace = {k.removeprefix("sqlite_"): v for k, v in commits.get("trace", {}).items()}
+    imports = {k.removeprefix("sqlite_"): v for k, v in commits.get("import_s", {}).items()}
+    keepers = [k for k in _KEEPERS if k in step or k in trace]
+
+    def cell(figures: dict[str, Any], key: str, unit: str, extra: str | None = None) -> str:
+        if key not in figures:
+            return "-"
+        text = f"{_number(figures[key])} {unit}"
+        return f"{text} (+{_number(figures[extra])})" if extra and extra in figures else text
+
+    rows = []
+    if step:
+        rows.append(
+            ["the memory's step of a committed trace, p50 (in process, 1,000 entries)"]
+            + [cell(step.get(k, {}), "p50_us", "us") for k in keepers]
+        )
+    if trace:
+        rows.append(
+            [f"a committed `POST /evaluate`, p50 (end to end, {commits['requests']} each)"]
+            + [cell(trace.get(k, {}), "p50_ms", "ms", "commit_ms") for k in keepers]
+        )
+        rows.append(["the same, p99"] + [cell(trace.get(k, {}), "p99_ms", "ms") for k in keepers])
+    if imports:
+        rows.append(
+            [f"a {_number(commits['import_lines'])}-line `POST /cache/import`"]
+            + [f"{_number(imports[k])} s" if k in imports else "-" for k in keepers]
+        )
+    out = []
+    if rows:
+        out.append(_table(["figure", *(_KEEPERS[k] for k in keepers)], rows))
+    starts = data.get("start_to_ready", {})
+    if starts:
+        start_rows = []
+        for size, figures in starts.items():
+            row = [f"{_number(int(size))} entries ({_number(figures['database_mb'])} MB)"]
+            for key in ("sqlite_s", "former_s"):
+                runs = figures.get(key) or []
+                row.append(
+                    ", ".join(f"{_number(r)} s" for r in runs)
+                    + (
+                        f" (median {_number(sorted(runs)[len(runs) // 2])} s)"
+                        if len(runs) > 2
+                        else ""
+                    )
+                    if runs
+                    else "-"
+                )
+            start_rows.append(row)
+        out.append(
+            _table(
+                ["start to ready (model preloaded, memory loaded)", "the database", "former"],
+                start_rows,
+            )
+        )
+        million = starts.get("1000000", {}).get("sqlite_s")
+        if million:
+            median = sorted(million)[len(million) // 2]
+            verdict = "PASS" if median <= START_TARGET_S else "FAIL"
+            out.append(
+                f"A million entries ready within {START_TARGET_S:g} s (median of the starts): "
+                f"{_number(median)} s, **{verdict}**."
+            )
+    return "\n\n".join(out)
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
     "latest": _latest,
     "reference": _reference,
     "memory": _memory,
     "precision": _precision,
+    "persistence": _persistence,
 }
 
 
@@ -517,8 +601,12 @@ def render(name: str, results: Path = RESULTS) -> str:
     return f"{head}\n\n{body}"
 
 
+#: The pages whose markers are rendered.
+PAGES = ("performance.md", "operating/persistence.md")
+
+
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
-    if page.file.src_uri != "performance.md":
+    if page.file.src_uri not in PAGES:
         return markdown
     markdown = PLOT_MARKER.sub(lambda match: plot(match.group(1)), markdown)
     return MARKER.sub(lambda match: render(match.group(1)), markdown)
