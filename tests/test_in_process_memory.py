@@ -194,7 +194,7 @@ def test_concurrent_adds_kept_in_a_database_equal_one_at_a_time_in_its_order(
     assert all(c.stored for answer in answers for c in answer)
     again = InProcessMemory(25, store=SqliteStore(tmp_path / "m.db", "m", DIMS, "process"))
     asyncio.run(again.start())
-    kept = [i for c in [again.cache(DEFAULT_NAMESPACE).entries()] for i in c.ids()]
+    kept = [i for c in again.cache(DEFAULT_NAMESPACE).chunks() for i in c.ids()]
     asyncio.run(again.close())
     assert len(kept) == 25
     # Replayed one at a time in the order requests were asked (asyncio.gather starts them in

@@ -10,7 +10,6 @@ import logging
 import os
 import shutil
 import signal
-import sqlite3
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +25,7 @@ from app.domain.vector_cache import CacheEntries
 from app.store import in_process
 from app.store.base import DEFAULT_NAMESPACE
 from app.store.in_process import InProcessMemory
-from app.store.sqlite_memory import SqliteStore, entry_checksum, schema1_checksum
+from app.store.sqlite_memory import SqliteStore
 from tests.conftest import ClientFactory
 from tests.factories import make_trace, random_units
 from tests.server import LiveServer
@@ -278,46 +277,6 @@ def test_a_name_changed_into_bytes_that_are_not_utf8_costs_that_row_only(
         assert list(exported(again, "ns-b").ids()) == [f"b{i:03}" for i in range(20) if i != 7]
     finally:
         close(again)
-
-
-def test_a_database_of_the_first_schema_is_read_and_its_checksums_rewritten(
-    tmp_path: Path,
-) -> None:
-    """Schema 1 kept a CRC-32 a row: its rows are checked with it (a failing one dropped),
-    then their checksums rewritten in this schema's, once."""
-    path = tmp_path / "memory.db"
-    v = random_units(10, seed=7)
-    memory = memory_at(path)
-    add(memory, DEFAULT_NAMESPACE, v, [f"t{i}" for i in range(10)])
-    close(memory)
-    with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as conn:
-        rows = conn.execute(
-            "SELECT id, namespace, trace_id, added_at_ms, vector FROM entries"
-        ).fetchall()
-        conn.executemany(
-            "UPDATE entries SET checksum = ? WHERE id = ?",
-            [(schema1_checksum(*r[1:]) + (r[2] == "t3"), r[0]) for r in rows],
-        )
-        conn.execute("UPDATE meta SET value = '1' WHERE key = 'schema'")
-
-    again = memory_at(path)
-    try:
-        assert again.store is not None
-        assert again.store.status.checksum_failures_total == 1
-        assert list(exported(again).ids()) == [f"t{i}" for i in range(10) if i != 3]
-    finally:
-        close(again)
-    with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as conn:
-        assert conn.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone() == ("2",)
-        stored = conn.execute(
-            "SELECT namespace, trace_id, added_at_ms, vector, checksum FROM entries"
-        ).fetchall()
-    assert [r[4] for r in stored] == [entry_checksum(*r[:4]) for r in stored]
-    third = memory_at(path)
-    assert third.store is not None
-    assert third.store.status.checksum_failures_total == 0
-    assert third.size == 9
-    close(third)
 
 
 def _btree_page_in_the_middle(path: Path) -> int:

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.domain.vector_cache import CacheEntries, VectorCache
+from app.domain.vector_cache import CHUNK, CacheEntries, VectorCache
 
 
 class FakeClock:
@@ -23,6 +23,22 @@ class FakeClock:
 def unit(seed: int, dims: int = 384) -> np.ndarray:
     v = np.random.default_rng(seed).standard_normal(dims).astype(np.float32)
     return v / np.linalg.norm(v)
+
+
+def max_cosine(cache: VectorCache, q: np.ndarray) -> float:
+    """The largest cosine with a cached vector, 0.0 when empty (as the score reads it)."""
+    found = cache.nearest(q)
+    return 0.0 if found is None else found.cosine
+
+
+def entries(cache: VectorCache) -> CacheEntries:
+    """The live entries oldest first, as an export reads them."""
+    chunks = list(cache.chunks())
+    return CacheEntries(
+        np.concatenate([c.vectors for c in chunks]),
+        np.concatenate([c.added_at_ms for c in chunks]),
+        [i for c in chunks for i in c.ids()],
+    )
 
 
 def reference_max_cosine(vectors: list[np.ndarray], q: np.ndarray) -> float:
@@ -39,13 +55,13 @@ def reference_max_cosine(vectors: list[np.ndarray], q: np.ndarray) -> float:
 def test_empty_cache_answers_zero() -> None:
     cache = VectorCache()
     assert cache.size == 0
-    assert cache.max_cosine_similarity(unit(1)) == 0.0
+    assert max_cosine(cache, unit(1)) == 0.0
 
 
 def test_identical_vector_has_cosine_one() -> None:
     cache = VectorCache()
     cache.add(unit(1))
-    assert cache.max_cosine_similarity(unit(1)) == pytest.approx(1.0, abs=1e-12)
+    assert max_cosine(cache, unit(1)) == pytest.approx(1.0, abs=1e-12)
 
 
 @pytest.mark.parametrize("shape", [(383,), (385,), (2, 384), ()])
@@ -69,10 +85,10 @@ def test_eviction_is_oldest_first() -> None:
     for seed in range(5):
         cache.add(unit(seed))
     assert cache.size == 3
-    kept = cache.entries().vectors
+    kept = entries(cache).vectors
     np.testing.assert_array_equal(kept, np.vstack([unit(2), unit(3), unit(4)]))
-    assert cache.max_cosine_similarity(unit(0)) < 0.5  # evicted
-    assert cache.max_cosine_similarity(unit(4)) == pytest.approx(1.0)
+    assert max_cosine(cache, unit(0)) < 0.5  # evicted
+    assert max_cosine(cache, unit(4)) == pytest.approx(1.0)
     stats = cache.stats()
     assert (stats.adds_total, stats.evictions_total) == (5, 2)
 
@@ -87,9 +103,9 @@ def test_ttl_drops_expired_entries_before_any_query() -> None:
     assert cache.size == 2
     clock.now += 1  # the first entry is now exactly ttl old: gone (the reference keeps > cutoff)
     assert cache.size == 1
-    assert cache.max_cosine_similarity(unit(1)) < 0.5
+    assert max_cosine(cache, unit(1)) < 0.5
     clock.now += 600
-    assert cache.max_cosine_similarity(unit(2)) == 0.0
+    assert max_cosine(cache, unit(2)) == 0.0
     assert cache.size == 0
 
 
@@ -111,27 +127,17 @@ def test_clear_reports_what_it_dropped() -> None:
         cache.add(unit(seed))
     assert cache.clear() == 4
     assert cache.size == 0
-    assert cache.max_cosine_similarity(unit(1)) == 0.0
+    assert max_cosine(cache, unit(1)) == 0.0
 
 
-def test_copy_is_independent() -> None:
-    cache = VectorCache(capacity=5)
-    for seed in range(7):
-        cache.add(unit(seed))
-    twin = cache.copy()
-    twin.add(unit(99))
-    assert cache.max_cosine_similarity(unit(99)) < 0.5
-    assert twin.max_cosine_similarity(unit(99)) == pytest.approx(1.0)
-    assert twin.size == cache.size == 5
-
-
-def test_load_keeps_the_newest_capacity_entries() -> None:
+def test_extend_keeps_the_newest_capacity_entries() -> None:
     cache = VectorCache(capacity=2)
     vectors = np.vstack([unit(s) for s in range(3)])
-    cache.load(CacheEntries(vectors, np.array([1.0, 2.0, 3.0])))
-    np.testing.assert_array_equal(cache.entries().vectors, vectors[1:])
+    cache.extend(vectors, np.array([1.0, 2.0, 3.0]), ["a", "b", "c"])
+    np.testing.assert_array_equal(entries(cache).vectors, vectors[1:])
     with pytest.raises(ValueError, match="dimensions"):
-        cache.load(CacheEntries(np.zeros((2, 10), dtype=np.float32), np.zeros(2)))
+        cache.extend(np.zeros((2, 10), dtype=np.float32), np.zeros(2), ["d", "e"])
+    assert list(entries(cache).ids()) == ["b", "c"]
 
 
 @settings(max_examples=60, deadline=None)
@@ -148,7 +154,7 @@ def test_max_cosine_equals_the_reference_loop_through_wraparound(
         cache.add(unit(s, 16))
     kept = [unit(s, 16) for s in seeds[-capacity:]]
     q = unit(query, 16)
-    assert cache.max_cosine_similarity(q) == pytest.approx(reference_max_cosine(kept, q), abs=1e-12)
+    assert max_cosine(cache, q) == pytest.approx(reference_max_cosine(kept, q), abs=1e-12)
     assert cache.size == len(kept)
 
 
@@ -188,7 +194,7 @@ def test_scan_is_exact_at_full_capacity() -> None:
     for v in vectors:
         cache.add(v)
     for q in (unit(5000), vectors[-1], vectors[100]):
-        assert cache.max_cosine_similarity(q) == pytest.approx(
+        assert max_cosine(cache, q) == pytest.approx(
             reference_max_cosine(vectors[-1000:], q), abs=1e-12
         )
 
@@ -201,7 +207,7 @@ def test_concurrent_adds_and_queries_keep_the_cache_consistent() -> None:
         try:
             for i in range(200):
                 cache.add(unit(offset * 1000 + i))
-                cache.max_cosine_similarity(unit(i))
+                max_cosine(cache, unit(i))
                 assert cache.size <= 50
         except BaseException as exc:  # pragma: no cover - reported below
             errors.append(exc)
@@ -218,24 +224,44 @@ def test_concurrent_adds_and_queries_keep_the_cache_consistent() -> None:
 
 @pytest.mark.parametrize(("capacity", "before", "batch"), [(5, 3, 4), (10, 0, 25), (64, 64, 1)])
 def test_extend_equals_adding_one_by_one(capacity: int, before: int, batch: int) -> None:
-    """What a replica reading a page of the shared log does, in one copy."""
+    """What a start's load, a committed group or an import does, in one copy."""
     rng = np.random.default_rng(capacity)
     vectors = rng.standard_normal((before + batch, 384)).astype(np.float32)
     times = np.sort(rng.uniform(0, 1e6, before + batch))
     times[2:4] = times[1]  # equal times stay in order
-    one, many = VectorCache(capacity), VectorCache(capacity)
+    clock = FakeClock()
+    one, many = VectorCache(capacity, clock_ms=clock), VectorCache(capacity, clock_ms=clock)
     for i in range(before + batch):
-        one.add(vectors[i], times[i], f"t{i}")
+        clock.now = times[i]
+        one.add(vectors[i], f"t{i}")
     for i in range(before):
-        many.add(vectors[i], times[i], f"t{i}")
+        clock.now = times[i]
+        many.add(vectors[i], f"t{i}")
     many.extend(vectors[before:], times[before:], [f"t{i}" for i in range(before, before + batch)])
-    a, b = one.entries(), many.entries()
+    a, b = entries(one), entries(many)
     np.testing.assert_array_equal(a.vectors, b.vectors)
     np.testing.assert_array_equal(a.added_at_ms, b.added_at_ms)
     assert list(a.ids()) == list(b.ids())
     assert (one.adds_total, one.evictions_total) == (many.adds_total, many.evictions_total)
     query = rng.standard_normal(384).astype(np.float32)
     assert one.nearest(query) == many.nearest(query)
+
+
+def test_an_export_leaves_out_what_left_meanwhile_and_takes_in_nothing_added() -> None:
+    capacity = 2 * CHUNK + 5
+    rows = np.random.default_rng(0).standard_normal((capacity + 4200, 8)).astype(np.float32)
+    times = np.arange(len(rows), dtype=np.float64)
+    ids = [f"t{i}" for i in range(len(rows))]
+    cache = VectorCache(capacity, dimensions=8)
+    cache.extend(rows[:capacity], times[:capacity], ids[:capacity])
+    chunks = cache.chunks()
+    first = next(chunks)
+    cache.extend(rows[capacity:], times[capacity:], ids[capacity:])  # the 4,200 oldest leave
+    rest = list(chunks)
+    assert list(first.ids()) == ids[:CHUNK]
+    assert [list(c.ids()) for c in rest] == [ids[4200 : 2 * CHUNK], ids[2 * CHUNK : capacity]]
+    np.testing.assert_array_equal(rest[0].vectors, rows[4200 : 2 * CHUNK])
+    np.testing.assert_array_equal(rest[0].added_at_ms, times[4200 : 2 * CHUNK])
 
 
 def test_prefaulting_writes_only_free_rows_and_leaves_the_entries_as_they_were() -> None:
@@ -248,8 +274,8 @@ def test_prefaulting_writes_only_free_rows_and_leaves_the_entries_as_they_were()
     cache.extend(
         rows[100:], np.arange(100, 300, dtype=np.float64), [f"t{i}" for i in range(100, 300)]
     )
-    assert np.array_equal(cache.entries().vectors, rows)
-    assert list(cache.entries().ids()) == [f"t{i}" for i in range(300)]
+    assert np.array_equal(entries(cache).vectors, rows)
+    assert list(entries(cache).ids()) == [f"t{i}" for i in range(300)]
     found = cache.nearest(rows[150])
     assert found is not None
     assert found.trace_id == "t150"
@@ -260,4 +286,4 @@ def test_a_ring_that_wraps_is_not_prefaulted() -> None:
     rows = np.stack([unit(i, 8) for i in range(100)])
     cache.extend(rows, np.arange(100, dtype=np.float64), [f"t{i}" for i in range(100)])
     assert not cache.prefault()
-    assert np.array_equal(cache.entries().vectors, rows[36:])
+    assert np.array_equal(entries(cache).vectors, rows[36:])

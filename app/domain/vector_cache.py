@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -78,10 +77,6 @@ class CacheEntries:
     vectors: npt.NDArray[np.float32]
     added_at_ms: npt.NDArray[np.float64]
     trace_ids: Sequence[str] = ()
-    #: Where they stand in the cache they were copied from: the sequence number of the first
-    #: and the cache's lineage (see VectorCache.lineage); None / '' when unknown.
-    first_seq: int | None = None
-    lineage: str = ""
 
     def ids(self) -> Sequence[str]:
         return self.trace_ids if len(self.trace_ids) else [""] * len(self.vectors)
@@ -110,7 +105,7 @@ class VectorCache:
         self.dimensions = dimensions
         self.ttl_ms = ttl_ms
         self._clock_ms = clock_ms
-        # Reentrant (public methods call each other); a no-op for a cache of one thread.
+        # Reentrant (the memory holds it around calls into the cache); a no-op for one thread.
         self._lock: AbstractContextManager[Any] = contextlib.nullcontext() if lock is None else lock
         # Rows are allocated as the cache grows, so a large capacity costs nothing up front.
         self._vectors = np.empty((0, dimensions), dtype=np.float32)
@@ -123,23 +118,6 @@ class VectorCache:
         self._first_seq = 0  # sequence number of the oldest entry
         self.adds_total = 0
         self.evictions_total = 0
-        self.clears_total = 0
-        self.lineage = uuid.uuid4().hex  # the sequence numbers' identity: new at load/clear
-
-    # ── hooks (a subclass may search or account differently) ────────────────
-
-    def _search(self, q: Vector, first: int, next_seq: int) -> Nearest:
-        """The best of the live entries first <= seq < next_seq (under the lock)."""
-        return self._best(q, self._exact_candidates(q, first, next_seq))
-
-    def _changed(self) -> None:
-        """After entries were added or left (under the lock)."""
-
-    def _reset(self) -> None:
-        """After the contents were replaced or cleared (under the lock)."""
-
-    def _extra_memory_bytes(self) -> int:
-        return 0
 
     # ── queries ─────────────────────────────────────────────────────────────
 
@@ -149,25 +127,15 @@ class VectorCache:
             self._drop_expired()
             return self._size
 
-    def max_cosine_similarity(self, query: npt.ArrayLike) -> float:
-        """The largest cosine between `query` and a cached vector; 0.0 when the cache is empty."""
-        found = self.nearest(query)
-        return 0.0 if found is None else found.cosine
-
     def nearest(self, query: npt.ArrayLike, skip_oldest: int = 0) -> Nearest | None:
         """The entry with the largest cosine to `query` (ties: the newest); None when empty.
         `skip_oldest`: leave out that many of the oldest entries (those a dry run's earlier
         traces would have evicted)."""
         q = self._as_vector(query)
         with self._lock:
-            first, next_seq = self._searched_range(skip_oldest)
-            return None if first >= next_seq else self._search(q, first, next_seq)
-
-    def _searched_range(self, skip_oldest: int) -> tuple[int, int]:
-        """(first, next): the live entries' sequence numbers less the `skip_oldest` oldest,
-        expired entries dropped first (under the lock)."""
-        self._drop_expired()
-        return self._first_seq + max(0, skip_oldest), self._first_seq + self._size
+            self._drop_expired()
+            first, stop = self._first_seq + max(0, skip_oldest), self._first_seq + self._size
+            return None if first >= stop else self._best(q, self._candidates(q, first, stop))
 
     def now_ms(self) -> float:
         """The cache's clock (ages are measured on it)."""
@@ -177,11 +145,6 @@ class VectorCache:
         with self._lock:
             self._drop_expired()
             now = self._clock_ms()
-            times = (
-                self._added_at[self._slots(self._first_seq, self._first_seq + self._size)[[0, -1]]]
-                if self._size
-                else np.empty(0)
-            )
             return CacheStats(
                 size=self._size,
                 capacity=self.capacity,
@@ -192,67 +155,40 @@ class VectorCache:
                     + self._norms.nbytes
                     + self._added_at.nbytes
                     + self._trace_ids.nbytes
-                    + self._extra_memory_bytes()
                 ),
-                oldest_age_ms=float(now - times[0]) if self._size else None,
-                newest_age_ms=float(now - times[-1]) if self._size else None,
+                oldest_age_ms=float(now - self._added_at[self._head]) if self._size else None,
+                newest_age_ms=(
+                    float(now - self._added_at[self._tail_index()]) if self._size else None
+                ),
                 adds_total=self.adds_total,
                 evictions_total=self.evictions_total,
             )
 
-    def entries(self) -> CacheEntries:
-        """A copy of the live entries, oldest first (for snapshots)."""
+    def chunks(self) -> Iterator[CacheEntries]:
+        """The live entries oldest first, a copy of CHUNK at a time (for exports), the lock
+        released between copies so that a large export does not hold up queries; entries
+        evicted meanwhile are left out, entries added meanwhile are not included."""
         with self._lock:
             self._drop_expired()
-            first, size = self._first_seq, self._size
-        return self.entries_between(first, first + size)
-
-    def entries_between(self, start_seq: int, stop_seq: int) -> CacheEntries:
-        """A copy of the live entries with start_seq <= seq < stop_seq, oldest first, taken
-        a chunk at a time so that a large copy does not hold up queries."""
-        vectors, times, ids = [], [], []
-        seq = start_seq
-        first: int | None = None
-        lineage = ""
-        contiguous = True  # no entry left (or clear) between two chunks
-        while True:
+            seq, stop = self._first_seq, self._first_seq + self._size
+        while seq < stop:
             with self._lock:
                 self._drop_expired()
-                if first is not None and (seq < self._first_seq or lineage != self.lineage):
-                    contiguous = False
-                seq = max(seq, self._first_seq)
-                stop = min(stop_seq, self._first_seq + self._size, seq + CHUNK)
-                if seq >= stop:
-                    break
-                if first is None:
-                    first, lineage = seq, self.lineage
-                slots = self._slots(seq, stop)
-                vectors.append(self._vectors[slots])
-                times.append(self._added_at[slots])
-                ids.extend(self._trace_ids[slots].tolist())
-                seq = stop
-        if not vectors:
-            return CacheEntries(np.empty((0, self.dimensions), dtype=np.float32), np.empty(0), [])
-        if not contiguous:
-            first, lineage = None, ""
-        return CacheEntries(np.concatenate(vectors), np.concatenate(times), ids, first, lineage)
-
-    @property
-    def sequence_range(self) -> tuple[int, int]:
-        """(first, next): the live entries' sequence numbers are first <= seq < next."""
-        with self._lock:
-            self._drop_expired()
-            return self._first_seq, self._first_seq + self._size
+                rows = self._rows_of(np.arange(max(seq, self._first_seq), min(seq + CHUNK, stop)))
+                chunk = CacheEntries(
+                    self._vectors[rows], self._added_at[rows], self._trace_ids[rows].tolist()
+                )
+            seq += CHUNK
+            if len(rows):
+                yield chunk
 
     # ── updates ─────────────────────────────────────────────────────────────
 
-    def add(
-        self, vector: npt.ArrayLike, added_at_ms: float | None = None, trace_id: str = ""
-    ) -> None:
-        """Append a vector; the oldest entry goes when the cache is over capacity."""
+    def add(self, vector: npt.ArrayLike, trace_id: str = "") -> None:
+        """Append a vector, added now; the oldest entry goes when the cache is over capacity."""
         v = self._as_vector(vector)
         with self._lock:
-            now = self._clock_ms() if added_at_ms is None else added_at_ms
+            now = self._clock_ms()
             if self._size:
                 # Keep insertion times ordered so that expiry is always a prefix of the ring.
                 now = max(now, float(self._added_at[self._tail_index()]))
@@ -270,7 +206,6 @@ class VectorCache:
             self._trace_ids[slot] = trace_id
             self._size += 1
             self.adds_total += 1
-            self._changed()
 
     def extend(
         self,
@@ -278,8 +213,9 @@ class VectorCache:
         added_at_ms: npt.NDArray[np.float64],
         trace_ids: Sequence[str],
     ) -> None:
-        """`add` for many vectors at once (a replica reading the shared log): the same
-        entries, times, evictions and counts as adding them one by one, in one copy."""
+        """`add` for many vectors at once, each with its time (a start's load, a committed
+        group of traces, an import): the same entries, times, evictions and counts as adding
+        them one by one at those times, in one copy."""
         n = len(vectors)
         if n == 0:
             return
@@ -322,7 +258,6 @@ class VectorCache:
             self._trace_ids[slots] = ids
             self._size += len(v)
             self.adds_total += n
-            self._changed()
 
     def reserve(self, rows: int) -> None:
         """Room for `rows` entries (at most the capacity) in one allocation, so that loading
@@ -347,76 +282,6 @@ class VectorCache:
             self._prefaulted = stop
             return stop < length
 
-    def append(self, entries: CacheEntries) -> tuple[int, int]:
-        """Adds `entries` (oldest first) as the newest entries, each keeping its time where
-        the order allows (raised to the newest entry's, lowered to now); an entry already
-        past the TTL is skipped. Returns (added, skipped)."""
-        added = skipped = 0
-        with self._lock:
-            now = self._clock_ms()
-            for vector, added_at, trace_id in zip(
-                entries.vectors, entries.added_at_ms, entries.ids(), strict=True
-            ):
-                if self.ttl_ms is not None and added_at <= now - self.ttl_ms:
-                    skipped += 1
-                    continue
-                self.add(vector, min(float(added_at), now), trace_id)
-                added += 1
-        return added, skipped
-
-    def chunks(self, size: int = CHUNK) -> Iterator[CacheEntries]:
-        """The live entries oldest first, a copy of `size` at a time (for exports); entries
-        evicted meanwhile are left out, entries added meanwhile are not included."""
-        first, stop = self.sequence_range
-        seq = first
-        while seq < stop:
-            chunk = self.entries_between(seq, min(stop, seq + size))
-            seq += size
-            if len(chunk.vectors):
-                yield chunk
-
-    def copy(self) -> VectorCache:
-        """An independent cache with the same entries and settings, searched exactly, for
-        one thread."""
-        with self._lock:
-            other = VectorCache(self.capacity, self.dimensions, self.ttl_ms, self._clock_ms)
-            other.load(self.entries())
-            return other
-
-    def load(self, entries: CacheEntries) -> None:
-        """Replace the contents with `entries` (oldest first); the newest `capacity` are kept."""
-        vectors = np.asarray(entries.vectors, dtype=np.float32)
-        added_at = np.asarray(entries.added_at_ms, dtype=np.float64)
-        if vectors.ndim != 2 or vectors.shape[1] != self.dimensions:
-            raise ValueError(
-                f"expected vectors of {self.dimensions} dimensions, got {vectors.shape}"
-            )
-        trace_ids = list(entries.ids())
-        if (
-            added_at.shape != (len(vectors),)
-            or len(trace_ids) != len(vectors)
-            or not np.isfinite(vectors).all()
-        ):
-            raise ValueError("entries are inconsistent or not finite")
-        vectors, added_at = (
-            vectors[-self.capacity :],
-            np.maximum.accumulate(added_at[-self.capacity :]),
-        )
-        ids = np.empty(len(vectors), dtype=object)
-        ids[:] = trace_ids[len(trace_ids) - len(vectors) :]
-        with self._lock:
-            self._first_seq += self._size  # the new entries are numbered after the old ones
-            self._vectors = vectors.copy()
-            self._norms = _row_norms(self._vectors)
-            self._added_at = added_at.copy()
-            self._trace_ids = ids
-            self._head = 0
-            self._prefaulted = len(vectors)
-            self._size = len(vectors)
-            self.lineage = uuid.uuid4().hex
-            self._reset()
-            self._changed()
-
     def clear(self) -> int:
         """Empty the cache; returns how many vectors were dropped."""
         with self._lock:
@@ -424,9 +289,6 @@ class VectorCache:
             self._first_seq += self._size
             self._head = 0
             self._size = 0
-            self.clears_total += 1
-            self.lineage = uuid.uuid4().hex
-            self._reset()
             return dropped
 
     # ── internals ───────────────────────────────────────────────────────────
@@ -441,18 +303,12 @@ class VectorCache:
             raise ValueError("vector has non-finite values")
         return v
 
-    def _slots(self, start_seq: int, stop_seq: int) -> npt.NDArray[np.intp]:
-        offsets = np.arange(start_seq - self._first_seq, stop_seq - self._first_seq)
-        return (self._head + offsets) % max(1, len(self._vectors))
-
-    def _exact_candidates(self, q: Vector, start_seq: int, stop_seq: int) -> npt.NDArray[np.int64]:
+    def _candidates(self, q: Vector, start_seq: int, stop_seq: int) -> npt.NDArray[np.int64]:
         """Sequence numbers in [start, stop) whose float32 cosine can be the maximum.
 
         Rows are ranked by cosine (their dot product with the unit query over their norm),
         not by dot product, so that a row's length never crowds out the true nearest; a row
         whose length float32 cannot rank safely (_RANKED_NORMS) is always rescored."""
-        if start_seq >= stop_seq:
-            return np.empty(0, dtype=np.int64)
         qu = unit_query(q)
         length = len(self._vectors)
         if stop_seq - start_seq == length:
@@ -476,7 +332,7 @@ class VectorCache:
 
     def _rows_of(self, seqs: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
         """The rows of the ring that hold the live entries `seqs`."""
-        return (self._head + (seqs - self._first_seq)) % len(self._vectors)
+        return (self._head + (seqs - self._first_seq)) % max(1, len(self._vectors))
 
     def _runs(self, start_seq: int, stop_seq: int) -> list[tuple[int, int, int]]:
         """[start, stop) as at most two contiguous runs of rows: (first seq, row start, stop)."""
@@ -490,10 +346,6 @@ class VectorCache:
 
     def _best(self, q: Vector, seqs: npt.NDArray[np.int64]) -> Nearest:
         """The exact (float64) best of the given entries; ties go to the newest."""
-        return self._best_at(q, seqs)[0]
-
-    def _best_at(self, q: Vector, seqs: npt.NDArray[np.int64]) -> tuple[Nearest, int]:
-        """_best, and the sequence number of the entry it names."""
         if len(seqs) > 1:
             seqs = np.unique(seqs)  # sorted: the newest last
         slots = self._rows_of(seqs)
@@ -507,16 +359,13 @@ class VectorCache:
         at = len(cosines) - 1 - int(np.argmax(cosines[::-1]))
         slot = int(slots[at])
         # The reference starts its running maximum at -1.
-        found = Nearest(
-            max(-1.0, float(cosines[at])),
-            str(self._trace_ids[slot]),
-            float(self._added_at[slot]),
+        return Nearest(
+            max(-1.0, float(cosines[at])), str(self._trace_ids[slot]), float(self._added_at[slot])
         )
-        return found, int(seqs[at])
 
     def _grow(self, to: int | None = None) -> None:
         new_len = min(self.capacity, max(64, 2 * len(self._vectors))) if to is None else to
-        order = self._ordered_indices()
+        order = self._rows_of(np.arange(self._first_seq, self._first_seq + self._size))
         vectors = np.empty((new_len, self.dimensions), dtype=np.float32)
         norms = np.empty(new_len, dtype=np.float64)
         added = np.empty(new_len, dtype=np.float64)
@@ -531,9 +380,6 @@ class VectorCache:
 
     def _tail_index(self) -> int:
         return (self._head + self._size - 1) % len(self._vectors)
-
-    def _ordered_indices(self) -> npt.NDArray[np.intp]:
-        return (self._head + np.arange(self._size)) % max(1, len(self._vectors))
 
     def _drop_expired(self) -> None:
         if self.ttl_ms is None or self._size == 0:
@@ -553,7 +399,6 @@ class VectorCache:
             self._head = (self._head + expired) % len(self._vectors)
             self._size -= expired
             self._first_seq += expired
-            self._changed()
 
 
 #: Rows whose norm is in this range are ranked by their float32 product with the unit query
@@ -615,8 +460,3 @@ _NORM_BLOCK = 256
 def norm64(v: Vector) -> float:
     wide = v.astype(np.float64)
     return float(np.sqrt((wide * wide).sum()))
-
-
-def unit(v: Vector) -> Vector:
-    norm = float(np.linalg.norm(v))
-    return v if norm == 0 else (v / norm).astype(np.float32)

@@ -67,7 +67,7 @@ def export_lines(chunks: Iterable[CacheEntries]) -> Iterable[bytes]:
 
 
 class LineReader:
-    """Parses an NDJSON body as it arrives; `entries()` once it has all been fed."""
+    """Parses an NDJSON body as it arrives; `finish()` once it has all been fed."""
 
     def __init__(self, dimensions: int) -> None:
         self.dimensions = dimensions

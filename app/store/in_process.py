@@ -473,8 +473,7 @@ class InProcessMemory:
         def work() -> tuple[int, int]:
             store = self.store
             cache = self.cache(namespace)
-            if store is None:
-                return cache.append(entries)
+            # An entry already past the TTL is skipped; a time in the future is lowered to now.
             now = cache.now_ms()
             times = np.minimum(np.asarray(entries.added_at_ms, dtype=np.float64), now)
             keep = np.ones(len(times), dtype=bool)
@@ -482,16 +481,17 @@ class InProcessMemory:
                 keep = np.asarray(entries.added_at_ms) > now - self.ttl_ms
             ids = [trace_id for trace_id, kept in zip(entries.ids(), keep, strict=True) if kept]
             vectors, times = np.asarray(entries.vectors)[keep], times[keep]
-            rows = [
-                NewRow(namespace, trace_id, float(at), _wire(vector))
-                for trace_id, at, vector in zip(ids, times, vectors, strict=True)
-            ]
-            try:
-                store.write(rows, held={namespace: cache.size})
-            except StorageError as exc:
-                raise MemoryUnavailableError(
-                    f"the memory's database cannot be written ({exc}): nothing was imported"
-                ) from None
+            if store is not None:
+                rows = [
+                    NewRow(namespace, trace_id, float(at), _wire(vector))
+                    for trace_id, at, vector in zip(ids, times, vectors, strict=True)
+                ]
+                try:
+                    store.write(rows, held={namespace: cache.size})
+                except StorageError as exc:
+                    raise MemoryUnavailableError(
+                        f"the memory's database cannot be written ({exc}): nothing was imported"
+                    ) from None
             cache.extend(vectors, times, ids)
             return len(ids), len(keep) - len(ids)
 

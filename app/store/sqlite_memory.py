@@ -6,8 +6,7 @@ carries a checksum of its namespace, trace id, time and vector bytes, because SQ
 file's structure, not what a row holds. The checksum is 64 bits, checked a batch of rows at
 once at start: two sums of the vector's and the time's little-endian uint32 words, each word
 times its own odd weight, modulo 2**32 (numpy; any change confined to one word changes both),
-the first XORed with a CRC-32 of the namespace and trace id. Schema 1 kept a CRC-32 of it all,
-checked row by row: such a database is checked with it once, then its checksums rewritten.
+the first XORed with a CRC-32 of the namespace and trace id.
 
 Every change is one transaction, committed before its answer (app/store/in_process.py
 groups concurrent requests into one); `KP_CACHE_DURABILITY` is SQLite's `synchronous`:
@@ -140,13 +139,6 @@ def _checksums(
     return checksums
 
 
-def schema1_checksum(namespace: str, trace_id: str, added_at_ms: float, vector: bytes) -> int:
-    """Schema 1's checksum: a CRC-32 of the vector's bytes, the time and the names."""
-    crc = zlib.crc32(vector)
-    crc = zlib.crc32(_TIME.pack(added_at_ms), crc)
-    return zlib.crc32(f"{namespace}\x00{trace_id}".encode(), crc)
-
-
 class StorageError(Exception):
     """The database could not be written; the message is SQLite's (or the system's) reason."""
 
@@ -258,7 +250,6 @@ class SqliteStore:
         self._start_warnings: list[str] = []
         self._counts: dict[str, int] = {}  # rows of each namespace, as the index counts them
         self._bad: list[int] = []  # ids of rows that failed their checksum at start
-        self._upgrades: list[tuple[int, int]] = []  # (new checksum, id) of schema 1's rows
 
     # ── start ───────────────────────────────────────────────────────────────
 
@@ -299,7 +290,7 @@ class SqliteStore:
                     ).fetchall()
                 )
                 self._counts = counts
-                loaded = self._load_rows(conn, target, _schema(conn))
+                loaded = self._load_rows(conn, target)
                 if loaded + self.status.checksum_failures_total != sum(counts.values()):
                     raise sqlite3.DatabaseError(
                         f"the index counts {sum(counts.values())} entries, the table "
@@ -321,7 +312,6 @@ class SqliteStore:
             self._conn = self._connect(path)
             self._write_meta(self._conn)
             return
-        self._upgrade(conn)
         self._write_meta(conn)
         self._conn = conn
         self._drop(conn, self._bad)
@@ -357,35 +347,20 @@ class SqliteStore:
             f"{self.model_id} ({self.dimensions} dimensions)"
         )
 
-    def _load_rows(self, conn: sqlite3.Connection, target: LoadTarget, schema: int) -> int:
+    def _load_rows(self, conn: sqlite3.Connection, target: LoadTarget) -> int:
         """Every good row to `target`, a chunk per namespace; the ids of bad ones kept (and
         counted) for _drop."""
         for namespace, count in self._counts.items():
             target.reserve(namespace, count)
         rows = conn.execute(f"SELECT {_COLUMNS} FROM entries ORDER BY id")
         try:
-            self._bad = self._dispatch(iter(lambda: rows.fetchmany(CHUNK), []), target.load, schema)
+            self._bad = self._dispatch(iter(lambda: rows.fetchmany(CHUNK), []), target.load)
         except sqlite3.OperationalError as exc:
             if "decode" not in str(exc):
                 raise
             # A byte changed in a name so that it is no longer UTF-8: damage, read row by row.
             raise sqlite3.DatabaseError(str(exc)) from exc
         return sum(self._rows.values())
-
-    def _upgrade(self, conn: sqlite3.Connection) -> None:
-        """A database of schema 1 (CRC-32 checksums), its rows checked: their checksums
-        rewritten in this schema's, in the transaction that records the schema."""
-        if not self._upgrades:
-            return
-        conn.execute("BEGIN IMMEDIATE")
-        conn.executemany("UPDATE entries SET checksum = ? WHERE id = ?", self._upgrades)
-        self._write_meta(conn)
-        conn.execute("COMMIT")
-        log.warning(
-            "cache database: checksums rewritten in the current schema",
-            extra={"path": str(self.path), "entries": len(self._upgrades)},
-        )
-        self._upgrades = []
 
     def _drop(self, conn: sqlite3.Connection, bad: list[int]) -> None:
         """Deletes the rows that failed their checksum (they are never served)."""
@@ -398,38 +373,27 @@ class SqliteStore:
     def _reset_loaded(self, target: LoadTarget) -> None:
         self._rows.clear()
         self._bad = []
-        self._upgrades = []
         self.status.checksum_failures_total = 0
         self._start_warnings.clear()
         target.reset()
 
-    def _dispatch(self, batches: Iterable[list[Any]], load: Loader, schema: int) -> list[int]:
+    def _dispatch(self, batches: Iterable[list[Any]], load: Loader) -> list[int]:
         """Rows (id, namespace, trace_id, added_at_ms, vector, checksum) to `load`, checked
         a batch at a time; the ids of those that fail their checksum (or hold a vector that
-        is not finite: a checksum of a bad vector is no proof). Rows of schema 1 (a CRC-32
-        each) are checked row by row and their new checksums kept for _upgrade."""
+        is not finite: a checksum of a bad vector is no proof)."""
         bad: list[int] = []
         for batch in batches:
             if not batch:
                 continue
-            if schema == SCHEMA_VERSION:
-                checked = self._checked_batch(batch)
-                if checked is None:  # a value of another type or length somewhere
-                    good = [_row_ok(r, self.dimensions * 4, schema) for r in batch]
-                    bad.extend(r[0] for r, ok in zip(batch, good, strict=True) if not ok)
-                    batch = [r for r, ok in zip(batch, good, strict=True) if ok]
-                    checked = self._checked_batch(batch) if batch else None
-                    if checked is None:
-                        bad.extend(r[0] for r in batch)
-                        continue
-            else:
-                good = [_row_ok(r, self.dimensions * 4, schema) for r in batch]
+            checked = self._checked_batch(batch)
+            if checked is None:  # a value of another type or length somewhere
+                good = [_row_ok(r, self.dimensions * 4) for r in batch]
                 bad.extend(r[0] for r, ok in zip(batch, good, strict=True) if not ok)
                 batch = [r for r, ok in zip(batch, good, strict=True) if ok]
-                if not batch:
+                checked = self._checked_batch(batch) if batch else None
+                if checked is None:
+                    bad.extend(r[0] for r in batch)
                     continue
-                checked = self._checked_batch(batch, upgrade=True)
-                assert checked is not None
             ok, vectors, times, ids, namespaces, trace_ids = checked
             if not ok.all():
                 bad.extend(i for i, good_row in zip(ids, ok.tolist(), strict=True) if not good_row)
@@ -466,10 +430,9 @@ class SqliteStore:
         self._rows[namespace] = self._rows.get(namespace, 0) + len(vectors)
         load(namespace, CacheEntries(vectors, times, trace_ids))
 
-    def _checked_batch(self, batch: list[Any], *, upgrade: bool = False) -> _Checked | None:
+    def _checked_batch(self, batch: list[Any]) -> _Checked | None:
         """Whether each row holds what its checksum says, with the rows' columns; None when
-        a value is of another type or length (the caller checks row by row). `upgrade`:
-        rows already checked (schema 1); their new checksums are kept instead."""
+        a value is of another type or length (the caller checks row by row)."""
         n, size = len(batch), self.dimensions * 4
         # Column by column, in C where it can be (a million rows at a start).
         ids, namespaces, trace_ids, times_of, blobs, stored_of = zip(*batch, strict=True)
@@ -489,12 +452,7 @@ class SqliteStore:
         times = np.array(times_of, dtype=np.float64)
         sums = _checksums(np.frombuffer(blob, "<u4").reshape(n, self.dimensions), times, text)
         vectors = np.frombuffer(blob, "<f4").reshape(n, self.dimensions)
-        if upgrade:
-            self._upgrades.extend(zip(sums.tolist(), ids, strict=True))
-            ok = np.ones(n, dtype=bool)
-        else:
-            ok = sums == stored
-        ok &= np.isfinite(vectors).all(axis=1)
+        ok = (sums == stored) & np.isfinite(vectors).all(axis=1)
         return _Checked(ok, vectors, times, ids, namespaces, list(trace_ids))
 
     def _recover(self, target: LoadTarget, why: str) -> None:
@@ -509,13 +467,11 @@ class SqliteStore:
                 shutil.copyfile(extra, Path(f"{aside}{suffix}"))
         scratch = path.with_name(f"{path.name}.reading")
         rows: list[Any] = []
-        schema = SCHEMA_VERSION
         try:
             shutil.copyfile(path, scratch)
             wal = Path(f"{path}-wal")
             if wal.exists():
                 shutil.copyfile(wal, Path(f"{scratch}-wal"))
-            schema = _readable_schema(scratch)
             rows = list(_readable_rows(scratch))
         finally:
             for leftover in (scratch, Path(f"{scratch}-wal"), Path(f"{scratch}-shm")):
@@ -539,8 +495,7 @@ class SqliteStore:
             )
             target.load(namespace, entries)
 
-        self._dispatch([rows[i : i + CHUNK] for i in range(0, len(rows), CHUNK)], keep, schema)
-        self._upgrades = []  # the rows are written anew, with this schema's checksums
+        self._dispatch([rows[i : i + CHUNK] for i in range(0, len(rows), CHUNK)], keep)
         conn.execute("BEGIN IMMEDIATE")
         conn.executemany(_INSERT, kept)
         conn.execute("COMMIT")
@@ -612,7 +567,7 @@ class SqliteStore:
         for _, journal in journal_files(path):
             os.replace(journal, journal.with_name(f"{journal.name}.old-format"))
         self._conn = self._connect(path)
-        loaded = self._load_rows(self._conn, target, SCHEMA_VERSION)
+        loaded = self._load_rows(self._conn, target)
         self._drop(self._conn, self._bad)
         self.status.state = SnapshotState.CONVERTED
         self.status.loaded_vectors = loaded
@@ -713,8 +668,7 @@ class SqliteStore:
         return Health(warnings=tuple(warnings))
 
 
-def _row_ok(row: Any, size: int, schema: int) -> bool:
-    checksum_of = entry_checksum if schema == SCHEMA_VERSION else schema1_checksum
+def _row_ok(row: Any, size: int) -> bool:
     try:
         _, namespace, trace_id, added_at, vector, checksum = row
         return bool(
@@ -723,30 +677,10 @@ def _row_ok(row: Any, size: int, schema: int) -> bool:
             and isinstance(added_at, float)
             and isinstance(vector, bytes)
             and len(vector) == size
-            and checksum == checksum_of(namespace, trace_id, added_at, vector)
+            and checksum == entry_checksum(namespace, trace_id, added_at, vector)
         )
-    except (TypeError, ValueError, struct.error):
+    except (TypeError, ValueError):
         return False
-
-
-def _schema(conn: sqlite3.Connection) -> int:
-    """The schema the database's checksums follow (a new database: this one)."""
-    row = conn.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()
-    return 1 if row is not None and row[0] == "1" else SCHEMA_VERSION
-
-
-def _readable_schema(path: Path) -> int:
-    """_schema of a damaged database; this schema's when its meta cannot be read."""
-    try:
-        conn = sqlite3.connect(path, isolation_level=None)
-    except sqlite3.Error:
-        return SCHEMA_VERSION
-    try:
-        return _schema(conn)
-    except sqlite3.Error:
-        return SCHEMA_VERSION
-    finally:
-        conn.close()
 
 
 def _wire(vector: np.ndarray) -> bytes:
