@@ -277,6 +277,17 @@ def test_metrics_count_requests_profiles_and_overrides(client_no_embedder: TestC
     assert "kp_cache_size 0.0" in text
 
 
+def test_metrics_count_how_each_novelty_was_searched(client: TestClient) -> None:
+    """Measured novelty counted by search method (the in-process memory: exact), a dry run's
+    too; the first trace's, against an empty memory, is not measured."""
+    client.post("/evaluate", json=make_trace(objective="Count the first trace"))
+    client.post("/evaluate", json=make_trace(objective="Count the second"))
+    client.post("/evaluate", json=make_trace(objective="Count the third"), params={"dry_run": "1"})
+    text = client.get("/metrics").text
+    assert 'kp_novelty_search_total{search="exact"} 2.0' in text
+    assert 'kp_novelty_unmeasured_total{reason="cache_empty"} 1.0' in text
+
+
 def test_running_totals_are_counters_named_total(client: TestClient) -> None:
     client.post("/evaluate", json=make_trace())  # loads the model: warm-up runs and one more
     text = client.get("/metrics").text

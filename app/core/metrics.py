@@ -72,6 +72,13 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.novelty_search = Counter(
+            "kp_novelty_search",
+            "Traces whose novelty was measured, by how the memory found the nearest: exact "
+            "(the in-process scan, Redis's FLAT) or index (Redis's HNSW).",
+            ["search"],
+            registry=r,
+        )
         self.score = Histogram(
             "kp_score", "Scores given.", buckets=[i / 10 for i in range(1, 11)], registry=r
         )

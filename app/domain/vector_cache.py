@@ -22,15 +22,12 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 Vector = npt.NDArray[np.float32]
-#: How an answer was found: by the exact scan (the true maximum), or by an approximate index
-#: (a true cosine with the entry it names, at most a stated bound below the maximum).
-SearchMethod = Literal["exact", "index"]
 
 # float32 dot products of unit vectors are within ~1e-6 of the exact value; every row this close
 # to the float32 maximum is rescored exactly.
@@ -51,9 +48,6 @@ class Nearest:
     cosine: float
     trace_id: str
     added_at_ms: float
-    search: SearchMethod = "exact"
-    #: With search="index": how far below the exact maximum the cosine may be.
-    bound: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -59,4 +59,6 @@ async def score_traces(
             m.child(m.overrides, rule).inc()
         if not e.novelty.measured and e.novelty.reason is not None:
             m.child(m.novelty_unmeasured, e.novelty.reason).inc()
+        if e.novelty.search is not None:
+            m.child(m.novelty_search, e.novelty.search).inc()
     return evaluations

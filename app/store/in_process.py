@@ -124,7 +124,6 @@ def compare_pending(
         size = cache.size
         evicted = max(0, size + len(pending) - cache.capacity)
         found = cache.nearest(vector, skip_oldest=evicted)
-        searched, bound = ("exact", None) if found is None else (found.search, found.bound)
         for earlier, earlier_id, earlier_at in pending[max(0, len(pending) - cache.capacity) :]:
             cosine = exact_cosine(np.asarray(vector, dtype=np.float32), earlier)
             if found is None or cosine >= found.cosine:
@@ -134,9 +133,7 @@ def compare_pending(
             results.append(Comparison(None, 0, stored=stored))
         else:
             nearest = NearestTrace(found.trace_id, found.cosine, max(0.0, now - found.added_at_ms))
-            # An earlier trace that beats the memory's answer is compared exactly, but the
-            # memory's part is still only as exact as its search.
-            results.append(Comparison(found.cosine, seen, nearest, searched, bound, stored=stored))
+            results.append(Comparison(found.cosine, seen, nearest, stored=stored))
         pending.append((np.asarray(vector, dtype=np.float32), trace_id, now))
     return results
 
