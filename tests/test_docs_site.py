@@ -108,6 +108,37 @@ def test_a_missing_or_unknown_result_renders_without_failing(tmp_path: Path) -> 
     assert "X" in rendered
 
 
+def test_the_persistence_figures_render_as_tables_with_the_start_target(tmp_path: Path) -> None:
+    performance = _hook("performance")
+    doc = {
+        "machine": {"cpu": "X"},
+        "command": "python -m bench persistence --former ../former",
+        "memory_step": {k: {"p50_us": 100.0, "p99_us": 200.0} for k in ("none", "process")},
+        "commits": {
+            "requests": 100,
+            "trace": {
+                "none": {"p50_ms": 20.0, "p99_ms": 30.0, "commit_ms": 0.0},
+                "sqlite_process": {"p50_ms": 21.5, "p99_ms": 31.0, "commit_ms": 1.5},
+                "former_everysec": {"p50_ms": 21.0, "p99_ms": 31.0, "commit_ms": 1.0},
+            },
+            "import_lines": 30000,
+            "import_s": {"none": 4.0, "sqlite_process": 4.5, "former_everysec": 4.2},
+        },
+        "start_to_ready": {
+            "1000000": {"database_mb": 1600, "sqlite_s": [9.0, 11.0, 9.5], "former_s": [7.0]}
+        },
+    }
+    (tmp_path / "persistence.json").write_text(json.dumps(doc))
+    rendered = performance.render("persistence", tmp_path)
+    assert "| figure | kept nowhere | `process` | former `everysec` |" in rendered
+    assert "| 21.5 ms (+1.5) |" in rendered
+    assert "9 s, 11 s, 9.5 s (median 9.5 s)" in rendered
+    assert "median of the starts): 9.5 s, **PASS**" in rendered
+    doc["start_to_ready"]["1000000"]["sqlite_s"] = [12.0, 10.5, 11.0]
+    (tmp_path / "persistence.json").write_text(json.dumps(doc))
+    assert "11 s, **FAIL**" in performance.render("persistence", tmp_path)
+
+
 def test_the_decisions_page_lists_every_record(site: Path) -> None:
     page = (site / "decisions" / "index.html").read_text(encoding="utf-8")
     records = [p for p in (ROOT / "docs" / "decisions").glob("*.md") if p.name != "index.md"]

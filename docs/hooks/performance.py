@@ -30,7 +30,7 @@ PLOT_MARKER = re.compile(r"<!-- plot: ([\w.-]+) -->")
 COMMANDS = {
     "latest": "python -m bench --repeat 3",
     "reference": "python -m bench.reference --rounds 5",
-    "memory": "python -m bench.memory --sizes 100000",
+    "memory": "python -m bench.memory --sizes 100000,1000000",
     "precision": "python -m bench.precision",
     "persistence": "python -m bench persistence",
 }
