@@ -602,7 +602,7 @@ def render(name: str, results: Path = RESULTS) -> str:
 
 
 #: The pages whose markers are rendered.
-PAGES = ("performance.md", "operating/persistence.md")
+PAGES = ("performance.md", "operating/persistence.md", "operating/large-memory.md")
 
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
