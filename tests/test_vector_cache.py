@@ -200,7 +200,9 @@ def test_scan_is_exact_at_full_capacity() -> None:
 
 
 def test_concurrent_adds_and_queries_keep_the_cache_consistent() -> None:
-    cache = VectorCache(capacity=50)
+    """Thread-safe when given a lock, as the memory gives one (without it the cache is for
+    one thread)."""
+    cache = VectorCache(capacity=50, lock=threading.RLock())
     errors: list[BaseException] = []
 
     def worker(offset: int) -> None:
