@@ -49,11 +49,7 @@ def create_app(settings: Settings, *, cpu: CpuFeatures | None = None) -> FastAPI
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         runtime = Runtime(settings, cpu, observer=metrics)
-        if settings.embedder_preload:
-            # The MCP server's import (about a second) beside the memory's load and the model's.
-            await asyncio.gather(runtime.start(), mcp.import_server())
-        else:
-            await runtime.start()
+        await runtime.start()
         metrics.registry.register(runtime.collector)
         app.state.services = Services(settings, runtime, metrics, limits, signer)
         app.state.mcp = mcp.McpHost(app.state.services)

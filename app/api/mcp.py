@@ -4,14 +4,12 @@ The server itself is app/api/mcp_server.py (the MCP Python SDK's low-level serve
 scoring function as the REST routes). It is loaded on the first /mcp request, not at start: the
 SDK takes about as long to import as the rest of the service together, and a process's first
 answer (the cold start) should not wait for a protocol most starts never serve. With
-KP_EMBEDDER_PRELOAD=true it is loaded before the service reports ready, beside the model and
-the memory's load (`import_server`).
+KP_EMBEDDER_PRELOAD=true it is loaded before the service reports started, like the model.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import importlib
 import logging
 from typing import TYPE_CHECKING, Final
@@ -30,13 +28,6 @@ log = logging.getLogger(__name__)
 
 PATH: Final = "/mcp"
 _SERVER_MODULE: Final = "app.api.mcp_server"
-
-
-async def import_server() -> None:
-    """Imports the MCP server off the event loop, ahead of its start (which finds it loaded,
-    or reports why it cannot be)."""
-    with contextlib.suppress(Exception):
-        await asyncio.to_thread(importlib.import_module, _SERVER_MODULE)
 
 
 class McpHost:
