@@ -129,7 +129,8 @@ class Settings(BaseSettings):
         "process loses nothing answered; a power loss or kernel crash may lose the last "
         "commits (SQLite `synchronous=NORMAL` in WAL mode). `power`: a power loss loses "
         "nothing answered either; each commit waits for the disk's flush (`synchronous=FULL`; "
-        "concurrent requests share one).",
+        "concurrent requests share one). What each costs a trace (measured: well under a "
+        "millisecond each on a local disk) is on the persistence page.",
     )
     cache_snapshot_path: Path | None = Field(
         None,
