@@ -156,12 +156,14 @@ class InProcessMemory:
     the same capacity and TTL, kept in an SQLite database when given one (`store`).
 
     What changes them (compare, clear, import) meets them in one one-at-a-time order: as one
-    step of the event loop while the namespace is small and nothing needs the disk, and else
-    on one thread of its own, in the order asked. The loop takes the work back only once that
-    thread has nothing left to do, so the order holds across the switch. With a database, the
-    adds queued together on that thread are compared in order as if each were added, committed
-    in one transaction (group commit), then added: no answer before its commit, and a trace
-    whose commit failed is not in the memory (its answer says so)."""
+    step of the event loop while the namespace is small and nothing needs the disk's flush,
+    and else on one thread of its own, in the order asked. The loop takes the work back only
+    once that thread has nothing left to do, so the order holds across the switch. With a
+    database, the adds queued together on that thread are compared in order as if each were
+    added, committed in one transaction (group commit), then added: no answer before its
+    commit, and a trace whose commit failed is not in the memory (its answer says so). At
+    durability `process` a commit is a write to the kernel and runs on the loop like the rest
+    (SQLite's checkpoints, which flush, are run on the thread instead)."""
 
     def __init__(
         self,
@@ -298,7 +300,9 @@ class InProcessMemory:
                     else:
                         _settle(item, outcome, None)
 
-    def _add_group(self, group: Sequence[_Item]) -> list[list[Comparison] | Exception]:
+    def _add_group(
+        self, group: Sequence[_Item], *, on_loop: bool = False
+    ) -> list[list[Comparison] | Exception]:
         """Adds committed as one transaction: compared in order as if each were added, the
         transaction committed, then added. When it fails, each trace is compared with the
         memory as it is (nothing of the group in it) and answered as not stored."""
@@ -326,7 +330,7 @@ class InProcessMemory:
             for vector, trace_id, at in queued
         ]
         try:
-            store.write(rows, held=held)
+            store.write(rows, held=held, checkpoint=not on_loop)
         except StorageError as exc:
             return [
                 outcome if isinstance(outcome, Exception) else self._unstored(item, str(exc))
@@ -431,6 +435,18 @@ class InProcessMemory:
             )
         loop = asyncio.get_running_loop()
         item = _Item(loop, loop.create_future(), None, namespace, vectors, trace_ids)
+        if (
+            self._on_thread == 0
+            and self.store.durability == "process"
+            and not self.store.checkpoint_due
+            and not self._large(namespace)
+        ):
+            # A `process` commit is a write to the kernel, cheaper than the hand-off to the
+            # thread; a checkpoint syncs, so the commit that finds one due takes the thread.
+            (outcome,) = self._add_group([item], on_loop=True)
+            if isinstance(outcome, Exception):
+                raise outcome
+            return outcome
         results: list[Comparison] = await self._submit(item)
         return results
 

@@ -58,10 +58,12 @@ Durability = Literal["process", "power"]
 SYNCHRONOUS: dict[Durability, str] = {"process": "NORMAL", "power": "FULL"}
 SCHEMA_VERSION = 2
 SQLITE_HEADER = b"SQLite format 3\x00"
-#: Bytes a page: ten entries (1.6 KB each) to a page rather than two, so a start walks a
-#: fifth of the pages (docs/decisions/memory-in-sqlite.md).
-PAGE_SIZE = 16_384
 _TIME = struct.Struct("<d")
+#: Pages written to the WAL between two checkpoints (SQLite's own default), counted as a
+#: commit's pages: three (the table's, the index's, one they share or a trim's), and one more
+#: for every ROWS_A_PAGE rows (two entries of 1.6 KB fill a page of 4 KiB).
+CHECKPOINT_PAGES = 1_000
+ROWS_A_PAGE = 2
 #: Row ids read at a time when a damaged file is read row by row.
 _RECOVER_BLOCK = 256
 
@@ -250,6 +252,7 @@ class SqliteStore:
         self._start_warnings: list[str] = []
         self._counts: dict[str, int] = {}  # rows of each namespace, as the index counts them
         self._bad: list[int] = []  # ids of rows that failed their checksum at start
+        self._pages_since_checkpoint = 0
 
     # ── start ───────────────────────────────────────────────────────────────
 
@@ -321,9 +324,11 @@ class SqliteStore:
 
     def _connect(self, path: Path) -> sqlite3.Connection:
         conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-        conn.execute(f"PRAGMA page_size={PAGE_SIZE}")  # a new database's; kept by an old one
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute(f"PRAGMA synchronous={SYNCHRONOUS[self.durability]}")
+        # Checkpoints (an fsync at `process`) run on the memory's thread, never inside a
+        # commit that may run on the event loop (checkpoint()).
+        conn.execute("PRAGMA wal_autocheckpoint=0")
         conn.executescript(_SCHEMA)
         return conn
 
@@ -603,11 +608,14 @@ class SqliteStore:
         *,
         held: dict[str, int] | None = None,
         clear: str | None = None,
+        checkpoint: bool = True,
     ) -> None:
         """One transaction, committed: `rows` appended; for each namespace in `held` (the
         entries the memory holds of it, before these rows), the rows the memory no longer
-        holds deleted, oldest first; `clear`: every row of that namespace deleted.
-        StorageError (nothing changed) when it cannot be committed."""
+        holds deleted, oldest first; `clear`: every row of that namespace deleted;
+        `checkpoint`: one that is due runs after the commit (False on the event loop: the
+        memory runs it on its thread). StorageError (nothing changed) when it cannot be
+        committed."""
         conn = self._conn
         if conn is None:
             self._failed(self._unopened or "the database is not open")
@@ -639,6 +647,9 @@ class SqliteStore:
         status.last_save_error = None
         status.saves_total += 1
         status.last_saved_at_ms = time.time() * 1000.0
+        self._pages_since_checkpoint += 3 + len(rows) // ROWS_A_PAGE
+        if checkpoint and self.checkpoint_due:
+            self.checkpoint()
 
     def _failed(self, reason: str) -> None:
         status = self.status
@@ -650,6 +661,19 @@ class SqliteStore:
         status.last_save_error = reason
         status.save_errors_total += 1
         raise StorageError(reason)
+
+    @property
+    def checkpoint_due(self) -> bool:
+        """The WAL holds about SQLite's default of 1,000 pages since the last checkpoint."""
+        return self._pages_since_checkpoint >= CHECKPOINT_PAGES
+
+    def checkpoint(self) -> None:
+        """Copies the WAL into the database (PASSIVE: never waits), syncing both: on the
+        memory's thread, never inside a commit on the event loop."""
+        self._pages_since_checkpoint = 0
+        if self._conn is not None:
+            with contextlib.suppress(sqlite3.Error):
+                self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
 
     def close(self) -> None:
         if self._conn is not None:
