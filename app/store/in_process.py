@@ -81,6 +81,10 @@ class _Prefaulter:
             self._thread.join()
 
 
+#: Rows the memory no longer holds are deleted from the database this many at a time: one
+#: delete a commit cost a one-row commit 86-90 us p50 against 56-58 us
+#: (docs/decisions/memory-in-sqlite.md); a start loads only what the memory would hold.
+TRIM_FROM = 64
 #: From this many entries in a namespace an exact scan takes about a millisecond (384
 #: dimensions, one core): compares run off the event loop from there on, so that other
 #: requests' HTTP work does not wait for them. Below it a scan costs less than a thread's
@@ -330,7 +334,7 @@ class InProcessMemory:
             for vector, trace_id, at in queued
         ]
         try:
-            store.write(rows, held=held, checkpoint=not on_loop)
+            store.write(rows, held=held, checkpoint=not on_loop, trim_from=TRIM_FROM)
         except StorageError as exc:
             return [
                 outcome if isinstance(outcome, Exception) else self._unstored(item, str(exc))

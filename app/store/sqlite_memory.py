@@ -12,10 +12,9 @@ Every change is one transaction, committed before its answer (app/store/in_proce
 groups concurrent requests into one); `KP_CACHE_DURABILITY` is SQLite's `synchronous`:
 NORMAL (a process crash loses nothing committed) or FULL (a power loss neither).
 
-The database may hold more rows than the memory (entries the memory evicted or let expire
-since the last change of their namespace): a start keeps the newest of each namespace within
-the capacity and the TTL, as the memory does, and each write trims what the memory no longer
-holds.
+The database may hold more rows than the memory (entries the memory evicted or let expire,
+deleted a batch at a time: `trim_from`): a start keeps the newest of each namespace within
+the capacity and the TTL, as the memory does, and deletes the rest.
 
 At start: a file that fails SQLite's quick check is copied aside byte for byte and what can
 be read of it, row by row, is kept in a new database; a row failing its checksum is never
@@ -609,19 +608,23 @@ class SqliteStore:
         held: dict[str, int] | None = None,
         clear: str | None = None,
         checkpoint: bool = True,
+        trim_from: int = 1,
     ) -> None:
         """One transaction, committed: `rows` appended; for each namespace in `held` (the
         entries the memory holds of it, before these rows), the rows the memory no longer
         holds deleted, oldest first; `clear`: every row of that namespace deleted;
         `checkpoint`: one that is due runs after the commit (False on the event loop: the
-        memory runs it on its thread). StorageError (nothing changed) when it cannot be
-        committed."""
+        memory runs it on its thread); `trim_from`: a namespace's rows past `held` are
+        deleted once there are at least that many. StorageError (nothing changed) when it
+        cannot be committed."""
         conn = self._conn
         if conn is None:
             self._failed(self._unopened or "the database is not open")
         assert conn is not None
         trims = {
-            ns: self.rows(ns) - kept for ns, kept in (held or {}).items() if self.rows(ns) > kept
+            ns: self.rows(ns) - kept
+            for ns, kept in (held or {}).items()
+            if self.rows(ns) - kept >= max(1, trim_from)
         }
         try:
             conn.execute("BEGIN IMMEDIATE")
