@@ -236,8 +236,8 @@ class Discard:
 
 
 class SqliteStore:
-    """The database of one process's memory; used by one thread at a time (the memory's
-    in-order thread after `open`)."""
+    """The database of one process's memory; used by one thread at a time after `open`: the
+    memory's in-order thread, or the event loop while that thread is idle."""
 
     def __init__(self, path: Path, model_id: str, dimensions: int, durability: Durability):
         self.path = path
