@@ -257,10 +257,16 @@ class InProcessMemory:
 
     # ── the order ───────────────────────────────────────────────────────────
 
+    def _here(self, namespace: str, *, disk: bool) -> bool:
+        """Whether work may run on the event loop in the memory's order: nothing is queued on
+        the thread, `disk` is false (a write that must wait for the disk) and the namespace is
+        small."""
+        return self._on_thread == 0 and not disk and not self._large(namespace)
+
     async def _in_order(self, namespace: str, work: Callable[[], T], *, disk: bool) -> T:
-        """`work` in the memory's order: here, when nothing is queued, it needs no disk and
-        the namespace is small; else on the in-order thread."""
-        if self._on_thread == 0 and not disk and not self._large(namespace):
+        """`work` in the memory's order: here when it may be (`_here`), else on the in-order
+        thread."""
+        if self._here(namespace, disk=disk):
             return work()
         loop = asyncio.get_running_loop()
         result: T = await self._submit(_Item(loop, loop.create_future(), work=work))
@@ -439,14 +445,10 @@ class InProcessMemory:
             )
         loop = asyncio.get_running_loop()
         item = _Item(loop, loop.create_future(), None, namespace, vectors, trace_ids)
-        if (
-            self._on_thread == 0
-            and self.store.durability == "process"
-            and not self.store.checkpoint_due
-            and not self._large(namespace)
-        ):
-            # A `process` commit is a write to the kernel, cheaper than the hand-off to the
-            # thread; a checkpoint syncs, so the commit that finds one due takes the thread.
+        # A `process` commit is a write to the kernel, cheaper than the hand-off to the
+        # thread; a checkpoint syncs, so the commit that finds one due takes the thread.
+        flush = self.store.durability != "process" or self.store.checkpoint_due
+        if self._here(namespace, disk=flush):
             (outcome,) = self._add_group([item], on_loop=True)
             if isinstance(outcome, Exception):
                 raise outcome
