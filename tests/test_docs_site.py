@@ -139,6 +139,47 @@ def test_the_persistence_figures_render_as_tables_with_the_start_target(tmp_path
     assert "11 s, **FAIL**" in performance.render("persistence", tmp_path)
 
 
+def test_the_memory_figures_render_a_row_for_each_ef_runtime(tmp_path: Path) -> None:
+    performance = _hook("performance")
+    group = {"twin_named": 1.0, "twins": 10, "query_p50_ms": 1.0, "query_p99_ms": 2.0}
+    doc = {
+        "cpu": "X",
+        "real_vectors": 10,
+        "hnsw_from": 10000,
+        "sizes": [
+            {
+                "entries": 1000000,
+                "redis_bytes_per_entry": 4500,
+                "fill_s": 1.0,
+                "hnsw_ready_after_fill_s": 2.0,
+                "by_ef_runtime": [
+                    {
+                        "ef_runtime": ef,
+                        "near_duplicates": group,
+                        "fresh": group | {"within_0_02": within, "recall": 0.9},
+                    }
+                    for ef, within in ((100, 0.937), (400, 0.995))
+                ],
+            }
+        ],
+        "checks": [
+            {
+                "size": 1000000,
+                "ef_runtime": 400,
+                "figure": "fresh_within_0_02",
+                "value": 0.995,
+                "target": 0.99,
+                "pass": True,
+            },
+        ],
+    }
+    (tmp_path / "memory.json").write_text(json.dumps(doc))
+    rendered = performance.render("memory", tmp_path)
+    assert "| 1,000,000 | 100 | 1 (10) | 1 / 2 | 0.937 | 0.9 | 0 | 1 / 2 |" in rendered
+    assert "| 1,000,000 | 400 | 1 (10) | 1 / 2 | 0.995 | 0.9 | 0 | 1 / 2 |" in rendered
+    assert "| 1,000,000 | 400 | fresh_within_0_02 | 0.995 | 0.99 | PASS |" in rendered
+
+
 def test_the_decisions_page_lists_every_record(site: Path) -> None:
     page = (site / "decisions" / "index.html").read_text(encoding="utf-8")
     records = [p for p in (ROOT / "docs" / "decisions").glob("*.md") if p.name != "index.md"]

@@ -138,8 +138,8 @@ def test_a_declined_int8_service_shares_its_database_with_float32(
     first.post("/evaluate", json=make_trace(objective="alpha topic"))
     first.__exit__(None, None, None)  # committed before the answer
     second = make_client(cache_db_path=path)  # float32
-    snapshot = second.get("/readyz").json()["snapshot"]
-    assert (snapshot["state"], snapshot["loaded_vectors"]) == ("loaded", 1)
+    storage = second.get("/readyz").json()["storage"]
+    assert (storage["state"], storage["loaded_vectors"]) == ("loaded", 1)
 
 
 def _int8_embedder(weights: Int8Weights) -> OnnxEmbedder:
@@ -252,7 +252,7 @@ def test_int8_and_float32_databases_are_kept_apart(
     first.post("/evaluate", json=make_trace(objective="alpha topic"))
     first.__exit__(None, None, None)  # committed before the answer
     second = make_client(cache_db_path=path)  # float32
-    assert second.get("/readyz").json()["snapshot"]["state"] == "set_aside"
+    assert second.get("/readyz").json()["storage"]["state"] == "set_aside"
     assert second.get("/cache").json()["size"] == 0
     assert len(list(tmp_path.glob("cache.db.other_model-*"))) == 1
 

@@ -162,7 +162,7 @@ def test_a_write_that_fails_is_answered_as_not_stored_and_not_kept(tmp_path: Pat
         assert first.not_stored in ("unable to open database file", "No such file or directory")
         assert memory.size == 0
         assert memory.store is not None
-        assert memory.store.status.save_errors_total == 1
+        assert memory.store.status.write_errors_total == 1
         assert any(str(first.not_stored) in w for w in memory.health().warnings)
         assert not memory.health().degraded
     finally:
@@ -399,7 +399,7 @@ def test_the_former_snapshot_and_journal_are_converted_once(
     former = path.read_bytes()
     with caplog.at_level(logging.WARNING):
         client = make_client(cache_snapshot_path=path, cache_journal_fsync="always")
-    ready = client.get("/readyz").json()["snapshot"]
+    ready = client.get("/readyz").json()["storage"]
     assert (ready["state"], ready["loaded_vectors"], ready["durability"]) == (
         "converted",
         5,
@@ -418,7 +418,7 @@ def test_the_former_snapshot_and_journal_are_converted_once(
     client.__exit__(None, None, None)
 
     again = make_client(cache_db_path=path)
-    assert again.get("/readyz").json()["snapshot"]["state"] == "loaded"
+    assert again.get("/readyz").json()["storage"]["state"] == "loaded"
     assert again.get("/cache").json()["size"] == 6
 
 
@@ -432,7 +432,7 @@ def test_a_former_snapshot_of_another_model_is_kept_and_the_way_named(
     path.write_bytes(bytes(data))
     client = make_client(cache_db_path=path)
     ready = client.get("/readyz").json()
-    assert ready["snapshot"]["state"] == "set_aside"
+    assert ready["storage"]["state"] == "set_aside"
     assert any("POST /cache/import" in w for w in ready["warnings"])
     assert (tmp_path / "memory.kpcache.old-format").read_bytes() == bytes(data)
     assert client.get("/cache").json()["size"] == 0
@@ -583,6 +583,15 @@ def test_a_full_disk_is_answered_as_not_stored_and_what_follows_survives_kill_9(
             assert ready["status"] == "ready"
             assert not ready["degraded"]
             assert any("database or disk is full" in w for w in ready["warnings"])
+            storage, snapshot = ready["storage"], ready["snapshot"]
+            assert storage["write_errors_total"] == len(failed)
+            assert storage["last_write_error"] == "database or disk is full"
+            # The deprecated `snapshot` is the same under the former release's names.
+            assert (snapshot["save_errors_total"], snapshot["last_save_error"]) == (
+                storage["write_errors_total"],
+                storage["last_write_error"],
+            )
+            assert snapshot["saves_total"] == storage["commits_total"] > 0
             metrics = server.client.get("/metrics").text
             assert f"kp_cache_db_write_errors_total {float(len(failed))}" in metrics
             size = server.client.get("/cache").json()["size"]

@@ -15,6 +15,7 @@ from app.schemas.responses import (
     NoveltyOut,
     ProfileOut,
     SnapshotOut,
+    StorageOut,
     WeightsOut,
 )
 from app.services.evaluator import Evaluation
@@ -68,7 +69,21 @@ def backend_out(info: BackendInfo) -> CacheBackendOut:
     return CacheBackendOut(**asdict(info))
 
 
-def snapshot_out(status: StorageStatus) -> SnapshotOut:
+def storage_out(status: StorageStatus) -> StorageOut:
     fields = asdict(status)
     fields["path"] = str(status.path) if status.path else None
+    return StorageOut(**fields)
+
+
+#: `snapshot`'s names for `storage`'s fields (deprecated; removed in the next release).
+SNAPSHOT_NAMES = {
+    "last_commit_at_ms": "last_saved_at_ms",
+    "last_write_error": "last_save_error",
+    "commits_total": "saves_total",
+    "write_errors_total": "save_errors_total",
+}
+
+
+def snapshot_out(storage: StorageOut) -> SnapshotOut:
+    fields = {SNAPSHOT_NAMES.get(k, k): v for k, v in storage.model_dump().items()}
     return SnapshotOut(**fields)

@@ -43,9 +43,9 @@ class EmbedderState(StrEnum):
     UNAVAILABLE = "unavailable"
 
 
-class SnapshotState(StrEnum):
+class StorageState(StrEnum):
     DISABLED = "disabled"
-    NONE = "none"  # no snapshot existed yet
+    NONE = "none"  # no database existed yet
     LOADED = "loaded"
     SET_ASIDE = "set_aside"  # unusable file renamed aside; the cache started empty
     ERROR = "error"  # could not read or write; the cache works in memory

@@ -13,7 +13,7 @@ from app.core.states import (
     NoveltyReason,
     OverrideName,
     Precision,
-    SnapshotState,
+    StorageState,
 )
 from app.schemas.trace import ReasoningTrace
 
@@ -221,11 +221,11 @@ class HealthOut(BaseModel):
     )
 
 
-class SnapshotOut(BaseModel):
+class StorageOut(BaseModel):
     """The in-process memory's database (KP_CACHE_DB_PATH; docs/operating/persistence.md)."""
 
     path: str | None = Field(description="The database file; null when none is set.")
-    state: SnapshotState = Field(
+    state: StorageState = Field(
         description="What the start found: disabled (no database), none (a new one), loaded, "
         "recovered (damaged: copied aside, what could be read kept), converted (from the "
         "former snapshot and journal), set_aside (another model's, or not convertible), error "
@@ -233,18 +233,33 @@ class SnapshotOut(BaseModel):
     )
     detail: str | None = Field(description="What happened to the file at start, when anything.")
     loaded_vectors: int = Field(description="Entries read from it at start.")
-    last_saved_at_ms: float | None = Field(description="The last commit (ms since the epoch).")
-    last_save_error: str | None = Field(
+    last_commit_at_ms: float | None = Field(description="The last commit (ms since the epoch).")
+    last_write_error: str | None = Field(
         description="The database's reason for the latest failed write, until a write works."
     )
-    saves_total: int = Field(description="Transactions committed since start.")
-    save_errors_total: int = Field(description="Writes refused since start.")
+    commits_total: int = Field(description="Transactions committed since start.")
+    write_errors_total: int = Field(description="Writes refused since start.")
     checksum_failures_total: int = Field(
-        default=0, description="Entries dropped at start because they failed their checksum."
+        description="Entries dropped at start because they failed their checksum."
     )
     durability: Literal["process", "power"] | None = Field(
-        default=None, description="KP_CACHE_DURABILITY; null without a database."
+        description="KP_CACHE_DURABILITY; null without a database."
     )
+
+
+class SnapshotOut(BaseModel):
+    """`storage` under the names of the release that kept snapshots."""
+
+    path: str | None
+    state: StorageState
+    detail: str | None
+    loaded_vectors: int
+    last_saved_at_ms: float | None
+    last_save_error: str | None
+    saves_total: int
+    save_errors_total: int
+    checksum_failures_total: int
+    durability: Literal["process", "power"] | None
 
 
 class ReadyOut(BaseModel):
@@ -259,5 +274,10 @@ class ReadyOut(BaseModel):
     cache_size: int
     cache_backend: CacheBackendOut
     admin_auth: bool = Field(description="Whether /cache needs a bearer token.")
-    snapshot: SnapshotOut
+    storage: StorageOut
+    snapshot: SnapshotOut = Field(
+        deprecated=True,
+        description="Deprecated, removed in the next release: `storage` under its former names "
+        "(last_saved_at_ms, last_save_error, saves_total, save_errors_total).",
+    )
     warnings: list[str]

@@ -14,7 +14,7 @@ from prometheus_client.registry import Collector
 
 from app.core.config import Settings, redis_location, retired_settings
 from app.core.health import UNMEASURED, Health
-from app.core.states import EmbedderState, Precision, SnapshotState
+from app.core.states import EmbedderState, Precision, StorageState
 from app.embedding import model_files
 from app.embedding.int8_support import CpuFeatures, Int8Support, int8_support
 from app.embedding.onnx_embedder import ModelError, OnnxEmbedder
@@ -113,7 +113,7 @@ class Runtime:
         store = self.store
         if store is not None:
             return store.status
-        return StorageStatus(self.settings.cache_db_path, SnapshotState.DISABLED)
+        return StorageStatus(self.settings.cache_db_path, StorageState.DISABLED)
 
     def _settings_health(self) -> Health:
         if not self.settings.cache_open:
@@ -180,13 +180,13 @@ class RuntimeCollector(Collector):
             "kp_cache_db_commits",
             "Transactions committed to the in-process memory's database since start (a group "
             "of concurrent traces is one).",
-            storage.saves_total,
+            storage.commits_total,
         )
         yield CounterMetricFamily(
             "kp_cache_db_write_errors",
             "Writes the in-process memory's database refused since start (disk full, "
             "read-only, I/O error): their traces were scored but not stored.",
-            storage.save_errors_total,
+            storage.write_errors_total,
         )
         yield CounterMetricFamily(
             "kp_cache_db_checksum_failures",

@@ -42,7 +42,7 @@ import numpy as np
 import numpy.typing as npt
 
 from app.core.health import Health
-from app.core.states import SnapshotState
+from app.core.states import StorageState
 from app.domain.vector_cache import CHUNK, CacheEntries
 from app.store.former_files import (
     FormerFilesError,
@@ -149,13 +149,13 @@ class StorageStatus:
     """The database, for operators (/readyz, metrics, the log)."""
 
     path: Path | None
-    state: SnapshotState
+    state: StorageState
     detail: str | None = None  # what happened to the file at start
     loaded_vectors: int = 0
-    last_saved_at_ms: float | None = None  # the last commit
-    last_save_error: str | None = None  # from a failed write until one succeeds
-    saves_total: int = 0  # commits
-    save_errors_total: int = 0  # failed writes
+    last_commit_at_ms: float | None = None
+    last_write_error: str | None = None  # from a failed write until one succeeds
+    commits_total: int = 0
+    write_errors_total: int = 0  # failed writes
     checksum_failures_total: int = 0  # rows dropped at start: their checksum failed
     durability: Durability | None = None
 
@@ -244,7 +244,7 @@ class SqliteStore:
         self.model_id = model_id
         self.dimensions = dimensions
         self.durability = durability
-        self.status = StorageStatus(path, SnapshotState.NONE, durability=durability)
+        self.status = StorageStatus(path, StorageState.NONE, durability=durability)
         self._conn: sqlite3.Connection | None = None
         self._unopened: str | None = None  # why the database could not be opened
         self._rows: dict[str, int] = {}  # rows each namespace holds in the database
@@ -263,7 +263,7 @@ class SqliteStore:
             self._open(target)
         except (sqlite3.Error, OSError) as exc:
             self._unopened = _reason(exc)
-            self.status.state, self.status.detail = SnapshotState.ERROR, self._unopened
+            self.status.state, self.status.detail = StorageState.ERROR, self._unopened
             self._conn = None
             log.error(
                 "cache database cannot be opened: traces are scored but not stored",
@@ -317,7 +317,7 @@ class SqliteStore:
         self._write_meta(conn)
         self._conn = conn
         self._drop(conn, self._bad)
-        self.status.state = SnapshotState.LOADED if loaded else SnapshotState.NONE
+        self.status.state = StorageState.LOADED if loaded else StorageState.NONE
         self.status.loaded_vectors = loaded
         log.info("cache database opened", extra={"path": str(path), "entries": loaded})
 
@@ -508,7 +508,7 @@ class SqliteStore:
             f"the database was damaged ({why}); copied to {aside.name}; "
             f"{len(kept)} entries kept of {len(rows)} readable rows"
         )
-        self.status.state, self.status.detail = SnapshotState.RECOVERED, detail
+        self.status.state, self.status.detail = StorageState.RECOVERED, detail
         self.status.loaded_vectors = len(kept)
         self._start_warnings.append(f"cache database recovered at start: {detail}")
         log.error(
@@ -532,7 +532,7 @@ class SqliteStore:
                 f"{aside.name}: export it with the former release (GET /cache/export) and "
                 "import it here (POST /cache/import)"
             )
-            self.status.state, self.status.detail = SnapshotState.SET_ASIDE, message
+            self.status.state, self.status.detail = StorageState.SET_ASIDE, message
             self._start_warnings.append(message)
             log.error("cache snapshot not converted", extra={"reason": message})
             self._conn = self._connect(path)
@@ -573,7 +573,7 @@ class SqliteStore:
         self._conn = self._connect(path)
         loaded = self._load_rows(self._conn, target)
         self._drop(self._conn, self._bad)
-        self.status.state = SnapshotState.CONVERTED
+        self.status.state = StorageState.CONVERTED
         self.status.loaded_vectors = loaded
         self.status.detail = (
             f"converted from the former snapshot and journal ({len(e.vectors)} entries, "
@@ -592,7 +592,7 @@ class SqliteStore:
             with contextlib.suppress(OSError):
                 os.replace(Path(f"{path}{suffix}"), Path(f"{aside}{suffix}"))
         detail = f"{why}; moved to {aside.name}"
-        self.status.state, self.status.detail = SnapshotState.SET_ASIDE, detail
+        self.status.state, self.status.detail = StorageState.SET_ASIDE, detail
         self._start_warnings.append(f"cache database set aside: {detail}")
         log.error("cache database set aside; starting empty", extra={"reason": detail})
 
@@ -645,24 +645,24 @@ class SqliteStore:
         for row in rows:
             self._rows[row.namespace] = self._rows.get(row.namespace, 0) + 1
         status = self.status
-        if status.last_save_error is not None:
+        if status.last_write_error is not None:
             log.warning("cache database written again", extra={"path": str(self.path)})
-        status.last_save_error = None
-        status.saves_total += 1
-        status.last_saved_at_ms = time.time() * 1000.0
+        status.last_write_error = None
+        status.commits_total += 1
+        status.last_commit_at_ms = time.time() * 1000.0
         self._pages_since_checkpoint += 3 + len(rows) // ROWS_A_PAGE
         if checkpoint and self.checkpoint_due:
             self.checkpoint()
 
     def _failed(self, reason: str) -> None:
         status = self.status
-        if status.last_save_error is None:
+        if status.last_write_error is None:
             log.error(
                 "cache database not written: traces are scored but not stored",
                 extra={"path": str(self.path), "reason": reason},
             )
-        status.last_save_error = reason
-        status.save_errors_total += 1
+        status.last_write_error = reason
+        status.write_errors_total += 1
         raise StorageError(reason)
 
     @property
@@ -687,9 +687,9 @@ class SqliteStore:
     def health(self) -> Health:
         """Warnings, never degraded: novelty is measured whatever the file does."""
         warnings = list(self._start_warnings)
-        if self.status.last_save_error is not None:
+        if self.status.last_write_error is not None:
             warnings.append(
-                f"cache database not written: {self.status.last_save_error} (traces are "
+                f"cache database not written: {self.status.last_write_error} (traces are "
                 "scored but not stored, novelty.stored is false)"
             )
         return Health(warnings=tuple(warnings))

@@ -174,75 +174,93 @@ def _reference(data: dict[str, Any]) -> str:
 
 
 def _memory(data: dict[str, Any]) -> str:
-    """bench.memory: the shared memory in Redis's Query Engine, one namespace."""
-    rows = []
+    """bench.memory: the shared memory in Redis's Query Engine, one namespace, its answers at
+    each HNSW EF_RUNTIME measured."""
+    answers, sizes = [], []
     for size in data["sizes"]:
-        near, fresh = size["near_duplicates"], size["fresh"]
-        rest = fresh.get("beyond_0_02", {})
-        rows.append(
+        for group in size.get("by_ef_runtime") or [size | {"ef_runtime": 100}]:
+            near, fresh = group["near_duplicates"], group["fresh"]
+            rest = fresh.get("beyond_0_02", {})
+            answers.append(
+                [
+                    size["entries"],
+                    group["ef_runtime"],
+                    f"{_number(near.get('twin_named'))} ({_number(near.get('twins'))})",
+                    _pair(near, "query_p50_ms", "query_p99_ms"),
+                    fresh.get("within_0_02"),
+                    fresh.get("recall"),
+                    f"{_number(rest['count'])}: median {_number(rest['p50'])}, "
+                    f"worst {_number(fresh.get('worst_difference'))}"
+                    if rest
+                    else "0",
+                    _pair(fresh, "query_p50_ms", "query_p99_ms"),
+                ]
+            )
+        sizes.append(
             [
                 size["entries"],
-                f"{_number(near.get('twin_named'))} ({_number(near.get('twins'))})",
-                _pair(near, "query_p50_ms", "query_p99_ms"),
-                fresh.get("within_0_02"),
-                fresh.get("recall"),
-                f"{_number(rest.get('count', 0))}: median {_number(rest.get('p50'))}, "
-                f"worst {_number(fresh.get('worst_difference'))}",
-                _pair(fresh, "query_p50_ms", "query_p99_ms"),
                 size.get("redis_bytes_per_entry"),
                 _pair(size, "fill_s", "hnsw_ready_after_fill_s"),
             ]
         )
-    header = [
-        "entries",
-        "near-duplicate names its twin (count)",
-        "its p50 / p99 ms",
-        "fresh within 0.02",
-        "fresh exact",
-        "fresh past 0.02: count, spread",
-        "fresh p50 / p99 ms",
-        "Redis B / entry",
-        "import s / HNSW answering after, s",
-    ]
     out = [
         f"{_number(data.get('real_vectors', '?'))} real MiniLM vectors "
         f"({data.get('source', '')}), the rest derived from them; HNSW from "
         f"{_number(data.get('hnsw_from'))} entries; {data.get('cpu', '')}.",
-        _table(header, rows),
+        _table(
+            [
+                "entries",
+                "EF_RUNTIME",
+                "near-duplicate names its twin (count)",
+                "its p50 / p99 ms",
+                "fresh within 0.02",
+                "fresh exact",
+                "fresh past 0.02: count, spread",
+                "fresh p50 / p99 ms",
+            ],
+            answers,
+        ),
+        _table(["entries", "Redis B / entry", "import s / HNSW answering after, s"], sizes),
     ]
     service = data.get("service")
     if service:
-        out.append(
-            _table(
-                ["service at size", "value"],
+        rows = [
+            ["entries", service["entries"]],
+            [
+                "new replica to ready, s: at size / at an empty memory",
+                _pair(service, "replica_to_ready_large_s", "replica_to_ready_empty_s"),
+            ],
+            [
+                "new replica RSS, MB: at size / at an empty memory",
+                _pair(service, "replica_rss_large_mb", "replica_rss_empty_mb"),
+            ],
+        ]
+        for turns in service.get("dry_run_by_ef_runtime") or [service]:
+            ef = f" (EF_RUNTIME {turns['ef_runtime']})" if "ef_runtime" in turns else ""
+            rows += [
                 [
-                    ["entries", service["entries"]],
-                    [
-                        "dry-run typical p50 / p99 ms, at size",
-                        _pair(service, "large_p50_ms", "large_p99_ms"),
-                    ],
-                    [
-                        "the same against 1,000 entries",
-                        _pair(service, "small_p50_ms", "small_p99_ms"),
-                    ],
-                    ["ratio of the p50s", service.get("request_ratio")],
-                    [
-                        "new replica to ready, s: at size / at an empty memory",
-                        _pair(service, "replica_to_ready_large_s", "replica_to_ready_empty_s"),
-                    ],
-                    [
-                        "new replica RSS, MB: at size / at an empty memory",
-                        _pair(service, "replica_rss_large_mb", "replica_rss_empty_mb"),
-                    ],
+                    f"dry-run typical p50 / p99 ms at size{ef} / against 1,000 entries",
+                    f"{_pair(turns, 'large_p50_ms', 'large_p99_ms')} / "
+                    f"{_pair(turns, 'small_p50_ms', 'small_p99_ms')}",
                 ],
-            )
-        )
+                [f"ratio of the p50s{ef}", turns.get("request_ratio")],
+            ]
+        out.append(_table(["service at size", "value"], rows))
     checks = [
-        [c["size"], c["figure"], _checked(c["value"]), c["target"], c["pass"]]
+        [
+            c["size"],
+            c.get("ef_runtime") or "",
+            c["figure"],
+            _checked(c["value"]),
+            c["target"],
+            c["pass"],
+        ]
         for c in data.get("checks", [])
     ]
     if checks:
-        out.append(_table(["entries", "figure", "value", "target", "verdict"], checks))
+        out.append(
+            _table(["entries", "EF_RUNTIME", "figure", "value", "target", "verdict"], checks)
+        )
     return "\n\n".join(out)
 
 

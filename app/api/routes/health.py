@@ -7,7 +7,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from app.api.deps import ServicesDep
 from app.api.mcp import McpHost
-from app.api.presenters import backend_out, snapshot_out
+from app.api.presenters import backend_out, snapshot_out, storage_out
 from app.api.routes.cache import embedder_out
 from app.core.version import VERSION
 from app.schemas.responses import HealthOut, ReadyOut, RootOut
@@ -43,6 +43,7 @@ async def readyz(services: ServicesDep, request: Request) -> ReadyOut:
     health = services.runtime.health()
     mcp: McpHost | None = getattr(request.app.state, "mcp", None)
     mcp_warnings = mcp.health().warnings if mcp is not None else ()
+    storage = storage_out(services.runtime.storage_status())
     return ReadyOut(
         status="degraded" if health.degraded else "ready",
         degraded=health.degraded,
@@ -50,7 +51,8 @@ async def readyz(services: ServicesDep, request: Request) -> ReadyOut:
         cache_size=services.memory.size,
         cache_backend=backend_out(services.memory.backend),
         admin_auth=not services.settings.cache_open,
-        snapshot=snapshot_out(services.runtime.storage_status()),
+        storage=storage,
+        snapshot=snapshot_out(storage),
         warnings=[*health.warnings, *mcp_warnings],
     )
 

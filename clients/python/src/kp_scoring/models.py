@@ -165,18 +165,19 @@ class NamespacesOut(_Answer):
     limit: int
 
 
-class SnapshotOut(_Answer):
+class StorageOut(_Answer):
+    """The in-process memory's database."""
+
     path: str | None
     state: str
     detail: str | None
     loaded_vectors: int
-    last_saved_at_ms: float | None
-    last_save_error: str | None
-    saves_total: int
-    save_errors_total: int
-    #: The in-process memory's database (None from an older service, which kept snapshots).
-    checksum_failures_total: int | None = None
-    durability: str | None = None
+    last_commit_at_ms: float | None
+    last_write_error: str | None
+    commits_total: int
+    write_errors_total: int
+    checksum_failures_total: int
+    durability: str | None
 
 
 class ReadyOut(_Answer):
@@ -186,5 +187,8 @@ class ReadyOut(_Answer):
     cache_size: int
     cache_backend: CacheBackendOut
     admin_auth: bool
-    snapshot: SnapshotOut
+    #: None from a 0.1.0 service, which sends `snapshot` only.
+    storage: StorageOut | None = None
+    #: Deprecated: `storage` under the 0.1.0 names; the next release leaves it out.
+    snapshot: dict[str, Any] | None = None
     warnings: list[str]
