@@ -407,11 +407,12 @@ def run(
     sizes: list[int],
     queries: int,
     service: bool,
-    ef_runtimes: list[int],
+    ef_runtimes: list[int] | None = None,
     save: Callable[[dict[str, Any]], None] = lambda doc: None,
 ) -> dict[str, Any]:
-    """The phase's figures; `save` is given them after each part (a long run that stops
-    keeps what it measured)."""
+    """The phase's figures at each of `ef_runtimes` (the service's default alone if None);
+    `save` is given them after each part (a long run that stops keeps what it measured)."""
+    ef_runtimes = ef_runtimes or [DEFAULT_EF]
     vectors, near, fresh = corpus_and_queries(queries)
     doc: dict[str, Any] = {
         "cpu": cpu_name(),
