@@ -164,7 +164,7 @@ def corpus_and_queries(count: int) -> tuple[Matrix, Matrix, Matrix]:
 
 
 def _memory(
-    url: str, prefix: str, capacity: int, hnsw_from: int = HNSW_FROM, ef_runtime: int = 100
+    url: str, prefix: str, capacity: int, hnsw_from: int = HNSW_FROM, ef_runtime: int | None = None
 ) -> RedisVectorMemory:
     return RedisVectorMemory(
         url,
@@ -175,7 +175,7 @@ def _memory(
         timeout_ms=60_000,
         model=None,
         hnsw_from=hnsw_from,
-        hnsw_ef_runtime=ef_runtime,
+        hnsw_ef_runtime=ef_runtime or DEFAULT_EF,
     )
 
 

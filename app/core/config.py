@@ -265,9 +265,11 @@ class Settings(BaseSettings):
             ge=8,
             le=8192,
             description="The HNSW search's breadth (`EF_RUNTIME`): higher finds the exact "
-            "maximum more often, for more of Redis's time per search.",
+            "maximum more often, for more of Redis's time per search. 800 keeps fresh answers "
+            "within 0.02 of the exact maximum for 99% at a million entries (about 6 ms a search "
+            "there); 200 does at 100,000 (docs/operating/large-memory.md).",
         ),
-    ] = 100
+    ] = 800
 
     max_body_bytes: Annotated[int, Field(ge=1024, description="Larger request bodies get 413.")] = (
         1_048_576

@@ -144,7 +144,7 @@ class RedisVectorMemory:
         hnsw_from: int = 10_000,
         hnsw_m: int = 16,
         hnsw_ef_construction: int = 200,
-        hnsw_ef_runtime: int = 100,
+        hnsw_ef_runtime: int = 800,
     ) -> None:
         if "{" in prefix or "}" in prefix:
             raise ValueError("the key prefix may not hold braces (they make hash tags)")
