@@ -10,11 +10,12 @@ many as are embedded so far are real (the report says how many), the rest derive
 two random real vectors (weights 1 and 0.5) with 10 % Gaussian noise, renormalised, so it lies
 among the real ones rather than in empty space.
 
-The memory is loaded straight into a Redis 8 the bench starts (the memory's own import, a
-thousand entries a step; no model), past KP_REDIS_HNSW_FROM, and the phase waits until Redis
+The memory is loaded straight into a Redis 8 the bench starts (the memory's own import,
+20,000 entries a step; no model), past KP_REDIS_HNSW_FROM, and the phase waits until Redis
 has built the namespace's HNSW index and the namespace answers by it. Then the queries, each a
-dry-run comparison through the memory (app/store/redis_vectors.py), against the exact maximum
-(float64 over every entry):
+dry-run comparison through the memory (app/store/redis_vectors.py), answered at each
+EF_RUNTIME of --ef-runtimes (an argument of each search: one index serves every value), against
+the exact maximum (float64 over every entry):
 - near-duplicates: edits of stored texts (about 15 % of their words dropped at random),
   embedded by the model, counted where the exact maximum is >= 0.95: the stored twin must be
   named;
@@ -24,7 +25,7 @@ dry-run comparison through the memory (app/store/redis_vectors.py), against the 
 Figures: those, query p50/p99, Redis's bytes per entry (INFO used_memory over the entries),
 the load and index build times. With the service part (default): the dry-run latency of
 typical traces on a service whose namespace holds the memory against one whose holds 1,000
-(two prefixes of the same Redis, in turns of 20 requests), a new replica's time to /readyz
+(two prefixes of the same Redis, in turns of 20 requests; new traces at each EF_RUNTIME), a new replica's time to /readyz
 against the large memory and against an empty one, and its resident memory.
 """
 
