@@ -178,7 +178,7 @@ def _memory(data: dict[str, Any]) -> str:
     each HNSW EF_RUNTIME measured."""
     answers, sizes = [], []
     for size in data["sizes"]:
-        for group in size.get("by_ef_runtime") or [size | {"ef_runtime": 100}]:
+        for group in size["by_ef_runtime"]:
             near, fresh = group["near_duplicates"], group["fresh"]
             rest = fresh.get("beyond_0_02", {})
             answers.append(
@@ -235,8 +235,8 @@ def _memory(data: dict[str, Any]) -> str:
                 _pair(service, "replica_rss_large_mb", "replica_rss_empty_mb"),
             ],
         ]
-        for turns in service.get("dry_run_by_ef_runtime") or [service]:
-            ef = f" (EF_RUNTIME {turns['ef_runtime']})" if "ef_runtime" in turns else ""
+        for turns in service["dry_run_by_ef_runtime"]:
+            ef = f" (EF_RUNTIME {turns['ef_runtime']})"
             rows += [
                 [
                     f"dry-run typical p50 / p99 ms at size{ef} / against 1,000 entries",
@@ -249,7 +249,7 @@ def _memory(data: dict[str, Any]) -> str:
     checks = [
         [
             c["size"],
-            c.get("ef_runtime") or "",
+            c["ef_runtime"] or "",
             c["figure"],
             _checked(c["value"]),
             c["target"],
