@@ -26,15 +26,15 @@ from app.api.asgi.request_id import RequestId
 from app.api.deps import Services
 from app.api.errors import install_error_handlers
 from app.api.routes import cache, contribution, evaluate, health, jwks
-from app.core.api_keys import KeyRing
 from app.core.config import Settings
 from app.core.metrics import Metrics
 from app.core.version import VERSION
 from app.embedding.int8_support import CpuFeatures
+from app.guards.api_keys import KeyRing
 from app.schemas.limits import TraceLimits
 from app.server.descriptors import watch_descriptors
-from app.services.runtime import Runtime
-from app.services.trust import load_keys, load_signer
+from app.service.runtime import Runtime
+from app.service.trust import load_keys, load_signer
 
 
 def create_app(settings: Settings, *, cpu: CpuFeatures | None = None) -> FastAPI:

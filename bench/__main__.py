@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from app.domain.vector_cache import VectorCache
+from app.memory.ring import VectorCache
 from bench import (
     cold_start,
     contribution,

@@ -9,7 +9,7 @@ second route's text would otherwise skip the model) and every request a dry run 
 stays as it is, so both routes meet the same one). The routes take turns trace by trace, the
 first one rotating, so that a busy host slows all alike. Targets: typical traces'
 /contribution p50 at most 1.10x /evaluate's; on a megabyte trace, the gate's own work
-(app.domain.contribution.prepare, its CPU time in this process) at most a full-window
+(app.contribution.capture.prepare, its CPU time in this process) at most a full-window
 /evaluate's p50 (what the model costs for a text that fills its 512-token window). What
 /contribution adds to /evaluate's p50 on the same megabyte traces is shown too: few samples
 of large requests, it is the noisiest figure on a busy host.
@@ -28,7 +28,7 @@ from typing import Any
 
 import orjson
 
-from app.domain.contribution import prepare
+from app.contribution.capture import prepare
 from bench import corpus, load
 from bench.corpus import Item
 from bench.server import Server

@@ -13,7 +13,7 @@ among the real ones rather than in empty space.
 The memory is loaded straight into a Redis 8 the bench starts (the memory's own import,
 20,000 entries a step; no model), past KP_REDIS_HNSW_FROM, and the phase waits until Redis
 has built the namespace's HNSW index and the namespace answers by it. Then the queries, each a
-dry-run comparison through the memory (app/store/redis_vectors.py), answered at each
+dry-run comparison through the memory (app/memory/redis_vectors.py), answered at each
 EF_RUNTIME of --ef-runtimes (an argument of each search: one index serves every value), against
 the exact maximum (float64 over every entry):
 - near-duplicates: edits of stored texts (about 15 % of their words dropped at random),
@@ -47,8 +47,8 @@ import numpy as np
 import numpy.typing as npt
 
 from app.core.config import Settings, redis_location
-from app.domain.vector_cache import CacheEntries
-from app.store.redis_vectors import RedisVectorMemory
+from app.memory.redis_vectors import RedisVectorMemory
+from app.memory.ring import CacheEntries
 from bench import memory_corpus
 from bench.server import rss_mb
 from bench.stats import percentile

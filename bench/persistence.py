@@ -163,9 +163,9 @@ def memory_step(adds: int) -> dict[str, Any]:
     order; p50 and p99 in microseconds."""
     import asyncio
 
-    from app.store.base import DEFAULT_NAMESPACE
-    from app.store.in_process import InProcessMemory
-    from app.store.sqlite_memory import SqliteStore
+    from app.memory.base import DEFAULT_NAMESPACE
+    from app.memory.in_process import InProcessMemory
+    from app.memory.sqlite import SqliteStore
 
     vectors, _, _ = _entries(adds + 1000, seed=9)
 
@@ -219,7 +219,7 @@ def _entries(size: int, seed: int = 3) -> tuple[np.ndarray, np.ndarray, list[str
 
 def write_database(path: Path, model_id: str, size: int) -> None:
     """A database of `size` entries in the default namespace, as the service writes them."""
-    from app.store.sqlite_memory import Discard, NewRow, SqliteStore
+    from app.memory.sqlite import Discard, NewRow, SqliteStore
 
     vectors, times, ids = _entries(size)
     store = SqliteStore(path, model_id, 384, "process")
@@ -239,8 +239,8 @@ def write_database(path: Path, model_id: str, size: int) -> None:
 _FORMER_SNAPSHOT = """
 import sys, time, numpy as np
 from pathlib import Path
-from app.domain.vector_cache import CacheEntries
-from app.services.snapshots import write_snapshot
+from app.memory.ring import CacheEntries
+from app.service.snapshots import write_snapshot
 size = int(sys.argv[2])
 rng = np.random.default_rng(3)
 vectors = rng.standard_normal((size, 384)).astype(np.float32)

@@ -33,12 +33,12 @@ import numpy as np
 
 from app.core.states import Precision
 from app.embedding import model_files
+from app.embedding.embeddings import EmbeddingService
 from app.embedding.int8_support import int8_support
 from app.embedding.onnx_embedder import OnnxEmbedder, TokenizedText
+from app.memory.in_process import InProcessMemory
 from app.schemas.trace import ReasoningTrace
-from app.services.embeddings import EmbeddingService
-from app.services.evaluator import Evaluator
-from app.store.in_process import InProcessMemory
+from app.service.evaluator import Evaluator
 from bench import corpus
 from bench.machine import machine
 from bench.stats import percentile

@@ -13,7 +13,7 @@ them too, as a phase.
    (target <= 1.10x).
 2. Redis alone: R simulated replicas (asyncio tasks, each a RedisVectorMemory with its own
    connections) add one 384-float entry a turn to one namespace of CAPACITY entries (its
-   search, FLAT, and its add: the service's own step, app/store/memory.lua). Reported per R:
+   search, FLAT, and its add: the service's own step, app/memory/memory.lua). Reported per R:
    steps/s, Redis's CPU per step (its /proc/PID/stat), and the replicas one Redis core
    carries at 150 and 300 evaluations/s each (one step per evaluation). Redis runs scripts on
    one thread: a core is a node's limit; a Redis Cluster spreads namespaces over nodes.
@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from app.core.config import redis_location
-from app.store.redis_vectors import RedisVectorMemory
+from app.memory.redis_vectors import RedisVectorMemory
 from bench import corpus, load
 from bench.corpus import Item
 from bench.machine import machine, parse_env

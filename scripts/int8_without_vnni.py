@@ -29,11 +29,11 @@ import numpy.typing as npt
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from app.embedding import model_files
+from app.embedding.embeddings import EmbeddingService
 from app.embedding.onnx_embedder import OnnxEmbedder, TokenizedText
+from app.memory.in_process import InProcessMemory
 from app.schemas.trace import ReasoningTrace
-from app.services.embeddings import EmbeddingService
-from app.services.evaluator import Evaluator
-from app.store.in_process import InProcessMemory
+from app.service.evaluator import Evaluator
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests/fixtures/reference/embedder_sequence.json"

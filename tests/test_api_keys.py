@@ -171,7 +171,7 @@ def test_a_live_start_with_a_bad_file_exits_naming_it(tmp_path: Path) -> None:
 
 
 def test_a_key_is_known_by_its_whole_hash_in_either_case(tmp_path: Path) -> None:
-    from app.core.api_keys import KeyRing, load_key_file
+    from app.guards.api_keys import KeyRing, load_key_file
 
     upper = {"name": "a", "sha256": sha256(AGENT_A).upper(), "scopes": ["evaluate"]}
     ring = KeyRing(load_key_file(write_keys(tmp_path / "keys.json", [upper])))

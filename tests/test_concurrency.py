@@ -16,13 +16,13 @@ from fastapi import FastAPI
 from app.core.config import Settings
 from app.core.states import EmbedderState
 from app.embedding import model_files
-from app.embedding.onnx_embedder import OnnxEmbedder
-from app.main import create_app
-from app.services.embeddings import (
+from app.embedding.embeddings import (
     EmbedderUnavailableError,
     EmbeddingService,
     OverloadedError,
 )
+from app.embedding.onnx_embedder import OnnxEmbedder
+from app.main import create_app
 from tests.conftest import fail_embedding_on, hold_runs
 from tests.factories import TOPICS, make_trace, step
 from tests.server import running_server

@@ -18,7 +18,7 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
-from app.domain.js_json import stringify
+from app.contribution.js_json import stringify
 from kp_scoring import KpScoringClient
 from kp_scoring.cli import cli
 from kp_scoring.signatures import SignatureInvalidError, verify

@@ -12,9 +12,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from app.core.config import Settings
+from app.embedding.embeddings import Embedding
+from app.embedding.memo import EmbeddingMemo
 from app.main import create_app
-from app.services.embedding_memo import EmbeddingMemo
-from app.services.embeddings import Embedding
 from tests.conftest import ClientFactory
 from tests.factories import make_trace, step
 

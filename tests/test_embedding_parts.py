@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 from app.core.states import EmbedderState
+from app.embedding.admission import Admission
+from app.embedding.lifecycle import ModelLifecycle
 from app.embedding.onnx_embedder import ModelError, OnnxEmbedder
-from app.services.embeddings_admission import Admission
-from app.services.embeddings_lifecycle import ModelLifecycle
-from app.services.embeddings_queue import Job, JobQueue
-from app.services.embeddings_scheduler import RunScheduler
-from app.services.embeddings_types import (
+from app.embedding.queue import Job, JobQueue
+from app.embedding.scheduler import RunScheduler
+from app.embedding.types import (
     EmbedderUnavailableError,
     Embedding,
     Outcome,

@@ -201,8 +201,8 @@ def test_a_claim_whose_holder_is_gone_frees_the_key_after_a_redis_crash(
     import redis.asyncio as aioredis
 
     from app.guards.idempotency import IdempotencyUnavailableError
+    from app.guards.idempotency_keys import Idempotency
     from app.guards.idempotency_redis import RedisIdempotencyStore
-    from app.services.idempotency import Idempotency
 
     server = RedisServer(tmp_path)
     try:

@@ -1,4 +1,4 @@
-"""The in-process memory (app/store/in_process.py): one exact VectorCache per namespace, one
+"""The in-process memory (app/memory/in_process.py): one exact VectorCache per namespace, one
 order for every change, and what an answer says about storing."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from app.domain.vector_cache import CacheEntries, VectorCache
-from app.store.base import DEFAULT_NAMESPACE, Comparison, NamespaceLimitError
-from app.store.in_process import InProcessMemory, compare_in_order
-from app.store.sqlite_memory import SqliteStore
+from app.memory.base import DEFAULT_NAMESPACE, Comparison, NamespaceLimitError
+from app.memory.in_process import InProcessMemory, compare_in_order
+from app.memory.ring import CacheEntries, VectorCache
+from app.memory.sqlite import SqliteStore
 
 DIMS = 384
 

@@ -14,14 +14,14 @@ import pytest
 from starlette.types import ASGIApp
 
 from app.core import namespaces
-from app.core.api_keys import ApiKeyEntry, KeyFileError, KeyRing, load_key_file
 from app.core.config import Settings
 from app.core.metrics import OTHER_NAMESPACES, Metrics
+from app.guards.api_keys import ApiKeyEntry, KeyFileError, KeyRing, load_key_file
 from app.guards.idempotency import InProcessIdempotencyStore
+from app.guards.idempotency_keys import Idempotency, scoped_key
 from app.guards.rate_limit import InProcessRateLimiter
 from app.main import pipeline
-from app.services.idempotency import Idempotency, scoped_key
-from app.store.base import DEFAULT_NAMESPACE
+from app.memory.base import DEFAULT_NAMESPACE
 from tests.keys import AGENT_A, AGENT_B, entry, sha256, write_keys
 
 BOUND = "kp-bound-to-net-a-93be1c"

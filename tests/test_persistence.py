@@ -21,11 +21,11 @@ import orjson
 import pytest
 
 from app.core.config import Settings
-from app.domain.vector_cache import CacheEntries
-from app.store import in_process
-from app.store.base import DEFAULT_NAMESPACE
-from app.store.in_process import InProcessMemory
-from app.store.sqlite_memory import SqliteStore
+from app.memory import in_process
+from app.memory.base import DEFAULT_NAMESPACE
+from app.memory.in_process import InProcessMemory
+from app.memory.ring import CacheEntries
+from app.memory.sqlite import SqliteStore
 from tests.conftest import ClientFactory
 from tests.factories import make_trace, random_units
 from tests.server import LiveServer
@@ -219,7 +219,7 @@ def test_four_bytes_changed_inside_a_stored_vector_drop_that_entry_only(
     close(memory)
     _change_four_bytes(path, _vector_offset(path, v[15]) + 700)
 
-    with caplog.at_level(logging.ERROR, logger="app.store.sqlite_memory"):
+    with caplog.at_level(logging.ERROR, logger="app.memory.sqlite"):
         again = memory_at(path)
     try:
         assert again.store is not None
@@ -338,7 +338,7 @@ def test_four_bytes_changed_in_a_page_in_the_middle_are_copied_aside_and_the_res
     _change_four_bytes(path, _btree_page_in_the_middle(path))
     damaged = path.read_bytes()
 
-    with caplog.at_level(logging.ERROR, logger="app.store.sqlite_memory"):
+    with caplog.at_level(logging.ERROR, logger="app.memory.sqlite"):
         again = memory_at(path, capacity=1000)
     try:
         assert again.store is not None

@@ -11,13 +11,13 @@ from typing import Any
 
 from starlette.types import ASGIApp
 
-from app.core.api_keys import ApiKeyEntry, KeyRing
 from app.core.config import Settings
 from app.core.metrics import Metrics
+from app.guards.api_keys import ApiKeyEntry, KeyRing
 from app.guards.idempotency import InProcessIdempotencyStore
+from app.guards.idempotency_keys import Idempotency
 from app.guards.rate_limit import InProcessRateLimiter
 from app.main import pipeline
-from app.services.idempotency import Idempotency
 from tests.keys import AGENT_A, SLOW, sha256
 
 KEYS = KeyRing(

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from app.domain.vector_cache import VectorCache
+from app.memory.ring import VectorCache
 from tests.conftest import ClientFactory
 from tests.factories import TOPICS, make_trace
 from tests.server import RedisServer

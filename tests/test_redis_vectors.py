@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 
 from app.core.config import ConfigError, redis_location
-from app.domain.vector_cache import CacheEntries, exact_cosine
-from app.services.cache_transfer import LineReader, export_lines
-from app.store.base import Comparison, MemoryUnavailableError, NamespaceLimitError, Vector
-from app.store.redis_vectors import RedisVectorMemory
+from app.memory.base import Comparison, MemoryUnavailableError, NamespaceLimitError, Vector
+from app.memory.redis_vectors import RedisVectorMemory
+from app.memory.ring import CacheEntries, exact_cosine
+from app.service.cache_transfer import LineReader, export_lines
 from tests.server import RedisCluster, RedisServer, free_port
 
 pytestmark = pytest.mark.redis
@@ -404,7 +404,7 @@ def test_redis_down_at_start_then_back(tmp_path: Path) -> None:
 
     # Once logging is set up the app's loggers do not propagate (app/core/logging.py): listen
     # on the logger itself.
-    logger, records = logging.getLogger("app.store.redis_vectors"), _Records()
+    logger, records = logging.getLogger("app.memory.redis_vectors"), _Records()
     logger.addHandler(records)
     try:
         run(scenario)

@@ -18,10 +18,10 @@ import pytest
 from app.core.config import Settings, user_cache_directory
 from app.embedding import model_files
 from app.embedding.int8_support import int8_support
+from app.embedding.lifecycle import ModelLifecycle
 from app.embedding.onnx_embedder import OnnxEmbedder
 from app.embedding.session_cache import SessionCache
-from app.services.embeddings_lifecycle import ModelLifecycle
-from app.services.runtime import load_embedder
+from app.service.runtime import load_embedder
 
 TEXTS = [
     "Review PR #42 for security issues Analyzing diff for injection vectors",

@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 from joserfc.jwk import OKPKey
 from typer.testing import CliRunner
 
-from app.services.signing import Signer
+from app.service.signing import Signer
 from kp_scoring.cli import cli
 from kp_scoring.signatures import SignatureInvalidError, answer_mismatches, verify
 from tests.factories import make_trace

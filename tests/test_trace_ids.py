@@ -12,11 +12,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from app.domain.vector_cache import VectorCache
+from app.memory.base import DEFAULT_NAMESPACE
+from app.memory.ring import VectorCache
 from app.schemas.ids import MAX_TRACE_ID_CHARS, TRACE_ID_PREFIX, trace_id_problem, visible
 from app.schemas.trace import ReasoningTrace
-from app.services.cache_transfer import LineReader, export_lines
-from app.store.base import DEFAULT_NAMESPACE
+from app.service.cache_transfer import LineReader, export_lines
 from tests.conftest import ClientFactory
 from tests.factories import make_trace, random_units, step, vector_b64
 

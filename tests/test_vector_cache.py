@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.domain.vector_cache import CHUNK, CacheEntries, VectorCache
+from app.memory.ring import CHUNK, CacheEntries, VectorCache
 
 
 class FakeClock:

@@ -11,8 +11,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from app.core.api_keys import ApiKey
 from app.core.errors import field_error
+from app.guards.api_keys import ApiKey
 from app.guards.rate_limit import RateLimiter, RateLimitUnavailableError, retry_after
 
 log = logging.getLogger(__name__)

@@ -12,16 +12,16 @@ from app.api.asgi.namespaces import namespace_of
 from app.core import namespaces
 from app.core.config import Settings
 from app.core.metrics import Metrics
+from app.embedding.embeddings import EmbeddingService
+from app.guards.idempotency_keys import Idempotency
 from app.guards.rate_limit import RateLimiter
+from app.memory.base import NoveltyMemory
 from app.schemas.limits import TraceLimits
-from app.services.embeddings import EmbeddingService
-from app.services.evaluator import Evaluator
-from app.services.idempotency import Idempotency
-from app.services.runtime import Runtime
-from app.store.base import NoveltyMemory
+from app.service.evaluator import Evaluator
+from app.service.runtime import Runtime
 
 if TYPE_CHECKING:
-    from app.services.signing import Signer
+    from app.service.signing import Signer
 
 
 @dataclass(slots=True)

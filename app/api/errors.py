@@ -17,8 +17,8 @@ from starlette.exceptions import HTTPException
 
 from app.core import namespaces
 from app.core.errors import error_body, field_error
-from app.services.embeddings import OverloadedError
-from app.store.base import MemoryUnavailableError, NamespaceLimitError
+from app.embedding.embeddings import OverloadedError
+from app.memory.base import MemoryUnavailableError, NamespaceLimitError
 
 log = logging.getLogger(__name__)
 

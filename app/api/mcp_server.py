@@ -38,17 +38,17 @@ from app.api.routes.contribution import (
     lone_surrogate_errors,
 )
 from app.core import namespaces
-from app.core.api_keys import ApiKey
 from app.core.metrics import Metrics
 from app.core.signatures import unsignable_errors
 from app.core.version import VERSION
+from app.embedding.embeddings import OverloadedError
+from app.guards.api_keys import ApiKey
+from app.memory.base import NamespaceLimitError
 from app.schemas.contribution import ContributionOut
 from app.schemas.ids import visible
 from app.schemas.responses import BatchIn, BatchOut, EvaluationOut
 from app.schemas.trace import ReasoningTrace
-from app.services.embeddings import OverloadedError
-from app.services.scoring_requests import TraceLimitError, score_traces
-from app.store.base import NamespaceLimitError
+from app.service.scoring_requests import TraceLimitError, score_traces
 
 log = logging.getLogger(__name__)
 

@@ -8,6 +8,8 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from app.core.signatures import UNSIGNED_FIELDS
+from app.memory.base import BackendInfo
+from app.memory.sqlite import StorageStatus
 from app.schemas.responses import (
     CacheBackendOut,
     DimensionsOut,
@@ -18,12 +20,10 @@ from app.schemas.responses import (
     StorageOut,
     WeightsOut,
 )
-from app.services.evaluator import Evaluation
-from app.store.base import BackendInfo
-from app.store.sqlite_memory import StorageStatus
+from app.service.evaluator import Evaluation
 
 if TYPE_CHECKING:  # joserfc loads only when something is signed
-    from app.services.signing import Signer
+    from app.service.signing import Signer
 
 
 def evaluation_out(

@@ -1,7 +1,7 @@
 """Prometheus metrics, one registry per app so that several apps can live in one process.
 
 Counted here: what requests do. The running service's parts (cache, its database, embedder)
-expose their own figures through app.services.runtime.RuntimeCollector."""
+expose their own figures through app.service.runtime.RuntimeCollector."""
 
 from __future__ import annotations
 
@@ -160,7 +160,7 @@ class Metrics:
             found = self._children[key] = metric.labels(*values)
         return found
 
-    # The embedding service's observer (app/services/embeddings_types.EmbedObserver).
+    # The embedding service's observer (app/service/embeddings_types.EmbedObserver).
     def queue_waited(self, seconds: float) -> None:
         self.embed_queue_wait.observe(seconds)
 

@@ -14,7 +14,7 @@ from typing import Final
 HEADER: Final = "KP-Namespace"
 #: Where a refusal points, in the project's error shape (`loc`).
 LOC: Final = ("header", "kp-namespace")
-#: The namespace of a request that names none (app/store/base.py says the same).
+#: The namespace of a request that names none (app/memory/base.py says the same).
 DEFAULT: Final = "default"
 PATTERN: Final = r"^[A-Za-z0-9._-]{1,64}$"
 RULE: Final = "must be 1 to 64 characters of letters, digits, '.', '_' and '-'"

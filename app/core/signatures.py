@@ -3,7 +3,7 @@
 gains is signed without a change of format; and what it is about: `trace_sha256`, the SHA-256
 of the trace's RFC 8785 (JCS) canonical JSON, so that it is the same whatever the trace's
 whitespace or key order (the `rfc8785` package makes the canonical form).
-app/services/signing.py signs. Checking a
+app/service/signing.py signs. Checking a
 signature is the client's (`kp_scoring.signatures.verify`, clients/python), which hashes the
 same way: tests/test_signatures.py holds the two to the same value.
 """

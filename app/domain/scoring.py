@@ -2,7 +2,7 @@
 
 Pure arithmetic (docs/scoring.md), written in the reference SDK's operation order so that
 every float comes out bit-for-bit as the reference's `evaluateValue` computes it.
-Novelty arrives here as a number; how it is measured lives in `app.services.evaluator`.
+Novelty arrives here as a number; how it is measured lives in `app.service.evaluator`.
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.api.asgi.base import detail, send_json, state
-from app.core.api_keys import KeyRing
-from app.core.api_keys import Scope as KeyScope
 from app.core.metrics import Metrics
+from app.guards.api_keys import KeyRing
+from app.guards.api_keys import Scope as KeyScope
 
 _CHALLENGE = (b"www-authenticate", b'Bearer realm="kp-scoring"')
 #: Query parameters in which clients commonly put keys, as _spelling() writes them: any case,

@@ -12,10 +12,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.api.asgi.base import detail, read_replayed, replaying, send_json
 from app.api.asgi.namespaces import namespace_of
-from app.core.api_keys import ApiKey
 from app.core.metrics import Metrics
+from app.guards.api_keys import ApiKey
 from app.guards.idempotency import IdempotencyUnavailableError, Recorded
-from app.services.idempotency import Idempotency, fingerprint, scoped_key
+from app.guards.idempotency_keys import Idempotency, fingerprint, scoped_key
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from app.api.asgi.api_keys import required_scope
 from app.api.asgi.base import detail, send_json, state
 from app.core import namespaces
-from app.core.api_keys import ApiKey
 from app.core.metrics import Metrics
+from app.guards.api_keys import ApiKey
 
 _HEADER = namespaces.HEADER.lower().encode()
 

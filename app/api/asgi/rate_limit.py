@@ -9,8 +9,8 @@ import logging
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.api.asgi.base import detail, send_json
-from app.core.api_keys import ApiKey
 from app.core.metrics import Metrics
+from app.guards.api_keys import ApiKey
 from app.guards.rate_limit import RateLimiter, RateLimitUnavailableError, retry_after
 
 log = logging.getLogger(__name__)

@@ -13,10 +13,10 @@ from fastapi.responses import StreamingResponse
 
 from app.api.deps import BearerDep, NamespaceDep, Services, ServicesDep
 from app.api.presenters import backend_out
-from app.core.api_keys import ApiKey
+from app.guards.api_keys import ApiKey
 from app.schemas.namespaces import NamespacesOut
 from app.schemas.responses import CacheOut, ClearedOut, EmbedderOut, ImportedOut
-from app.services.cache_transfer import (
+from app.service.cache_transfer import (
     BodyTooLargeError,
     ImportLineError,
     export_lines,

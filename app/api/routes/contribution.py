@@ -13,12 +13,12 @@ from app.api.deps import BEARER_SECURITY, NamespaceHeader, Services, services_of
 from app.api.presenters import evaluation_out
 from app.api.routes import evaluate
 from app.api.routes.evaluate import DryRun, IdempotencyKey, _score, _sent_traces
+from app.contribution.capture import FieldRisk, Finding, lone_surrogate, prepare
 from app.core.errors import field_error
 from app.core.signatures import trace_sha256
-from app.domain.contribution import FieldRisk, Finding, lone_surrogate, prepare
 from app.schemas.contribution import ContributionOut, FieldRiskOut, FindingOut, InjectionOut
 from app.schemas.trace import ReasoningTrace
-from app.services.evaluator import Evaluation
+from app.service.evaluator import Evaluation
 
 _REFUSALS: dict[int | str, dict[str, Any]] = {
     **evaluate.router.responses,

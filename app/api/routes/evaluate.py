@@ -15,8 +15,8 @@ from app.api.presenters import evaluation_out
 from app.core.signatures import unsignable_errors
 from app.schemas.responses import BatchIn, BatchOut, EvaluationOut
 from app.schemas.trace import ReasoningTrace
-from app.services.evaluator import Evaluation
-from app.services.scoring_requests import TraceLimitError, score_traces
+from app.service.evaluator import Evaluation
+from app.service.scoring_requests import TraceLimitError, score_traces
 
 # The hot path: no FastAPI dependency beyond the parameters (each costs a resolution per
 # request); the bearer scheme is declared for the document only (app/api/deps.py).

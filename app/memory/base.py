@@ -1,8 +1,8 @@
 """The novelty memory's interface: what the evaluator and the /cache routes may ask of it.
 
-Implementations (chosen by the settings in app/services/runtime.py): the in-process memory,
-persisted in SQLite (app/store/in_process.py), and the shared memory in Redis's Query Engine
-(app/store/redis_vectors.py). This module imports none of them."""
+Implementations (chosen by the settings in app/service/runtime.py): the in-process memory,
+persisted in SQLite (app/memory/in_process.py), and the shared memory in Redis's Query Engine
+(app/memory/redis_vectors.py). This module imports none of them."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import numpy.typing as npt
 
 from app.core.health import Health
 from app.core.states import BackendKind
-from app.domain.vector_cache import CacheEntries, CacheStats
+from app.memory.ring import CacheEntries, CacheStats
 
 Vector = npt.NDArray[np.float32]
 #: How max_cosine was found: "exact" (every entry compared: the true maximum) or "index"

@@ -8,10 +8,10 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from app.core.metrics import Metrics
+from app.embedding.embeddings import OverloadedError
 from app.schemas.limits import TraceLimits, limit_errors
 from app.schemas.trace import ReasoningTrace
-from app.services.embeddings import OverloadedError
-from app.services.evaluator import Evaluation, Evaluator
+from app.service.evaluator import Evaluation, Evaluator
 
 Transport = Literal["rest", "mcp"]
 

@@ -14,10 +14,9 @@ from dataclasses import dataclass
 
 from app.core.states import NotStoredReason, NoveltyReason
 from app.domain import scoring
-from app.schemas.trace import ReasoningTrace
-from app.services.embedding_memo import Embedder
-from app.services.embeddings import EmbedderUnavailableError, Embedding
-from app.store.base import (
+from app.embedding.embeddings import EmbedderUnavailableError, Embedding
+from app.embedding.memo import Embedder
+from app.memory.base import (
     DEFAULT_NAMESPACE,
     Comparison,
     MemoryUnavailableError,
@@ -25,6 +24,7 @@ from app.store.base import (
     NoveltyMemory,
     SearchMethod,
 )
+from app.schemas.trace import ReasoningTrace
 
 
 @dataclass(frozen=True, slots=True)

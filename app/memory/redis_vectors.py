@@ -45,8 +45,7 @@ from redis.retry import Retry
 
 from app.core.config import config_error
 from app.core.health import UNMEASURED, Health
-from app.domain.vector_cache import CacheEntries, CacheStats, exact_cosine
-from app.store.base import (
+from app.memory.base import (
     DEFAULT_NAMESPACE,
     BackendInfo,
     Comparison,
@@ -56,6 +55,7 @@ from app.store.base import (
     SearchMethod,
     Vector,
 )
+from app.memory.ring import CacheEntries, CacheStats, exact_cosine
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ class RedisVectorMemory:
             str(hnsw_ef_runtime),
             str(CANDIDATES),
         ]
-        self._script_text = (resources.files("app.store") / "memory.lua").read_text("utf-8")
+        self._script_text = (resources.files("app.memory") / "memory.lua").read_text("utf-8")
         self._client: Redis | RedisCluster | None = None
         # Clients dropped at an outage: their pooled connections may be dead (a restarted
         # Redis closed them), so the probe connects anew and closes these.

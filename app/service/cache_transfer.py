@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import orjson
 
-from app.domain.vector_cache import CacheEntries
+from app.memory.ring import CacheEntries
 from app.schemas.ids import trace_id_problem
 
 _WIRE = np.dtype("<f4")

@@ -1,5 +1,5 @@
 """JSON as JavaScript writes and reads it (`JSON.stringify`, `JSON.parse`), for values parsed
-from JSON: what the SDK's capture step does to a step's `input` (app/domain/contribution.py).
+from JSON: what the SDK's capture step does to a step's `input` (app/contribution/capture.py).
 
 What differs from Python's `json`: numbers are doubles written as `Number.prototype.toString`
 writes them (`1e-7`, `100000000000000000000`, `1e+21`; `-0` as `0`; integers past 2**53

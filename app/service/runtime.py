@@ -16,17 +16,17 @@ from app.core.config import Settings, redis_location, retired_settings
 from app.core.health import UNMEASURED, Health
 from app.core.states import EmbedderState, Precision, StorageState
 from app.embedding import model_files
+from app.embedding.embeddings import EmbeddingService
 from app.embedding.int8_support import CpuFeatures, Int8Support, int8_support
+from app.embedding.memo import EmbeddingMemo
 from app.embedding.onnx_embedder import ModelError, OnnxEmbedder
 from app.embedding.session_cache import SessionCache
-from app.services.embedding_memo import EmbeddingMemo
-from app.services.embeddings import EmbeddingService
-from app.services.embeddings_types import EmbedObserver
-from app.services.evaluator import Evaluator
-from app.services.trust import build_trust_stores
-from app.store.base import NoveltyMemory
-from app.store.in_process import InProcessMemory
-from app.store.sqlite_memory import SqliteStore, StorageStatus
+from app.embedding.types import EmbedObserver
+from app.memory.base import NoveltyMemory
+from app.memory.in_process import InProcessMemory
+from app.memory.sqlite import SqliteStore, StorageStatus
+from app.service.evaluator import Evaluator
+from app.service.trust import build_trust_stores
 
 log = logging.getLogger("app")
 
@@ -292,7 +292,7 @@ def build_memory(settings: Settings, model_id: str | None) -> NoveltyMemory:
             max_namespaces=settings.max_namespaces,
             store=store,
         )
-    from app.store.redis_vectors import RedisVectorMemory  # redis is slow to import; only here
+    from app.memory.redis_vectors import RedisVectorMemory  # redis is slow to import; only here
 
     url = settings.redis_url.get_secret_value()
     return RedisVectorMemory(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from app.services.embeddings_types import OverloadedError
+from app.embedding.types import OverloadedError
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,7 @@ once at start: two sums of the vector's and the time's little-endian uint32 word
 times its own odd weight, modulo 2**32 (numpy; any change confined to one word changes both),
 the first XORed with a CRC-32 of the namespace and trace id.
 
-Every change is one transaction, committed before its answer (app/store/in_process.py
+Every change is one transaction, committed before its answer (app/memory/in_process.py
 groups concurrent requests into one); `KP_CACHE_DURABILITY` is SQLite's `synchronous`:
 NORMAL (a process crash loses nothing committed) or FULL (a power loss neither).
 
@@ -19,7 +19,7 @@ the capacity and the TTL, as the memory does, and deletes the rest.
 At start: a file that fails SQLite's quick check is copied aside byte for byte and what can
 be read of it, row by row, is kept in a new database; a row failing its checksum is never
 served (dropped, counted); a database of another model is set aside; a snapshot of the former
-format is converted once (app/store/former_files.py).
+format is converted once (app/memory/former_files.py).
 """
 
 from __future__ import annotations
@@ -43,13 +43,13 @@ import numpy.typing as npt
 
 from app.core.health import Health
 from app.core.states import StorageState
-from app.domain.vector_cache import CHUNK, CacheEntries
-from app.store.former_files import (
+from app.memory.former_files import (
     FormerFilesError,
     is_former_snapshot,
     journal_files,
     read_former,
 )
+from app.memory.ring import CHUNK, CacheEntries
 
 log = logging.getLogger(__name__)
 

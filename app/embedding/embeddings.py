@@ -20,12 +20,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from app.core.states import EmbedderState, Precision
+from app.embedding.admission import Admission
+from app.embedding.backend import ModelBackend, length_groups
+from app.embedding.lifecycle import EmbedderFactory, ModelLifecycle
 from app.embedding.onnx_embedder import WARM_UP_TEXT
-from app.services.embeddings_admission import Admission
-from app.services.embeddings_backend import ModelBackend, length_groups
-from app.services.embeddings_lifecycle import EmbedderFactory, ModelLifecycle
-from app.services.embeddings_scheduler import RunScheduler
-from app.services.embeddings_types import (
+from app.embedding.scheduler import RunScheduler
+from app.embedding.types import (
     EmbedderUnavailableError,
     Embedding,
     EmbedObserver,

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final, Literal
 
-from app.domain.js_regex import JS_SPACE_NO_LF, compile_js
+from app.contribution.js_regex import JS_SPACE_NO_LF, compile_js
 
 Verdict = Literal["safe", "suspicious", "rejected"]
 

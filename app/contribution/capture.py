@@ -19,9 +19,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from app.domain.injection import Assessment, classify_all
-from app.domain.js_json import JsonSyntaxError, as_sent, js_keys, js_value, parse, stringify
-from app.domain.pii import Cleaned, clean_pii
+from app.contribution.injection import Assessment, classify_all
+from app.contribution.js_json import JsonSyntaxError, as_sent, js_keys, js_value, parse, stringify
+from app.contribution.pii import Cleaned, clean_pii
 
 #: The fields the capture step cleans in each step (`input` as JSON text).
 STEP_TEXT_FIELDS = ("content", "output_summary")

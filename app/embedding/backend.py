@@ -11,7 +11,7 @@ import numpy as np
 import numpy.typing as npt
 
 from app.embedding.onnx_embedder import OnnxEmbedder, TokenizedText
-from app.services.embeddings_types import Embedding
+from app.embedding.types import Embedding
 
 #: Texts in one run may be this much longer than its shortest (padding it does for nothing).
 MAX_PADDING: Final = 0.25

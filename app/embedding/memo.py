@@ -11,7 +11,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol
 
-from app.services.embeddings import Embedding
+from app.embedding.embeddings import Embedding
 
 
 class Embedder(Protocol):

@@ -10,7 +10,7 @@ from typing import Any
 
 from app.core.states import EmbedderState
 from app.embedding.onnx_embedder import ModelError, OnnxEmbedder
-from app.services.embeddings_types import EmbedderUnavailableError, OverloadedError
+from app.embedding.types import EmbedderUnavailableError, OverloadedError
 
 log = logging.getLogger(__name__)
 

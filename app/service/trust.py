@@ -7,17 +7,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from app.core.api_keys import KeyFileError, KeyRing, load_key_file
 from app.core.config import Settings, config_error
+from app.guards.api_keys import KeyFileError, KeyRing, load_key_file
 from app.guards.idempotency import IdempotencyStore, InProcessIdempotencyStore
+from app.guards.idempotency_keys import Idempotency
 from app.guards.rate_limit import InProcessRateLimiter, RateLimiter
-from app.services.idempotency import Idempotency
 
 if TYPE_CHECKING:
     import redis.asyncio as aioredis
     from joserfc.jwk import OKPKey
 
-    from app.services.signing import Signer
+    from app.service.signing import Signer
 
 
 def load_keys(settings: Settings) -> KeyRing:
@@ -38,7 +38,7 @@ def load_signer(settings: Settings) -> Signer | None:
             raise config_error("SIGNING_PREVIOUS_KEYS_FILE", "is set without KP_SIGNING_KEY_FILE")
         return None
     # joserfc and cryptography load only when the service signs (they are slow to import).
-    from app.services.signing import Signer, SigningKeyError, load_private_key, load_public_keys
+    from app.service.signing import Signer, SigningKeyError, load_private_key, load_public_keys
 
     try:
         key = load_private_key(settings.signing_key_file)

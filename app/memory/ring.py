@@ -12,7 +12,7 @@ float64 for the few rows that can be the maximum, so the result equals the refer
 double-precision loop, not just nearly, whatever the rows' lengths.
 
 Pure: no threads, no I/O. A cache shared between threads is given a lock (`lock=`); the store
-(app.store.in_process) keeps one per namespace and decides where its work runs.
+(app.memory.in_process) keeps one per namespace and decides where its work runs.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from app.services.embeddings_types import Outcome
+from app.embedding.types import Outcome
 
 
 def _never() -> bool:

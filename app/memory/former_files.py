@@ -1,6 +1,6 @@
 """Reads the files of the former persistence (a snapshot, `KPCACHE1`, formats 1 and 2, and its
 journal generations, `<snapshot>.journal.<generation>`, `KPJRNL01`) once, to convert them into
-the database at start (app/store/sqlite_memory.py). Read only; removed with the deprecated
+the database at start (app/memory/sqlite.py). Read only; removed with the deprecated
 settings in the next release.
 
 A snapshot: magic, 4-byte little-endian header length, JSON header (model, dimensions, count,
@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-from app.domain.vector_cache import CacheEntries
+from app.memory.ring import CacheEntries
 
 SNAPSHOT_MAGIC = b"KPCACHE1"
 JOURNAL_MAGIC = b"KPJRNL01"

@@ -1,4 +1,4 @@
--- One namespace's novelty memory in Redis (app/store/redis_vectors.py). Redis runs a script
+-- One namespace's novelty memory in Redis (app/memory/redis_vectors.py). Redis runs a script
 -- alone, on the node that holds the namespace's keys (they share its hash tag), so each run
 -- is one step of the namespace's single order: its search and its adds see no other request.
 --

@@ -1,5 +1,5 @@
 """The default novelty memory: one exact VectorCache per namespace, in this process (no
-Redis needed), kept in an SQLite database (app/store/sqlite_memory.py) when configured."""
+Redis needed), kept in an SQLite database (app/memory/sqlite.py) when configured."""
 
 from __future__ import annotations
 
@@ -16,15 +16,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from app.core.health import Health
-from app.domain.vector_cache import (
-    CacheEntries,
-    CacheStats,
-    Nearest,
-    VectorCache,
-    exact_cosine,
-    wall_clock_ms,
-)
-from app.store.base import (
+from app.memory.base import (
     DEFAULT_NAMESPACE,
     BackendInfo,
     Comparison,
@@ -33,7 +25,15 @@ from app.store.base import (
     NearestTrace,
     Vector,
 )
-from app.store.sqlite_memory import NewRow, SqliteStore, StorageError
+from app.memory.ring import (
+    CacheEntries,
+    CacheStats,
+    Nearest,
+    VectorCache,
+    exact_cosine,
+    wall_clock_ms,
+)
+from app.memory.sqlite import NewRow, SqliteStore, StorageError
 
 T = TypeVar("T")
 
@@ -407,7 +407,7 @@ class InProcessMemory:
 
         await asyncio.to_thread(open_and_trim)
 
-    # LoadTarget (app/store/sqlite_memory.py): where the database's entries go at start.
+    # LoadTarget (app/memory/sqlite.py): where the database's entries go at start.
 
     def load(self, namespace: str, entries: CacheEntries) -> None:
         self._made(namespace).extend(entries.vectors, entries.added_at_ms, entries.ids())

@@ -8,11 +8,11 @@ written here. The patterns run one after the other over the text already cleaned
 one can swallow an earlier placeholder, as in the SDK), each replacing every match, and count
 their matches by type in the order types first occur.
 
-JavaScript's semantics (app/domain/js_regex.py): the text is matched as UTF-16 code units, with
-ASCII `\\d \\b` and case folding and JavaScript's `\\s`. The SDK's email pattern backtracks over
-every start in a long run of letters or digits (quadratic: 50 KB takes seconds), and patterns
-without a literal start cost a try at every position; here each pattern is tried only where
-one of its matches can start, with the same matches (docs/decisions/
+JavaScript's semantics (app/contribution/js_regex.py): the text is matched as UTF-16 code
+units, with ASCII `\\d \\b` and case folding and JavaScript's `\\s`. The SDK's email pattern
+backtracks over every start in a long run of letters or digits (quadratic: 50 KB takes
+seconds), and patterns without a literal start cost a try at every position; here each
+pattern is tried only where one of its matches can start, with the same matches (docs/decisions/
 sdk-patterns-where-they-can-match.md).
 """
 
@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Final, Literal
 
-from app.domain.js_regex import compile_js, from_code_units, has_astral, to_code_units
+from app.contribution.js_regex import compile_js, from_code_units, has_astral, to_code_units
 
 Category = Literal["secret", "identifier"]
 

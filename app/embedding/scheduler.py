@@ -21,9 +21,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final, Literal
 
-from app.services.embeddings_admission import Admission
-from app.services.embeddings_queue import Job, JobQueue
-from app.services.embeddings_types import (
+from app.embedding.admission import Admission
+from app.embedding.queue import Job, JobQueue
+from app.embedding.types import (
     EmbedderUnavailableError,
     Embedding,
     EmbedObserver,
