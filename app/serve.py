@@ -27,10 +27,10 @@ def run(host: str = "127.0.0.1", port: int = 8000) -> None:
     process's event loop, no worker processes; settings from KP_*."""
     check_port_free(host, port)
     prepare()
-    from app.core.config import Settings
     from app.core.logging import configure_logging
+    from app.main import app  # built from the environment (KP_*)
 
-    settings = Settings.from_env()
+    settings: Settings = app.state.settings
     configure_logging(settings.log_level)
     if settings.redis_url is not None:
         # One line, before the server starts, for a Redis without vector search.
@@ -39,9 +39,6 @@ def run(host: str = "127.0.0.1", port: int = 8000) -> None:
 
         url = settings.redis_url.get_secret_value()
         refuse_without_query_engine(url, redis_location(url))
-    from app.main import create_app
-
-    app = create_app(settings)
     # asyncio's own loop: uvloop measured no different here (docs/decisions/connection-edge.md).
     asyncio.run(_serve(app, host, port, settings))
 

@@ -7,12 +7,15 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
 
+from app.core.config import Settings
 from app.core.version import VERSION
+from app.main import create_app
 from tests.conftest import ClientFactory
 from tests.factories import make_trace, step
 from tests.server import SERVE, LiveServer, free_port
@@ -321,16 +324,18 @@ def test_readyz_collects_every_part_s_warnings(client_no_embedder: TestClient) -
     assert any(w.startswith("novelty is not measured") for w in warnings)  # the embedder
 
 
-def test_the_app_is_built_from_the_settings_it_is_given() -> None:
-    """The launcher reads the environment (app/serve.py) and hands the settings over; the
-    app reads none itself (tests/test_layers.py) and nothing is built at import."""
-    import inspect
-
-    import app.main
-
-    assert not hasattr(app.main, "app")
-    parameter = inspect.signature(app.main.create_app).parameters["settings"]
-    assert parameter.default is inspect.Parameter.empty
+def test_the_app_is_served_as_fastapi_apps_are() -> None:
+    """`app.main:app` is the app, its settings read from the environment (KP_*), as `uvicorn
+    app.main:app` and `fastapi run app/main.py` expect; `create_app` builds one from others."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KP_")}
+    env |= {"KP_EMBEDDER": "none", "KP_CACHE_CAPACITY": "123"}
+    code = "import app.main; print(app.main.app.state.settings.cache_capacity)"
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.stdout.strip() == "123", done.stderr
+    built = create_app(Settings(embedder="none", cache_capacity=7))
+    assert built.state.settings.cache_capacity == 7
 
 
 def test_a_bad_setting_stops_the_start_with_a_line_naming_it() -> None:

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from app.core.config import Settings
 from app.main import create_app
-from app.schemas.limits import TraceLimits, json_depth_exceeds, limit_errors
+from app.schemas.limits import TraceLimits, json_depth_exceeds, limit_problems
 from app.schemas.trace import ReasoningTrace
 from tests.conftest import ClientFactory
 from tests.factories import make_trace
@@ -510,13 +510,13 @@ def test_steps_and_strings_over_the_limits_are_named(make_client: ClientFactory)
 def test_the_body_size_shortcut_finds_every_string_the_walk_finds(
     content: str, tool_input: dict[str, str], limit: int, ascii_only: bool
 ) -> None:
-    """limit_errors skips its walk through the strings when the body is no larger than the
+    """limit_problems skips its walk through the strings when the body is no larger than the
     string limit; with the body's real size it names the same fields as the walk."""
     raw = make_trace()
     raw["steps"][0]["content"] = content
     raw["steps"][1]["input"] = tool_input
-    trace = ReasoningTrace.model_validate(raw)
+    ReasoningTrace.model_validate(raw)
     body = json.dumps(raw, ensure_ascii=ascii_only).encode()
     limits = TraceLimits(max_batch=10, max_steps=100, max_string_chars=limit)
-    walked = limit_errors([trace], limits, batch=False)
-    assert limit_errors([trace], limits, batch=False, body_bytes=len(body)) == walked
+    walked = limit_problems([raw], limits, batch=False)
+    assert limit_problems([raw], limits, batch=False, body_bytes=len(body)) == walked

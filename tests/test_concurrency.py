@@ -145,7 +145,7 @@ def test_health_answers_while_traces_wait_for_the_model(monkeypatch: pytest.Monk
 
     async def scenario() -> None:
         async with served(embedder_preload=True) as (client, app):
-            embeddings = app.state.services.embeddings
+            embeddings = app.state.service.runtime.embeddings
             gate = hold_runs(monkeypatch, embeddings)
             # Should the loop ever block on a run, this lets the test end (and fail).
             safety = threading.Timer(60, gate.set)
@@ -171,7 +171,7 @@ def test_one_failing_input_among_concurrent_requests_fails_alone(
 ) -> None:
     async def scenario() -> None:
         async with served(embedder_preload=True) as (client, app):
-            fail_embedding_on(monkeypatch, app.state.services.embeddings, "KABOOM")
+            fail_embedding_on(monkeypatch, app.state.service.runtime.embeddings, "KABOOM")
             traces = [make_trace(objective=t) for t in (*TOPICS[:6], "KABOOM", *TOPICS[6:])]
             responses = await asyncio.gather(*(client.post("/evaluate", json=t) for t in traces))
             reasons = [r.json()["novelty"]["reason"] for r in responses]
@@ -191,7 +191,7 @@ def test_a_full_queue_turns_requests_away_at_once_and_changes_nothing(
 
     async def scenario() -> None:
         async with served(embedder_preload=True, embed_queue_limit=2) as (client, app):
-            embeddings = app.state.services.embeddings
+            embeddings = app.state.service.runtime.embeddings
             gate = hold_runs(monkeypatch, embeddings)
             queued = [asyncio.create_task(client.post("/evaluate", json=t)) for t in traces[:2]]
             await until(lambda: embeddings.queue_depth == 2)
@@ -256,7 +256,7 @@ def test_runs_side_by_side_give_the_vectors_of_runs_alone() -> None:
                 *(client.post("/evaluate", json=t, params=dry) for t in probes)
             )
             alone = [await client.post("/evaluate", json=t, params=dry) for t in probes]
-            embeddings = app.state.services.embeddings
+            embeddings = app.state.service.runtime.embeddings
             assert embeddings.workers == 2
             assert embeddings.runs_total["one_core"] > 0  # the burst did run side by side
             for a, b in zip(burst, alone, strict=True):

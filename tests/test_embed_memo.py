@@ -20,7 +20,7 @@ from tests.factories import make_trace, step
 
 
 def runs(client: TestClient) -> int:
-    embeddings = client.app.state.services.embeddings  # type: ignore[attr-defined]
+    embeddings = client.app.state.service.runtime.embeddings  # type: ignore[attr-defined]
     return sum(embeddings.runs_total.values())
 
 
@@ -111,7 +111,7 @@ def test_concurrent_requests_for_one_new_text_share_one_model_run() -> None:
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(transport=transport, base_url="http://kp") as client:
-                embeddings = app.state.services.embeddings
+                embeddings = app.state.service.runtime.embeddings
                 before = sum(embeddings.runs_total.values())
                 trace = make_trace(objective="Shared run for eight copies of one text")
                 answers = await asyncio.gather(

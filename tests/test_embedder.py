@@ -194,7 +194,7 @@ def test_embedder_failing_on_one_input_fails_only_that_request(
     make_client: ClientFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     client = make_client(embedder_preload=True)
-    service = client.app.state.services.embeddings  # type: ignore[attr-defined]
+    service = client.app.state.service.runtime.embeddings  # type: ignore[attr-defined]
     fail_embedding_on(monkeypatch, service, "KABOOM")
     good = make_trace(objective="a perfectly ordinary trace")
     bad = make_trace(objective="KABOOM")

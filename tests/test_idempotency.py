@@ -200,8 +200,7 @@ def test_a_claim_whose_holder_is_gone_frees_the_key_after_a_redis_crash(
 
     import redis.asyncio as aioredis
 
-    from app.guards.idempotency import IdempotencyUnavailableError
-    from app.guards.idempotency_keys import Idempotency
+    from app.guards.idempotency import Idempotency, IdempotencyUnavailableError
     from app.guards.idempotency_redis import RedisIdempotencyStore
 
     server = RedisServer(tmp_path)

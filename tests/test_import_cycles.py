@@ -110,7 +110,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_graph_is_read() -> None:
     assert "bench.corpus" in GRAPH["bench.__main__"]
-    assert "app.embedding.embeddings" in GRAPH["app.api.deps"]
+    assert "app.service.scoring_service" in GRAPH["app.api.deps"]
     assert any(name.startswith("bench.") for name in MODULES)
 
 

@@ -87,7 +87,7 @@ def _layer(module: str) -> str:
 
 
 def test_the_graph_is_read() -> None:
-    assert "app.embedding.embeddings" in GRAPH["app.api.deps"]
+    assert "app.service.scoring_service" in GRAPH["app.api.deps"]
     assert "app.core.states" in GRAPH["app.schemas.responses"]
 
 
@@ -199,8 +199,9 @@ def test_the_server_loads_no_websocket_library_and_no_uvicorn() -> None:
     assert not loaded & {"websockets", "wsproto", "uvicorn", "httptools"}
 
 
-#: Who may read the process environment: the settings module, called once by the launcher.
-ENV_READERS = frozenset({"app.core.config", "app.serve"})
+#: Who may read the process environment: the settings module, called once where the app is
+#: wired (app.main, whose `app` ASGI servers serve).
+ENV_READERS = frozenset({"app.core.config", "app.main"})
 
 
 def _reads_environment(path: Path) -> list[str]:
@@ -227,15 +228,29 @@ def _reads_environment(path: Path) -> list[str]:
 
 def test_the_environment_is_read_by_the_settings_and_the_launcher_only() -> None:
     readers = {name for name, path in MODULES.items() if _reads_environment(path)}
-    assert {"app.core.config", "app.serve"} <= readers  # the check sees the reads there are
+    assert {"app.core.config", "app.main"} <= readers  # the check sees the reads there are
     assert readers <= ENV_READERS, sorted(readers - ENV_READERS)
 
 
+def _calls(path: Path) -> set[str]:
+    """The names a file calls (`Name(...)`)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return {
+        node.func.id
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+    }
+
+
 def test_the_app_is_wired_in_one_place() -> None:
-    """The app is put together by app.main alone: the lifespan builds the runtime, the
-    pipeline is one list of Starlette middleware there."""
-    builders = [name for name, imported in GRAPH.items() if "app.service.runtime" in imported]
-    assert sorted(builders) == ["app.api.deps", "app.main"]
+    """The app is put together by app.main alone: it builds the running parts (Runtime) and
+    the one service over them, and its middleware is one list of Starlette's there."""
+    builders = [
+        name
+        for name, path in MODULES.items()
+        if _calls(path) & {"Runtime", "ScoringService"}
+    ]
+    assert builders == ["app.main"]
     middleware = [
         name
         for name, path in MODULES.items()

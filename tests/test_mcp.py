@@ -288,7 +288,7 @@ def test_an_overload_is_a_tool_error_saying_to_retry(monkeypatch: pytest.MonkeyP
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(transport=transport, base_url="http://kp") as client:
-                embeddings = app.state.services.embeddings
+                embeddings = app.state.service.runtime.embeddings
                 gate = hold_runs(monkeypatch, embeddings)
                 queued = [asyncio.create_task(client.post("/evaluate", json=t)) for t in traces[:2]]
                 await until(lambda: embeddings.queue_depth == 2)
@@ -355,7 +355,7 @@ def test_an_unexpected_error_is_an_internal_error_without_internals(
     make_client: ClientFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     client = make_client(embedder="none")
-    services = client.app.state.services  # type: ignore[attr-defined]
+    services = client.app.state.service.runtime  # type: ignore[attr-defined]
 
     async def broken(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("secret internals")

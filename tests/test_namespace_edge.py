@@ -15,14 +15,14 @@ from starlette.types import ASGIApp
 
 from app.core import namespaces
 from app.core.config import Settings
+from app.core.errors import ServiceError
 from app.core.metrics import OTHER_NAMESPACES, Metrics
 from app.guards.api_keys import ApiKeyEntry, KeyFileError, KeyRing, load_key_file
-from app.guards.idempotency import InProcessIdempotencyStore
-from app.guards.idempotency_keys import Idempotency, scoped_key
-from app.guards.rate_limit import InProcessRateLimiter
+from app.guards.idempotency import scoped_key
 from app.main import pipeline
 from app.memory.base import DEFAULT_NAMESPACE
 from tests.keys import AGENT_A, AGENT_B, entry, sha256, write_keys
+from tests.test_pipeline import service_over
 
 BOUND = "kp-bound-to-net-a-93be1c"
 KEYS = KeyRing(
@@ -44,7 +44,7 @@ def test_names_that_follow_the_rule(name: str) -> None:
 )
 def test_names_that_break_the_rule_are_422_naming_the_header(name: str) -> None:
     assert not namespaces.is_namespace(name)
-    with pytest.raises(namespaces.NamespaceRefusedError) as refused:
+    with pytest.raises(ServiceError) as refused:
         namespaces.resolve(name, key_name=None, bound=None)
     assert refused.value.status == 422
     assert refused.value.kind == "namespace_invalid"
@@ -61,7 +61,7 @@ def test_without_a_header_the_key_s_namespace_else_default() -> None:
     assert namespaces.resolve(None, key_name=None, bound=None) == "default"
     assert namespaces.resolve(None, key_name="net-a", bound="net-a") == "net-a"
     assert namespaces.resolve("net-a", key_name="net-a", bound="net-a") == "net-a"
-    with pytest.raises(namespaces.NamespaceRefusedError) as refused:
+    with pytest.raises(ServiceError) as refused:
         namespaces.resolve("net-b", key_name="net-a", bound="net-a")
     assert refused.value.status == 403
     assert refused.value.kind == "namespace_forbidden"
@@ -130,17 +130,14 @@ def guarded(path: str = "/evaluate") -> tuple[ASGIApp, list[str]]:
 
     async def route(scope: Any, receive: Any, send: Any) -> None:
         await receive()
-        reached.append(scope["state"]["namespace"])
+        reached.append(scope["state"]["caller"].namespace)
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"{}", "more_body": False})
 
     settings = Settings(api_keys_file=Path(__file__))
-    services = SimpleNamespace(
-        rate_limiter=InProcessRateLimiter(), idempotency=Idempotency(InProcessIdempotencyStore())
-    )
-    app = SimpleNamespace(state=SimpleNamespace(services=services))
+    app = SimpleNamespace(state=SimpleNamespace(service=service_over(settings, KEYS)))
     inner: ASGIApp = route
-    for cls, args, kwargs in reversed(pipeline(settings, Metrics(), KEYS)):
+    for cls, args, kwargs in reversed(pipeline(settings, Metrics())):
         inner = cls(inner, *args, **kwargs)
 
     async def with_app(scope: Any, receive: Any, send: Any) -> None:

@@ -13,16 +13,19 @@ import urllib.error
 import urllib.request
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from starlette.types import ASGIApp
 
-from app.api.asgi.body_limits import BodySize, JsonDepth
-from app.api.asgi.content_type import ContentType
-from app.api.asgi.lingering_close import DISCARD_BYTES, LingeringClose
+from app.api.edge import DISCARD_BYTES, Admission, Edge
+from app.core.config import Settings
+from app.core.metrics import Metrics
+from app.guards.api_keys import KeyRing
 from tests.factories import make_trace
 from tests.server import TOKEN, LiveServer
+from tests.test_pipeline import service_over
 
 MIB = 1024 * 1024
 LIMIT = MIB  # KP_MAX_BODY_BYTES's default
@@ -170,10 +173,14 @@ def _guard(max_body_bytes: int, **bounds: Any) -> ASGIApp:
     async def app(scope: Any, receive: Any, send: Any) -> None:
         raise AssertionError("a refused request reached the app")
 
-    return LingeringClose(
-        ContentType(BodySize(JsonDepth(app, max_json_depth=32), max_body_bytes=max_body_bytes)),
-        **bounds,
-    )
+    admission = Admission(app, max_body_bytes=max_body_bytes, max_json_depth=32)
+    edge = Edge(admission, metrics=Metrics(), body_timeout_s=3600, **bounds)
+    state = SimpleNamespace(service=service_over(Settings(), KeyRing([])))
+
+    async def with_app(scope: Any, receive: Any, send: Any) -> None:
+        await edge({**scope, "app": SimpleNamespace(state=state)}, receive, send)
+
+    return with_app
 
 
 def _post(guard: ASGIApp, headers: dict[str, str], receive: Receive) -> list[dict[str, Any]]:
@@ -187,6 +194,7 @@ def _post(guard: ASGIApp, headers: dict[str, str], receive: Receive) -> list[dic
         "type": "http",
         "method": "POST",
         "path": "/evaluate",
+        "query_string": b"",
         "headers": [(k.encode(), v.encode()) for k, v in headers.items()],
     }
     asyncio.run(guard(scope, receive, send))
@@ -211,7 +219,7 @@ class Client:
 def _answer(sent: list[dict[str, Any]]) -> tuple[int, bytes, bool]:
     """Status, body, and whether it closes the connection; fails if the response never ends."""
     start, *bodies = sent
-    assert bodies[-1]["more_body"] is False
+    assert bodies[-1].get("more_body", False) is False
     closes = (b"connection", b"close") in start["headers"]
     return start["status"], b"".join(m["body"] for m in bodies), closes
 
@@ -235,11 +243,13 @@ def test_guard_stops_dropping_at_the_byte_bound() -> None:
 
 
 def test_guard_stops_dropping_at_the_time_bound() -> None:
-    """A client that stops sending mid-body: the drop ends at the time bound."""
+    """A client that stops sending mid-body: the drop ends at the time bound, and the answer
+    goes out."""
     client = Client(1000, 10, stall_s=60)
-    lingering = LingeringClose(_guard(4096), discard_bytes=10**9, discard_seconds=0.01)
-    assert asyncio.run(lingering._discard(client.receive)) is False  # cut off, not ended
-    assert client.reads == 11
+    guard = _guard(max_body_bytes=4096, discard_bytes=10**9, discard_seconds=0.01)
+    status, _, closes = _answer(_post(guard, {"content-type": "text/plain"}, client.receive))
+    assert (status, closes) == (415, True)
+    assert client.reads == 11  # ten chunks, then the stalled read cut off at the bound
 
 
 def test_guard_drops_nothing_for_a_client_waiting_for_100_continue() -> None:

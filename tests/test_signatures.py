@@ -20,7 +20,8 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
 from typer.testing import CliRunner
 
 from app.core.config import ConfigError, Settings
-from app.core.signatures import unsignable_errors
+from app.core.errors import ServiceError
+from app.core.signatures import trace_digests
 from app.main import create_app
 from app.schemas.trace import ReasoningTrace
 from kp_scoring import KpScoringClient, SignatureInvalidError, verify_signature
@@ -268,12 +269,23 @@ def test_a_public_key_or_garbage_as_the_signing_key_stops_the_start(
     assert "not an Ed25519 public key" in message
 
 
+def _unsignable(traces: list[Any], **where: Any) -> list[tuple[tuple[Any, ...], str]]:
+    try:
+        trace_digests(traces, **where)
+    except ServiceError as exc:
+        refused = exc
+    else:
+        return []
+    assert refused.status == 422
+    assert refused.problems is not None
+    return [(p.loc, p.type) for p in refused.problems]
+
+
 def test_unsignable_traces_are_named_where_they_stand() -> None:
     fine, big = make_trace(), make_trace()
     big["task"]["input_schema"] = {"big": 2**60}
-    assert unsignable_errors([fine], batch=False, at=("body",)) == []
-    (single,) = unsignable_errors([big], batch=False, at=("body",))
-    assert (single["loc"], single["type"]) == (["body"], "not_canonicalizable")
-    batch = unsignable_errors([fine, big, big], batch=True, at=("body",))
-    assert [e["loc"] for e in batch] == [["body", "traces", 1], ["body", "traces", 2]]
-    assert [e["loc"] for e in unsignable_errors([big], batch=True)] == [["traces", 0]]
+    assert _unsignable([fine], batch=False, at=("body",)) == []
+    assert _unsignable([big], batch=False, at=("body",)) == [(("body",), "not_canonicalizable")]
+    batch = _unsignable([fine, big, big], batch=True, at=("body",))
+    assert [loc for loc, _ in batch] == [("body", "traces", 1), ("body", "traces", 2)]
+    assert [loc for loc, _ in _unsignable([big], batch=True)] == [("traces", 0)]

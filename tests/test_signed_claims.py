@@ -21,6 +21,7 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 from joserfc.jwk import OKPKey
 from typer.testing import CliRunner
 
+from app.core.signatures import trace_sha256
 from app.service.signing import Signer
 from kp_scoring.cli import cli
 from kp_scoring.signatures import SignatureInvalidError, answer_mismatches, verify
@@ -183,7 +184,7 @@ def test_the_cli_honours_expiry_with_a_stated_leeway(tmp_path: Path) -> None:
     answer = {"trace_id": trace["id"], "score": 0.5}
     (tmp_path / "trace.json").write_text(json.dumps(trace))
     (tmp_path / "jwks.json").write_text(json.dumps(signer.jwks()))
-    token = signer.sign(answer, trace, dry_run=False)
+    token = signer.sign(answer, trace_sha256(trace), dry_run=False)
     args = ["verify", str(tmp_path / "trace.json"), token, "--jwks", str(tmp_path / "jwks.json")]
     runner = CliRunner()
     late = runner.invoke(cli, args)

@@ -1,48 +1,30 @@
-"""Error answers: every client mistake is a 4xx naming the field, no error shows internals.
+"""Errors as REST answers, in one place: a ServiceError (the service's refusals), FastAPI's
+own (validation, 404, 405, a body that is not JSON) and anything unexpected (500, logged, no
+internals shown) all leave through `error_response`.
 
-Typed errors the services raise map to a status in one table; the 503s (the service may
-answer after a short wait) carry Retry-After.
+Rendering never fails: a location or a message may carry what the client sent (an object's
+key holding a lone surrogate, a megabyte-long key), so every string is cut to a bound and
+every character UTF-8 cannot carry is written as its escape.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from typing import Any
 
+import orjson
 from fastapi import FastAPI, Request
-from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
-from app.core import namespaces
-from app.core.errors import error_body, field_error
-from app.embedding.embeddings import OverloadedError
-from app.memory.base import MemoryUnavailableError, NamespaceLimitError
+from app.core.errors import ServiceError, invalid, problems_of
 
 log = logging.getLogger(__name__)
 
-#: Seconds a client waits before it retries a 503.
-RETRY_AFTER_S = 1
-
-
-@dataclass(frozen=True, slots=True)
-class ErrorKind:
-    status: int
-    #: Said before the error's own text.
-    prefix: str = ""
-
-
-ERRORS: dict[type[Exception], ErrorKind] = {
-    OverloadedError: ErrorKind(503, "overloaded, try again shortly: "),
-    MemoryUnavailableError: ErrorKind(503),
-}
-
-
-def error_response(status: int, detail: str) -> JSONResponse:
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
-    return JSONResponse(status_code=status, content={"detail": detail}, headers=headers)
-
+#: The longest string (a location's key, a message) an error answer repeats, in characters.
+MAX_SHOWN_CHARS = 256
 
 #: What a request with no body hears, rather than pydantic's "Field required" at `body`:
 #: `curl -d @file` sends an empty body when the file is not found.
@@ -52,7 +34,53 @@ EMPTY_BODY = (
 )
 
 
-async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
+def shown(text: str) -> str:
+    """`text` as an answer may repeat it: at most MAX_SHOWN_CHARS characters, and what UTF-8
+    cannot carry (a lone surrogate) as its backslash escape."""
+    if len(text) > MAX_SHOWN_CHARS:
+        text = text[: MAX_SHOWN_CHARS - 1] + "…"
+    if text.isascii():
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _loc_part(part: Any) -> str | int:
+    return part if isinstance(part, int) and not isinstance(part, bool) else shown(str(part))
+
+
+def error_body(error: ServiceError) -> bytes:
+    if error.problems is None:
+        return orjson.dumps({"detail": shown(error.message)})
+    entries = [
+        {
+            **{k: v for k, v in p.extra.items() if isinstance(v, int | str)},
+            "loc": [_loc_part(part) for part in p.loc],
+            "msg": shown(p.msg),
+            "type": shown(p.type),
+        }
+        for p in error.problems
+    ]
+    return orjson.dumps({"detail": entries})
+
+
+def error_response(error: ServiceError) -> Response:
+    headers = dict(error.headers)
+    if error.retry_after is not None:
+        headers["Retry-After"] = str(error.retry_after)
+    return Response(error_body(error), error.status, headers=headers, media_type="application/json")
+
+
+async def send_error(error: ServiceError, scope: Scope, receive: Receive, send: Send) -> None:
+    """The answer to a refusal made before the app (by the request's edge)."""
+    await error_response(error)(scope, receive, send)
+
+
+async def _service_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ServiceError)
+    return error_response(exc)
+
+
+async def _validation_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, RequestValidationError)
     errors = [
         {**e, "msg": EMPTY_BODY, "type": "body_empty"}
@@ -60,47 +88,31 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
         else e
         for e in exc.errors()
     ]
-    return JSONResponse(status_code=422, content=error_body(errors))
+    return error_response(invalid(problems_of(errors)))
 
 
-async def _http_error(request: Request, exc: Exception) -> JSONResponse:
-    """FastAPI's answer, but a 405's Allow lists every method the document gives the path:
-    each route knows only its own (GET /cache would say `Allow: GET`, though DELETE exists)."""
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """FastAPI's own errors in the same shape; a 405's Allow lists every method the document
+    gives the path (each route knows only its own: GET /cache would say `Allow: GET`)."""
     assert isinstance(exc, HTTPException)
-    documented = (
-        request.app.openapi()["paths"].get(request.url.path) if exc.status_code == 405 else None
-    )
-    if documented:  # the paths have no templates: the request's path is the key
-        allowed = ", ".join(sorted(method.upper() for method in documented))
-        exc = HTTPException(405, exc.detail, headers={**(exc.headers or {}), "Allow": allowed})
-    response = await http_exception_handler(request, exc)
-    assert isinstance(response, JSONResponse)
-    return response
+    headers = dict(exc.headers or {})
+    if exc.status_code == 405:
+        documented = request.app.openapi()["paths"].get(request.url.path)
+        if documented:  # the paths have no templates: the request's path is the key
+            headers["Allow"] = ", ".join(sorted(method.upper() for method in documented))
+    if exc.status_code in (204, 304):
+        return Response(status_code=exc.status_code, headers=headers)
+    error = ServiceError(exc.status_code, "http", str(exc.detail), headers=headers)
+    return error_response(error)
 
 
-async def _typed_error(request: Request, exc: Exception) -> JSONResponse:
-    # An overload is counted where it is raised (services/scoring_requests.py).
-    kind = ERRORS[type(exc)]
-    return error_response(kind.status, f"{kind.prefix}{exc}")
-
-
-async def _namespace_limit(request: Request, exc: Exception) -> JSONResponse:
-    """409 in the shape of a request's errors, pointing at the header that named the namespace:
-    not transient (no Retry-After), it holds until a namespace is cleared."""
-    request.app.state.services.metrics.namespace_limit.inc()
-    body = error_body([field_error(namespaces.LOC, str(exc), "namespace_limit")])
-    return JSONResponse(status_code=409, content=body)
-
-
-async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+async def _unexpected(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error", extra={"path": request.url.path})
-    return JSONResponse(status_code=500, content={"detail": "internal error"})
+    return error_response(ServiceError(500, "internal", "internal error"))
 
 
 def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(ServiceError, _service_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
-    for error in ERRORS:
-        app.add_exception_handler(error, _typed_error)
-    app.add_exception_handler(NamespaceLimitError, _namespace_limit)
     app.add_exception_handler(Exception, _unexpected)

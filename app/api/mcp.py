@@ -18,8 +18,8 @@ from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
-from app.api.deps import Services
 from app.core.health import Health
+from app.service.scoring_service import ScoringService
 
 if TYPE_CHECKING:
     from app.api.mcp_server import McpTransport
@@ -35,8 +35,8 @@ class McpHost:
     The session manager runs a task group that must be entered and left in one task: `_serve`
     is that task."""
 
-    def __init__(self, services: Services) -> None:
-        self._services = services
+    def __init__(self, service: ScoringService) -> None:
+        self._service = service
         self._ready: asyncio.Future[McpTransport] | None = None
         self._stopping = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -60,7 +60,7 @@ class McpHost:
         try:
             # Imported off the event loop: REST requests go on meanwhile.
             server = await asyncio.to_thread(importlib.import_module, _SERVER_MODULE)
-            transport: McpTransport = server.McpTransport(self._services)
+            transport: McpTransport = server.McpTransport(self._service)
             async with transport.manager.run():
                 ready.set_result(transport)
                 await self._stopping.wait()
@@ -87,8 +87,8 @@ class _Handover(Response):
         await self.transport.manager.handle_request(scope, receive, send)
 
 
-# A FastAPI route, not a mounted app: the router's dependencies (keys, scopes, limits) and
-# the error handlers apply to /mcp as to the REST routes, before the MCP server sees it.
+# A FastAPI route, not a mounted app: Admission (keys, scopes, the namespace, limits) and the
+# error handlers apply to /mcp as to the REST routes, before the MCP server sees it.
 router = APIRouter()
 
 

@@ -28,27 +28,15 @@ from mcp.shared.exceptions import MCPError
 from pydantic import BaseModel, ValidationError
 from starlette.datastructures import Headers
 
-from app.api.asgi.namespaces import namespace_of
-from app.api.batch_cost import charge_batch
-from app.api.deps import Services
-from app.api.presenters import evaluation_out
-from app.api.routes.contribution import (
-    INLINE_BODY_BYTES,
-    contribution_answer,
-    lone_surrogate_errors,
-)
+from app.api.edge import caller_of
 from app.core import namespaces
-from app.core.metrics import Metrics
-from app.core.signatures import unsignable_errors
+from app.core.errors import Problem, ServiceError, invalid, problems_of
 from app.core.version import VERSION
-from app.embedding.embeddings import OverloadedError
-from app.guards.api_keys import ApiKey
-from app.memory.base import NamespaceLimitError
 from app.schemas.contribution import ContributionOut
 from app.schemas.ids import visible
 from app.schemas.responses import BatchIn, BatchOut, EvaluationOut
 from app.schemas.trace import ReasoningTrace
-from app.service.scoring_requests import TraceLimitError, score_traces
+from app.service.scoring_service import Kind, Scoring, ScoringService
 
 log = logging.getLogger(__name__)
 
@@ -133,72 +121,25 @@ def _tools() -> list[types.Tool]:
 
 def _field(loc: Sequence[str | int]) -> str:
     path = [str(part) for part in loc]
-    if path[:1] == ["body"]:  # the limit errors name fields as REST body fields
+    if path[:1] == ["body"]:  # the service names fields as REST body fields
         path = path[1:]
     return ".".join(path) or "(arguments)"
 
 
-def _scope(ctx: Any) -> dict[str, Any]:
-    """The HTTP request's scope, as the request pipeline left it."""
-    scope: dict[str, Any] = getattr(getattr(ctx, "request", None), "scope", None) or {}
-    return scope
-
-
-def _api_key(ctx: Any) -> ApiKey | None:
-    """The caller's key, as the API-key middleware left it in the HTTP request's scope."""
-    key = _scope(ctx).get("state", {}).get("api_key")
-    return key if isinstance(key, ApiKey) else None
-
-
-def _namespace(ctx: Any, argument: object, metrics: Metrics) -> str | types.CallToolResult:
-    """The call's namespace (the argument, else the request's), or the tool error refusing it;
-    the rules are the header's, the argument standing for it."""
-    scope = _scope(ctx)
-    if argument is None:
-        return namespace_of(scope)
-    if not isinstance(argument, str):
-        not_str = {"loc": ["namespace"], "msg": "should be a string", "type": "string_type"}
-        return _invalid([not_str])
-    key = _api_key(ctx)
-    try:
-        chosen = namespaces.resolve(
-            argument,
-            key_name=None if key is None else key.name,
-            bound=None if key is None else key.namespace,
-        )
-    except namespaces.NamespaceRefusedError as exc:
-        message = str(exc).replace(f"{namespaces.HEADER} must", "must")
-        if exc.status == 422:
-            return _invalid([{"loc": ["namespace"], "msg": message, "type": exc.kind}])
-        metrics.child(metrics.auth_refused, exc.kind).inc()
-        return _tool_error(f"namespace refused, nothing was scored: {visible(message)}")
-    header = Headers(scope=scope).get(namespaces.HEADER) if scope else None
-    if header is not None and header != chosen:
-        return _tool_error(
-            f"namespace refused, nothing was scored: the argument {chosen!r} and the "
-            f"{namespaces.HEADER} header {visible(header)!r} differ; send one, or the same"
-        )
-    return chosen
-
-
-def _body_bytes(ctx: Any) -> int:
-    """The HTTP request's declared body size (0 when unknown)."""
-    scope = getattr(getattr(ctx, "request", None), "scope", None) or {}
-    for name, value in scope.get("headers", ()):
-        if name == b"content-length" and value.isdigit():
-            return int(value)
-    return 0
-
-
-def _tool_error(text: str) -> types.CallToolResult:
-    return types.CallToolResult(content=[types.TextContent(text=text)], is_error=True)
-
-
-def _invalid(errors: Sequence[Any]) -> types.CallToolResult:
-    # Field paths and messages only: like the REST 422, never the input itself.
-    # Escaped: a path may name a key of the caller's own JSON (limit errors do).
-    fields = visible("; ".join(f"{_field(e['loc'])}: {e['msg']} ({e['type']})" for e in errors))
-    return _tool_error(f"invalid arguments, nothing was scored: {fields}")
+def tool_error(error: ServiceError) -> types.CallToolResult:
+    """A refusal as a tool error naming its kind (the REST answer's `type`): field paths and
+    messages only, never the input itself, escaped (a path may name a key of the caller's own
+    JSON)."""
+    if error.status == 422 and error.problems:
+        fields = "; ".join(f"{_field(p.loc)}: {p.msg} ({p.type})" for p in error.problems)
+        text = f"invalid arguments, nothing was scored: {fields}"
+    elif error.kind.startswith("namespace_"):
+        text = f"namespace refused, nothing was scored: {error.message}"
+    elif error.kind == "overloaded":
+        text = f"overloaded, nothing was scored; retry in a second: {error.message}"
+    else:
+        text = f"nothing was scored: {error.message} ({error.kind})"
+    return types.CallToolResult(content=[types.TextContent(text=visible(text))], is_error=True)
 
 
 def summary(answer: EvaluationOut) -> str:
@@ -243,11 +184,19 @@ def contribution_summary(answer: ContributionOut) -> str:
     return line
 
 
-class McpTools:
-    """The tools, over the running app's services."""
+#: Each tool and what it scores.
+_KINDS: Final[dict[str, Kind]] = {
+    SCORE_TRACE: "one",
+    SCORE_TRACES: "batch",
+    CHECK_CONTRIBUTION: "contribution",
+}
 
-    def __init__(self, services: Services) -> None:
-        self.services = services
+
+class McpTools:
+    """The tools: each call turned into one for the service, its answer into the tool's."""
+
+    def __init__(self, service: ScoringService) -> None:
+        self.service = service
 
     async def list_tools(
         self, ctx: Any, params: types.PaginatedRequestParams | None
@@ -257,94 +206,60 @@ class McpTools:
     async def call_tool(
         self, ctx: Any, params: types.CallToolRequestParams
     ) -> types.CallToolResult:
+        kind = _KINDS.get(params.name)
+        if kind is None:
+            raise MCPError(types.INVALID_PARAMS, f"unknown tool: {params.name}")
         try:
-            return await self._call(ctx, params)
-        except MCPError:
-            raise
+            answer = await self._call(ctx, kind, dict(params.arguments or {}))
+        except ServiceError as exc:
+            return tool_error(exc)
         except Exception:
             # As the REST API's 500: logged here, no internals in the answer.
             log.exception("mcp: unhandled error", extra={"tool": params.name})
             raise MCPError(types.INTERNAL_ERROR, "internal error") from None
+        if isinstance(answer, ContributionOut):
+            text = contribution_summary(answer)
+        elif isinstance(answer, BatchOut):
+            text = "\n".join(f"{visible(a.trace_id)}: {summary(a)}" for a in answer.results)
+        else:
+            assert isinstance(answer, EvaluationOut)
+            text = summary(answer)
+        return types.CallToolResult(
+            content=[types.TextContent(text=text)],
+            structured_content=answer.model_dump(mode="json"),
+        )
 
-    async def _call(self, ctx: Any, params: types.CallToolRequestParams) -> types.CallToolResult:
-        if params.name not in (SCORE_TRACE, SCORE_TRACES, CHECK_CONTRIBUTION):
-            raise MCPError(types.INVALID_PARAMS, f"unknown tool: {params.name}")
-        arguments = dict(params.arguments or {})
+    async def _call(self, ctx: Any, kind: Kind, arguments: dict[str, Any]) -> BaseModel:
+        # The HTTP request as Admission left it: its caller, its headers.
+        scope: dict[str, Any] = getattr(getattr(ctx, "request", None), "scope", None) or {}
+        headers = Headers(scope=scope) if scope else Headers()
         dry_run = arguments.pop("dry_run", False)
         if not isinstance(dry_run, bool):
-            not_bool = {"loc": ["dry_run"], "msg": "should be a boolean", "type": "bool_type"}
-            return _invalid([not_bool])
-        namespace = _namespace(ctx, arguments.pop("namespace", None), self.services.metrics)
-        if isinstance(namespace, types.CallToolResult):
-            return namespace
-        batch = params.name == SCORE_TRACES
+            raise invalid([Problem(("dry_run",), "should be a boolean", "bool_type")])
+        caller = self.service.within(
+            caller_of(scope), arguments.pop("namespace", None), headers.get(namespaces.HEADER)
+        )
         try:
             traces = (
                 BatchIn.model_validate(arguments).traces
-                if batch
+                if kind == "batch"
                 else [ReasoningTrace.model_validate(arguments)]
             )
         except ValidationError as exc:
-            return _invalid(exc.errors(include_url=False, include_input=False))
-        if batch:
-            refused = await charge_batch(self.services.rate_limiter, _api_key(ctx), len(traces), ())
-            if refused is not None:
-                return _tool_error(f"nothing was scored: {refused.error['msg']}")
-        sent = arguments["traces"] if batch else [arguments]
-        unsignable = unsignable_errors(sent, batch=batch) if self.services.signer else []
-        if unsignable:
-            return _invalid(unsignable)
-        contributing = params.name == CHECK_CONTRIBUTION
-        surrogate = lone_surrogate_errors(arguments, ()) if contributing else []
-        if surrogate:
-            return _invalid(surrogate)
-        s = self.services
-        try:
-            evaluations = await score_traces(
-                s.evaluator,
-                s.limits,
-                s.metrics,
-                traces,
-                dry_run=dry_run,
-                batch=batch,
-                transport="mcp",
-                namespace=namespace,
-            )
-        except TraceLimitError as exc:
-            return _invalid(exc.errors)
-        except OverloadedError as exc:
-            return _tool_error(f"overloaded, nothing was scored; retry in a second: {exc}")
-        except NamespaceLimitError as exc:
-            s.metrics.namespace_limit.inc()
-            return _tool_error(f"namespace refused, nothing was scored: {exc}")
-        if contributing:
-            (evaluation,) = evaluations
-            large = _body_bytes(ctx) > INLINE_BODY_BYTES
-            answer = await contribution_answer(
-                s, evaluation, arguments, signed=True, dry_run=dry_run, large=large
-            )
-            return types.CallToolResult(
-                content=[types.TextContent(text=contribution_summary(answer))],
-                structured_content=answer.model_dump(mode="json"),
-            )
-        answers = [
-            evaluation_out(e, s.signer, trace, dry_run=dry_run)
-            for e, trace in zip(evaluations, sent, strict=True)
-        ]
-        return _result(answers, batch=batch)
-
-
-def _result(answers: list[EvaluationOut], *, batch: bool) -> types.CallToolResult:
-    if batch:
-        structured = BatchOut(results=answers).model_dump(mode="json")
-        text = "\n".join(f"{visible(a.trace_id)}: {summary(a)}" for a in answers)
-    else:
-        (answer,) = answers
-        structured = answer.model_dump(mode="json")
-        text = summary(answer)
-    return types.CallToolResult(
-        content=[types.TextContent(text=text)], structured_content=structured
-    )
+            errors = exc.errors(include_url=False, include_input=False)
+            raise invalid(problems_of(errors)) from None
+        declared = headers.get("content-length", "")
+        scoring = Scoring(
+            caller,
+            kind,
+            traces,
+            arguments["traces"] if kind == "batch" else [arguments],
+            dry_run=dry_run,
+            body_bytes=int(declared) if declared.isdigit() else None,
+        )
+        answer = (await self.service.score(scoring)).model
+        assert answer is not None  # no replay: MCP calls carry no Idempotency-Key
+        return answer
 
 
 _TOOLS: Final = _tools()
@@ -354,8 +269,8 @@ class McpTransport:
     """The MCP server and its streamable-HTTP session manager, for one run of the app (run by
     app.api.mcp.McpHost: the manager runs a task group for the requests)."""
 
-    def __init__(self, services: Services) -> None:
-        tools = McpTools(services)
+    def __init__(self, service: ScoringService) -> None:
+        tools = McpTools(service)
         server: Server[Any] = Server(
             "kp-scoring",
             version=VERSION,
@@ -374,5 +289,5 @@ class McpTransport:
             # The REST API does not check Host or Origin either; a deployment behind a proxy
             # sees its own host names.
             security_settings=TransportSecuritySettings(enable_dns_rebinding_protection=False),
-            max_request_body_size=services.settings.max_body_bytes,
+            max_request_body_size=service.settings.max_body_bytes,
         )

@@ -17,8 +17,8 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from app.api.asgi.idempotency import KEY_PATTERN, MAX_KEY_CHARS
 from app.core.config import Settings
+from app.guards.idempotency import KEY_PATTERN, MAX_KEY_CHARS
 
 Schema = dict[str, Any]
 
@@ -108,7 +108,7 @@ def _each_ref(value: Any, prefix: str, visit: Callable[[str], None]) -> None:
 
 
 def _idempotency_key_rule(document: Schema) -> None:
-    """The header's rule (app/api/asgi/idempotency.py checks it before the route): a string,
+    """The header's rule (the service checks it): a string,
     never null (a header is sent or not)."""
     for operations in document["paths"].values():
         for operation in operations.values():

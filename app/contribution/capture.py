@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.contribution.injection import Assessment, classify_all
-from app.contribution.js_json import JsonSyntaxError, as_sent, js_keys, js_value, parse, stringify
+from app.contribution.js_json import as_sent, js_keys, js_value, parse, stringify
 from app.contribution.pii import Cleaned, clean_pii
 
 #: The fields the capture step cleans in each step (`input` as JSON text).
@@ -118,7 +118,7 @@ def prepare(
             cleaned = clean_pii(stringify(given), level)
             try:
                 step["input"] = parse(cleaned.text)
-            except JsonSyntaxError:
+            except ValueError:
                 kept.append(f"/steps/{i}/input")
             else:
                 _note(redactions, f"/steps/{i}/input", cleaned)

@@ -38,7 +38,7 @@ def js_number_text(value: float) -> str:
     """`String(value)` for a double (`null` for a non-finite one, as JSON.stringify)."""
     if isinstance(value, int) and not isinstance(value, bool) and abs(value) <= _MAX_SAFE:
         return str(value)
-    x = float(value)
+    x = _double(value) if isinstance(value, int) else float(value)
     if not math.isfinite(x):
         return "null"
     if x == 0:
@@ -112,12 +112,8 @@ def _write(value: Any, parts: list[str]) -> None:
         raise TypeError(f"not a JSON value: {type(value).__name__}")
 
 
-class JsonSyntaxError(ValueError):
-    """Text that `JSON.parse` refuses."""
-
-
 def _no_constant(name: str) -> Any:
-    raise JsonSyntaxError(f"{name} is not JSON")
+    raise ValueError(f"{name} is not JSON")
 
 
 def _number(text: str) -> float | int:
@@ -126,11 +122,18 @@ def _number(text: str) -> float | int:
 
 
 def parse(text: str) -> Any:
-    """`JSON.parse(text)`, numbers as JavaScript holds them (see `js_value`)."""
+    """`JSON.parse(text)`, numbers as JavaScript holds them (see `js_value`); ValueError for
+    text that JSON.parse refuses."""
+    return json.loads(text, parse_constant=_no_constant, parse_int=_number, parse_float=_number)
+
+
+def _double(value: int) -> float:
+    """An integer as a double: past the largest double (309 digits and more), JavaScript reads
+    Infinity."""
     try:
-        return json.loads(text, parse_constant=_no_constant, parse_int=_number, parse_float=_number)
-    except ValueError as exc:  # json.JSONDecodeError, JsonSyntaxError
-        raise JsonSyntaxError(str(exc)) from None
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
 
 
 def js_value(value: Any) -> Any:
@@ -139,7 +142,7 @@ def js_value(value: Any) -> Any:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return value
     if isinstance(value, int):
-        return value if abs(value) <= _MAX_SAFE else float(value)
+        return value if abs(value) <= _MAX_SAFE else _double(value)
     if not math.isfinite(value):
         return value
     if value.is_integer() and abs(value) <= _MAX_SAFE:
@@ -154,6 +157,7 @@ def as_sent(value: Any) -> Any:
         return {k: as_sent(value[k]) for k in js_keys(value)}
     if isinstance(value, list):
         return [as_sent(v) for v in value]
-    if isinstance(value, float) and not math.isfinite(value):
+    number = js_value(value)
+    if isinstance(number, float) and not math.isfinite(number):
         return None  # JSON.stringify writes a non-finite number as null
-    return js_value(value)
+    return number

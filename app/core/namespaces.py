@@ -10,6 +10,8 @@ from __future__ import annotations
 import re
 from typing import Final
 
+from app.core.errors import Loc, ServiceError
+
 #: The header that names a request's namespace.
 HEADER: Final = "KP-Namespace"
 #: Where a refusal points, in the project's error shape (`loc`).
@@ -21,33 +23,33 @@ RULE: Final = "must be 1 to 64 characters of letters, digits, '.', '_' and '-'"
 _NAME = re.compile(PATTERN)
 
 
-class NamespaceRefusedError(Exception):
-    """A request's namespace cannot be used: `status` 422 (`namespace_invalid`: the name breaks
-    the rule) or 403 (`namespace_forbidden`: the key is bound to another namespace)."""
-
-    def __init__(self, status: int, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.kind = kind
-
-
 def is_namespace(value: str) -> bool:
     return _NAME.fullmatch(value) is not None
 
 
-def resolve(given: str | None, *, key_name: str | None, bound: str | None) -> str:
-    """The namespace a request acts on: `given` (the header or an MCP tool's argument), else the
-    key's `bound` namespace, else DEFAULT. A bound key uses its namespace alone."""
+def resolve(
+    given: str | None,
+    *,
+    key_name: str | None,
+    bound: str | None,
+    loc: Loc = LOC,
+    named: str = HEADER,
+) -> str:
+    """The namespace a request acts on: `given` (the header, or an MCP tool's argument: `loc`
+    and `named` say which), else the key's `bound` namespace, else DEFAULT. A bound key uses its
+    namespace alone: ServiceError 422 (namespace_invalid) or 403 (namespace_forbidden)."""
     if given is None:
         return bound or DEFAULT
     if not is_namespace(given):
         # Not echoed: the value may hold anything a header can carry.
-        raise NamespaceRefusedError(422, "namespace_invalid", f"{HEADER} {RULE}")
+        rule = f"{named} {RULE}" if named else RULE
+        raise ServiceError(422, "namespace_invalid", rule, loc=loc)
     if bound is not None and given != bound:
-        raise NamespaceRefusedError(
+        raise ServiceError(
             403,
             "namespace_forbidden",
             f"the API key {key_name!r} is bound to the namespace {bound!r} and may use no "
             f"other: {given!r} refused (send no {HEADER}, or {HEADER}: {bound})",
+            loc=loc,
         )
     return given

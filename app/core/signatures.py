@@ -17,7 +17,7 @@ from typing import Any
 
 import rfc8785
 
-from app.core.errors import Loc, field_error
+from app.core.errors import Loc, Problem, ServiceError
 
 ALGORITHM = "EdDSA"
 # RFC 9864 prefers the fully specified "Ed25519"; the registry and the issue ask for "EdDSA",
@@ -35,8 +35,12 @@ def signed_answer(answer: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in answer.items() if k not in UNSIGNED_FIELDS}
 
 
-class TraceNotCanonicalError(ValueError):
+class TraceNotCanonicalError(ServiceError):
     """A trace RFC 8785 cannot put in canonical form (an integer past 2**53, say)."""
+
+    def __init__(self, problem: str) -> None:
+        msg = f"cannot be signed: not I-JSON (RFC 8785): {problem}"
+        super().__init__(422, "not_canonicalizable", msg, loc=())
 
 
 def trace_sha256(trace: Any) -> str:
@@ -48,16 +52,17 @@ def trace_sha256(trace: Any) -> str:
     return hashlib.sha256(canonical).hexdigest()
 
 
-def unsignable_errors(traces: Sequence[Any], *, batch: bool, at: Loc = ()) -> list[dict[str, Any]]:
-    """With signing on, a trace RFC 8785 cannot make canonical (its hash is what is signed) is
-    refused before scoring: an error entry for each such trace, at `at` (a batch's i-th trace
-    at `at` + traces, i)."""
-    errors = []
+def trace_digests(traces: Sequence[Any], *, batch: bool, at: Loc = ()) -> list[str]:
+    """Each trace's `trace_sha256`, or ServiceError (422) naming every trace RFC 8785 cannot
+    make canonical, at `at` (a batch's i-th trace at `at` + traces, i): with signing on, such a
+    trace is refused before it is scored."""
+    digests, problems = [], []
     for i, trace in enumerate(traces):
         try:
-            trace_sha256(trace)
+            digests.append(trace_sha256(trace))
         except TraceNotCanonicalError as exc:
-            msg = f"cannot be signed: not I-JSON (RFC 8785): {exc}"
-            loc = [*at, "traces", i] if batch else list(at)
-            errors.append(field_error(loc, msg, "not_canonicalizable"))
-    return errors
+            loc = (*at, "traces", i) if batch else tuple(at)
+            problems.append(Problem(loc, exc.message, exc.kind))
+    if problems:
+        raise ServiceError(422, problems[0].type, problems[0].msg, problems=problems)
+    return digests

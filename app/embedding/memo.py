@@ -11,6 +11,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol
 
+from app.core.errors import PartError
 from app.embedding.embeddings import Embedding
 
 
@@ -18,7 +19,7 @@ class Embedder(Protocol):
     async def embed(self, texts: Sequence[str]) -> list[Embedding]: ...
 
 
-class _RunnerGoneError(Exception):
+class _RunnerGoneError(PartError):
     """The request whose run a text waited for went away: embed it anew."""
 
 

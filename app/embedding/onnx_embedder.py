@@ -23,6 +23,7 @@ import numpy.typing as npt
 import onnxruntime as ort
 from tokenizers import Tokenizer
 
+from app.core.errors import PartError
 from app.core.states import Precision
 from app.embedding.int8_support import Int8Weights, int8_support
 from app.embedding.session_cache import LEVEL, Outcome, SessionCache
@@ -38,7 +39,7 @@ _OUTPUT: Final = "last_hidden_state"
 _PROVIDERS: Final = ["CPUExecutionProvider"]
 
 
-class ModelError(RuntimeError):
+class ModelError(PartError):
     """The model or tokenizer file cannot be used."""
 
 

@@ -9,6 +9,7 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
+from app.core.errors import PartError, ServiceError
 from app.core.states import EmbedderFailure, OverloadReason
 
 
@@ -23,7 +24,7 @@ class Embedding:
 Outcome = list[Embedding] | BaseException
 
 
-class EmbedderUnavailableError(Exception):
+class EmbedderUnavailableError(PartError):
     """No embedding can be had for these texts; novelty falls back to 0.5."""
 
     def __init__(self, detail: str, code: EmbedderFailure = "embedder_unavailable") -> None:
@@ -31,11 +32,15 @@ class EmbedderUnavailableError(Exception):
         self.code = code
 
 
-class OverloadedError(Exception):
-    """Too many texts are waiting for the model; `reason` says which guard turned it away."""
+class OverloadedError(ServiceError):
+    """Too many texts are waiting for the model; `reason` says which guard turned it away.
+    Nothing changed: the client may retry after a second."""
 
     def __init__(self, detail: str, reason: OverloadReason) -> None:
-        super().__init__(detail)
+        super().__init__(
+            503, "overloaded", f"overloaded, try again shortly: {detail}", retry_after=1
+        )
+        self.detail = detail
         self.reason = reason
 
 

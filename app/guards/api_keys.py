@@ -17,6 +17,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from app.core import namespaces
+from app.core.errors import PartError
 
 Scope = Literal["evaluate", "admin"]
 SCOPES: tuple[Scope, ...] = ("evaluate", "admin")
@@ -58,7 +59,7 @@ class ApiKey:
     namespace: str | None = None  # bound to this namespace alone; None: any
 
 
-class KeyFileError(ValueError):
+class KeyFileError(PartError):
     """The keys file cannot be used; the message names the entry and the rule."""
 
 

@@ -14,8 +14,10 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+from app.core.errors import PartError
 
-class RateLimitUnavailableError(Exception):
+
+class RateLimitUnavailableError(PartError):
     """The shared buckets cannot be reached."""
 
 

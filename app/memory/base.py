@@ -13,6 +13,8 @@ from typing import Literal, Protocol
 import numpy as np
 import numpy.typing as npt
 
+from app.core import namespaces
+from app.core.errors import ServiceError
 from app.core.health import Health
 from app.core.states import BackendKind
 from app.memory.ring import CacheEntries, CacheStats
@@ -25,13 +27,21 @@ SearchMethod = Literal["exact", "index"]
 DEFAULT_NAMESPACE = "default"
 
 
-class MemoryUnavailableError(Exception):
+class MemoryUnavailableError(ServiceError):
     """The memory cannot be read or changed now (shared mode: Redis unreachable or refusing);
-    nothing was added."""
+    nothing was added. A scoring request degrades (novelty not measured); an operator's request
+    is refused with 503."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(503, "cache_unavailable", message, retry_after=1)
 
 
-class NamespaceLimitError(Exception):
-    """A new namespace would pass KP_MAX_NAMESPACES; nothing was added (the API answers 409)."""
+class NamespaceLimitError(ServiceError):
+    """A new namespace would pass KP_MAX_NAMESPACES; nothing was added. Not transient (no
+    Retry-After): it holds until a namespace is cleared or expires."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(409, "namespace_limit", message, loc=namespaces.LOC)
 
 
 @dataclass(frozen=True, slots=True)

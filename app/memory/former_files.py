@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import orjson
 
+from app.core.errors import PartError
 from app.memory.ring import CacheEntries
 
 SNAPSHOT_MAGIC = b"KPCACHE1"
@@ -33,7 +34,7 @@ _RECORD = struct.Struct("<II")
 _ADD_HEAD = struct.Struct("<cII")
 
 
-class FormerFilesError(Exception):
+class FormerFilesError(PartError):
     """The former files cannot be converted (damaged, or of another model)."""
 
 

@@ -44,6 +44,7 @@ from redis.exceptions import RedisError, ResponseError
 from redis.retry import Retry
 
 from app.core.config import config_error
+from app.core.errors import PartError
 from app.core.health import UNMEASURED, Health
 from app.memory.base import (
     DEFAULT_NAMESPACE,
@@ -78,11 +79,11 @@ return 1
 """
 
 
-class SettingsMismatchError(Exception):
+class SettingsMismatchError(PartError):
     """This replica's KP_CACHE_* or model differ from the namespace's in Redis."""
 
 
-class QueryEngineMissingError(Exception):
+class QueryEngineMissingError(PartError):
     """The Redis at KP_REDIS_URL has no vector search."""
 
 

@@ -41,6 +41,7 @@ from typing import Any, Literal, NamedTuple, Protocol
 import numpy as np
 import numpy.typing as npt
 
+from app.core.errors import PartError
 from app.core.health import Health
 from app.core.states import StorageState
 from app.memory.former_files import (
@@ -140,7 +141,7 @@ def _checksums(
     return checksums
 
 
-class StorageError(Exception):
+class StorageError(PartError):
     """The database could not be written; the message is SQLite's (or the system's) reason."""
 
 

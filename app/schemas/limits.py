@@ -8,10 +8,8 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 import numpy as np
-from pydantic import BaseModel
 
-from app.core.errors import field_error
-from app.schemas.trace import ReasoningTrace
+from app.core.errors import Problem
 
 Loc = tuple[str | int, ...]
 
@@ -43,33 +41,30 @@ def json_depth_exceeds(body: bytes, limit: int) -> bool:
     return bool(steps.cumsum().max(initial=0) > limit)
 
 
-def limit_errors(
-    traces: Sequence[ReasoningTrace],
-    limits: TraceLimits,
-    *,
-    batch: bool,
-    body_bytes: int | None = None,
-) -> list[dict[str, Any]]:
-    """Validation errors in FastAPI's shape, one per field over a limit. `body_bytes`: the
+def limit_problems(
+    sent: Sequence[Any], limits: TraceLimits, *, batch: bool, body_bytes: int | None = None
+) -> list[Problem]:
+    """One problem per field over a limit, in the traces as sent (parsed JSON, validated
+    already): fields the schema does not name obey the string limit too. `body_bytes`: the
     JSON body's size, when known: every character of a string takes at least one byte of it,
     so a body no larger than the string limit needs no walk through its strings."""
-    errors = []
+    problems = []
     strings_fit = body_bytes is not None and body_bytes <= limits.max_string_chars
-    if batch and len(traces) > limits.max_batch:
-        errors.append(
+    if batch and len(sent) > limits.max_batch:
+        problems.append(
             _over_limit(
                 ("body", "traces"),
-                f"at most {limits.max_batch} traces per batch (KP_MAX_BATCH), got {len(traces)}",
+                f"at most {limits.max_batch} traces per batch (KP_MAX_BATCH), got {len(sent)}",
             )
         )
-    for index, trace in enumerate(traces):
+    for index, trace in enumerate(sent):
         loc: Loc = ("body", "traces", index) if batch else ("body",)
-        if len(trace.steps) > limits.max_steps:
-            errors.append(
+        steps = len(trace["steps"])
+        if steps > limits.max_steps:
+            problems.append(
                 _over_limit(
                     (*loc, "steps"),
-                    f"at most {limits.max_steps} steps per trace (KP_MAX_STEPS), "
-                    f"got {len(trace.steps)}",
+                    f"at most {limits.max_steps} steps per trace (KP_MAX_STEPS), got {steps}",
                 )
             )
         # Fields are named (a slower walk) only when some string is over the limit.
@@ -77,25 +72,23 @@ def limit_errors(
             continue
         for path, text in _strings(trace, loc):
             if len(text) > limits.max_string_chars:
-                errors.append(
+                problems.append(
                     _over_limit(
                         path,
                         f"at most {limits.max_string_chars} characters per string "
                         f"(KP_MAX_STRING_CHARS), got {len(text)}",
                     )
                 )
-    return errors
+    return problems
 
 
 def _longest_string(value: Any) -> int:
-    """Length of the longest string (dictionary keys included) in a model's values."""
+    """Length of the longest string (object keys included) in a JSON value."""
     longest, stack = 0, [value]
     while stack:
         item = stack.pop()
         if isinstance(item, str):
             longest = max(longest, len(item))
-        elif isinstance(item, BaseModel):
-            stack.extend(item.__dict__.values())
         elif isinstance(item, dict):
             stack.extend(item)
             stack.extend(item.values())
@@ -104,16 +97,13 @@ def _longest_string(value: Any) -> int:
     return longest
 
 
-def _over_limit(loc: Loc, msg: str) -> dict[str, Any]:
-    return field_error(loc, msg, "limit_exceeded")
+def _over_limit(loc: Loc, msg: str) -> Problem:
+    return Problem(loc, msg, "limit_exceeded")
 
 
 def _strings(value: Any, loc: Loc) -> Iterator[tuple[Loc, str]]:
     if isinstance(value, str):
         yield loc, value
-    elif isinstance(value, BaseModel):
-        for name, field in type(value).model_fields.items():
-            yield from _strings(getattr(value, name), (*loc, field.alias or name))
     elif isinstance(value, dict):
         for key, item in value.items():
             yield (*loc, key), key

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import orjson
 
+from app.core.errors import Problem, ServiceError
 from app.memory.ring import CacheEntries
 from app.schemas.ids import trace_id_problem
 
@@ -30,11 +31,13 @@ _WIRE = np.dtype("<f4")
 _UNIT_TOLERANCE = 1e-5
 
 
-class ImportLineError(ValueError):
+class ImportLineError(ServiceError):
     """A line that is not an entry; nothing of the request is imported."""
 
     def __init__(self, line: int, problem: str) -> None:
-        super().__init__(f"line {line}: {problem}")
+        msg = f"line {line}: {problem}"
+        where = Problem(("body", line), msg, "bad_line", {"line": line})
+        super().__init__(422, "bad_line", msg, problems=[where])
         self.line = line
         self.problem = problem
 
@@ -168,9 +171,10 @@ async def read_body(
     return entries, reader.lines
 
 
-class BodyTooLargeError(ValueError):
+class BodyTooLargeError(ServiceError):
     def __init__(self, max_bytes: int) -> None:
-        super().__init__(
+        msg = (
             f"the import is larger than {max_bytes} bytes (KP_CACHE_IMPORT_MAX_BYTES): "
             "send the lines in several requests"
         )
+        super().__init__(413, "body_too_large", msg, loc=("body",))

@@ -21,14 +21,15 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from joserfc import jws
 from joserfc.jwk import OKPKey
 
-from app.core.signatures import ALGORITHM, signed_answer, trace_sha256
+from app.core.errors import PartError
+from app.core.signatures import ALGORITHM, signed_answer
 
 DEFAULT_ISSUER = "kp-scoring"
 
 _PEM_BLOCK = re.compile(rb"-----BEGIN [A-Z ]+-----.+?-----END [A-Z ]+-----", re.DOTALL)
 
 
-class SigningKeyError(ValueError):
+class SigningKeyError(PartError):
     """A signing key file that cannot be used (the message says why, never the key)."""
 
 
@@ -63,14 +64,15 @@ class Signer:
     def sign(
         self,
         answer: Mapping[str, Any],
-        trace: Any,
+        trace_sha256: str,
         *,
         dry_run: bool,
         claims: Mapping[str, Any] | None = None,
     ) -> str:
         """The JWS for one answer: `answer` as the API shows it (its JSON fields; all but
         those app/core/signatures.py leaves out are signed, so that a field the answer gains
-        is signed with it), `trace` as the agent sent it (parsed JSON: its hash is signed).
+        is signed with it), `trace_sha256`: the digest of the trace as the agent sent it
+        (app/core/signatures.py).
         `dry_run` is signed too: a registry that wants a score whose trace entered the memory
         (so that its duplicates are no longer novel) requires `dry_run` false. `claims`: a
         route's own (a digest of what else it was sent, say)."""
@@ -78,7 +80,7 @@ class Signer:
         payload: dict[str, Any] = {
             "iss": self.issuer,
             "iat": issued,
-            "trace_sha256": trace_sha256(trace),
+            "trace_sha256": trace_sha256,
             "dry_run": dry_run,
             "answer": signed_answer(answer),
             **(claims or {}),

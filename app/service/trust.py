@@ -9,8 +9,7 @@ from typing import TYPE_CHECKING
 
 from app.core.config import Settings, config_error
 from app.guards.api_keys import KeyFileError, KeyRing, load_key_file
-from app.guards.idempotency import IdempotencyStore, InProcessIdempotencyStore
-from app.guards.idempotency_keys import Idempotency
+from app.guards.idempotency import Idempotency, IdempotencyStore, InProcessIdempotencyStore
 from app.guards.rate_limit import InProcessRateLimiter, RateLimiter
 
 if TYPE_CHECKING:

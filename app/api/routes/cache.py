@@ -3,25 +3,15 @@
 
 from __future__ import annotations
 
-import logging
-from collections.abc import AsyncIterator
-from dataclasses import asdict
 from typing import Any
 
-from fastapi import APIRouter, HTTPException, Request, status
+from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from app.api.deps import BearerDep, NamespaceDep, Services, ServicesDep
-from app.api.presenters import backend_out
-from app.guards.api_keys import ApiKey
+from app.api.deps import BearerDep, CallerDep, ServiceDep
+from app.api.edge import caller_of
 from app.schemas.namespaces import NamespacesOut
-from app.schemas.responses import CacheOut, ClearedOut, EmbedderOut, ImportedOut
-from app.service.cache_transfer import (
-    BodyTooLargeError,
-    ImportLineError,
-    export_lines,
-    read_body,
-)
+from app.schemas.responses import CacheOut, ClearedOut, ImportedOut
 
 router = APIRouter(
     prefix="/cache",
@@ -44,29 +34,11 @@ router = APIRouter(
         422: {"description": "A KP-Namespace that breaks the name's rule (namespace_invalid)."},
     },
 )
-log = logging.getLogger(__name__)
-
-
-def embedder_out(services: Services) -> EmbedderOut:
-    e = services.embeddings
-    return EmbedderOut(
-        state=e.state,
-        model=e.model_name,
-        precision=e.precision,
-        precision_reason=e.precision_reason,
-        reason=e.reason,
-    )
 
 
 @router.get("", summary="The namespace's cache: size, limits and counters")
-async def cache_stats(services: ServicesDep, namespace: NamespaceDep) -> CacheOut:
-    stats = await services.memory.stats(namespace)
-    return CacheOut(
-        namespace=namespace,
-        **asdict(stats),
-        embedder=embedder_out(services),
-        backend=backend_out(services.memory.backend),
-    )
+async def cache_stats(service: ServiceDep, caller: CallerDep) -> CacheOut:
+    return await service.cache_stats(caller)
 
 
 @router.delete(
@@ -83,10 +55,8 @@ async def cache_stats(services: ServicesDep, namespace: NamespaceDep) -> CacheOu
         },
     },
 )
-async def cache_clear(services: ServicesDep, namespace: NamespaceDep) -> ClearedOut:
-    cleared = await services.memory.clear(namespace)  # MemoryUnavailable: 503 (app.api.errors)
-    log.info("cache cleared", extra={"cleared": cleared, "namespace": namespace})
-    return ClearedOut(cleared=cleared)
+async def cache_clear(service: ServiceDep, caller: CallerDep) -> ClearedOut:
+    return await service.cache_clear(caller)
 
 
 NDJSON = "application/x-ndjson"
@@ -111,22 +81,8 @@ _UNAVAILABLE: dict[int | str, dict[str, Any]] = {
         **_UNAVAILABLE,
     },
 )
-async def cache_export(services: ServicesDep, namespace: NamespaceDep) -> StreamingResponse:
-    chunks = services.memory.export_chunks(namespace)
-    # The first chunk before the answer starts: an unreachable Redis is a 503 (MemoryUnavailable
-    # Error, app.api.errors), not a truncated 200.
-    first = await anext(chunks, None)
-
-    async def lines() -> AsyncIterator[bytes]:
-        if first is None:
-            return
-        for line in export_lines([first]):
-            yield line
-        async for chunk in chunks:
-            for line in export_lines([chunk]):
-                yield line
-
-    return StreamingResponse(lines(), media_type=NDJSON)
+async def cache_export(service: ServiceDep, caller: CallerDep) -> StreamingResponse:
+    return StreamingResponse(await service.cache_export(caller), media_type=NDJSON)
 
 
 @router.post(
@@ -151,43 +107,9 @@ async def cache_export(services: ServicesDep, namespace: NamespaceDep) -> Stream
         **_UNAVAILABLE,
     },
 )
-async def cache_import(
-    request: Request, services: ServicesDep, namespace: NamespaceDep
-) -> ImportedOut:
-    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if content_type not in (NDJSON, "application/jsonl"):
-        raise HTTPException(
-            status_code=status.HTTP_415_UNSUPPORTED_MEDIA_TYPE,
-            detail=[
-                {
-                    "loc": ["header", "content-type"],
-                    "msg": f"must be {NDJSON}, got {content_type or 'none'!r}",
-                    "type": "unsupported_media_type",
-                }
-            ],
-        )
-    try:
-        entries, lines = await read_body(
-            request.stream(), services.memory.dimensions, services.settings.cache_import_max_bytes
-        )
-    except BodyTooLargeError as exc:
-        raise HTTPException(
-            status_code=status.HTTP_413_CONTENT_TOO_LARGE,
-            detail=[{"loc": ["body"], "msg": str(exc), "type": "body_too_large"}],
-        ) from None
-    except ImportLineError as exc:
-        raise HTTPException(
-            status_code=status.HTTP_422_UNPROCESSABLE_CONTENT,
-            detail=[
-                {"loc": ["body", exc.line], "msg": str(exc), "type": "bad_line", "line": exc.line}
-            ],
-        ) from None
-    # 503 and 409 (NamespaceLimitError): app.api.errors
-    imported, expired = await services.memory.import_entries(namespace, entries)
-    log.info(
-        "cache imported", extra={"imported": imported, "expired": expired, "namespace": namespace}
-    )
-    return ImportedOut(imported=imported, expired=expired, lines=lines)
+async def cache_import(request: Request, service: ServiceDep, caller: CallerDep) -> ImportedOut:
+    content_type = request.headers.get("content-type")
+    return await service.cache_import(caller, content_type, request.stream())
 
 
 @router.get(
@@ -201,20 +123,5 @@ async def cache_import(
         **_UNAVAILABLE,
     },
 )
-async def cache_namespaces(request: Request, services: ServicesDep) -> NamespacesOut:
-    key: ApiKey | None = getattr(request.state, "api_key", None)
-    if key is not None and key.namespace is not None:
-        services.metrics.child(services.metrics.auth_refused, "namespace_forbidden").inc()
-        msg = (
-            f"the API key {key.name!r} is bound to the namespace {key.namespace!r}: listing "
-            "every namespace needs KP_ADMIN_TOKEN or an admin key bound to none"
-        )
-        raise HTTPException(
-            status_code=status.HTTP_403_FORBIDDEN,
-            detail=[
-                {"loc": ["header", "authorization"], "msg": msg, "type": "namespace_forbidden"}
-            ],
-        )
-    return NamespacesOut(
-        namespaces=await services.memory.namespaces(), limit=services.settings.max_namespaces
-    )
+async def cache_namespaces(request: Request, service: ServiceDep) -> NamespacesOut:
+    return await service.namespaces(caller_of(request.scope))

@@ -1,27 +1,30 @@
-"""POST /evaluate and POST /evaluate/batch: score traces."""
+"""POST /evaluate, POST /evaluate/batch and POST /contribution: a trace (or traces) in, the
+service's answer out. FastAPI validates the body against the schema; the service does the
+rest (app/service/scoring_service.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, Header, HTTPException, Query, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import APIRouter, Body, Request
+from fastapi.responses import Response
 
 from app.api import request_examples
-from app.api.asgi.namespaces import namespace_of
-from app.api.batch_cost import charge_batch
-from app.api.deps import BEARER_SECURITY, NamespaceHeader, Services, services_of
-from app.api.presenters import evaluation_out
-from app.core.signatures import unsignable_errors
+from app.api.deps import (
+    BEARER_SECURITY,
+    DryRun,
+    IdempotencyKey,
+    NamespaceHeader,
+    ServiceDep,
+)
+from app.api.edge import caller_of
+from app.schemas.contribution import ContributionOut
 from app.schemas.responses import BatchIn, BatchOut, EvaluationOut
 from app.schemas.trace import ReasoningTrace
-from app.service.evaluator import Evaluation
-from app.service.scoring_requests import TraceLimitError, score_traces
+from app.service.scoring_service import Answer, Kind, Replay, Scoring
 
-# The hot path: no FastAPI dependency beyond the parameters (each costs a resolution per
-# request); the bearer scheme is declared for the document only (app/api/deps.py).
 router = APIRouter(
-    tags=["evaluate"],
     responses={
         400: {
             "description": "A body that cannot be read as JSON text (not UTF-8), a malformed "
@@ -66,118 +69,100 @@ _NEXT: dict[int | str, dict[str, Any]] = {
         },
     }
 }
+_SURROGATE: dict[int | str, dict[str, Any]] = {
+    422: {
+        "description": str(router.responses[422]["description"])
+        + " Also a string (or key) holding a lone surrogate: UTF-8 cannot carry it."
+    }
+}
 
-DryRun = Annotated[
-    bool, Query(description="Score without adding the trace's embedding to the cache.")
-]
-IdempotencyKey = Annotated[
-    str | None,
-    Header(
-        alias="Idempotency-Key",
-        # Checked before the route, with its rule stated in the document (openapi_doc.py).
-        description="The same key with the same request within 24 h gets the first answer "
-        "again, byte for byte (header Idempotent-Replayed: true), and adds nothing; with "
-        "another request, 422. Scoped to the API key and the namespace. Handled before the route "
-        "(app/api/asgi/idempotency.py).",
-    ),
-]
+
+async def _answer(
+    service: ServiceDep,
+    request: Request,
+    kind: Kind,
+    traces: Sequence[ReasoningTrace],
+    dry_run: bool,
+    idempotency_key: str | None,
+) -> Response:
+    body = await request.body()
+    sent = await request.json()  # FastAPI parsed the body with it, which keeps the result
+    replay = None
+    if idempotency_key is not None:
+        query = request.scope.get("query_string", b"")
+        replay = Replay(idempotency_key, request.method, request.url.path, query, body)
+    scoring = Scoring(
+        caller_of(request.scope),
+        kind,
+        traces,
+        sent["traces"] if kind == "batch" else [sent],
+        dry_run=dry_run,
+        body_bytes=len(body),
+        replay=replay,
+    )
+    return as_response(await service.score(scoring))
+
+
+def as_response(answer: Answer) -> Response:
+    headers = {"Idempotent-Replayed": "true"} if answer.replayed else None
+    return Response(answer.body, answer.status, headers, media_type="application/json")
 
 
 @router.post(
     "/evaluate",
+    tags=["evaluate"],
     summary="Score one reasoning trace",
+    response_model=EvaluationOut,
     responses=_NEXT,
     openapi_extra=BEARER_SECURITY,
 )
 async def evaluate(
     trace: Annotated[ReasoningTrace, Body(openapi_examples=request_examples.EVALUATE)],
     request: Request,
+    service: ServiceDep,
     dry_run: DryRun = False,
     idempotency_key: IdempotencyKey = None,
     kp_namespace: NamespaceHeader = None,
-) -> EvaluationOut:
-    services = services_of(request)
-    sent = await _sent_traces(services, request, batch=False)
-    (evaluation,) = await _score(services, request, [trace], dry_run=dry_run, batch=False)
-    return _answer(services, evaluation, sent, 0, dry_run=dry_run)
+) -> Response:
+    return await _answer(service, request, "one", [trace], dry_run, idempotency_key)
 
 
 @router.post(
     "/evaluate/batch",
+    tags=["evaluate"],
     summary="Score traces in order, as one step",
+    response_model=BatchOut,
     responses=_NEXT,
     openapi_extra=BEARER_SECURITY,
 )
 async def evaluate_batch(
     batch: Annotated[BatchIn, Body(openapi_examples=request_examples.BATCH)],
     request: Request,
+    service: ServiceDep,
     dry_run: DryRun = False,
     idempotency_key: IdempotencyKey = None,
     kp_namespace: NamespaceHeader = None,
-) -> BatchOut:
-    services = services_of(request)
-    key = getattr(request.state, "api_key", None)
-    refused = await charge_batch(services.rate_limiter, key, len(batch.traces), ("body",))
-    if refused is not None:
-        headers = (
-            None if refused.retry_after_s is None else {"Retry-After": str(refused.retry_after_s)}
-        )
-        raise HTTPException(refused.status, [refused.error], headers)
-    sent = await _sent_traces(services, request, batch=True)
-    evaluations = await _score(services, request, batch.traces, dry_run=dry_run, batch=True)
-    return BatchOut(
-        results=[_answer(services, e, sent, i, dry_run=dry_run) for i, e in enumerate(evaluations)]
-    )
+) -> Response:
+    return await _answer(service, request, "batch", batch.traces, dry_run, idempotency_key)
 
 
-async def _sent_traces(services: Services, request: Request, *, batch: bool) -> list[Any] | None:
-    """With signing on: the traces as the agent sent them (their hash is signed), parsed as
-    FastAPI parsed them; a trace RFC 8785 cannot make canonical is a 422, before scoring."""
-    if services.signer is None:
-        return None
-    # FastAPI parsed the body with request.json(), which keeps the result: no second parse.
-    body = await request.json()
-    traces: list[Any] = body["traces"] if batch else [body]
-    errors = unsignable_errors(traces, batch=batch, at=("body",))
-    if errors:
-        raise RequestValidationError(errors)
-    return traces
-
-
-def _answer(
-    services: Services,
-    evaluation: Evaluation,
-    sent: list[Any] | None,
-    index: int,
-    *,
-    dry_run: bool,
-) -> EvaluationOut:
-    if sent is None:
-        return evaluation_out(evaluation)
-    return evaluation_out(evaluation, services.signer, sent[index], dry_run=dry_run)
-
-
-async def _score(
-    services: Services,
+@router.post(
+    "/contribution",
+    tags=["contribution"],
+    summary="Score a trace and show what contributing it would send",
+    response_model=ContributionOut,
+    responses={
+        200: {"description": "The score, and the trace as the SDK would contribute it."},
+        **_SURROGATE,
+    },
+    openapi_extra=BEARER_SECURITY,
+)
+async def contribution(
+    trace: ReasoningTrace,
     request: Request,
-    traces: list[ReasoningTrace],
-    *,
-    dry_run: bool,
-    batch: bool,
-) -> list[Evaluation]:
-    # The body was read to parse it: this is its size, not a second read.
-    body_bytes = len(await request.body())
-    try:
-        return await score_traces(
-            services.evaluator,
-            services.limits,
-            services.metrics,
-            traces,
-            dry_run=dry_run,
-            batch=batch,
-            transport="rest",
-            namespace=namespace_of(request.scope),
-            body_bytes=body_bytes,
-        )
-    except TraceLimitError as exc:
-        raise RequestValidationError(exc.errors) from None
+    service: ServiceDep,
+    dry_run: DryRun = False,
+    idempotency_key: IdempotencyKey = None,
+    kp_namespace: NamespaceHeader = None,
+) -> Response:
+    return await _answer(service, request, "contribution", [trace], dry_run, idempotency_key)

@@ -1,0 +1,647 @@
+"""The one door: every rule a request meets, whichever transport brought it (the REST routes,
+the MCP tools). Who the caller is (API keys, scopes, the namespace, the rate limit), the
+limits, idempotency, signing, the memory and the contribution gate live here; a transport
+turns its request into a call and the result, or the ServiceError, into its answer.
+
+A scoring request meets every refusal first, then the memory (its one commit), then its
+answer, which can no longer fail: nothing is committed before the last refusal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, TypeAdapter
+
+from app.contribution.capture import FieldRisk, Finding, Gate, lone_surrogate, prepare
+from app.contribution.js_json import js_value
+from app.core import namespaces
+from app.core.config import Settings
+from app.core.errors import Problem, ServiceError, invalid
+from app.core.health import Health
+from app.core.metrics import Metrics
+from app.core.signatures import UNSIGNED_FIELDS, trace_digests, trace_sha256
+from app.core.version import VERSION
+from app.embedding.types import OverloadedError
+from app.guards.api_keys import ApiKey, KeyRing
+from app.guards.api_keys import Scope as KeyScope
+from app.guards.idempotency import (
+    IdempotencyUnavailableError,
+    Recorded,
+    fingerprint,
+    parse_key,
+    scoped_key,
+)
+from app.guards.rate_limit import RateLimitUnavailableError, retry_after
+from app.memory.base import NamespaceLimitError
+from app.schemas.contribution import ContributionOut, FieldRiskOut, FindingOut, InjectionOut
+from app.schemas.limits import TraceLimits, limit_problems
+from app.schemas.namespaces import NamespacesOut
+from app.schemas.responses import (
+    BatchOut,
+    CacheBackendOut,
+    CacheOut,
+    ClearedOut,
+    DimensionsOut,
+    EmbedderOut,
+    EvaluationOut,
+    ImportedOut,
+    JwksOut,
+    NoveltyOut,
+    ProfileOut,
+    ReadyOut,
+    SnapshotOut,
+    StorageOut,
+    WeightsOut,
+)
+from app.schemas.trace import ReasoningTrace
+from app.service.cache_transfer import export_lines, read_body
+from app.service.evaluator import Evaluation
+from app.service.runtime import Runtime
+
+if TYPE_CHECKING:  # joserfc loads only when something is signed
+    from app.service.signing import Signer
+
+log = logging.getLogger("app")
+
+Transport = Literal["rest", "mcp"]
+#: One trace, a batch (in order, as one step), or one trace with what contributing would send.
+Kind = Literal["one", "batch", "contribution"]
+
+#: Where an API key is refused: the header that carries it.
+_KEY_LOC = ("header", "authorization")
+_IDEMPOTENCY_LOC = ("header", "idempotency-key")
+_CHALLENGE = {"WWW-Authenticate": 'Bearer realm="kp-scoring"'}
+#: Past this body size the gate's text work runs off the event loop.
+INLINE_BODY_BYTES = 64 * 1024
+NDJSON_TYPES = ("application/x-ndjson", "application/jsonl")
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who asks, and in which namespace: settled before the body is read."""
+
+    key: ApiKey | None
+    namespace: str
+    transport: Transport = "rest"
+
+
+@dataclass(frozen=True, slots=True)
+class Credentials:
+    """What a request says of its caller, from its headers and query, before its body."""
+
+    authorization: Sequence[str] = ()
+    namespace: Sequence[str] = ()
+    #: The name of a query parameter in which a key was sent, if any.
+    key_in_query: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Replay:
+    """What makes a request's retry recognisable: its Idempotency-Key as sent, and what the
+    request was (method, path, query, body)."""
+
+    key: str
+    method: str
+    path: str
+    query: bytes
+    body: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Scoring:
+    """One scoring request. `traces`: validated; `sent`: the same traces as the agent sent
+    them (parsed JSON: their digests are signed, the gate reads them); `body_bytes`: the
+    request body's size, when known."""
+
+    caller: Caller
+    kind: Kind
+    traces: Sequence[ReasoningTrace]
+    sent: Sequence[Any]
+    dry_run: bool = False
+    body_bytes: int | None = None
+    replay: Replay | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """A scoring request's answer: `body`, its JSON as sent (and as replayed byte for byte);
+    `model` the answer itself (None for a replay)."""
+
+    body: bytes
+    model: BaseModel | None = None
+    status: int = 200
+    replayed: bool = False
+
+
+@dataclass(slots=True)
+class _Prepared:
+    """What a scoring request settled before the memory: the digests signed, the gate."""
+
+    digests: list[str] | None = None
+    gate: Gate | None = None
+
+
+_JSON: dict[type[BaseModel], TypeAdapter[Any]] = {}
+
+
+def to_json(model: BaseModel) -> bytes:
+    """The model's JSON as FastAPI writes a response model (pydantic's serializer)."""
+    adapter = _JSON.get(type(model))
+    if adapter is None:
+        adapter = _JSON[type(model)] = TypeAdapter(type(model))
+    return adapter.dump_json(model)
+
+
+class ScoringService:
+    """The service's rules over its running parts (`runtime`, app/service/runtime.py)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        runtime: Runtime,
+        metrics: Metrics,
+        keys: KeyRing,
+        signer: Signer | None,
+    ) -> None:
+        self.settings = settings
+        self.runtime = runtime
+        self.metrics = metrics
+        self.keys = keys
+        self.signer = signer
+        self.limits = TraceLimits(settings.max_batch, settings.max_steps, settings.max_string_chars)
+
+    # -- who asks: before the body -----------------------------------------------------
+
+    async def admit(self, scope: KeyScope, given: Credentials) -> Caller:
+        """The caller of a route that needs `scope`: its key (checked), its namespace and its
+        first rate-limit token; ServiceError (400, 401, 403, 422, 429) otherwise."""
+        m = self.metrics
+        if given.key_in_query is not None:
+            msg = "API keys go in the Authorization header (Bearer), never in the URL"
+            raise ServiceError(400, "key_in_query", msg, loc=("query", given.key_in_query))
+        if len(given.authorization) > 1:
+            # Which one a proxy, a log or this service reads first is anyone's guess.
+            msg = f"one Authorization header, not {len(given.authorization)}"
+            raise ServiceError(400, "repeated_header", msg, loc=_KEY_LOC)
+        presented = _bearer(given.authorization[0] if given.authorization else None)
+        key = None if presented is None else self.keys.identify(presented)
+        is_open = self.settings.scoring_open if scope == "evaluate" else self.settings.cache_open
+        if is_open:
+            key = key if key is not None and scope in key.scopes else None
+        elif key is None:
+            reason = "missing" if presented is None else "unknown_key"
+            m.child(m.auth_refused, reason).inc()
+            what = "an API key" if scope == "evaluate" else "KP_ADMIN_TOKEN or an admin key"
+            problem = "is required" if presented is None else "is not valid"
+            msg = f"a bearer key {problem}: Authorization: Bearer <{what}>"
+            raise ServiceError(401, "unauthorized", msg, loc=_KEY_LOC, headers=_CHALLENGE)
+        elif scope not in key.scopes:
+            m.child(m.auth_refused, "missing_scope").inc()
+            msg = f"the API key {key.name!r} lacks the scope {scope!r}"
+            raise ServiceError(403, "forbidden", msg, loc=_KEY_LOC)
+        if len(given.namespace) > 1:
+            msg = f"one {namespaces.HEADER} header, not {len(given.namespace)}"
+            raise ServiceError(400, "repeated_header", msg, loc=namespaces.LOC)
+        namespace = self._namespace(key, given.namespace[0] if given.namespace else None)
+        if key is not None:
+            await self._take_first_token(key)
+        return Caller(key, namespace)
+
+    def within(self, caller: Caller, argument: object, header: str | None) -> Caller:
+        """The caller of an MCP tool: in the namespace its `namespace` argument names (the
+        header's rules, the argument standing for it), else the request's."""
+        if argument is None:
+            return Caller(caller.key, caller.namespace, "mcp")
+        if not isinstance(argument, str):
+            raise ServiceError(422, "string_type", "should be a string", loc=("namespace",))
+        chosen = self._namespace(caller.key, argument, loc=("namespace",), named="")
+        if header is not None and header != chosen:
+            msg = (
+                f"the argument {chosen!r} and the {namespaces.HEADER} header {header!r} "
+                "differ; send one, or the same"
+            )
+            raise ServiceError(403, "namespace_mismatch", msg)
+        return Caller(caller.key, chosen, "mcp")
+
+    def _namespace(self, key: ApiKey | None, given: str | None, **where: Any) -> str:
+        try:
+            return namespaces.resolve(
+                given,
+                key_name=None if key is None else key.name,
+                bound=None if key is None else key.namespace,
+                **where,
+            )
+        except ServiceError as exc:
+            if exc.status == 403:
+                self.metrics.child(self.metrics.auth_refused, exc.kind).inc()
+            raise
+
+    async def _take_first_token(self, key: ApiKey) -> None:
+        """A request's first rate-limit token, taken before its body is read (a batch's
+        others: `_charge_batch`). Redis away: let through, counted and logged."""
+        m = self.metrics
+        if key.rate_per_minute is not None:
+            try:
+                wait = await self.runtime.trust.rate_limiter.take(key.name, key.rate_per_minute)
+            except RateLimitUnavailableError as exc:
+                # Refusing every agent because Redis is away would be worse.
+                m.rate_limit_unavailable.inc()
+                log.warning("rate limit not checked: Redis unavailable", extra={"reason": str(exc)})
+                wait = 0.0
+            if wait > 0:
+                m.child(m.key_requests, key.name, "rate_limited").inc()
+                seconds = retry_after(wait)
+                msg = (
+                    f"the API key {key.name!r} is over its rate of {key.rate_per_minute} "
+                    f"requests a minute: retry after {seconds} s"
+                )
+                raise ServiceError(429, "rate_limited", msg, loc=_KEY_LOC, retry_after=seconds)
+        m.child(m.key_requests, key.name, "admitted").inc()
+
+    async def _charge_batch(self, key: ApiKey | None, traces: int, at: tuple[str, ...]) -> None:
+        """A batch costs one token per trace, as the same traces sent one by one would: the
+        first was taken before the body; the others now, before any is scored. A batch refused
+        here (422: more traces than the bucket holds; 429: not enough tokens now) spends
+        nothing: its first token is given back."""
+        if key is None or key.rate_per_minute is None or traces <= 1:
+            return
+        rate, limiter = key.rate_per_minute, self.runtime.trust.rate_limiter
+        if traces > rate:
+            await self._give_back_first(key)
+            msg = (
+                f"at most {rate} traces a batch for the API key {key.name!r} (its rate per "
+                "minute: a batch costs one token per trace)"
+            )
+            raise ServiceError(422, "batch_over_rate", msg, loc=(*at, "traces"))
+        try:
+            wait = await limiter.take(key.name, rate, traces - 1)
+        except RateLimitUnavailableError as exc:
+            log.warning("rate limit not checked: Redis unavailable", extra={"reason": str(exc)})
+            return
+        if wait > 0:
+            await self._give_back_first(key)
+            seconds = retry_after(wait)
+            msg = (
+                f"the API key {key.name!r} is over its rate of {rate} traces a minute (a batch "
+                f"of {traces} costs {traces}): retry after {seconds} s"
+            )
+            raise ServiceError(429, "rate_limited", msg, loc=_KEY_LOC, retry_after=seconds)
+
+    async def _give_back_first(self, key: ApiKey) -> None:
+        """A negative cost adds to the bucket (it clamps at its capacity as it refills).
+        Should the shared buckets have gone away since, the token stays spent: the limit errs
+        on the strict side."""
+        assert key.rate_per_minute is not None
+        with contextlib.suppress(RateLimitUnavailableError):
+            await self.runtime.trust.rate_limiter.take(key.name, key.rate_per_minute, -1)
+
+    # -- scoring ------------------------------------------------------------------------
+
+    async def score(self, request: Scoring) -> Answer:
+        """Scores the request's traces in its caller's namespace: its answer, or ServiceError
+        (having changed nothing)."""
+        m = self.metrics
+        kind = "batch" if request.kind == "batch" else "one"
+        m.child(m.scoring_requests, request.caller.transport, kind).inc()
+        if request.replay is None:
+            return await self._score(request)
+        return await self._once(request.caller, request.replay, lambda: self._score(request))
+
+    async def _score(self, request: Scoring) -> Answer:
+        prepared = await self._refusals(request)
+        evaluations = await self._evaluate(request)
+        return self._answer(request, prepared, evaluations)
+
+    async def _refusals(self, request: Scoring) -> _Prepared:
+        """Every check that can refuse the request, before the memory is touched."""
+        batch = request.kind == "batch"
+        problems = limit_problems(
+            request.sent, self.limits, batch=batch, body_bytes=request.body_bytes
+        )
+        if problems:
+            raise invalid(problems)
+        prepared = _Prepared()
+        if request.kind == "contribution":
+            (given,) = request.sent
+            where = lone_surrogate(given)
+            if where is not None:
+                msg = (
+                    "holds a lone surrogate (a \\ud800-\\udfff escape without its pair): not "
+                    "UTF-8 text"
+                )
+                raise invalid([Problem(("body", *where), msg, "lone_surrogate")])
+            prepared.gate = await self._gate(given, request.body_bytes)
+        if self.signer is not None:
+            prepared.digests = trace_digests(request.sent, batch=batch, at=("body",))
+        if batch:
+            await self._charge_batch(request.caller.key, len(request.traces), ("body",))
+        return prepared
+
+    async def _gate(self, given: Any, body_bytes: int | None) -> Gate:
+        """What the SDK's capture would send (its score set once scored); large traces' text
+        work off the event loop."""
+        clean_all = self.settings.contribution_clean_all
+        if body_bytes is not None and body_bytes > INLINE_BODY_BYTES:
+            return await asyncio.to_thread(prepare, given, clean_all=clean_all)
+        return prepare(given, clean_all=clean_all)
+
+    async def _evaluate(self, request: Scoring) -> list[Evaluation]:
+        """The one commit: the traces meet their namespace's memory in order."""
+        m, caller = self.metrics, request.caller
+        try:
+            evaluations = await self.runtime.evaluator.evaluate(
+                request.traces, dry_run=request.dry_run, namespace=caller.namespace
+            )
+        except OverloadedError as exc:
+            m.child(m.overloaded, exc.reason).inc()
+            raise
+        except NamespaceLimitError:
+            m.namespace_limit.inc()
+            raise
+        m.child(m.namespace_evaluations, m.namespace_label(caller.namespace)).inc(len(evaluations))
+        for e in evaluations:
+            m.child(m.evaluations, e.score.weights.name).inc()
+            m.score.observe(e.score.value)
+            for rule in e.score.overrides:
+                m.child(m.overrides, rule).inc()
+            if not e.novelty.measured and e.novelty.reason is not None:
+                m.child(m.novelty_unmeasured, e.novelty.reason).inc()
+            if e.novelty.search is not None:
+                m.child(m.novelty_search, e.novelty.search).inc()
+        return evaluations
+
+    def _answer(
+        self, request: Scoring, prepared: _Prepared, evaluations: list[Evaluation]
+    ) -> Answer:
+        digests: Sequence[str | None] = prepared.digests or [None] * len(evaluations)
+        if request.kind == "contribution":
+            assert prepared.gate is not None
+            (evaluation,) = evaluations
+            model: BaseModel = self._contribution_out(
+                evaluation, prepared.gate, digests[0], dry_run=request.dry_run
+            )
+        else:
+            answers = [
+                self._evaluation_out(e, digest, dry_run=request.dry_run)
+                for e, digest in zip(evaluations, digests, strict=True)
+            ]
+            model = BatchOut(results=answers) if request.kind == "batch" else answers[0]
+        return Answer(to_json(model), model)
+
+    def _evaluation_out(
+        self,
+        evaluation: Evaluation,
+        digest: str | None,
+        *,
+        dry_run: bool,
+        claims: Mapping[str, Any] | None = None,
+    ) -> EvaluationOut:
+        """The answer for one evaluation; signed (with a signer and the trace's `digest`):
+        every field it shows, the trace's digest and a route's own `claims`."""
+        s, n, w = evaluation.score, evaluation.novelty, evaluation.score.weights
+        out = EvaluationOut(
+            trace_id=evaluation.trace_id,
+            score=s.value,
+            dimensions=DimensionsOut.model_validate(s.dimensions, from_attributes=True),
+            weights=WeightsOut(
+                profile=w.name,
+                complexity=w.complexity,
+                novelty=w.novelty,
+                tool_diversity=w.tool_diversity,
+                outcome_confidence=w.outcome_confidence,
+            ),
+            profile=ProfileOut(name=w.name, domain_recognised=s.domain_recognised),
+            overrides=list(s.overrides),
+            novelty=NoveltyOut.model_validate(n, from_attributes=True),
+            elapsed_ms=round(evaluation.elapsed_ms, 3),
+        )
+        if self.signer is not None and digest is not None:
+            shown = out.model_dump(mode="json", exclude=set(UNSIGNED_FIELDS))
+            out.signature = self.signer.sign(shown, digest, dry_run=dry_run, claims=claims)
+        return out
+
+    def _contribution_out(
+        self, evaluation: Evaluation, gate: Gate, digest: str | None, *, dry_run: bool
+    ) -> ContributionOut:
+        score = evaluation.score.value
+        metadata = gate.contribution.get("metadata")
+        if isinstance(metadata, dict):  # the capture step sets the score it computed
+            metadata["quality_score"] = js_value(score)
+        # The cleaned trace's digest is signed beside the trace's: a registry sent the
+        # contribution can tell it is the one scored and cleaned here.
+        claims = None
+        if self.signer is not None:
+            claims = {"contribution_sha256": trace_sha256(gate.contribution)}
+        threshold = self.settings.contribution_threshold
+        return ContributionOut(
+            evaluation=self._evaluation_out(evaluation, digest, dry_run=dry_run, claims=claims),
+            shareable=score >= threshold,
+            threshold=threshold,
+            contribution=gate.contribution,
+            redactions=[_finding(f) for f in gate.redactions],
+            uncleaned=[_finding(f) for f in gate.uncleaned],
+            inputs_kept=list(gate.inputs_kept),
+            injection=InjectionOut(
+                fields=[_risk(f) for f in gate.injection],
+                highest=None if gate.highest is None else _risk(gate.highest),
+            ),
+        )
+
+    # -- idempotency --------------------------------------------------------------------
+
+    async def _once(
+        self, caller: Caller, replay: Replay, work: Callable[[], Awaitable[Answer]]
+    ) -> Answer:
+        """`work` run once for an Idempotency-Key (the IETF draft): the first request's answer
+        is recorded and given again to its retries; the key with another request is a 422,
+        one still being answered a 409 after a wait."""
+        key = parse_key(replay.key)
+        if key is None:
+            msg = "must be 1 to 255 visible ASCII characters"
+            raise ServiceError(400, "idempotency_key_invalid", msg, loc=_IDEMPOTENCY_LOC)
+        records = self.runtime.trust.idempotency
+        scoped = scoped_key(None if caller.key is None else caller.key.name, caller.namespace, key)
+        print_ = fingerprint(replay.method, replay.path, replay.query, replay.body)
+        try:
+            decision = await records.begin(scoped, print_)
+        except IdempotencyUnavailableError as exc:
+            log.error("idempotency records unavailable", extra={"reason": str(exc)})
+            msg = "idempotency records are unavailable (Redis): nothing was scored, retry"
+            raise ServiceError(
+                503, "idempotency_unavailable", msg, loc=_IDEMPOTENCY_LOC, retry_after=1
+            ) from None
+        self.metrics.child(self.metrics.idempotency, decision.action).inc()
+        if decision.action == "mismatch":
+            msg = "this Idempotency-Key was used for another request (body or query)"
+            raise ServiceError(422, "idempotency_key_reused", msg, loc=_IDEMPOTENCY_LOC)
+        if decision.action == "in_progress":
+            msg = "a request with this Idempotency-Key is still being answered: retry later"
+            raise ServiceError(
+                409, "idempotency_key_in_use", msg, loc=_IDEMPOTENCY_LOC, retry_after=1
+            )
+        if decision.action == "replay":
+            assert decision.recorded is not None
+            return Answer(decision.recorded.body, status=decision.recorded.status, replayed=True)
+        answer = None
+        try:
+            answer = await work()
+            return answer
+        finally:
+            recorded = None if answer is None else Recorded(200, b"application/json", answer.body)
+            try:
+                await records.finish(scoped, print_, recorded)
+            except IdempotencyUnavailableError as exc:
+                # The answer goes out: a retry will be scored again (and say it in the log).
+                log.error("idempotency record not kept", extra={"reason": str(exc)})
+
+    # -- the memory, for operators --------------------------------------------------------
+
+    async def cache_stats(self, caller: Caller) -> CacheOut:
+        memory = self.runtime.memory
+        stats = await memory.stats(caller.namespace)
+        return CacheOut(
+            namespace=caller.namespace,
+            **asdict(stats),
+            embedder=self.embedder_out(),
+            backend=CacheBackendOut(**asdict(memory.backend)),
+        )
+
+    async def cache_clear(self, caller: Caller) -> ClearedOut:
+        cleared = await self.runtime.memory.clear(caller.namespace)
+        log.info("cache cleared", extra={"cleared": cleared, "namespace": caller.namespace})
+        return ClearedOut(cleared=cleared)
+
+    async def cache_export(self, caller: Caller) -> AsyncIterator[bytes]:
+        """NDJSON lines, oldest first. The first chunk is read before this returns: an
+        unreachable memory is a refusal (503), not a truncated answer."""
+        chunks = self.runtime.memory.export_chunks(caller.namespace)
+        first = await anext(chunks, None)
+
+        async def lines() -> AsyncIterator[bytes]:
+            if first is None:
+                return
+            for line in export_lines([first]):
+                yield line
+            async for chunk in chunks:
+                for line in export_lines([chunk]):
+                    yield line
+
+        return lines()
+
+    async def cache_import(
+        self, caller: Caller, content_type: str | None, body: AsyncIterator[bytes]
+    ) -> ImportedOut:
+        """Appends exported lines as the namespace's newest, all or nothing."""
+        given = (content_type or "").split(";")[0].strip().lower()
+        if given not in NDJSON_TYPES:
+            msg = f"must be {NDJSON_TYPES[0]}, got {given or 'none'!r}"
+            raise ServiceError(415, "unsupported_media_type", msg, loc=("header", "content-type"))
+        memory = self.runtime.memory
+        limit = self.settings.cache_import_max_bytes
+        entries, lines = await read_body(body, memory.dimensions, limit)
+        try:
+            imported, expired = await memory.import_entries(caller.namespace, entries)
+        except NamespaceLimitError:
+            self.metrics.namespace_limit.inc()
+            raise
+        log.info(
+            "cache imported",
+            extra={"imported": imported, "expired": expired, "namespace": caller.namespace},
+        )
+        return ImportedOut(imported=imported, expired=expired, lines=lines)
+
+    async def namespaces(self, caller: Caller) -> NamespacesOut:
+        key = caller.key
+        if key is not None and key.namespace is not None:
+            self.metrics.child(self.metrics.auth_refused, "namespace_forbidden").inc()
+            msg = (
+                f"the API key {key.name!r} is bound to the namespace {key.namespace!r}: listing "
+                "every namespace needs KP_ADMIN_TOKEN or an admin key bound to none"
+            )
+            raise ServiceError(403, "namespace_forbidden", msg, loc=_KEY_LOC)
+        found = await self.runtime.memory.namespaces()
+        return NamespacesOut(namespaces=found, limit=self.settings.max_namespaces)
+
+    # -- what the service says of itself ----------------------------------------------------
+
+    def embedder_out(self) -> EmbedderOut:
+        e = self.runtime.embeddings
+        return EmbedderOut(
+            state=e.state,
+            model=e.model_name,
+            precision=e.precision,
+            precision_reason=e.precision_reason,
+            reason=e.reason,
+        )
+
+    def ready(self, *others: Health) -> ReadyOut:
+        """Readiness: every part's report, and `others` (a transport's own)."""
+        runtime = self.runtime
+        health = runtime.health()
+        status = runtime.storage_status()
+        storage = StorageOut(
+            **{**asdict(status), "path": str(status.path) if status.path else None}
+        )
+        return ReadyOut(
+            status="degraded" if health.degraded else "ready",
+            degraded=health.degraded,
+            embedder=self.embedder_out(),
+            cache_size=runtime.memory.size,
+            cache_backend=CacheBackendOut(**asdict(runtime.memory.backend)),
+            admin_auth=not self.settings.cache_open,
+            storage=storage,
+            snapshot=_snapshot(storage),
+            warnings=[*health.warnings, *(w for other in others for w in other.warnings)],
+        )
+
+    def jwks(self) -> JwksOut:
+        signer = self.signer
+        return JwksOut.model_validate(signer.jwks() if signer is not None else {"keys": []})
+
+    @property
+    def version(self) -> str:
+        return VERSION
+
+
+def _bearer(value: str | None) -> str | None:
+    if value is None:
+        return None
+    scheme, _, token = value.strip().partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+def _finding(finding: Finding) -> FindingOut:
+    return FindingOut.model_validate(finding, from_attributes=True)
+
+
+def _risk(field: FieldRisk) -> FieldRiskOut:
+    a = field.assessment
+    return FieldRiskOut(
+        path=field.path,
+        score=a.score,
+        max_score=a.max_score,
+        patterns=list(a.patterns),
+        verdict=a.verdict,
+    )
+
+
+#: `snapshot`'s names for `storage`'s fields (deprecated; removed in the next release).
+_SNAPSHOT_NAMES = {
+    "last_commit_at_ms": "last_saved_at_ms",
+    "last_write_error": "last_save_error",
+    "commits_total": "saves_total",
+    "write_errors_total": "save_errors_total",
+}
+
+
+def _snapshot(storage: StorageOut) -> SnapshotOut:
+    fields = {_SNAPSHOT_NAMES.get(k, k): v for k, v in storage.model_dump().items()}
+    return SnapshotOut(**fields)
