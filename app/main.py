@@ -22,6 +22,7 @@ from app.api.edge import Admission, Edge
 from app.api.errors import install_error_handlers
 from app.api.routes import cache, evaluate, health
 from app.core.config import Settings
+from app.core.logging import configure_logging
 from app.core.metrics import Metrics
 from app.core.version import VERSION
 from app.embedding.int8_support import CpuFeatures
@@ -34,6 +35,7 @@ from app.service.trust import load_keys, load_signer
 def create_app(settings: Settings | None = None, *, cpu: CpuFeatures | None = None) -> FastAPI:
     """`settings`: None reads them from the environment. `cpu`: the CPU int8 mode decides on
     (default: this machine's; tests pass another)."""
+    from_environment = settings is None
     if settings is None:
         settings = Settings.from_env()
     metrics = Metrics(namespace_labels=settings.metrics_namespaces)
@@ -43,6 +45,8 @@ def create_app(settings: Settings | None = None, *, cpu: CpuFeatures | None = No
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if from_environment:  # served: JSON lines on stderr (a test's app logs as pytest says)
+            configure_logging(settings.log_level)
         runtime = Runtime(settings, cpu, observer=metrics)
         await runtime.start()
         metrics.registry.register(runtime.collector)

@@ -1,9 +1,9 @@
-"""The one way the service starts: `python -m app.serve` (make run, the image's CMD, the tests'
-and the bench's servers) and `kp-scoring serve` both call `run`. It reads the settings once,
-builds the app from them and serves it with granian, whose HTTP/1 server (hyper) holds the
-connection bounds: the header deadline (which also closes idle connections), the header size
-and count limits (docs/operating/slow-clients.md). No CLI framework is imported on this path:
-it is the cold start's."""
+"""How `make run`, the image, the tests' and the bench's servers and `kp-scoring serve` start
+the service: `python -m app.serve` serves `app.main:app` (its settings from KP_*) with granian,
+whose HTTP/1 server (hyper) holds the connection bounds: the header deadline (which also closes
+idle connections), the header size and count limits (docs/operating/slow-clients.md). Any ASGI
+server serves the same app (`uvicorn app.main:app`; docs/operating/servers.md). No CLI
+framework is imported on this path: it is the cold start's."""
 
 from __future__ import annotations
 
@@ -27,11 +27,9 @@ def run(host: str = "127.0.0.1", port: int = 8000) -> None:
     process's event loop, no worker processes; settings from KP_*."""
     check_port_free(host, port)
     prepare()
-    from app.core.logging import configure_logging
     from app.main import app  # built from the environment (KP_*)
 
     settings: Settings = app.state.settings
-    configure_logging(settings.log_level)
     if settings.redis_url is not None:
         # One line, before the server starts, for a Redis without vector search.
         from app.core.config import redis_location

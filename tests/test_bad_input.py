@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from app.core.config import Settings
 from app.main import create_app
-from app.schemas.limits import TraceLimits, json_depth_exceeds, limit_problems
+from app.schemas.limits import TraceLimits, json_problem, limit_problems
 from app.schemas.trace import ReasoningTrace
 from tests.conftest import ClientFactory
 from tests.factories import make_trace
@@ -480,7 +480,8 @@ def test_depth_check_counts_the_nesting_the_parser_sees(
 ) -> None:
     """Strings full of brackets, quotes and backslashes (escaped as JSON escapes them)."""
     body = json.dumps(value, ensure_ascii=ascii_only).encode()
-    assert json_depth_exceeds(body, limit) == (_depth(value) > limit)
+    problem = json_problem(body, limit)
+    assert (problem is not None and problem[0] == "limit_exceeded") == (_depth(value) > limit)
 
 
 def test_steps_and_strings_over_the_limits_are_named(make_client: ClientFactory) -> None:

@@ -12,8 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from app.core.config import Settings
-from app.embedding.embeddings import Embedding
-from app.embedding.memo import EmbeddingMemo
+from app.embedding.embeddings import Embedding, EmbeddingMemo
 from app.main import create_app
 from tests.conftest import ClientFactory
 from tests.factories import make_trace, step

@@ -14,8 +14,7 @@ import pytest
 
 from app.core.config import ConfigError, Settings
 from app.embedding import model_files
-from app.embedding.backend import length_groups
-from app.embedding.onnx_embedder import MAX_TOKENS, ModelError, OnnxEmbedder
+from app.embedding.onnx_embedder import MAX_TOKENS, ModelError, OnnxEmbedder, length_groups
 from tests.conftest import ClientFactory, fail_embedding_on
 from tests.factories import make_trace
 from tests.server import SERVE, free_port

@@ -11,11 +11,9 @@ import numpy as np
 import pytest
 
 from app.core.states import EmbedderState
-from app.embedding.admission import Admission
-from app.embedding.lifecycle import ModelLifecycle
+from app.embedding.embeddings import ModelLifecycle
 from app.embedding.onnx_embedder import ModelError, OnnxEmbedder
-from app.embedding.queue import Job, JobQueue
-from app.embedding.scheduler import RunScheduler
+from app.embedding.scheduler import Job, JobQueue, QueueLimits, RunScheduler
 from app.embedding.types import (
     EmbedderUnavailableError,
     Embedding,
@@ -40,7 +38,7 @@ def fake_embedding(text: str) -> Embedding:
 
 
 def test_the_door_refuses_what_would_pass_the_queue_limit() -> None:
-    door = Admission(queue_limit=4, max_wait_ms=1000)
+    door = QueueLimits(queue_limit=4, max_wait_ms=1000)
     door.check_door(queued=2, count=2)
     with pytest.raises(OverloadedError, match="KP_EMBED_QUEUE_LIMIT") as refused:
         door.check_door(queued=3, count=2)
@@ -48,11 +46,11 @@ def test_the_door_refuses_what_would_pass_the_queue_limit() -> None:
 
 
 def test_a_request_larger_than_the_limit_is_taken_when_nothing_waits() -> None:
-    Admission(queue_limit=4).check_door(queued=0, count=100)
+    QueueLimits(queue_limit=4).check_door(queued=0, count=100)
 
 
 def test_a_request_expires_only_past_the_max_wait() -> None:
-    door = Admission(max_wait_ms=50)
+    door = QueueLimits(max_wait_ms=50)
     assert door.expired(0.05) is None
     error = door.expired(0.051)
     assert error is not None
@@ -202,7 +200,7 @@ def test_closing_fails_what_waits_and_refuses_what_comes() -> None:
 
 def test_the_door_counts_what_waits() -> None:
     scheduler = RunScheduler(
-        lambda texts, one_core: [], admission=Admission(queue_limit=2, max_wait_ms=1000)
+        lambda texts, one_core: [], limits=QueueLimits(queue_limit=2, max_wait_ms=1000)
     )
     scheduler.submit(["a", "b"], lambda outcome: None)  # no worker: stays queued
     with pytest.raises(OverloadedError):

@@ -246,9 +246,7 @@ def test_the_app_is_wired_in_one_place() -> None:
     """The app is put together by app.main alone: it builds the running parts (Runtime) and
     the one service over them, and its middleware is one list of Starlette's there."""
     builders = [
-        name
-        for name, path in MODULES.items()
-        if _calls(path) & {"Runtime", "ScoringService"}
+        name for name, path in MODULES.items() if _calls(path) & {"Runtime", "ScoringService"}
     ]
     assert builders == ["app.main"]
     middleware = [

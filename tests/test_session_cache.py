@@ -17,8 +17,8 @@ import pytest
 
 from app.core.config import Settings, user_cache_directory
 from app.embedding import model_files
+from app.embedding.embeddings import ModelLifecycle
 from app.embedding.int8_support import int8_support
-from app.embedding.lifecycle import ModelLifecycle
 from app.embedding.onnx_embedder import OnnxEmbedder
 from app.embedding.session_cache import SessionCache
 from app.service.runtime import load_embedder

@@ -19,7 +19,6 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import MutableMapping
 from typing import Any
 from urllib.parse import unquote_plus
 
@@ -32,13 +31,20 @@ from app.core.errors import ServiceError
 from app.core.metrics import Metrics
 from app.core.request_context import request_id_var
 from app.guards.api_keys import Scope as KeyScope
-from app.schemas.limits import json_depth_exceeds
+from app.schemas.limits import json_problem
 from app.service.scoring_service import Caller, Credentials
 
 access_log = logging.getLogger("app.access")
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 _CLOSE = (b"connection", b"close")
+_HOST_REFUSAL = ServiceError(
+    400,
+    "host",
+    "an HTTP/1.1 request must have exactly one Host header (RFC 9112, 3.2)",
+    loc=("header", "host"),
+    headers={"Connection": "close"},
+)
 #: A body refused before it was read is read and dropped within these bounds before the
 #: answer goes out: the HTTP server closes a connection whose body was left unread, and a
 #: client that sends its whole body before it reads would see a reset instead of the answer.
@@ -60,18 +66,15 @@ _KEY_PARAMS = frozenset(
 )  # fmt: skip
 
 
-def required_scope(path: str) -> KeyScope | None:
-    if path in ("/evaluate", "/evaluate/batch", "/contribution", "/mcp"):  # /mcp: scoring tools
-        return "evaluate"
-    if path == "/cache" or path.startswith("/cache/"):
-        return "admin"
-    return None
-
-
-def state(scope: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
-    """The request's state (Starlette's `request.state` reads the same mapping)."""
-    found: MutableMapping[str, Any] = scope.setdefault("state", {})
-    return found
+#: The routes that need a key, and which scope (every path under /cache/ needs admin too).
+_SCOPES: dict[str, KeyScope] = {
+    "/evaluate": "evaluate",
+    "/evaluate/batch": "evaluate",
+    "/contribution": "evaluate",
+    "/mcp": "evaluate",  # the scoring tools
+    "/cache": "admin",
+}
+_NAMESPACE_HEADER = namespaces.HEADER.lower().encode()
 
 
 class Edge:
@@ -94,13 +97,20 @@ class Edge:
             await self.app(scope, receive, send)
             return
         started_at = time.perf_counter()
-        headers: list[tuple[bytes, bytes]] = scope["headers"]
-        given_id = next((v for k, v in headers if k == b"x-request-id"), b"").decode("latin-1")
-        request_id = given_id if _REQUEST_ID.match(given_id) else uuid.uuid4().hex
+        given_id, length, hosts, named = b"", b"", 0, False
+        for name, value in scope["headers"]:
+            if name == b"x-request-id":
+                given_id = value
+            elif name == b"content-length":
+                length = value
+            elif name == b"host":
+                hosts, named = hosts + 1, named or bool(value)
+        request_id = given_id.decode("latin-1")
+        if not _REQUEST_ID.match(request_id):
+            request_id = uuid.uuid4().hex
         token = request_id_var.set(request_id)
         # A body may come (a method that has one, not declared empty): it has a deadline, and
         # a refusal before its end drops the rest before answering.
-        length = next((v for k, v in headers if k == b"content-length"), b"")
         may_have_body = scope["method"] in BODY_METHODS and length.strip() != b"0"
         deadline = asyncio.get_running_loop().time() + self.body_timeout_s
         body_ended = not may_have_body
@@ -138,16 +148,17 @@ class Edge:
                 return
             held.append(message)
             if message["type"] == "http.response.body" and not message.get("more_body", False):
-                await _drop_rest(headers, edge_receive, *self.discard)
+                await _drop_rest(scope["headers"], edge_receive, *self.discard)
                 for each in held:
                     await send(each)
                 held.clear()
 
         try:
-            refusal = _host_refusal(scope)
-            if refusal is not None:
+            # HTTP/1.1 names exactly one Host (RFC 9112, 3.2). granian passes a missing one on
+            # as empty, as invalid for an http URI (RFC 9110, 4.2.1) as a missing one.
+            if hosts > 1 or (not named and scope.get("http_version") == "1.1"):
                 CONNECTIONS.closed_by_limit.labels("host").inc()
-                await send_error(refusal, scope, receive, edge_send)
+                await send_error(_HOST_REFUSAL, scope, receive, edge_send)
                 return
             try:
                 await self.app(scope, edge_receive, edge_send)
@@ -157,39 +168,25 @@ class Edge:
                 await send_error(exc, scope, receive, edge_send)
         finally:
             request_id_var.reset(token)
-            self._log(scope, status, time.perf_counter() - started_at)
-
-    def _log(self, scope: Scope, status: int, elapsed: float) -> None:
-        name = getattr(scope.get("route"), "path", "unmatched")
-        m = self.metrics
-        m.child(m.requests, name, scope["method"], str(status)).inc()
-        m.child(m.latency, name).observe(elapsed)
-        if status >= 400:
-            m.child(m.errors, name, str(status)).inc()
-        caller: Caller | None = scope.get("state", {}).get("caller")
-        extra: dict[str, Any] = {
-            "method": scope["method"],
-            "path": scope["path"],
-            "status": status,
-            "duration_ms": round(elapsed * 1000, 3),
-        }
-        if caller is not None:  # a checked key name and namespace: safe in a log line
-            if caller.key is not None:
-                extra["api_key"] = caller.key.name
-            extra["namespace"] = caller.namespace
-        access_log.info("request", extra=extra)
-
-
-def _host_refusal(scope: Scope) -> ServiceError | None:
-    """HTTP/1.1 names exactly one Host (RFC 9112, 3.2); granian hands a request without one on
-    with an empty one, as invalid for an http URI (RFC 9110, 4.2.1) as a missing one."""
-    hosts = [value for name, value in scope["headers"] if name == b"host"]
-    if len(hosts) > 1 or (scope.get("http_version") == "1.1" and not any(hosts)):
-        msg = "an HTTP/1.1 request must have exactly one Host header (RFC 9112, 3.2)"
-        return ServiceError(
-            400, "host", msg, loc=("header", "host"), headers={"Connection": "close"}
-        )
-    return None
+            elapsed = time.perf_counter() - started_at
+            route = getattr(scope.get("route"), "path", "unmatched")
+            m = self.metrics
+            m.child(m.requests, route, scope["method"], str(status)).inc()
+            m.child(m.latency, route).observe(elapsed)
+            if status >= 400:
+                m.child(m.errors, route, str(status)).inc()
+            extra: dict[str, Any] = {
+                "method": scope["method"],
+                "path": scope["path"],
+                "status": status,
+                "duration_ms": round(elapsed * 1000, 3),
+            }
+            caller: Caller | None = scope.get("state", {}).get("caller")
+            if caller is not None:  # a checked key name and namespace: safe in a log line
+                if caller.key is not None:
+                    extra["api_key"] = caller.key.name
+                extra["namespace"] = caller.namespace
+            access_log.info("request", extra=extra)
 
 
 def _body_timeout(seconds: float) -> ServiceError:
@@ -231,12 +228,23 @@ class Admission:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        path: str = scope["path"]
+        needed = _SCOPES.get(path) or ("admin" if path.startswith("/cache/") else None)
         try:
-            needed = required_scope(scope["path"])
             if needed is not None:
-                service = scope["app"].state.service
-                state(scope)["caller"] = await service.admit(needed, _credentials(scope))
-            if scope["method"] in BODY_METHODS and scope["path"] not in STREAMED:
+                authorization, namespace = [], []
+                for name, value in scope["headers"]:
+                    if name == b"authorization":
+                        authorization.append(value.decode("latin-1"))
+                    elif name == _NAMESPACE_HEADER:
+                        namespace.append(value.decode("latin-1"))
+                query: bytes = scope.get("query_string", b"")
+                given = Credentials(
+                    authorization, namespace, _key_in_query(query) if query else None
+                )
+                caller = await scope["app"].state.service.admit(needed, given)
+                scope.setdefault("state", {})["caller"] = caller
+            if scope["method"] in BODY_METHODS and path not in STREAMED:
                 body = await self._json_body(scope, receive)
                 receive = _replaying(body, receive)
         except ServiceError as exc:
@@ -246,8 +254,8 @@ class Admission:
 
     async def _json_body(self, scope: Scope, receive: Receive) -> bytes:
         """The body, read once: 415 unless JSON, 413 past KP_MAX_BODY_BYTES (declared or
-        sent), 400 unless UTF-8 text, 422 past KP_MAX_JSON_DEPTH (checked before a parser
-        could exhaust its recursion on it)."""
+        sent), 400 unless UTF-8 text, 422 past KP_MAX_JSON_DEPTH or for what JSON does not
+        allow and Python's parser would take or fail on (schemas/limits.json_problem)."""
         headers = dict(scope["headers"])
         content_type = headers.get(b"content-type")
         if content_type is not None and not _JSON_TYPE.match(content_type.decode("latin-1")):
@@ -271,12 +279,20 @@ class Admission:
             if not message.get("more_body", False):
                 break
         body = b"".join(chunks)
-        problem = not_utf8(body)
+        # JSON between systems is UTF-8 (RFC 8259 8.1). A NUL among the first four bytes, or a
+        # UTF-16/32 byte order mark, is UTF-16 or UTF-32 (RFC 4627's detection); a UTF-8 byte
+        # order mark is allowed (RFC 8259 lets a parser ignore it).
+        if body.startswith(_UTF16_32_MARKS) or b"\x00" in body[:4]:
+            msg = "the body is UTF-16 or UTF-32: send JSON as UTF-8 text (RFC 8259)"
+            raise ServiceError(400, "body_not_utf8", msg, loc=("body",))
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            msg = f"the body is not UTF-8: byte {exc.start} ({body[exc.start]:#04x}) {exc.reason}"
+            raise ServiceError(400, "body_not_utf8", msg, loc=("body",)) from None
+        problem = json_problem(body, self.max_json_depth)
         if problem is not None:
-            raise ServiceError(400, "body_not_utf8", problem, loc=("body",))
-        if json_depth_exceeds(body, self.max_json_depth):
-            msg = f"JSON nests deeper than {self.max_json_depth} levels (KP_MAX_JSON_DEPTH)"
-            raise ServiceError(422, "limit_exceeded", msg, loc=("body",))
+            raise ServiceError(422, problem[0], problem[1], loc=("body",))
         return body
 
     def _too_large(self) -> ServiceError:
@@ -290,17 +306,6 @@ def caller_of(scope: Scope) -> Caller:
     return found if found is not None else Caller(None, namespaces.DEFAULT)
 
 
-def _credentials(scope: Scope) -> Credentials:
-    authorization, namespace = [], []
-    header = namespaces.HEADER.lower().encode()
-    for name, value in scope["headers"]:
-        if name == b"authorization":
-            authorization.append(value.decode("latin-1"))
-        elif name == header:
-            namespace.append(value.decode("latin-1"))
-    return Credentials(authorization, namespace, _key_in_query(scope.get("query_string", b"")))
-
-
 def _key_in_query(query: bytes) -> str | None:
     if not query:
         return None
@@ -309,19 +314,6 @@ def _key_in_query(query: bytes) -> str | None:
         # Every way of writing api_key is `apikey`: no case, no separators.
         if "".join(c for c in name.casefold() if c.isalnum()) in _KEY_PARAMS:
             return name
-    return None
-
-
-def not_utf8(body: bytes) -> str | None:
-    """Why `body` is not UTF-8 text, or None (JSON between systems is UTF-8, RFC 8259 8.1). A
-    NUL among its first four bytes, or a UTF-16/32 byte order mark, is UTF-16 or UTF-32 (RFC
-    4627's detection); a UTF-8 byte order mark is allowed (RFC 8259 lets a parser ignore it)."""
-    if body.startswith(_UTF16_32_MARKS) or b"\x00" in body[:4]:
-        return "the body is UTF-16 or UTF-32: send JSON as UTF-8 text (RFC 8259)"
-    try:
-        body.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        return f"the body is not UTF-8: byte {exc.start} ({body[exc.start]:#04x}) {exc.reason}"
     return None
 
 

@@ -44,8 +44,12 @@ def shown(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def _loc_part(part: Any) -> str | int:
-    return part if isinstance(part, int) and not isinstance(part, bool) else shown(str(part))
+def _shown_value(part: Any) -> str | int:
+    """An index as a number (within what every JSON reader holds exactly), anything else as
+    shown text."""
+    if isinstance(part, int) and not isinstance(part, bool) and abs(part) <= 2**53:
+        return part
+    return shown(str(part))
 
 
 def error_body(error: ServiceError) -> bytes:
@@ -53,8 +57,8 @@ def error_body(error: ServiceError) -> bytes:
         return orjson.dumps({"detail": shown(error.message)})
     entries = [
         {
-            **{k: v for k, v in p.extra.items() if isinstance(v, int | str)},
-            "loc": [_loc_part(part) for part in p.loc],
+            **{shown(str(k)): _shown_value(v) for k, v in p.extra.items()},
+            "loc": [_shown_value(part) for part in p.loc],
             "msg": shown(p.msg),
             "type": shown(p.type),
         }

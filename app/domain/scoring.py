@@ -68,13 +68,19 @@ class StepStats:
 
     @classmethod
     def of(cls, steps: Sequence[StepLike]) -> StepStats:
-        tools = [step.tool.name for step in steps if step.tool is not None]
+        types, tools, recoveries, tool_steps = set(), set(), 0, 0
+        for step in steps:
+            types.add(step.type)
+            recoveries += step.type == "error_recovery"
+            if step.tool is not None:
+                tools.add(step.tool.name)
+                tool_steps += 1
         return cls(
             step_count=len(steps),
-            unique_types=len({step.type for step in steps}),
-            error_recoveries=sum(step.type == "error_recovery" for step in steps),
-            unique_tools=len(set(tools)),
-            uses_tools=bool(tools),
+            unique_types=len(types),
+            error_recoveries=recoveries,
+            unique_tools=len(tools),
+            uses_tools=tool_steps > 0,
             single_thought=len(steps) == 1 and steps[0].type == "thought",
         )
 

@@ -1,12 +1,14 @@
-"""The embedder as the service runs it: loaded once, lazily, run by its own worker threads.
+"""The embedder as the service runs it: loaded once, lazily, run by its own worker threads,
+with a memo of recent vectors in front.
 
-This facade puts four parts together, each readable and testable alone:
-
-- embeddings_lifecycle: the model's state, lazy load and warm-up;
-- embeddings_admission: the two limits that turn real overload away (OverloadedError);
-- embeddings_queue: the requests waiting, and which of them share a run;
-- embeddings_scheduler: the worker threads, their runs, one-at-a-time retries and shutdown,
-  calling embeddings_backend (tokenize, group by token length, run the model).
+- `ModelLifecycle`: the model's state, its lazy load and the warm-up that follows the first
+  answer (or precedes readiness, with preload);
+- `EmbeddingMemo`: one model run per text: a bounded memo of recent vectors, by the SHA-256 of
+  the exact text handed to the model. A commit after a dry run, or a retry, gets the vector the
+  model gave the first time (the model is deterministic for a text) without running it again;
+  requests that ask for the same new text at the same time share one run;
+- `EmbeddingService`: the two above and the scheduler (scheduler.py: the queue, its limits and
+  the worker threads) behind one small API.
 
 Load the machine can carry is served later, not refused, on a fast CPU and a slow one alike.
 """
@@ -15,22 +17,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
-from collections.abc import Sequence
-from typing import Any
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol
 
 from app.core.states import EmbedderState, Precision
-from app.embedding.admission import Admission
-from app.embedding.backend import ModelBackend, length_groups
-from app.embedding.lifecycle import EmbedderFactory, ModelLifecycle
-from app.embedding.onnx_embedder import WARM_UP_TEXT
-from app.embedding.scheduler import RunScheduler
+from app.embedding.onnx_embedder import WARM_UP_TEXT, ModelError, OnnxEmbedder
+from app.embedding.scheduler import QueueLimits, RunScheduler
 from app.embedding.types import (
     EmbedderUnavailableError,
     Embedding,
     EmbedObserver,
     Outcome,
     OverloadedError,
+    RunnerGoneError,
 )
 
 __all__ = [
@@ -38,17 +40,201 @@ __all__ = [
     "EmbedderFactory",
     "EmbedderUnavailableError",
     "Embedding",
+    "EmbeddingMemo",
     "EmbeddingService",
+    "ModelLifecycle",
     "Outcome",
     "OverloadedError",
-    "length_groups",
 ]
 
 log = logging.getLogger(__name__)
 
+EmbedderFactory = Callable[[], OnnxEmbedder]
+
 #: Runs through the queue that end the start-up (after the first answer, or before a preloaded
 #: service reports itself ready): the first request is then not the first to wake a worker.
 WARM_UP_REQUESTS = 3
+
+
+class Embedder(Protocol):
+    async def embed(self, texts: Sequence[str]) -> list[Embedding]: ...
+
+
+class EmbeddingMemo:
+    """`capacity` vectors at most (the least recently used go first); 0 turns it off."""
+
+    def __init__(self, embeddings: Embedder, capacity: int) -> None:
+        self._embeddings = embeddings
+        self._capacity = capacity
+        #: Texts found in the memo, and texts not (read by /metrics).
+        self.hits_total = 0
+        self.misses_total = 0
+        self._memo: OrderedDict[bytes, Embedding] = OrderedDict()
+        #: Texts being embedded now, for requests that ask for them meanwhile.
+        self._running: dict[bytes, asyncio.Future[Embedding]] = {}
+
+    def __len__(self) -> int:
+        return len(self._memo)
+
+    async def embed(self, texts: Sequence[str]) -> list[Embedding]:
+        if self._capacity == 0:
+            return await self._embeddings.embed(texts)
+        digests: list[bytes] = []
+        found: dict[bytes, Embedding] = {}
+        missing: dict[bytes, str] = {}
+        waiting: dict[bytes, tuple[str, asyncio.Future[Embedding]]] = {}
+        for text in texts:
+            digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
+            digests.append(digest)
+            hit = self._memo.get(digest)
+            if hit is not None:
+                self._memo.move_to_end(digest)
+                found[digest] = hit
+            elif digest in self._running:
+                waiting[digest] = (text, self._running[digest])
+            else:
+                missing.setdefault(digest, text)
+        self.hits_total += len(texts) - len(missing)
+        self.misses_total += len(missing)
+        if missing:
+            found |= await self._run(missing)
+        for digest, (text, future) in waiting.items():
+            try:
+                found[digest] = await asyncio.shield(future)
+            except RunnerGoneError:
+                (found[digest],) = await self.embed([text])
+        return list(map(found.__getitem__, digests))
+
+    async def _run(self, missing: dict[bytes, str]) -> dict[bytes, Embedding]:
+        loop = asyncio.get_running_loop()
+        futures: dict[bytes, asyncio.Future[Embedding]] = {}
+        for digest in missing:
+            futures[digest] = self._running[digest] = loop.create_future()
+        try:
+            fresh = await self._embeddings.embed(list(missing.values()))
+        except BaseException as exc:
+            # Those waiting get this run's error, or run themselves if this request is gone.
+            shared = exc if isinstance(exc, Exception) else RunnerGoneError()
+            for future in futures.values():
+                future.set_exception(shared)
+                future.exception()  # retrieved: nobody may be waiting, and that is fine
+            raise
+        finally:
+            for digest in futures:
+                self._running.pop(digest, None)
+        done = dict(zip(missing, fresh, strict=True))
+        for digest, embedding in done.items():
+            futures[digest].set_result(embedding)
+            self._memo[digest] = embedding
+            self._memo.move_to_end(digest)
+        while len(self._memo) > self._capacity:
+            self._memo.popitem(last=False)
+        return done
+
+
+class ModelLifecycle:
+    """`on_loaded` starts what runs the model (False: closing, stay as is); `warm_runs` sends
+    a few runs the way requests go."""
+
+    def __init__(
+        self,
+        factory: EmbedderFactory | None,
+        *,
+        on_loaded: Callable[[], bool],
+        warm_runs: Callable[[], Awaitable[None]],
+        log_extra: Callable[[], dict[str, Any]] = dict,
+    ) -> None:
+        self._factory = factory
+        self._on_loaded = on_loaded
+        self._warm_runs = warm_runs
+        self._log_extra = log_extra
+        self.state = EmbedderState.DISABLED if factory is None else EmbedderState.NOT_LOADED
+        self.reason: str | None = "disabled by KP_EMBEDDER=none" if factory is None else None
+        self.embedder: OnnxEmbedder | None = None
+        self.closing = False
+        self._load_task: asyncio.Task[None] | None = None
+        #: Started once, after the first answer or by preload.
+        self.warm_up_task: asyncio.Task[None] | None = None
+
+    @property
+    def warmed_up(self) -> bool:
+        """Loaded, and nothing of the start-up is left to do."""
+        task = self.warm_up_task
+        return task is not None and task.done() and self.state is EmbedderState.READY
+
+    async def load(self) -> None:
+        """Loads the model once (the least the first request needs); concurrent callers wait
+        for the same load."""
+        if self._factory is None or self.state in (EmbedderState.READY, EmbedderState.UNAVAILABLE):
+            return
+        if self._load_task is None:
+            self._load_task = asyncio.create_task(self._load(self._factory))
+        await asyncio.shield(self._load_task)
+
+    async def _load(self, factory: EmbedderFactory) -> None:
+        self.state = EmbedderState.LOADING
+        log.info("embedder loading", extra=self._log_extra())
+        try:
+            self.embedder = await asyncio.to_thread(factory)
+        except ModelError as exc:
+            self.mark_unavailable(str(exc))
+            return
+        except Exception as exc:  # onnxruntime raises many types for a bad file
+            self.mark_unavailable(f"{type(exc).__name__}: {exc}")
+            return
+        if not self._on_loaded():
+            return
+        self.state = EmbedderState.READY
+        cache = self.embedder.cache_outcome
+        if cache is not None and cache.detail is not None:
+            # The start was as slow as without a cache, or the next one will be.
+            log.warning(
+                "model cache: the graph was optimised at this start"
+                + (", not saved" if cache.state == "unsaved" else ", saved"),
+                extra={"reason": cache.detail},
+            )
+        log.info(
+            "embedder ready",
+            extra={**self._log_extra(), "model_cache": None if cache is None else cache.state},
+        )
+
+    def warm_up(self) -> asyncio.Task[None]:
+        """The warm-up, started once: after the first answer, or by preload."""
+        if self.warm_up_task is None:
+            self.warm_up_task = asyncio.create_task(self._warm_up())
+        return self.warm_up_task
+
+    async def _warm_up(self) -> None:
+        """What later runs need, kept out of the first request's way: the one-core session,
+        each session's first run, and a few runs through the queue (so that the first request
+        is not the first to wake a worker)."""
+        embedder = self.embedder
+        if embedder is None or self.state is not EmbedderState.READY:
+            return
+        try:
+            await asyncio.to_thread(embedder.finish_loading)
+            await self._warm_runs()
+        except OverloadedError:
+            pass  # turned away under a tiny queue limit: the service is busy, hence warm
+        except EmbedderUnavailableError as exc:
+            if not self.closing:
+                self.mark_unavailable(f"warm-up run failed: {exc}")
+        except Exception as exc:  # the model ran for a request, yet cannot run here
+            self.mark_unavailable(f"warm-up run failed: {type(exc).__name__}: {exc}")
+        else:
+            log.info("embedder warmed up", extra=self._log_extra())
+
+    def mark_unavailable(self, reason: str) -> None:
+        self.state = EmbedderState.UNAVAILABLE
+        self.reason = reason
+        log.error("embedder unavailable; novelty is not measured", extra={"reason": reason})
+
+    async def close(self) -> None:
+        """Marks closing and waits for the load and warm-up under way."""
+        self.closing = True
+        for task in (self._load_task, self.warm_up_task):
+            if task is not None:
+                await asyncio.gather(task, return_exceptions=True)
 
 
 class EmbeddingService:
@@ -73,11 +259,12 @@ class EmbeddingService:
         #: With KP_EMBEDDER_PRECISION=int8: which int8 products run, or why float32 instead.
         self.precision_reason = precision_reason
         self.workers = workers
+        self.batch_size = batch_size
         self.scheduler = RunScheduler(
-            ModelBackend(lambda: self.lifecycle.embedder, batch_size),
+            self._run_model,
             workers=workers,
             batch_size=batch_size,
-            admission=Admission(queue_limit, max_wait_ms),
+            limits=QueueLimits(queue_limit, max_wait_ms),
             observer=observer,
         )
         self.lifecycle = ModelLifecycle(
@@ -143,14 +330,25 @@ class EmbeddingService:
 
     async def embed(self, texts: Sequence[str]) -> list[Embedding]:
         """Embeddings in the order of `texts`, or EmbedderUnavailableError / OverloadedError."""
-        await self.lifecycle.load()
-        if self.state is not EmbedderState.READY:
-            raise EmbedderUnavailableError(self.reason or self.state.value)
+        lifecycle = self.lifecycle
+        if lifecycle.state is not EmbedderState.READY:
+            await lifecycle.load()  # changes the state
+            state: EmbedderState = lifecycle.state
+            if state is not EmbedderState.READY:
+                raise EmbedderUnavailableError(lifecycle.reason or state.value)
         try:
             return await self._queued(texts)
         finally:
-            if not self.lifecycle.closing:  # the first answer is on its way: warm up now
-                self.lifecycle.warm_up()
+            # The first answer is on its way: warm up now.
+            if lifecycle.warm_up_task is None and not lifecycle.closing:
+                lifecycle.warm_up()
+
+    def _run_model(self, texts: list[str], one_core: bool = False) -> list[Embedding]:
+        """One model run (on a worker thread) over the model the lifecycle loaded."""
+        embedder = self.lifecycle.embedder
+        if embedder is None:
+            raise RuntimeError("the model is not loaded")
+        return embedder.embed_grouped(texts, one_core=one_core, max_group=self.batch_size)
 
     async def _queued(self, texts: Sequence[str]) -> list[Embedding]:
         """Through the queue and a worker, as every request goes."""

@@ -10,6 +10,11 @@ through the event loop (busy with HTTP under load, it would leave the cores idle
   for others to arrive.
 
 A run that fails is retried one request at a time, so one bad input fails alone.
+
+Admission turns real overload away, and only that: a request that would put more than
+`queue_limit` texts in the queue is refused at the door; one that has waited `max_wait_ms`
+without its run starting is refused when its turn comes. Both limits are counts and wall time
+the operator sets, never this machine's speed.
 """
 
 from __future__ import annotations
@@ -17,21 +22,107 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final, Literal
 
-from app.embedding.admission import Admission
-from app.embedding.queue import Job, JobQueue
 from app.embedding.types import (
     EmbedderUnavailableError,
     Embedding,
     EmbedObserver,
     NoObserver,
     Outcome,
+    OverloadedError,
 )
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class QueueLimits:
+    queue_limit: int = 256
+    max_wait_ms: float = 10_000.0
+
+    def check_door(self, queued: int, count: int) -> None:
+        """OverloadedError if `count` more texts would pass the queue limit (a request larger
+        than the limit is still taken when nothing else waits: it is not overload)."""
+        if queued and queued + count > self.queue_limit:
+            raise OverloadedError(
+                f"{queued} texts are waiting for the model "
+                f"(limit {self.queue_limit}, KP_EMBED_QUEUE_LIMIT)",
+                "queue_limit",
+            )
+
+    def expired(self, waited_s: float) -> OverloadedError | None:
+        """The error for a request that waited `waited_s` past the limit, or None."""
+        waited_ms = waited_s * 1000
+        if waited_ms <= self.max_wait_ms:
+            return None
+        return OverloadedError(
+            f"waited {waited_ms:.0f} ms for the model "
+            f"(limit {self.max_wait_ms:g} ms, KP_EMBED_MAX_WAIT_MS)",
+            "waited_too_long",
+        )
+
+
+def _never() -> bool:
+    return False
+
+
+@dataclass(slots=True)
+class Job:
+    """One request's texts; `settle` gets its outcome, once, from whichever thread has it."""
+
+    texts: Sequence[str]
+    settle: Callable[[Outcome], None] = field(repr=False)
+    #: True once nobody awaits the outcome any more (the client went away).
+    abandoned: Callable[[], bool] = field(default=_never, repr=False)
+    queued_at: float = field(default_factory=time.monotonic)
+
+
+class JobQueue:
+    """Jobs in arrival order, with the count of their texts."""
+
+    def __init__(self) -> None:
+        self._jobs: deque[Job] = deque()
+        self.texts = 0
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def put(self, job: Job) -> None:
+        self._jobs.append(job)
+        self.texts += len(job.texts)
+
+    def drain(self) -> list[Job]:
+        jobs = list(self._jobs)
+        self._jobs.clear()
+        self.texts = 0
+        return jobs
+
+    def pop_stale(self, is_stale: Callable[[Job], bool]) -> list[Job]:
+        """Removes the jobs at the head for which `is_stale` holds, up to the first that does
+        not (the head is the oldest: later ones waited less)."""
+        stale = []
+        while self._jobs and is_stale(self._jobs[0]):
+            job = self._jobs.popleft()
+            self.texts -= len(job.texts)
+            stale.append(job)
+        return stale
+
+    def take(self, max_texts: int) -> list[Job]:
+        """The oldest job and the next ones in order, up to `max_texts` texts (the model run
+        groups their texts by length: onnx_embedder.length_groups)."""
+        jobs: list[Job] = []
+        size = 0
+        while self._jobs and (not jobs or size + len(self._jobs[0].texts) <= max_texts):
+            job = self._jobs.popleft()
+            jobs.append(job)
+            size += len(job.texts)
+        self.texts -= size
+        return jobs
+
 
 #: Texts one one-core run takes at most while other workers run too: a worker's requests all
 #: wait for its run, so a share stays small.
@@ -47,11 +138,7 @@ class Run:
     jobs: list[Job]
     one_core: bool
     width: int  # workers it occupies: all of them for a run over every core
-
-    @property
-    def count(self) -> int:
-        """Texts in the run."""
-        return sum(len(job.texts) for job in self.jobs)
+    count: int  # texts in the run
 
 
 class RunScheduler:
@@ -64,13 +151,13 @@ class RunScheduler:
         *,
         workers: int = 1,
         batch_size: int = 32,
-        admission: Admission | None = None,
+        limits: QueueLimits | None = None,
         observer: EmbedObserver | None = None,
     ) -> None:
         self.backend = backend
         self.workers = workers
         self.batch_size = batch_size
-        self.admission = admission or Admission()
+        self.limits = limits or QueueLimits()
         self.observer: EmbedObserver = observer or NoObserver()
         self._lock = threading.Condition()
         self._queue = JobQueue()
@@ -120,7 +207,7 @@ class RunScheduler:
         with self._lock:
             if self._closing:
                 raise EmbedderUnavailableError("the service is shutting down")
-            self.admission.check_door(self.queue_depth, len(texts))
+            self.limits.check_door(self._queue.texts + self._running_texts, len(texts))
             self._queue.put(job)
             self._lock.notify()
 
@@ -167,15 +254,16 @@ class RunScheduler:
             if self._queue and self._idle_workers:
                 break
             self._lock.wait()
+        queued = self._queue.texts
         if self._idle_workers == self.workers and len(self._queue) == 1:
-            run = Run(self._queue.take(1), one_core=False, width=self.workers)
+            run = Run(self._queue.take(1), False, self.workers, queued)
         elif self.workers == 1:
-            run = Run(self._queue.take(self.batch_size), one_core=False, width=1)
+            run = Run(self._queue.take(self.batch_size), False, 1, queued - self._queue.texts)
         else:
             # A share small enough to be one model run: a worker's jobs all wait for it.
-            share = -(-self._queue.texts // self._idle_workers)  # rounded up
+            share = -(-queued // self._idle_workers)  # rounded up
             jobs = self._queue.take(min(share, ONE_CORE_RUN_TEXTS))
-            run = Run(jobs, one_core=True, width=1)
+            run = Run(jobs, True, 1, queued - self._queue.texts)
         self._running_texts += run.count
         self._idle_workers -= run.width
         return run
@@ -187,7 +275,7 @@ class RunScheduler:
         errors: dict[int, Exception] = {}
 
         def stale(job: Job) -> bool:
-            error = self.admission.expired(now - job.queued_at)
+            error = self.limits.expired(now - job.queued_at)
             if error is not None:
                 errors[id(job)] = error
             return error is not None or job.abandoned()
@@ -198,13 +286,18 @@ class RunScheduler:
 
     def _run_jobs(self, jobs: list[Job], *, one_core: bool) -> list[tuple[Job, Outcome]]:
         """One model run for all jobs; if it fails, each job alone."""
-        texts = [text for job in jobs for text in job.texts]
+        texts: list[str] = []
+        for job in jobs:
+            texts.extend(job.texts)
         started = time.monotonic()
         try:
             embeddings = self.backend(texts, one_core)
         except Exception as exc:
             if len(jobs) > 1:
-                return [out for job in jobs for out in self._run_jobs([job], one_core=one_core)]
+                retried: list[tuple[Job, Outcome]] = []
+                for job in jobs:
+                    retried += self._run_jobs([job], one_core=one_core)
+                return retried
             log.exception("embedding failed for one request", extra={"texts": len(texts)})
             failure = EmbedderUnavailableError(
                 f"embedding failed: {type(exc).__name__}", "embedding_failed"

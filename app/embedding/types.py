@@ -32,6 +32,10 @@ class EmbedderUnavailableError(PartError):
         self.code = code
 
 
+class RunnerGoneError(PartError):
+    """The request whose run a text waited for went away: embed it anew."""
+
+
 class OverloadedError(ServiceError):
     """Too many texts are waiting for the model; `reason` says which guard turned it away.
     Nothing changed: the client may retry after a second."""

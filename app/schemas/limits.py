@@ -1,8 +1,9 @@
-"""Size limits a trace must respect beyond its schema (KP_MAX_STEPS, KP_MAX_STRING_CHARS,
-KP_MAX_JSON_DEPTH): each answers 422 naming the field and the limit."""
+"""Limits a trace must respect beyond its schema (KP_MAX_STEPS, KP_MAX_STRING_CHARS,
+KP_MAX_JSON_DEPTH, JSON's own rules): each answers 422 naming the field and the limit."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -23,22 +24,40 @@ class TraceLimits:
     max_string_chars: int
 
 
-def json_depth_exceeds(body: bytes, limit: int) -> bool:
-    """Whether arrays and objects nest deeper than `limit`, found without parsing the body.
+def json_problem(body: bytes, max_depth: int) -> tuple[str, str] | None:
+    """(kind, why) a JSON body breaks a rule the parser would not state clearly, found without
+    parsing it: arrays and objects nested deeper than `max_depth` (checked before a parser could
+    exhaust its recursion on them), or a number longer than Python reads (4,300 digits). (NaN
+    and Infinity, which Python's parser takes, are refused by the schema where it names a
+    number, and read as JavaScript's JSON.stringify writes them, null, elsewhere.)
 
-    Brackets inside strings do not count. The strings' contents are dropped in bulk (escaped
-    backslashes and quotes first, then every other run between quotes) and the depth is a
+    Only what lies outside strings counts. The strings' contents are dropped in bulk (escaped
+    backslashes and quotes first, then every other run between quotes), and the depth is a
     cumulative sum, so that no Python code runs per character of a megabyte body. Up to the
-    first error in a malformed body the quotes pair as the parser pairs them, and it nests no
-    deeper than that.
+    first error in a malformed body the quotes pair as the parser pairs them.
     """
-    if body.count(b"[") + body.count(b"{") <= limit:
-        return False
+    deep = body.count(b"[") + body.count(b"{") > max_depth
+    long_number = _LONG_DIGITS.search(body) is not None
+    if not (deep or long_number):
+        return None
     unescaped = body.replace(b"\\\\", b"").replace(b'\\"', b"")
     outside_strings = b"".join(unescaped.split(b'"')[::2])
-    brackets = np.frombuffer(outside_strings.translate(None, _NOT_BRACKETS), dtype=np.uint8)
-    steps = np.where((brackets == ord("[")) | (brackets == ord("{")), 1, -1)
-    return bool(steps.cumsum().max(initial=0) > limit)
+    if deep:
+        brackets = np.frombuffer(outside_strings.translate(None, _NOT_BRACKETS), dtype=np.uint8)
+        steps = np.where((brackets == ord("[")) | (brackets == ord("{")), 1, -1)
+        if steps.cumsum().max(initial=0) > max_depth:
+            return (
+                "limit_exceeded",
+                f"JSON nests deeper than {max_depth} levels (KP_MAX_JSON_DEPTH)",
+            )
+    if long_number and _LONG_DIGITS.search(outside_strings) is not None:
+        return "json_invalid", f"a number has more than {MAX_NUMBER_DIGITS} digits"
+    return None
+
+
+#: The longest run of digits a number may have (Python's int limit).
+MAX_NUMBER_DIGITS: Final = 4300
+_LONG_DIGITS: Final = re.compile(rb"[0-9]{%d}" % (MAX_NUMBER_DIGITS + 1))
 
 
 def limit_problems(

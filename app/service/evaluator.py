@@ -14,8 +14,7 @@ from dataclasses import dataclass
 
 from app.core.states import NotStoredReason, NoveltyReason
 from app.domain import scoring
-from app.embedding.embeddings import EmbedderUnavailableError, Embedding
-from app.embedding.memo import Embedder
+from app.embedding.embeddings import Embedder, EmbedderUnavailableError, Embedding
 from app.memory.base import (
     DEFAULT_NAMESPACE,
     Comparison,
@@ -68,9 +67,13 @@ class Evaluator:
         """Score traces in order; each sees its namespace's memory as the ones before it left
         it. NamespaceLimitError (nothing added) when the namespace would pass the limit."""
         started = time.perf_counter()
-        texts = [
-            scoring.novelty_text(t.task.objective, [s.content for s in t.steps]) for t in traces
-        ]
+        texts, ids = [], []
+        for trace in traces:
+            contents = []
+            for step in trace.steps:
+                contents.append(step.content)
+            texts.append(scoring.novelty_text(trace.task.objective, contents))
+            ids.append(trace.id)
         try:
             embeddings = await self.embeddings.embed(texts)
         except EmbedderUnavailableError as exc:
@@ -86,7 +89,7 @@ class Evaluator:
             )
             reports = [report] * len(traces)
         else:
-            reports = await self._measure(traces, embeddings, dry_run=dry_run, namespace=namespace)
+            reports = await self._measure(ids, embeddings, dry_run=dry_run, namespace=namespace)
 
         results = []
         for trace, report in zip(traces, reports, strict=True):
@@ -103,45 +106,42 @@ class Evaluator:
         return results
 
     async def _measure(
-        self,
-        traces: Sequence[ReasoningTrace],
-        embeddings: Sequence[Embedding],
-        *,
-        dry_run: bool,
-        namespace: str,
+        self, ids: list[str], embeddings: Sequence[Embedding], *, dry_run: bool, namespace: str
     ) -> list[NoveltyReport]:
+        vectors = []
+        for embedding in embeddings:
+            vectors.append(embedding.vector)
+        unavailable = None
         try:
-            comparisons = await self.memory.compare(
-                namespace, [e.vector for e in embeddings], [t.id for t in traces], add=not dry_run
-            )
+            comparisons = await self.memory.compare(namespace, vectors, ids, add=not dry_run)
         except MemoryUnavailableError as exc:
-            return [
-                NoveltyReport(
+            unavailable = str(exc)
+        reports = []
+        for i, e in enumerate(embeddings):
+            if unavailable is not None:
+                report = NoveltyReport(
                     False,
                     "cache_unavailable",
-                    str(exc),
+                    unavailable,
                     None,
                     0,
                     e.token_count,
                     e.truncated,
                     not_stored="dry_run" if dry_run else "cache_unavailable",
-                    not_stored_detail=None if dry_run else str(exc),
+                    not_stored_detail=None if dry_run else unavailable,
                 )
-                for e in embeddings
-            ]
-        return [_report(c, e, dry_run) for c, e in zip(comparisons, embeddings, strict=True)]
-
-
-def _not_stored(comparison: Comparison, dry_run: bool) -> tuple[NotStoredReason | None, str | None]:
-    if comparison.stored:
-        return None, None
-    if dry_run:
-        return "dry_run", None
-    return "storage_failed", comparison.not_stored
+            else:
+                report = _report(comparisons[i], e, dry_run)
+            reports.append(report)
+        return reports
 
 
 def _report(comparison: Comparison, embedding: Embedding, dry_run: bool) -> NoveltyReport:
-    not_stored, detail = _not_stored(comparison, dry_run)
+    not_stored: NotStoredReason | None = None
+    detail = None
+    if not comparison.stored:
+        not_stored = "dry_run" if dry_run else "storage_failed"
+        detail = None if dry_run else comparison.not_stored
     if comparison.max_cosine is None:
         return NoveltyReport(
             False,

@@ -16,9 +16,8 @@ from app.core.config import Settings, redis_location, retired_settings
 from app.core.health import UNMEASURED, Health
 from app.core.states import EmbedderState, Precision, StorageState
 from app.embedding import model_files
-from app.embedding.embeddings import EmbeddingService
+from app.embedding.embeddings import EmbeddingMemo, EmbeddingService
 from app.embedding.int8_support import CpuFeatures, Int8Support, int8_support
-from app.embedding.memo import EmbeddingMemo
 from app.embedding.onnx_embedder import ModelError, OnnxEmbedder
 from app.embedding.session_cache import SessionCache
 from app.embedding.types import EmbedObserver

@@ -147,15 +147,10 @@ class _Prepared:
     gate: Gate | None = None
 
 
-_JSON: dict[type[BaseModel], TypeAdapter[Any]] = {}
-
-
-def to_json(model: BaseModel) -> bytes:
-    """The model's JSON as FastAPI writes a response model (pydantic's serializer)."""
-    adapter = _JSON.get(type(model))
-    if adapter is None:
-        adapter = _JSON[type(model)] = TypeAdapter(type(model))
-    return adapter.dump_json(model)
+#: The answers' JSON as FastAPI writes a response model (pydantic's serializer).
+_JSON: dict[type[BaseModel], TypeAdapter[Any]] = {
+    model: TypeAdapter(model) for model in (EvaluationOut, BatchOut, ContributionOut)
+}
 
 
 class ScoringService:
@@ -175,6 +170,11 @@ class ScoringService:
         self.keys = keys
         self.signer = signer
         self.limits = TraceLimits(settings.max_batch, settings.max_steps, settings.max_string_chars)
+        #: Routes served to every caller: no keys file (scoring), no keys and no token (admin).
+        self.open: dict[KeyScope, bool] = {
+            "evaluate": settings.scoring_open,
+            "admin": settings.cache_open,
+        }
 
     # -- who asks: before the body -----------------------------------------------------
 
@@ -189,10 +189,13 @@ class ScoringService:
             # Which one a proxy, a log or this service reads first is anyone's guess.
             msg = f"one Authorization header, not {len(given.authorization)}"
             raise ServiceError(400, "repeated_header", msg, loc=_KEY_LOC)
-        presented = _bearer(given.authorization[0] if given.authorization else None)
+        presented = None
+        if given.authorization:
+            scheme, _, token = given.authorization[0].strip().partition(" ")
+            if scheme.lower() == "bearer" and token.strip():
+                presented = token.strip()
         key = None if presented is None else self.keys.identify(presented)
-        is_open = self.settings.scoring_open if scope == "evaluate" else self.settings.cache_open
-        if is_open:
+        if self.open[scope]:
             key = key if key is not None and scope in key.scopes else None
         elif key is None:
             reason = "missing" if presented is None else "unknown_key"
@@ -208,7 +211,12 @@ class ScoringService:
         if len(given.namespace) > 1:
             msg = f"one {namespaces.HEADER} header, not {len(given.namespace)}"
             raise ServiceError(400, "repeated_header", msg, loc=namespaces.LOC)
-        namespace = self._namespace(key, given.namespace[0] if given.namespace else None)
+        if given.namespace:
+            namespace = self._namespace(key, given.namespace[0])
+        else:
+            namespace = (
+                namespaces.DEFAULT if key is None or key.namespace is None else key.namespace
+            )
         if key is not None:
             await self._take_first_token(key)
         return Caller(key, namespace)
@@ -309,9 +317,9 @@ class ScoringService:
         m = self.metrics
         kind = "batch" if request.kind == "batch" else "one"
         m.child(m.scoring_requests, request.caller.transport, kind).inc()
-        if request.replay is None:
-            return await self._score(request)
-        return await self._once(request.caller, request.replay, lambda: self._score(request))
+        if request.replay is not None:
+            return await self._once(request.caller, request.replay, lambda: self._score(request))
+        return await self._score(request)
 
     async def _score(self, request: Scoring) -> Answer:
         prepared = await self._refusals(request)
@@ -386,13 +394,14 @@ class ScoringService:
             model: BaseModel = self._contribution_out(
                 evaluation, prepared.gate, digests[0], dry_run=request.dry_run
             )
+        elif request.kind == "batch":
+            answers = []
+            for e, digest in zip(evaluations, digests, strict=True):
+                answers.append(self._evaluation_out(e, digest, dry_run=request.dry_run))
+            model = BatchOut(results=answers)
         else:
-            answers = [
-                self._evaluation_out(e, digest, dry_run=request.dry_run)
-                for e, digest in zip(evaluations, digests, strict=True)
-            ]
-            model = BatchOut(results=answers) if request.kind == "batch" else answers[0]
-        return Answer(to_json(model), model)
+            model = self._evaluation_out(evaluations[0], digests[0], dry_run=request.dry_run)
+        return Answer(_JSON[type(model)].dump_json(model), model)
 
     def _evaluation_out(
         self,
@@ -607,15 +616,6 @@ class ScoringService:
     @property
     def version(self) -> str:
         return VERSION
-
-
-def _bearer(value: str | None) -> str | None:
-    if value is None:
-        return None
-    scheme, _, token = value.strip().partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        return None
-    return token.strip()
 
 
 def _finding(finding: Finding) -> FindingOut:

@@ -16,13 +16,11 @@ from app.api.deps import (
     DryRun,
     IdempotencyKey,
     NamespaceHeader,
-    ServiceDep,
 )
-from app.api.edge import caller_of
 from app.schemas.contribution import ContributionOut
 from app.schemas.responses import BatchIn, BatchOut, EvaluationOut
 from app.schemas.trace import ReasoningTrace
-from app.service.scoring_service import Answer, Kind, Replay, Scoring
+from app.service.scoring_service import Kind, Replay, Scoring, ScoringService
 
 router = APIRouter(
     responses={
@@ -78,7 +76,6 @@ _SURROGATE: dict[int | str, dict[str, Any]] = {
 
 
 async def _answer(
-    service: ServiceDep,
     request: Request,
     kind: Kind,
     traces: Sequence[ReasoningTrace],
@@ -92,7 +89,7 @@ async def _answer(
         query = request.scope.get("query_string", b"")
         replay = Replay(idempotency_key, request.method, request.url.path, query, body)
     scoring = Scoring(
-        caller_of(request.scope),
+        request.scope["state"]["caller"],  # Admission's, on every scoring route
         kind,
         traces,
         sent["traces"] if kind == "batch" else [sent],
@@ -100,10 +97,8 @@ async def _answer(
         body_bytes=len(body),
         replay=replay,
     )
-    return as_response(await service.score(scoring))
-
-
-def as_response(answer: Answer) -> Response:
+    service: ScoringService = request.app.state.service
+    answer = await service.score(scoring)
     headers = {"Idempotent-Replayed": "true"} if answer.replayed else None
     return Response(answer.body, answer.status, headers, media_type="application/json")
 
@@ -119,12 +114,11 @@ def as_response(answer: Answer) -> Response:
 async def evaluate(
     trace: Annotated[ReasoningTrace, Body(openapi_examples=request_examples.EVALUATE)],
     request: Request,
-    service: ServiceDep,
     dry_run: DryRun = False,
     idempotency_key: IdempotencyKey = None,
     kp_namespace: NamespaceHeader = None,
 ) -> Response:
-    return await _answer(service, request, "one", [trace], dry_run, idempotency_key)
+    return await _answer(request, "one", [trace], dry_run, idempotency_key)
 
 
 @router.post(
@@ -138,12 +132,11 @@ async def evaluate(
 async def evaluate_batch(
     batch: Annotated[BatchIn, Body(openapi_examples=request_examples.BATCH)],
     request: Request,
-    service: ServiceDep,
     dry_run: DryRun = False,
     idempotency_key: IdempotencyKey = None,
     kp_namespace: NamespaceHeader = None,
 ) -> Response:
-    return await _answer(service, request, "batch", batch.traces, dry_run, idempotency_key)
+    return await _answer(request, "batch", batch.traces, dry_run, idempotency_key)
 
 
 @router.post(
@@ -160,9 +153,8 @@ async def evaluate_batch(
 async def contribution(
     trace: ReasoningTrace,
     request: Request,
-    service: ServiceDep,
     dry_run: DryRun = False,
     idempotency_key: IdempotencyKey = None,
     kp_namespace: NamespaceHeader = None,
 ) -> Response:
-    return await _answer(service, request, "contribution", [trace], dry_run, idempotency_key)
+    return await _answer(request, "contribution", [trace], dry_run, idempotency_key)
