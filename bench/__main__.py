@@ -17,6 +17,8 @@ Phases (default: all; `python -m bench PHASE --help` for each one's options):
   start, side by side with the former snapshot and journal (bench/persistence.py);
 - contribution: POST /contribution against POST /evaluate on the same traces, and on
   megabyte traces against a full model window (bench/contribution.py);
+- versus: this checkout against another one (the previous release), A B A B: the lone
+  client's p50 over the floor and 16 clients' rate (bench/versus.py);
 - all: every figure of bench/results/latest.json (floor, load, window, shared, first
   requests), then the reference and memory phases. See bench/README.md.
 """
@@ -47,6 +49,7 @@ from bench import (
     precision,
     reference,
     shared,
+    versus,
 )
 from bench.corpus import Item
 from bench.floor import Floor
@@ -330,6 +333,7 @@ DELEGATED = {
     "precision": precision.main,
     "persistence": persistence.main,
     "contribution": contribution.main,
+    "versus": versus.main,
 }
 PHASES = ("all", "floor", "load", "window", *DELEGATED)
 
