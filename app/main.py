@@ -14,7 +14,9 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from fastapi.telemetry import TelemetryConfig
 from fastapi_offline import FastAPIOffline
+from opentelemetry import trace
 from starlette.middleware import Middleware
 
 from app.api import mcp, openapi_doc
@@ -32,9 +34,17 @@ from app.service.scoring_service import ScoringService
 from app.service.trust import load_keys, load_signer
 
 
-def create_app(settings: Settings | None = None, *, cpu: CpuFeatures | None = None) -> FastAPI:
+def create_app(
+    settings: Settings | None = None,
+    *,
+    cpu: CpuFeatures | None = None,
+    telemetry: TelemetryConfig | None = None,
+) -> FastAPI:
     """`settings`: None reads them from the environment. `cpu`: the CPU int8 mode decides on
-    (default: this machine's; tests pass another)."""
+    (default: this machine's; tests pass another). `telemetry`: FastAPI's OpenTelemetry
+    settings over these defaults: the standard OTEL_* variables configure the export (OTLP),
+    and nothing is traced unless an exporter is (docs/operating/tracing.md)."""
+    telemetry = {"auto_configure": True, **(telemetry or {})}
     from_environment = settings is None
     if settings is None:
         settings = Settings.from_env()
@@ -48,9 +58,16 @@ def create_app(settings: Settings | None = None, *, cpu: CpuFeatures | None = No
         if from_environment:  # served: JSON lines on stderr (a test's app logs as pytest says)
             configure_logging(settings.log_level)
         runtime = Runtime(settings, cpu, observer=metrics)
+        # FastAPI configured the export from OTEL_* before this start; unconfigured, the
+        # provider is the API's proxy and nothing is traced (nor costs a span).
+        provider = telemetry.get("tracer_provider") or trace.get_tracer_provider()
+        tracer = None
+        if telemetry.get("tracing", True) and not isinstance(provider, trace.ProxyTracerProvider):
+            tracer = provider.get_tracer("kp-scoring", VERSION)
+        runtime.evaluator.tracer = runtime.embeddings.tracer = tracer
         await runtime.start()
         metrics.registry.register(runtime.collector)
-        service = ScoringService(settings, runtime, metrics, keys, signer)
+        service = ScoringService(settings, runtime, metrics, keys, signer, tracer)
         app.state.service = service
         app.state.mcp = mcp.McpHost(service)
         if settings.embedder_preload:
@@ -80,6 +97,7 @@ def create_app(settings: Settings | None = None, *, cpu: CpuFeatures | None = No
         summary="KnowledgePulse trace scoring: is this reasoning trace worth sharing?",
         lifespan=lifespan,
         middleware=pipeline(settings, metrics),
+        telemetry=telemetry,
     )
     app.state.settings = settings
     for router in (evaluate.router, mcp.router, cache.router, health.router):

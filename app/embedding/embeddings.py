@@ -19,9 +19,12 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
+
+from opentelemetry.trace import Tracer
 
 from app.core.states import EmbedderState, Precision
 from app.embedding.onnx_embedder import WARM_UP_TEXT, ModelError, OnnxEmbedder
@@ -255,6 +258,8 @@ class EmbeddingService:
         observer: EmbedObserver | None = None,
     ) -> None:
         self.model_name = model_name
+        #: Set (app/main.py) when traces are exported: the queue's wait and the model's run.
+        self.tracer: Tracer | None = None
         self.precision = precision
         #: With KP_EMBEDDER_PRECISION=int8: which int8 products run, or why float32 instead.
         self.precision_reason = precision_reason
@@ -360,8 +365,21 @@ class EmbeddingService:
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(_set_outcome, future, outcome)
 
-        self.scheduler.submit(texts, settle, future.done)
-        return await future
+        job = self.scheduler.submit(texts, settle, future.done)
+        embeddings = await future
+        if self.tracer is not None and job.run_started is not None and job.run_ended is not None:
+            # Timed on the worker: spans of the past, under the request's current span.
+            now_ns, now = time.time_ns(), time.monotonic()
+            at = [now_ns - round((now - t) * 1e9) for t in (job.queued_at, job.run_started)]
+            attributes = {"kp.texts": len(texts)}
+            self.tracer.start_span("kp.model.queue", start_time=at[0], attributes=attributes).end(
+                end_time=at[1]
+            )
+            ended = now_ns - round((now - job.run_ended) * 1e9)
+            self.tracer.start_span("kp.model.run", start_time=at[1], attributes=attributes).end(
+                end_time=ended
+            )
+        return embeddings
 
     async def _warm_runs(self) -> None:
         for _ in range(WARM_UP_REQUESTS):

@@ -79,6 +79,9 @@ class Job:
     #: True once nobody awaits the outcome any more (the client went away).
     abandoned: Callable[[], bool] = field(default=_never, repr=False)
     queued_at: float = field(default_factory=time.monotonic)
+    #: When its model run started and ended (time.monotonic), once it ran.
+    run_started: float | None = None
+    run_ended: float | None = None
 
 
 class JobQueue:
@@ -200,7 +203,7 @@ class RunScheduler:
         texts: Sequence[str],
         settle: Callable[[Outcome], None],
         abandoned: Callable[[], bool] | None = None,
-    ) -> None:
+    ) -> Job:
         """Queues `texts`; `settle` gets their outcome from a worker. Raises OverloadedError
         at the door, EmbedderUnavailableError once closing."""
         job = Job(texts, settle) if abandoned is None else Job(texts, settle, abandoned)
@@ -210,6 +213,7 @@ class RunScheduler:
             self.limits.check_door(self._queue.texts + self._running_texts, len(texts))
             self._queue.put(job)
             self._lock.notify()
+        return job
 
     def close(self) -> None:
         """Workers stop after their current run; requests still waiting fail."""
@@ -234,8 +238,10 @@ class RunScheduler:
                 return
             started = time.monotonic()
             for job in run.jobs:
+                job.run_started = started
                 self.observer.queue_waited(started - job.queued_at)
             outcomes = self._run_jobs(run.jobs, one_core=run.one_core)
+            ended = time.monotonic()
             with self._lock:
                 self._running_texts -= run.count
                 self._idle_workers += run.width
@@ -243,6 +249,7 @@ class RunScheduler:
             # Only now: a client answered at once sends its next request at once, and the door
             # must not count this run as still going (a needless 503 at one client).
             for job, outcome in outcomes:
+                job.run_ended = ended
                 job.settle(outcome)
 
     def _next_run(self) -> Run | None:

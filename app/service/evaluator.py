@@ -12,6 +12,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from opentelemetry.trace import Tracer
+
 from app.core.states import NotStoredReason, NoveltyReason
 from app.domain import scoring
 from app.embedding.embeddings import Embedder, EmbedderUnavailableError, Embedding
@@ -56,6 +58,8 @@ class Evaluator:
     def __init__(self, memory: NoveltyMemory, embeddings: Embedder) -> None:
         self.memory = memory
         self.embeddings = embeddings
+        #: Set (app/main.py) when traces are exported: the model's and the memory's steps.
+        self.tracer: Tracer | None = None
 
     async def evaluate(
         self,
@@ -75,7 +79,13 @@ class Evaluator:
             texts.append(scoring.novelty_text(trace.task.objective, contents))
             ids.append(trace.id)
         try:
-            embeddings = await self.embeddings.embed(texts)
+            if self.tracer is None:
+                embeddings = await self.embeddings.embed(texts)
+            else:
+                with self.tracer.start_as_current_span(
+                    "kp.embed", attributes={"kp.texts": len(texts)}
+                ):
+                    embeddings = await self.embeddings.embed(texts)
         except EmbedderUnavailableError as exc:
             report = NoveltyReport(
                 False,
@@ -113,7 +123,15 @@ class Evaluator:
             vectors.append(embedding.vector)
         unavailable = None
         try:
-            comparisons = await self.memory.compare(namespace, vectors, ids, add=not dry_run)
+            if self.tracer is None:
+                comparisons = await self.memory.compare(namespace, vectors, ids, add=not dry_run)
+            else:
+                with self.tracer.start_as_current_span(
+                    "kp.memory", attributes={"kp.add": not dry_run}
+                ):
+                    comparisons = await self.memory.compare(
+                        namespace, vectors, ids, add=not dry_run
+                    )
         except MemoryUnavailableError as exc:
             unavailable = str(exc)
         reports = []

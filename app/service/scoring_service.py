@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from opentelemetry.trace import Span, Tracer
 from pydantic import BaseModel, TypeAdapter
 
 from app.contribution.capture import FieldRisk, Finding, Gate, lone_surrogate, prepare
@@ -163,8 +164,11 @@ class ScoringService:
         metrics: Metrics,
         keys: KeyRing,
         signer: Signer | None,
+        tracer: Tracer | None = None,
     ) -> None:
+        """`tracer`: when traces are exported (app/main.py), the request's steps as spans."""
         self.settings = settings
+        self.tracer = tracer
         self.runtime = runtime
         self.metrics = metrics
         self.keys = keys
@@ -322,9 +326,22 @@ class ScoringService:
         return await self._score(request)
 
     async def _score(self, request: Scoring) -> Answer:
-        prepared = await self._refusals(request)
-        evaluations = await self._evaluate(request)
-        return self._answer(request, prepared, evaluations)
+        tracer = self.tracer
+        if tracer is None:
+            prepared = await self._refusals(request)
+            evaluations = await self._evaluate(request)
+            return self._answer(request, prepared, evaluations)
+        with tracer.start_as_current_span("kp.score") as span:
+            with tracer.start_as_current_span("kp.validation"):
+                prepared = await self._refusals(request)
+            evaluations = await self._evaluate(request)
+            if self.signer is None:
+                answer = self._answer(request, prepared, evaluations)
+            else:
+                with tracer.start_as_current_span("kp.sign"):
+                    answer = self._answer(request, prepared, evaluations)
+            _describe(span, request, evaluations)
+        return answer
 
     async def _refusals(self, request: Scoring) -> _Prepared:
         """Every check that can refuse the request, before the memory is touched."""
@@ -616,6 +633,27 @@ class ScoringService:
     @property
     def version(self) -> str:
         return VERSION
+
+
+def _describe(span: Span, request: Scoring, evaluations: Sequence[Evaluation]) -> None:
+    """What an operator follows a request by, on its span: the traces, the namespace, the
+    tokens read and what novelty came to."""
+    first = evaluations[0]
+    span.set_attributes(
+        {
+            "kp.namespace": request.caller.namespace,
+            "kp.transport": request.caller.transport,
+            "kp.kind": request.kind,
+            "kp.traces": len(evaluations),
+            "kp.trace_id": [e.trace_id for e in evaluations],
+            "kp.tokens": [e.novelty.tokens or 0 for e in evaluations],
+            "kp.novelty.measured": first.novelty.measured,
+            "kp.novelty.reason": first.novelty.reason or "",
+            "kp.novelty.stored": first.novelty.stored,
+            "kp.score": [e.score.value for e in evaluations],
+            "kp.dry_run": request.dry_run,
+        }
+    )
 
 
 def _finding(finding: Finding) -> FindingOut:
