@@ -283,12 +283,32 @@ def classify_injection_risk(
     return _classify(content, _RULES, reject_threshold, suspicious_threshold)
 
 
-def classify_all(contents: Sequence[str]) -> list[Assessment]:
-    """`classify_injection_risk` of each (the SDK's default thresholds), the rules that none
-    of them holds a hint of set aside once for all."""
+def classify_all(
+    contents: Sequence[str],
+    *,
+    reject_threshold: float = REJECT_THRESHOLD,
+    suspicious_threshold: float = SUSPICIOUS_THRESHOLD,
+) -> list[Assessment]:
+    """`classify_injection_risk` of each, the rules that none of them holds a hint of set
+    aside once for all."""
     lowered = "\x00".join(contents).lower()
     rules = tuple(rule for rule in _RULES if rule.may_match(lowered))
-    return [_classify(c, rules, REJECT_THRESHOLD, SUSPICIOUS_THRESHOLD) for c in contents]
+    return [_classify(c, rules, reject_threshold, suspicious_threshold) for c in contents]
+
+
+def threshold_problem(suspicious_threshold: float, reject_threshold: float) -> str | None:
+    """Why the two thresholds cannot be taken together, or None: 0 <= suspicious <= reject <=
+    1 (the SDK checks nothing; a suspicious threshold above the reject one would make
+    `suspicious` unreachable)."""
+    for name, value in (("suspicious", suspicious_threshold), ("reject", reject_threshold)):
+        if not 0 <= value <= 1:
+            return f"the {name} threshold must be within [0, 1], got {value}"
+    if suspicious_threshold > reject_threshold:
+        return (
+            f"the suspicious threshold ({suspicious_threshold}) must not exceed the reject "
+            f"threshold ({reject_threshold})"
+        )
+    return None
 
 
 def _classify(

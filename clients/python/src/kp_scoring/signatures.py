@@ -1,8 +1,9 @@
 """Checking signed scores, for anyone holding a trace and the service's JWKS (the client, the
 CLI, a registry): the JWS must verify against a key of the set (by its kid) and be about the
 trace, whose `trace_sha256` is the SHA-256 of its RFC 8785 (JCS) canonical JSON, so that it is
-the same whatever the trace's whitespace or key order. `joserfc` checks the JWS, the `rfc8785`
-package makes the canonical form. The service signs with the same hash (tests hold the two to
+the same whatever the trace's whitespace or key order, its numbers read as the reference SDK's
+JavaScript reads them (doubles: an integer past 2**53 as the nearest one). `joserfc` checks the
+JWS, the `rfc8785` package makes the canonical form. The service signs with the same hash (tests hold the two to
 the same value). Beyond that, `verify` can require an issuer, an audience and a committed score
 (not a dry run), refuses an expired signature (`exp`, honoured at most `leeway_s` late: 5 s
 unless said), and compares every field of an answer (but `UNSIGNED_FIELDS`) with the signed
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import time
 import warnings
 from collections.abc import Mapping
@@ -27,6 +29,7 @@ __all__ = [
     "SignatureInvalidError",
     "TraceNotCanonicalError",
     "answer_mismatches",
+    "as_javascript_reads",
     "claim_problems",
     "trace_sha256",
     "verify",
@@ -47,16 +50,50 @@ class SignatureInvalidError(Exception):
 
 
 class TraceNotCanonicalError(ValueError):
-    """A trace RFC 8785 cannot put in canonical form (an integer past 2**53, say)."""
+    """A trace RFC 8785 cannot put in canonical form: a string holding a lone surrogate."""
+
+
+_SAFE_INTEGER = 2**53
+
+
+def as_javascript_reads(value: Any) -> Any:
+    """`value` (parsed JSON) with its numbers as JavaScript's JSON.parse holds them, written
+    back as JSON.stringify writes them: an integer past 2**53 as the nearest double, a number
+    past the largest double (Infinity) and NaN as None. The service digests traces so (the
+    reference SDK is JavaScript), and RFC 8785 writes numbers as doubles."""
+    if isinstance(value, dict):
+        return {key: as_javascript_reads(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [as_javascript_reads(item) for item in value]
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return value
+    if isinstance(value, int):
+        if -_SAFE_INTEGER <= value <= _SAFE_INTEGER:
+            return value
+        try:
+            return float(value)
+        except OverflowError:
+            return None
+    return value if math.isfinite(value) else None
 
 
 def trace_sha256(trace: Any) -> str:
-    """Hex SHA-256 of the trace's RFC 8785 canonical JSON (`trace`: as parsed from JSON)."""
+    """Hex SHA-256 of the trace's RFC 8785 canonical JSON, its numbers as JavaScript reads
+    them (`trace`: as parsed from JSON)."""
     try:
         canonical = rfc8785.dumps(trace)
+    except (rfc8785.IntegerDomainError, rfc8785.FloatDomainError):
+        canonical = _canonical(as_javascript_reads(trace))
     except (rfc8785.CanonicalizationError, UnicodeError) as exc:
         raise TraceNotCanonicalError(str(exc)) from None
     return hashlib.sha256(canonical).hexdigest()
+
+
+def _canonical(value: Any) -> bytes:
+    try:
+        return rfc8785.dumps(value)
+    except (rfc8785.CanonicalizationError, UnicodeError) as exc:
+        raise TraceNotCanonicalError(str(exc)) from None
 
 
 def verify(
