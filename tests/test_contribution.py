@@ -61,11 +61,16 @@ def test_the_answer_holds_the_evaluation_and_the_cleaned_trace(
     assert sent["steps"][1]["input"] == {"url": "[REDACTED:ip]", "n": 1}
     assert sent["task"]["objective"] == trace["task"]["objective"]  # as the SDK: left alone
     assert body["redactions"] == [
-        {"path": "/steps/0/content", "type": "api_key", "count": 1},
-        {"path": "/steps/1/input", "type": "ip", "count": 1},
+        {"path": "/steps/0/content", "type": "api_key", "count": 1, "detector": "cleanPii"},
+        {"path": "/steps/1/input", "type": "ip", "count": 1, "detector": "cleanPii"},
     ]
-    assert body["uncleaned"] == [{"path": "/task/objective", "type": "email", "count": 1}]
+    assert body["uncleaned"] == [
+        {"path": "/task/objective", "type": "email", "count": 1, "detector": "cleanPii"}
+    ]
     assert body["inputs_kept"] == []
+    assert body["findings"] == []
+    assert body["leaks_remain"] is True  # the objective's address goes as it is
+    assert body["differs_from_sdk"] is False
     highest = body["injection"]["highest"]
     assert highest["path"] == "/steps/2/content"
     assert highest["patterns"] == ["ignore-previous-instructions", "send-data-pattern"]
@@ -101,8 +106,15 @@ def test_threshold_and_clean_all_are_settings(make_client: ClientFactory) -> Non
     assert body["threshold"] == 0.05
     assert body["shareable"] is True
     assert body["uncleaned"] == []
-    assert {"path": "/task/objective", "type": "email", "count": 1} in body["redactions"]
+    assert {
+        "path": "/task/objective",
+        "type": "email",
+        "count": 1,
+        "detector": "cleanPii",
+    } in body["redactions"]
     assert body["contribution"]["task"]["objective"] == "Email [REDACTED:email] the report"
+    assert body["differs_from_sdk"] is True
+    assert body["leaks_remain"] is False
 
 
 def test_a_lone_surrogate_is_a_422_naming_where_and_nothing_is_stored(

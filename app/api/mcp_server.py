@@ -44,8 +44,9 @@ from app.core.version import VERSION
 from app.embedding.embeddings import OverloadedError
 from app.guards.api_keys import ApiKey
 from app.memory.base import NamespaceLimitError
-from app.schemas.contribution import ContributionOut
+from app.schemas.contribution import ContributionOptions, ContributionOut, GateOptions
 from app.schemas.ids import visible
+from app.schemas.limits import sent_string_errors
 from app.schemas.responses import BatchIn, BatchOut, EvaluationOut
 from app.schemas.trace import ReasoningTrace
 from app.service.scoring_requests import TraceLimitError, score_traces
@@ -82,6 +83,30 @@ def _input_schema(model: type[BaseModel]) -> dict[str, Any]:
         "namespace": _NAMESPACE_SCHEMA,
     }
     return schema
+
+
+#: kp_check_contribution's arguments beyond the trace's (POST /contribution's query).
+_OPTIONS: Final = tuple(ContributionOptions.model_fields)
+
+
+def _contribution_input_schema() -> dict[str, Any]:
+    schema = _input_schema(ReasoningTrace)
+    options = ContributionOptions.model_json_schema()["properties"]
+    schema["properties"] = {**schema["properties"], **options}
+    return schema
+
+
+def _contribution_options(
+    arguments: dict[str, Any], services: Services
+) -> GateOptions | types.CallToolResult:
+    """The gate's options taken out of the arguments (so that they are not read as the
+    trace's), or the tool error refusing them."""
+    asked = {name: arguments.pop(name) for name in _OPTIONS if name in arguments}
+    try:
+        options = ContributionOptions.model_validate(asked).resolve(services.settings)
+    except ValidationError as exc:
+        return _invalid(exc.errors(include_url=False, include_input=False))
+    return _invalid(options) if isinstance(options, list) else options
 
 
 def _tools() -> list[types.Tool]:
@@ -121,10 +146,14 @@ def _tools() -> list[types.Tool]:
                 "As POST /contribution: the score (as kp_score_trace) and the trace as the "
                 "reference SDK's capture would contribute it (steps cleaned of secrets and, "
                 "unless privacy_level is private, identifiers), what was redacted, what would "
-                "go uncleaned (objective, outcome, metadata, ...), and the SDK's injection "
-                "check of each text field. Arguments: the trace's fields and dry_run."
+                "go uncleaned (objective, outcome, metadata, ...), every suspected leak the "
+                "SDK's patterns leave (findings: place, type, detector), leaks_remain, and the "
+                "SDK's injection check of each text field. Arguments: the trace's fields, "
+                "dry_run, namespace, redact_suspected (also redact what is suspected: the "
+                "contribution then differs from the SDK's) and the injection thresholds "
+                "(suspicious_threshold, reject_threshold)."
             ),
-            input_schema=_input_schema(ReasoningTrace),
+            input_schema=_contribution_input_schema(),
             output_schema=ContributionOut.model_json_schema(),
             annotations=annotations,
         ),
@@ -230,10 +259,22 @@ def contribution_summary(answer: ContributionOut) -> str:
     line += f". The SDK's capture {verdict} contribute it (threshold {answer.threshold:g})"
     redacted = sum(f.count for f in answer.redactions)
     uncleaned = sum(f.count for f in answer.uncleaned)
+    found = sum(f.count for f in answer.findings)
     line += f"; {redacted} redaction(s) in the contribution"
+    if answer.differs_from_sdk:
+        line += " (more than the SDK's: the contribution differs from what it would send)"
     if uncleaned:
         where = ", ".join(sorted({f.path for f in answer.uncleaned}))
         line += f"; {uncleaned} secret(s) or identifier(s) left uncleaned at {visible(where)}"
+    if found:
+        kinds = ", ".join(sorted({f.type for f in answer.findings}))
+        where = ", ".join(sorted({f.path for f in answer.findings}))
+        line += f"; {found} suspected leak(s) ({kinds}) at {visible(where)}"
+    line += (
+        "; leaks remain in what would be contributed"
+        if answer.leaks_remain
+        else "; nothing suspected remains in what would be contributed"
+    )
     highest = answer.injection.highest
     if highest is not None and highest.patterns:
         line += (
@@ -278,6 +319,10 @@ class McpTools:
         if isinstance(namespace, types.CallToolResult):
             return namespace
         batch = params.name == SCORE_TRACES
+        contributing = params.name == CHECK_CONTRIBUTION
+        options = _contribution_options(arguments, self.services) if contributing else None
+        if isinstance(options, types.CallToolResult):
+            return options
         try:
             traces = (
                 BatchIn.model_validate(arguments).traces
@@ -294,10 +339,19 @@ class McpTools:
         unsignable = unsignable_errors(sent, batch=batch) if self.services.signer else []
         if unsignable:
             return _invalid(unsignable)
-        contributing = params.name == CHECK_CONTRIBUTION
-        surrogate = lone_surrogate_errors(arguments, ()) if contributing else []
-        if surrogate:
-            return _invalid(surrogate)
+        given = (
+            lone_surrogate_errors(arguments, ())
+            or sent_string_errors(
+                arguments,
+                self.services.settings.max_string_chars,
+                at=(),
+                body_bytes=_body_bytes(ctx) or None,
+            )
+            if contributing
+            else []
+        )
+        if given:
+            return _invalid(given)
         s = self.services
         try:
             evaluations = await score_traces(
@@ -321,7 +375,13 @@ class McpTools:
             (evaluation,) = evaluations
             large = _body_bytes(ctx) > INLINE_BODY_BYTES
             answer = await contribution_answer(
-                s, evaluation, arguments, signed=True, dry_run=dry_run, large=large
+                s,
+                evaluation,
+                arguments,
+                signed=True,
+                dry_run=dry_run,
+                large=large,
+                options=options,
             )
             return types.CallToolResult(
                 content=[types.TextContent(text=contribution_summary(answer))],

@@ -3,8 +3,8 @@ identifiers found by maintained detectors, where one exists, and by a few small 
 for what they miss (docs/contribution.md lists each with an example; the choice and its figures:
 docs/decisions/leak-detectors.md).
 
-- Yelp's detect-secrets: its plugins for provider keys and tokens, JWTs, private keys, secret
-  keywords (`"password": "..."`) and high-entropy strings, through their public plugin API
+- Yelp's detect-secrets: its plugins for provider keys and tokens, JWTs, private keys, and
+  high-entropy strings, through their public plugin API
   (`analyze_string`; for the high-entropy ones their `charset`, `calculate_shannon_entropy` and
   `entropy_limit`, read over every run of their characters as its ad hoc scan reads a text).
   Never their `verify` (it calls the providers' servers) nor the global settings. Its
@@ -14,9 +14,10 @@ docs/decisions/leak-detectors.md).
 - The standard library's ipaddress: IPv6 addresses.
 - Ours, each a documented pattern: PEM private key blocks, token prefixes detect-secrets 1.5
   does not know (`github_pat_`, `sk-ant-`, `sk-proj-`), bearer tokens in any case,
-  `aws_secret_access_key=` unquoted, JSON-style `"password": "..."` fields, and e-mail addresses the SDK's ASCII pattern misses once
-  the text is read as a person reads it (NFKC: a fullwidth `@`; format characters such as
-  zero-width spaces dropped; letters of any script: Cyrillic look-alikes, IDNs).
+  `aws_secret_access_key=` unquoted, JSON-style `"password": "..."` fields, and e-mail
+  addresses the SDK's ASCII pattern misses once the text is read as a person reads it
+  (NFKC: a fullwidth `@`; format characters such as zero-width spaces dropped; letters of any
+  script: Cyrillic look-alikes, IDNs).
 
 A suspect is a span of the text with its type (the SDK's names where one fits: api_key,
 bearer_token, password, email, phone, ip; else private_key, jwt, card_number, ssn,

@@ -4,9 +4,9 @@ from JSON: what the SDK's capture step does to a step's `input` (app/contributio
 What differs from Python's `json`: numbers are doubles written as `Number.prototype.toString`
 writes them (`1e-7`, `100000000000000000000`, `1e+21`; `-0` as `0`; integers past 2**53
 rounded; an integer past the largest double, 309 digits or more, read as Infinity and so
-written `null`); an object's integer-like keys ("0", "42", up to 2**32 - 2) come first, ascending, as
-JavaScript orders an object's properties; a lone surrogate is written as its `\\u` escape;
-`NaN` and `Infinity` are not JSON.
+written `null`); an object's integer-like keys ("0", "42", up to 2**32 - 2) come first,
+ascending, as JavaScript orders an object's properties; a lone surrogate is written as its
+`\\u` escape; `NaN` and `Infinity` are not JSON.
 """
 
 from __future__ import annotations

@@ -40,6 +40,24 @@ def signed_answer(answer: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in answer.items() if k not in UNSIGNED_FIELDS}
 
 
+#: POST /contribution's answer around its evaluation: the fields its signature covers in the
+#: CONTRIBUTION_CLAIM claim (the evaluation is the `answer` claim; the cleaned trace, which
+#: may be a megabyte, is covered by its digest).
+CONTRIBUTION_CLAIM = "contribution_answer"
+NOT_IN_CONTRIBUTION_CLAIM = frozenset({"evaluation", "contribution"})
+
+
+def contribution_claims(answer: Mapping[str, Any], contribution: Any) -> dict[str, Any]:
+    """A /contribution answer's own claims: `contribution_sha256` (the cleaned trace's digest)
+    and CONTRIBUTION_CLAIM, every field of the answer as the API shows it (`answer`) but
+    NOT_IN_CONTRIBUTION_CLAIM: shareable, threshold, leaks_remain, redactions, uncleaned,
+    inputs_kept, findings, the injection verdicts and any field the answer gains."""
+    return {
+        "contribution_sha256": trace_sha256(contribution),
+        CONTRIBUTION_CLAIM: {k: v for k, v in answer.items() if k not in NOT_IN_CONTRIBUTION_CLAIM},
+    }
+
+
 class TraceNotCanonicalError(ValueError):
     """A trace RFC 8785 cannot put in canonical form: a string holding a lone surrogate."""
 
@@ -89,8 +107,8 @@ def _canonical(value: Any) -> bytes:
 
 def unsignable_errors(traces: Sequence[Any], *, batch: bool, at: Loc = ()) -> list[dict[str, Any]]:
     """With signing on, a trace RFC 8785 cannot make canonical (its hash is what is signed: a
-    string holding a lone surrogate, which UTF-8 cannot carry) is refused before scoring: an error entry for each such trace, at `at` (a batch's i-th trace
-    at `at` + traces, i)."""
+    string holding a lone surrogate, which UTF-8 cannot carry) is refused before scoring: an
+    error entry for each such trace, at `at` (a batch's i-th trace at `at` + traces, i)."""
     errors = []
     for i, trace in enumerate(traces):
         try:

@@ -87,6 +87,28 @@ def limit_errors(
     return errors
 
 
+def sent_string_errors(
+    sent: Any, max_string_chars: int, *, at: Loc = ("body",), body_bytes: int | None = None
+) -> list[dict[str, Any]]:
+    """KP_MAX_STRING_CHARS over the JSON as sent (parsed, not validated): a string or key
+    in a field the schema does not name (which validation drops) obeys it as a named one does.
+    An error naming each field over the limit (`at` first); none when `body_bytes`, the
+    body's size, is within the limit (every character takes a byte of it)."""
+    if body_bytes is not None and body_bytes <= max_string_chars:
+        return []
+    if _longest_string(sent) <= max_string_chars:
+        return []
+    return [
+        _over_limit(
+            path,
+            f"at most {max_string_chars} characters per string (KP_MAX_STRING_CHARS), "
+            f"got {len(text)}",
+        )
+        for path, text in _strings(sent, at)
+        if len(text) > max_string_chars
+    ]
+
+
 def _longest_string(value: Any) -> int:
     """Length of the longest string (dictionary keys included) in a model's values."""
     longest, stack = 0, [value]

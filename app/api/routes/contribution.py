@@ -4,9 +4,10 @@ what the reference SDK's capture step would send, in one call (docs/contribution
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import functools
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.exceptions import RequestValidationError
 
 from app.api.deps import BEARER_SECURITY, NamespaceHeader, Services, services_of
@@ -15,8 +16,19 @@ from app.api.routes import evaluate
 from app.api.routes.evaluate import DryRun, IdempotencyKey, _score, _sent_traces
 from app.contribution.capture import FieldRisk, Finding, lone_surrogate, prepare
 from app.core.errors import field_error
-from app.core.signatures import trace_sha256
-from app.schemas.contribution import ContributionOut, FieldRiskOut, FindingOut, InjectionOut
+from app.core.signatures import contribution_claims
+from app.schemas.contribution import (
+    REDACT_SUSPECTED,
+    REJECT_THRESHOLD,
+    SUSPICIOUS_THRESHOLD,
+    ContributionOptions,
+    ContributionOut,
+    FieldRiskOut,
+    FindingOut,
+    GateOptions,
+    InjectionOut,
+)
+from app.schemas.limits import sent_string_errors
 from app.schemas.trace import ReasoningTrace
 from app.service.evaluator import Evaluation
 
@@ -43,19 +55,43 @@ async def contribution(
     trace: ReasoningTrace,
     request: Request,
     dry_run: DryRun = False,
+    redact_suspected: Annotated[bool | None, Query(description=REDACT_SUSPECTED)] = None,
+    suspicious_threshold: Annotated[
+        float | None, Query(ge=0, le=1, description=SUSPICIOUS_THRESHOLD)
+    ] = None,
+    reject_threshold: Annotated[
+        float | None, Query(ge=0, le=1, description=REJECT_THRESHOLD)
+    ] = None,
     idempotency_key: IdempotencyKey = None,
     kp_namespace: NamespaceHeader = None,
 ) -> ContributionOut:
     services = services_of(request)
+    asked = ContributionOptions(
+        redact_suspected=redact_suspected,
+        suspicious_threshold=suspicious_threshold,
+        reject_threshold=reject_threshold,
+    )
+    options = asked.resolve(services.settings, ("query",))
+    if isinstance(options, list):
+        raise RequestValidationError(options)
     sent = await _sent_traces(services, request, batch=False)
     given: dict[str, Any] = sent[0] if sent is not None else await request.json()
-    errors = lone_surrogate_errors(given, ("body",))
+    body_bytes = len(await request.body())
+    errors = lone_surrogate_errors(given, ("body",)) or sent_string_errors(
+        given, services.settings.max_string_chars, body_bytes=body_bytes
+    )
     if errors:
         raise RequestValidationError(errors)
     (evaluation,) = await _score(services, request, [trace], dry_run=dry_run, batch=False)
-    large = len(await request.body()) > INLINE_BODY_BYTES
+    large = body_bytes > INLINE_BODY_BYTES
     return await contribution_answer(
-        services, evaluation, given, signed=sent is not None, dry_run=dry_run, large=large
+        services,
+        evaluation,
+        given,
+        signed=sent is not None,
+        dry_run=dry_run,
+        large=large,
+        options=options,
     )
 
 
@@ -76,36 +112,58 @@ async def contribution_answer(
     signed: bool,
     dry_run: bool,
     large: bool,
+    options: GateOptions | None = None,
 ) -> ContributionOut:
     """The answer for a scored trace; `given`: the trace as the agent sent it (parsed JSON);
     `signed`: `given` passed the signing check (unsignable_errors); `large`: the text work
-    runs off the event loop."""
+    runs off the event loop; `options`: the request's (ContributionOptions.resolve), None:
+    the settings'."""
     settings = services.settings
+    if options is None:
+        resolved = ContributionOptions().resolve(settings)
+        assert isinstance(resolved, GateOptions)  # the settings' thresholds were checked
+        options = resolved
     score = evaluation.score.value
-    clean_all = settings.contribution_clean_all
-    gate = (
-        await asyncio.to_thread(prepare, given, quality_score=score, clean_all=clean_all)
-        if large
-        else prepare(given, quality_score=score, clean_all=clean_all)
+    work = functools.partial(
+        prepare,
+        given,
+        quality_score=score,
+        clean_all=settings.contribution_clean_all,
+        redact_suspected=options.redact_suspected,
+        suspicious_threshold=options.suspicious_threshold,
+        reject_threshold=options.reject_threshold,
     )
-    # The cleaned trace's digest is signed beside the trace's: a registry sent the contribution
-    # can tell it is the one scored and cleaned here.
-    signer = services.signer if signed else None
-    claims = None if signer is None else {"contribution_sha256": trace_sha256(gate.contribution)}
+    gate = await asyncio.to_thread(work) if large else work()
     threshold = settings.contribution_threshold
-    return ContributionOut(
-        evaluation=evaluation_out(evaluation, signer, given, dry_run=dry_run, claims=claims),
+    answer = ContributionOut(
+        evaluation=evaluation_out(evaluation),
         shareable=score >= threshold,
         threshold=threshold,
+        leaks_remain=gate.leaks_remain,
+        differs_from_sdk=gate.differs_from_sdk,
         contribution=gate.contribution,
         redactions=[_finding(f) for f in gate.redactions],
         uncleaned=[_finding(f) for f in gate.uncleaned],
         inputs_kept=list(gate.inputs_kept),
+        findings=[_finding(f) for f in gate.findings],
         injection=InjectionOut(
             fields=[_risk(f) for f in gate.injection],
             highest=None if gate.highest is None else _risk(gate.highest),
+            suspicious_threshold=options.suspicious_threshold,
+            reject_threshold=options.reject_threshold,
         ),
     )
+    signer = services.signer if signed else None
+    if signer is not None:
+        # The whole answer is signed: the evaluation as /evaluate's, the cleaned trace by its
+        # digest (a registry sent it checks it is the one scored and cleaned here), every
+        # other field as the API shows it.
+        shown = answer.model_dump(mode="json", exclude={"evaluation", "contribution"})
+        claims = contribution_claims(shown, gate.contribution)
+        answer.evaluation = evaluation_out(
+            evaluation, signer, given, dry_run=dry_run, claims=claims
+        )
+    return answer
 
 
 def _finding(finding: Finding) -> FindingOut:
