@@ -17,6 +17,8 @@ Phases (default: all; `python -m bench PHASE --help` for each one's options):
   start, side by side with the former snapshot and journal (bench/persistence.py);
 - contribution: POST /contribution against POST /evaluate on the same traces, and on
   megabyte traces against a full model window (bench/contribution.py);
+- detectors: what the contribution gate's leak detectors find, raise falsely and cost, in
+  process (bench/detectors.py);
 - all: every figure of bench/results/latest.json (floor, load, window, shared, first
   requests), then the reference and memory phases. See bench/README.md.
 """
@@ -39,6 +41,7 @@ from bench import (
     cold_start,
     contribution,
     corpus,
+    detectors,
     floor,
     load,
     megabyte,
@@ -330,6 +333,7 @@ DELEGATED = {
     "precision": precision.main,
     "persistence": persistence.main,
     "contribution": contribution.main,
+    "detectors": detectors.main,
 }
 PHASES = ("all", "floor", "load", "window", *DELEGATED)
 

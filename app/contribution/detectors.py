@@ -34,7 +34,9 @@ from __future__ import annotations
 
 import bisect
 import ipaddress
+import itertools
 import re
+import string
 import unicodedata
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -83,18 +85,79 @@ class Suspect:
     end: int
 
 
+class Screen:
+    """Which of a trace's texts may hold a detector's match (a superset), cheaply."""
+
+    def holders(self, texts: Sequence[str], joined: str, starts: Sequence[int]) -> Iterator[int]:
+        raise NotImplementedError
+
+
+class _Needs(Screen):
+    """Texts holding a match of `pattern`, something every match of the detector holds, that
+    the engine scans for fast (a literal or a small character class first): one scan of the
+    texts joined, each match naming the text it starts in."""
+
+    def __init__(self, pattern: str) -> None:
+        self.pattern = re.compile(pattern)
+
+    def holders(self, texts: Sequence[str], joined: str, starts: Sequence[int]) -> Iterator[int]:
+        at = 0
+        while (match := self.pattern.search(joined, at)) is not None:
+            i = bisect.bisect_right(starts, match.start()) - 1
+            yield i
+            if i + 1 >= len(starts):
+                return
+            at = starts[i + 1]
+
+
+class _Run(Screen):
+    """Texts holding a run of `length` or more of `charset` (ASCII), found in their UTF-8 with
+    each byte mapped to a mark (one pass in C, then a substring search): a character class
+    repeated is slow for the engine, every position starting a run."""
+
+    def __init__(self, charset: str, length: int) -> None:
+        self.table = bytes(ord("a") if chr(b) in charset else ord(" ") for b in range(256))
+        self.run = b"a" * length
+
+    def holders(self, texts: Sequence[str], joined: str, starts: Sequence[int]) -> Iterator[int]:
+        if self.run not in joined.encode("utf-8", "surrogatepass").translate(self.table):
+            return  # most traces: no text to read one by one
+        for i, text in enumerate(texts):
+            if self.run in text.encode("utf-8", "surrogatepass").translate(self.table):
+                yield i
+
+
+class _Digits(Screen):
+    """Texts whose digits, spaced or dashed, take a shape (`pattern`, over 0 for a digit, s for
+    a space or dash, x for anything else): found in their UTF-8 mapped byte by byte (one pass
+    in C), the pattern's literal first digit then found fast."""
+
+    _TABLE = bytes(
+        ord("0") if chr(b).isdigit() and b < 128 else ord("s") if chr(b) in " -" else ord("x")
+        for b in range(256)
+    )
+
+    def __init__(self, pattern: bytes) -> None:
+        self.pattern = re.compile(pattern)
+
+    def holders(self, texts: Sequence[str], joined: str, starts: Sequence[int]) -> Iterator[int]:
+        whole = joined.encode("utf-8", "surrogatepass").translate(self._TABLE)
+        if self.pattern.search(whole) is None:
+            return  # most traces: no text to read one by one
+        for i, text in enumerate(texts):
+            shape = text.encode("utf-8", "surrogatepass").translate(self._TABLE)
+            if self.pattern.search(shape) is not None:
+                yield i
+
+
 class Detector:
-    """One detector: `name` (as the answer names it), the `type` it finds, its category, and
-    `spans(text)`; `screen(text)`: whether the text may hold one (a superset, cheap: one scan
-    that the engine runs fast, a literal or a character class first)."""
+    """One detector: `name` (as the answer names it), the `type` it finds, its category,
+    `spans(text)`, and its `screen`."""
 
     name: str
     type: str
     category: Category
-    needs: re.Pattern[str]
-
-    def screen(self, text: str) -> bool:
-        return self.needs.search(text) is not None
+    screen: Screen
 
     def spans(self, text: str) -> Iterable[Span]:
         raise NotImplementedError
@@ -111,12 +174,14 @@ _QUOTES = "'\"`"
 class _Plugin(Detector):
     """A detect-secrets plugin: the values its `analyze_string` yields, found in the text."""
 
-    def __init__(self, plugin: BasePlugin, type_: str, needs: str, *, token: bool = True) -> None:
+    def __init__(
+        self, plugin: BasePlugin, type_: str, screen: Screen, *, token: bool = True
+    ) -> None:
         self.plugin = plugin
         self.name = f"detect-secrets {type(plugin).__name__}"
         self.type = type_
         self.category = "secret"
-        self.needs = re.compile(needs)
+        self.screen = screen
         #: The value is a token: its whole run of token characters is the secret.
         self.token = token
 
@@ -147,11 +212,12 @@ class _Entropy(Detector):
         self.type = "high_entropy_string"
         self.category = "secret"
         shortest = int(2**plugin.entropy_limit) + 1
-        self.needs = re.compile(f"[{re.escape(plugin.charset)}]{{{shortest},}}")
+        self.screen = _Run(plugin.charset, shortest)
+        self.runs = re.compile(f"[{re.escape(plugin.charset)}]{{{shortest},}}")
 
     def spans(self, text: str) -> Iterator[Span]:
         limit = self.plugin.entropy_limit
-        for run in self.needs.finditer(text):
+        for run in self.runs.finditer(text):
             if self.plugin.calculate_shannon_entropy(run.group()) > limit:
                 yield run.span()
 
@@ -169,14 +235,14 @@ class _Candidates(Detector):
         category: Category,
         pattern: str,
         accept: Callable[[str], bool],
-        needs: str,
+        screen: Screen,
     ) -> None:
         self.name = name
         self.type = type_
         self.category = category
         self.pattern = re.compile(pattern)
         self.accept = accept
-        self.needs = re.compile(needs)
+        self.screen = screen
 
     def spans(self, text: str) -> Iterator[Span]:
         for match in self.pattern.finditer(text):
@@ -213,7 +279,7 @@ class _Phones(Detector):
     name = "phonenumbers"
     type = "phone"
     category: Category = "identifier"
-    needs = re.compile(r"[+\uff0b][\s(]*[0-9]")
+    screen = _Needs(r"[+\uff0b][\s(]*[0-9]")
 
     def spans(self, text: str) -> Iterator[Span]:
         for match in phonenumbers.PhoneNumberMatcher(text, None):
@@ -231,7 +297,7 @@ class _Pattern(Detector):
         self.type = type_
         self.category = "secret"
         self.pattern = re.compile(pattern, flags)
-        self.needs = re.compile(needs, flags)
+        self.screen = _Needs(needs)
 
     def spans(self, text: str) -> Iterator[Span]:
         group = "value" if "value" in self.pattern.groupindex else 0
@@ -275,14 +341,15 @@ class _Emails(Detector):
     name = "email lookalike"
     type = "email"
     category: Category = "identifier"
-    needs = re.compile("[@\uff20\ufe6b]")
+    _AT = re.compile("[@\uff20\ufe6b]")
+    screen = _Needs(_AT.pattern)
     _ADDRESS = re.compile(r"[\w.%+\-]+@(?:[\w\-]+\.)+[^\W\d_]{2,}")
     #: An address is at most 64 + 1 + 255 characters: how far from its at sign to read.
     _REACH = 320
 
     def spans(self, text: str) -> Iterator[Span]:
         upto = 0
-        for at in self.needs.finditer(text):
+        for at in self._AT.finditer(text):
             if at.start() < upto:
                 continue
             low, high = max(upto, at.start() - self._REACH), at.end() + self._REACH
@@ -316,39 +383,37 @@ def _normalised(text: str, low: int, high: int) -> tuple[str, list[int]]:
 
 #: What a token of the plugins below holds, each of its matches: a run of 20 or more of these
 #: characters (checked against their patterns: tests/test_detectors.py).
-_TOKEN_RUN = r"[A-Za-z0-9_\-+/=.]{20}"
+_TOKEN_RUN = _Run(string.ascii_letters + string.digits + "_-+/=.", 20)
 
 DETECTORS: Final[tuple[Detector, ...]] = (
     _Pattern("PEM private key block", "private_key", _PEM, r"-----BEGIN "),
-    _Plugin(PrivateKeyDetector(), "private_key", r"PRIVATE KEY|PuTTY", token=False),
-    _Plugin(JwtTokenDetector(), "jwt", r"eyJ"),
-    _Pattern(
-        "key prefix", "api_key", _PREFIXED, r"github_pat_|sk-ant-|sk-proj-|sk-svcacct-|sk-admin-"
-    ),
+    _Plugin(PrivateKeyDetector(), "private_key", _Needs(r"PRIVATE KEY|PuTTY"), token=False),
+    _Plugin(JwtTokenDetector(), "jwt", _Needs(r"eyJ")),
+    _Pattern("key prefix", "api_key", _PREFIXED, r"github_pat_|sk-(?:ant|proj|svcacct|admin)-"),
     _Plugin(AWSKeyDetector(), "api_key", _TOKEN_RUN),
     _Pattern(
         "aws_secret_access_key assignment",
         "api_key",
         _AWS_SECRET,
-        r"(?i)aws_?secret",
+        r"[Aa][Ww][Ss]_?[Ss][Ee][Cc][Rr][Ee][Tt]",
     ),
-    _Plugin(GitHubTokenDetector(), "api_key", r"gh[pousr]_"),
-    _Plugin(GitLabTokenDetector(), "api_key", r"gl[a-z]+-|GR1348941"),
-    _Plugin(OpenAIDetector(), "api_key", r"T3BlbkFJ"),
-    _Plugin(StripeDetector(), "api_key", r"k_live_"),
-    _Plugin(SlackDetector(), "api_key", r"(?i)xox|hooks\.slack\.com"),
-    _Plugin(TwilioKeyDetector(), "api_key", r"[AS][CK][a-z0-9]{32}"),
-    _Plugin(SendGridDetector(), "api_key", r"SG\."),
-    _Plugin(MailchimpDetector(), "api_key", r"-us[0-9]"),
-    _Plugin(NpmDetector(), "api_key", r"_authToken"),
-    _Plugin(PypiTokenDetector(), "api_key", r"pypi-"),
+    _Plugin(GitHubTokenDetector(), "api_key", _Needs(r"gh[pousr]_")),
+    _Plugin(GitLabTokenDetector(), "api_key", _Needs(r"gl[a-z]+-|GR1348941")),
+    _Plugin(OpenAIDetector(), "api_key", _Needs(r"T3BlbkFJ")),
+    _Plugin(StripeDetector(), "api_key", _Needs(r"k_live_")),
+    _Plugin(SlackDetector(), "api_key", _Needs(r"[Xx][Oo][Xx][AaBbPpOoSsRr]-|hooks\.slack\.com")),
+    _Plugin(TwilioKeyDetector(), "api_key", _Needs(r"[AS][CK][a-z0-9]{32}")),
+    _Plugin(SendGridDetector(), "api_key", _Needs(r"SG\.")),
+    _Plugin(MailchimpDetector(), "api_key", _Needs(r"-us[0-9]")),
+    _Plugin(NpmDetector(), "api_key", _Needs(r"_authToken")),
+    _Plugin(PypiTokenDetector(), "api_key", _Needs(r"pypi-")),
     _Plugin(DiscordBotTokenDetector(), "api_key", _TOKEN_RUN),
-    _Plugin(TelegramBotTokenDetector(), "api_key", r"[0-9]:[0-9A-Za-z_\-]{35}"),
-    _Plugin(SquareOAuthDetector(), "api_key", r"sq0csp-"),
-    _Plugin(AzureStorageKeyDetector(), "api_key", r"AccountKey="),
-    _Plugin(ArtifactoryDetector(), "api_key", r"AKC|AP[0-9A-F]"),
-    _Pattern("bearer token, any case", "bearer_token", _BEARER, r"(?i)bearer"),
-    _Plugin(BasicAuthDetector(), "password", r"://", token=False),
+    _Plugin(TelegramBotTokenDetector(), "api_key", _Needs(r"[0-9]:[0-9A-Za-z_\-]{35}")),
+    _Plugin(SquareOAuthDetector(), "api_key", _Needs(r"sq0csp-")),
+    _Plugin(AzureStorageKeyDetector(), "api_key", _Needs(r"AccountKey=")),
+    _Plugin(ArtifactoryDetector(), "api_key", _Needs(r"AKC|AP[0-9A-F]")),
+    _Pattern("bearer token, any case", "bearer_token", _BEARER, r"[Bb][Ee][Aa][Rr][Ee][Rr]"),
+    _Plugin(BasicAuthDetector(), "password", _Needs(r"://"), token=False),
     _Pattern(
         "JSON-style password field", "password", _JSON_PASSWORD, r"[\"'][ \t]*:", re.IGNORECASE
     ),
@@ -358,7 +423,7 @@ DETECTORS: Final[tuple[Detector, ...]] = (
         "secret",
         r"(?<![0-9])[2-6](?:[ \-]?[0-9]){12,18}(?![0-9])",
         _card,
-        r"[0-9]{4}[ \-]?[0-9]{4}[ \-]?[0-9]{4}",
+        _Digits(rb"0000s?0000s?0000"),
     ),
     _Candidates(
         "stdnum us.ssn",
@@ -366,7 +431,7 @@ DETECTORS: Final[tuple[Detector, ...]] = (
         "identifier",
         r"(?<![0-9\-])[0-9]{3}([ \-])[0-9]{2}\1[0-9]{4}(?![0-9\-])",
         _ssn,
-        r"[0-9]{3}[ \-][0-9]{2}[ \-][0-9]{4}",
+        _Digits(rb"000s00s0000"),
     ),
     _Candidates(
         "ipaddress IPv6",
@@ -374,7 +439,7 @@ DETECTORS: Final[tuple[Detector, ...]] = (
         "identifier",
         r"(?<![0-9A-Za-z:.])(?:[0-9A-Fa-f]{0,4}:){2,7}[0-9A-Fa-f]{0,4}(?![0-9A-Za-z:])",
         _ipv6,
-        r":[0-9A-Fa-f]{0,4}:",
+        _Needs(r":[0-9A-Fa-f]{0,4}:"),
     ),
     _Phones(),
     _Emails(),
@@ -390,15 +455,14 @@ def detect(texts: Sequence[str], *, identifiers: bool = True) -> list[list[Suspe
     if not texts:
         return []
     joined = "\n".join(texts)
+    starts = list(itertools.accumulate((len(t) + 1 for t in texts[:-1]), initial=0))
     for detector in DETECTORS:
         if not identifiers and detector.category == "identifier":
             continue
-        if not detector.screen(joined):
-            continue
-        for text, taken in zip(texts, found, strict=True):
-            if text and detector.screen(text):
-                for start, end in detector.spans(text):
-                    taken.add(Suspect(detector.type, detector.name, start, end))
+        for i in detector.screen.holders(texts, joined, starts):
+            taken = found[i]
+            for start, end in detector.spans(texts[i]):
+                taken.add(Suspect(detector.type, detector.name, start, end))
     return [taken.suspects for taken in found]
 
 
