@@ -124,7 +124,9 @@ def leaks(seed: int = 51) -> list[Leak]:
             "api_key",
             "aws_secret_access_key assignment",
         ),
-        Leak("ASIA session key", f"key id {asia}", asia, "api_key", "detect-secrets AWSKeyDetector"),
+        Leak(
+            "ASIA session key", f"key id {asia}", asia, "api_key", "detect-secrets AWSKeyDetector"
+        ),
         Leak("github_pat_", f"GH_TOKEN={pat}", pat, "api_key", "key prefix"),
         Leak("ghu_", f"token {ghu} expired", ghu, "api_key", "detect-secrets GitHubTokenDetector"),
         Leak("sk-proj-", f"OPENAI_API_KEY {proj}", proj, "api_key", "key prefix"),
@@ -138,7 +140,13 @@ def leaks(seed: int = 51) -> list[Leak]:
             "api_key",
             "detect-secrets SlackDetector",
         ),
-        Leak("SendGrid key", f"SENDGRID {sendgrid}", sendgrid, "api_key", "detect-secrets SendGridDetector"),
+        Leak(
+            "SendGrid key",
+            f"SENDGRID {sendgrid}",
+            sendgrid,
+            "api_key",
+            "detect-secrets SendGridDetector",
+        ),
         Leak("PEM RSA private key", pem, body, "private_key", "PEM private key block"),
         Leak("PEM OpenSSH private key", openssh, body, "private_key", "PEM private key block"),
         Leak(
@@ -172,7 +180,9 @@ def leaks(seed: int = 51) -> list[Leak]:
             "ipaddress IPv6",
         ),
         Leak("phone, UK", "call +44 20 7946 0958", "+44 20 7946 0958", "phone", "phonenumbers"),
-        Leak("phone, France", "tél. +33 1 42 68 53 00", "+33 1 42 68 53 00", "phone", "phonenumbers"),
+        Leak(
+            "phone, France", "tél. +33 1 42 68 53 00", "+33 1 42 68 53 00", "phone", "phonenumbers"
+        ),
         Leak("phone, Germany", "Tel +49 30 901820", "+49 30 901820", "phone", "phonenumbers"),
         Leak("phone, Japan", "電話 +81 3-1234-5678", "+81 3-1234-5678", "phone", "phonenumbers"),
         Leak("phone, India", "ph +91 74104 10123", "+91 74104 10123", "phone", "phonenumbers"),

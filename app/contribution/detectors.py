@@ -279,7 +279,7 @@ class _Phones(Detector):
     name = "phonenumbers"
     type = "phone"
     category: Category = "identifier"
-    screen = _Needs(r"[+\uff0b][\s(]*[0-9]")
+    screen = _Needs(r"[+\uff0b][\s(]*\d")  # any script's digits, as phonenumbers reads them
 
     def spans(self, text: str) -> Iterator[Span]:
         for match in phonenumbers.PhoneNumberMatcher(text, None):

@@ -296,21 +296,6 @@ def classify_all(
     return [_classify(c, rules, reject_threshold, suspicious_threshold) for c in contents]
 
 
-def threshold_problem(suspicious_threshold: float, reject_threshold: float) -> str | None:
-    """Why the two thresholds cannot be taken together, or None: 0 <= suspicious <= reject <=
-    1 (the SDK checks nothing; a suspicious threshold above the reject one would make
-    `suspicious` unreachable)."""
-    for name, value in (("suspicious", suspicious_threshold), ("reject", reject_threshold)):
-        if not 0 <= value <= 1:
-            return f"the {name} threshold must be within [0, 1], got {value}"
-    if suspicious_threshold > reject_threshold:
-        return (
-            f"the suspicious threshold ({suspicious_threshold}) must not exceed the reject "
-            f"threshold ({reject_threshold})"
-        )
-    return None
-
-
 def _classify(
     content: str, rules: tuple[_Rule, ...], reject_threshold: float, suspicious_threshold: float
 ) -> Assessment:

@@ -7,7 +7,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from app.contribution.injection import threshold_problem
 from app.core.config import Settings
 from app.core.errors import field_error
 from app.schemas.responses import EvaluationOut
@@ -60,9 +59,12 @@ class ContributionOptions(BaseModel):
             ),
             reject_threshold=settings.injection_reject_threshold if reject is None else reject,
         )
-        problem = threshold_problem(options.suspicious_threshold, options.reject_threshold)
-        if problem is None:
+        if options.suspicious_threshold <= options.reject_threshold:
             return options
+        problem = (
+            f"the suspicious threshold ({options.suspicious_threshold}) must not exceed the "
+            f"reject threshold ({options.reject_threshold}): 0 <= suspicious <= reject <= 1"
+        )
         # Named by the one the request set (both: the suspicious one), so the fix is clear.
         name = (
             "suspicious_threshold"
