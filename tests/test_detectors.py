@@ -138,7 +138,9 @@ def test_strings_the_input_cleaning_changed_are_handled() -> None:
     value = 'cfg password\t=\t"sk-abcdefghijklmnopqrstuvwxyz" tail'
     trace = make_trace(steps=[{**step(0, "tool_call", "x"), "input": {"a": value, "b": "ok"}}])
     gate = prepare(trace)
-    assert gate.contribution["steps"][0]["input"]["a"] == 'cfg password\t=\t"[REDACTED:api_key]" tail'
+    assert (
+        gate.contribution["steps"][0]["input"]["a"] == 'cfg password\t=\t"[REDACTED:api_key]" tail'
+    )
     assert [f.path for f in gate.uncleaned if "/input" in f.path] == []
 
 

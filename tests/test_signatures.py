@@ -20,11 +20,12 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
 from typer.testing import CliRunner
 
 from app.core.config import ConfigError, Settings
-from app.core.signatures import unsignable_errors
+from app.core.signatures import trace_sha256, unsignable_errors
 from app.main import create_app
 from app.schemas.trace import ReasoningTrace
 from kp_scoring import KpScoringClient, SignatureInvalidError, verify_signature
 from kp_scoring.cli import cli
+from kp_scoring.signatures import trace_sha256 as client_sha256
 from tests.factories import make_trace, step
 from tests.server import Server, running_server
 
@@ -216,10 +217,25 @@ def test_unsigned_answers_say_null_and_publish_no_keys(server: Server) -> None:
     assert jwks_of(server) == {"keys": []}
 
 
-def test_a_trace_past_i_json_is_a_422_when_signing(signing: Server) -> None:
+def test_a_trace_past_i_json_is_signed_as_javascript_reads_it(signing: Server) -> None:
+    """An integer of 2**53 or more (RFC 8785 refuses it) is digested as the double
+    JavaScript reads, one past every double as JSON.stringify writes Infinity (null): the
+    service and the client hash it alike, and it verifies."""
     trace = make_trace()
-    trace["task"]["input_schema"] = {"big": 2**60}
+    trace["task"]["input_schema"] = {"big": 2**60, "bigger": 10**400}
     r = httpx.post(f"{signing.url}/evaluate", json=trace)
+    assert r.status_code == 200, r.text
+    assert verify_signature(r.json()["signature"], trace, jwks_of(signing))
+    read = {**trace, "task": {**trace["task"], "input_schema": {"big": 2.0**60, "bigger": None}}}
+    assert trace_sha256(trace) == client_sha256(trace) == canonical_sha256(read)
+
+
+def test_a_lone_surrogate_is_a_422_when_signing(signing: Server) -> None:
+    trace = {**make_trace(), "notes": "PLACE"}  # a field the schema does not read
+    body = json.dumps(trace).replace("PLACE", "\\udc00")
+    r = httpx.post(
+        f"{signing.url}/evaluate", content=body, headers={"content-type": "application/json"}
+    )
     assert r.status_code == 422, r.text
     assert r.json()["detail"][0]["loc"] == ["body"]
     assert r.json()["detail"][0]["type"] == "not_canonicalizable"
@@ -269,11 +285,13 @@ def test_a_public_key_or_garbage_as_the_signing_key_stops_the_start(
 
 
 def test_unsignable_traces_are_named_where_they_stand() -> None:
-    fine, big = make_trace(), make_trace()
+    fine, lone = make_trace(), make_trace()
+    lone["task"]["objective"] = "\udc00"
+    big = make_trace()
     big["task"]["input_schema"] = {"big": 2**60}
-    assert unsignable_errors([fine], batch=False, at=("body",)) == []
-    (single,) = unsignable_errors([big], batch=False, at=("body",))
+    assert unsignable_errors([fine, big], batch=False, at=("body",)) == []
+    (single,) = unsignable_errors([lone], batch=False, at=("body",))
     assert (single["loc"], single["type"]) == (["body"], "not_canonicalizable")
-    batch = unsignable_errors([fine, big, big], batch=True, at=("body",))
+    batch = unsignable_errors([fine, lone, lone], batch=True, at=("body",))
     assert [e["loc"] for e in batch] == [["body", "traces", 1], ["body", "traces", 2]]
-    assert [e["loc"] for e in unsignable_errors([big], batch=True)] == [["traces", 0]]
+    assert [e["loc"] for e in unsignable_errors([lone], batch=True)] == [["traces", 0]]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from app.core.config import Settings
 from app.core.errors import field_error
@@ -32,6 +32,8 @@ REJECT_THRESHOLD = (
 class ContributionOptions(BaseModel):
     """What a request may ask of the gate beyond the trace (POST /contribution's query
     parameters, kp_check_contribution's arguments); unset: the settings'."""
+
+    model_config = ConfigDict(strict=True)
 
     redact_suspected: bool | None = Field(None, description=REDACT_SUSPECTED)
     suspicious_threshold: float | None = Field(

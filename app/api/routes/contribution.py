@@ -101,7 +101,12 @@ def lone_surrogate_errors(given: Any, at: tuple[str, ...]) -> list[dict[str, Any
     if where is None:
         return []
     msg = "holds a lone surrogate (a \\ud800-\\udfff escape without its pair): not UTF-8 text"
-    return [field_error((*at, *where), msg, "lone_surrogate")]
+    # A key on the way may hold it: named by its escape, so that the answer is UTF-8.
+    named = [
+        part.encode("utf-8", "backslashreplace").decode() if isinstance(part, str) else part
+        for part in where
+    ]
+    return [field_error((*at, *named), msg, "lone_surrogate")]
 
 
 async def contribution_answer(

@@ -72,7 +72,7 @@ def as_javascript_reads(value: Any) -> Any:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return value
     if isinstance(value, int):
-        if -_SAFE_INTEGER <= value <= _SAFE_INTEGER:
+        if -_SAFE_INTEGER < value < _SAFE_INTEGER:  # RFC 8785's integers; 2**53 is a double
             return value
         try:
             return float(value)
