@@ -105,6 +105,18 @@ def leaks(seed: int = 51) -> list[Leak]:
     master = _card(rng, "53", 16)
     amex = _card(rng, "37", 15)
     ssn = f"{rng.randint(100, 665)}-{rng.randint(10, 99)}-{rng.randint(1000, 9999)}"
+    openai = "sk-None-" + _token(rng, _ALNUM, 20) + "T3BlbkFJ" + _token(rng, _ALNUM, 20)
+    twilio = "AC" + _token(rng, _HEX, 32)
+    mailchimp = _token(rng, _LOWER, 32) + "-us14"
+    npm = "npm_" + _token(rng, _ALNUM, 36)
+    pypi = "pypi-AgEIcHlwaS5vcmc" + _token(rng, _ALNUM + "-_", 80)
+    discord = "M" + _token(rng, _ALNUM, 23) + "." + _token(rng, _ALNUM, 6) + "."
+    discord += _token(rng, _ALNUM, 27)
+    telegram = f"{rng.randint(10**8, 10**9 - 1)}:" + _token(rng, _ALNUM + "-_", 35)
+    square = "sq0csp-" + _token(rng, _ALNUM + "-_", 43)
+    azure = _token(rng, _B64, 86) + "=="
+    artifactory = "AKCp8" + _token(rng, _ALNUM, 68)
+    putty = "PuTTY-User-Key-File-2: ssh-rsa"
     password = _token(rng, _ALNUM, 12)
     random_key = _token(rng, _ALNUM, 40)
     hex_key = _token(rng, _HEX, 48)
@@ -146,6 +158,65 @@ def leaks(seed: int = 51) -> list[Leak]:
             sendgrid,
             "api_key",
             "detect-secrets SendGridDetector",
+        ),
+        Leak("OpenAI key", f"key {openai}", openai, "api_key", "detect-secrets OpenAIDetector"),
+        Leak("Twilio SID", f"sid {twilio}", twilio, "api_key", "detect-secrets TwilioKeyDetector"),
+        Leak(
+            "Mailchimp key",
+            f"mailchimp {mailchimp}",
+            mailchimp,
+            "api_key",
+            "detect-secrets MailchimpDetector",
+        ),
+        Leak(
+            "npm token",
+            f"//registry.npmjs.org/:_authToken={npm}",
+            npm,
+            "api_key",
+            "detect-secrets NpmDetector",
+        ),
+        Leak("PyPI token", f"password {pypi}", pypi, "api_key", "detect-secrets PypiTokenDetector"),
+        Leak(
+            "Discord bot token",
+            f"bot {discord}",
+            discord,
+            "api_key",
+            "detect-secrets DiscordBotTokenDetector",
+        ),
+        Leak(
+            "Telegram bot token",
+            f"bot {telegram}",
+            telegram,
+            "api_key",
+            "detect-secrets TelegramBotTokenDetector",
+        ),
+        Leak(
+            "Square secret",
+            f"square {square}",
+            square,
+            "api_key",
+            "detect-secrets SquareOAuthDetector",
+        ),
+        Leak(
+            "Azure storage key",
+            f"DefaultEndpointsProtocol=https;AccountKey={azure}",
+            azure,
+            "api_key",
+            "detect-secrets AzureStorageKeyDetector",
+        ),
+        Leak(
+            "Artifactory token",
+            f"X-JFrog-Art-Api: {artifactory} ",
+            artifactory,
+            "api_key",
+            "detect-secrets ArtifactoryDetector",
+        ),
+        Leak(
+            "PuTTY key file",
+            f"{putty}\nEncryption: none",
+            "PuTTY-User-Key-File-2",
+            "private_key",
+            "detect-secrets PrivateKeyDetector",
         ),
         Leak("PEM RSA private key", pem, body, "private_key", "PEM private key block"),
         Leak("PEM OpenSSH private key", openssh, body, "private_key", "PEM private key block"),
