@@ -349,7 +349,9 @@ def test_an_edited_contribution_answer_fails_verification(
     client = make_client(embedder="none", signing_key_file=str(_signing_key(tmp_path)))
     trace = _leaky_everywhere()
     answer = client.post("/contribution", json=trace).json()
-    assert answer["redactions"] and answer["uncleaned"] and answer["inputs_kept"]
+    assert answer["redactions"]
+    assert answer["uncleaned"]
+    assert answer["inputs_kept"]
     assert answer["findings"][0]["type"] == "jwt"
     jwks = client.get("/.well-known/jwks.json").json()
     signature = answer["evaluation"]["signature"]
@@ -502,18 +504,13 @@ def test_thresholds_out_of_order_or_range_are_a_422_naming_the_field(
     assert fine.json()["injection"]["reject_threshold"] == 0.5
 
 
-def test_thresholds_out_of_order_stop_the_start() -> None:
+def test_thresholds_out_of_order_stop_the_start(monkeypatch: pytest.MonkeyPatch) -> None:
     from app.core.config import ConfigError, Settings
 
+    monkeypatch.setenv("KP_INJECTION_SUSPICIOUS_THRESHOLD", "0.7")
+    monkeypatch.setenv("KP_INJECTION_REJECT_THRESHOLD", "0.5")
     with pytest.raises(ConfigError, match="KP_INJECTION_SUSPICIOUS_THRESHOLD"):
-        os_env = {
-            "KP_INJECTION_SUSPICIOUS_THRESHOLD": "0.7",
-            "KP_INJECTION_REJECT_THRESHOLD": "0.5",
-        }
-        with pytest.MonkeyPatch.context() as mp:
-            for name, value in os_env.items():
-                mp.setenv(name, value)
-            Settings.from_env()
+        Settings.from_env()
 
 
 def _mcp(client: TestClient, arguments: dict[str, Any]) -> dict[str, Any]:

@@ -121,8 +121,10 @@ def test_a_quoted_password_in_an_input_is_not_taken_for_handled(
     sent = answer["contribution"]["steps"][1]
     assert sent["content"] == "login password=[REDACTED:password]"
     assert sent["input"] == {"argv": [command]}  # as the SDK sends it
-    assert {"path": "/steps/1/input/argv/0", "type": "password", "count": 1} == {
-        k: answer["uncleaned"][0][k] for k in ("path", "type", "count")
+    assert {k: answer["uncleaned"][0][k] for k in ("path", "type", "count")} == {
+        "path": "/steps/1/input/argv/0",
+        "type": "password",
+        "count": 1,
     }
     assert answer["leaks_remain"] is True
     cleaned = _post(client_no_embedder, trace, redact_suspected="true")
