@@ -17,9 +17,8 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from app.contribution.detectors import Suspect, detect, redact
 from app.contribution.injection import (
     REJECT_THRESHOLD,
     SUSPICIOUS_THRESHOLD,
@@ -28,6 +27,9 @@ from app.contribution.injection import (
 )
 from app.contribution.js_json import JsonSyntaxError, as_sent, js_keys, js_value, parse, stringify
 from app.contribution.pii import Cleaned, clean_pii
+
+if TYPE_CHECKING:
+    from app.contribution.detectors import Suspect
 
 #: The fields the capture step cleans in each step (`input` as JSON text).
 STEP_TEXT_FIELDS = ("content", "output_summary")
@@ -160,6 +162,10 @@ def prepare(
     clean_all = clean_all or redact_suspected
     rest = _Rest(level, captured, inputs, apply=clean_all)
     sent = rest.walk(sent)
+    # Here, not at the module's import: detect-secrets and phonenumbers take a few tenths of
+    # a second to import, which the service's start would otherwise pay (as /mcp's SDK).
+    from app.contribution.detectors import detect, redact
+
     suspects = detect(rest.texts, identifiers=level != "private")
     found = [
         Finding(path, type_, count, detector)
