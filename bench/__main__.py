@@ -19,6 +19,8 @@ Phases (default: all; `python -m bench PHASE --help` for each one's options):
   megabyte traces against a full model window (bench/contribution.py);
 - versus: this checkout against another one (the previous release), A B A B: the lone
   client's p50 over the floor and 16 clients' rate (bench/versus.py);
+- detectors: what the contribution gate's leak detectors find, raise falsely and cost, in
+  process (bench/detectors.py);
 - all: every figure of bench/results/latest.json (floor, load, window, shared, first
   requests), then the reference and memory phases. See bench/README.md.
 """
@@ -41,6 +43,7 @@ from bench import (
     cold_start,
     contribution,
     corpus,
+    detectors,
     floor,
     load,
     megabyte,
@@ -334,6 +337,7 @@ DELEGATED = {
     "persistence": persistence.main,
     "contribution": contribution.main,
     "versus": versus.main,
+    "detectors": detectors.main,
 }
 PHASES = ("all", "floor", "load", "window", *DELEGATED)
 

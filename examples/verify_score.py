@@ -8,7 +8,8 @@ Exit 0: the score can be trusted; 1: it cannot (the reason on stderr). The check
 1. The signature verifies with the service's published key named by its `kid`, alg EdDSA.
 2. It was made by the issuer you expect (`iss`) for you (`aud`, when the service signs one)
    and has not expired (`exp`, when the service sets a lifetime).
-3. It is about this trace: `trace_sha256` is the SHA-256 of its RFC 8785 canonical JSON.
+3. It is about this trace: `trace_sha256` is the SHA-256 of its RFC 8785 canonical JSON, its
+   numbers read as JavaScript reads them (an integer of 2**53 or more as a double).
 4. The trace entered the memory: `dry_run` is false (a dry run leaves it out, so copies of
    it would still score as novel).
 5. The answer says what the signature says: the signed `answer` claim is the answer's every
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import sys
 import urllib.request
 from typing import Any
@@ -29,6 +31,24 @@ import rfc8785
 
 #: The answer's fields the service does not sign.
 UNSIGNED_FIELDS = {"elapsed_ms", "signature"}
+
+
+def as_javascript_reads(value: Any) -> Any:
+    """Numbers as the reference SDK's JavaScript holds them (RFC 8785 writes doubles): an
+    integer past 2**53 as a double, past every double (Infinity) or NaN as null."""
+    if isinstance(value, dict):
+        return {k: as_javascript_reads(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [as_javascript_reads(v) for v in value]
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return value
+    if isinstance(value, int) and abs(value) < 2**53:
+        return value
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
 
 
 def load_jwks(where: str) -> dict[str, Any]:
@@ -65,7 +85,7 @@ def check(
     if audience is None and "aud" in claims:
         raise ValueError(f"the score is for the audience {claims['aud']!r}, not for us")
     # 3
-    expected = hashlib.sha256(rfc8785.dumps(trace)).hexdigest()
+    expected = hashlib.sha256(rfc8785.dumps(as_javascript_reads(trace))).hexdigest()
     if claims.get("trace_sha256") != expected:
         raise ValueError("the signature is about another trace")
     # 4

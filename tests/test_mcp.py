@@ -18,7 +18,7 @@ from mcp import Client, MCPError
 
 from app.core.config import Settings
 from app.main import create_app
-from app.schemas.contribution import ContributionOut
+from app.schemas.contribution import ContributionOptions, ContributionOut
 from app.schemas.responses import BatchIn, BatchOut, EvaluationOut
 from app.schemas.trace import ReasoningTrace
 from tests.conftest import ClientFactory, hold_runs, load_fixture
@@ -80,7 +80,14 @@ def test_the_tools_and_their_schemas_are_the_rest_apis(
     one, batch, contribution = asyncio.run(go())
     assert (one.name, batch.name) == ("kp_score_trace", "kp_score_traces")
     assert contribution.name == "kp_check_contribution"
-    assert contribution.input_schema == one.input_schema
+    # The trace's fields, dry_run and namespace, and the gate's options (POST /contribution's
+    # query parameters).
+    options = ContributionOptions.model_json_schema()["properties"]
+    assert set(options) == {"redact_suspected", "suspicious_threshold", "reject_threshold"}
+    assert contribution.input_schema == {
+        **one.input_schema,
+        "properties": {**one.input_schema["properties"], **options},
+    }
     assert contribution.output_schema == ContributionOut.model_json_schema()
     trace_schema = ReasoningTrace.model_json_schema(by_alias=True)
     own = ("dry_run", "namespace")

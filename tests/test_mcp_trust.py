@@ -101,10 +101,14 @@ def test_mcp_answers_are_signed_as_the_rest_answers(signing: Server) -> None:
         assert claims["answer"]["trace_id"] == sent["id"]
 
 
-def test_a_trace_past_i_json_is_a_tool_error_when_signing(signing: Server) -> None:
+def test_a_trace_past_i_json_is_signed(signing: Server) -> None:
+    """An integer of 2**53 or more is digested as JavaScript reads it (a double): signed, as
+    over REST."""
     trace = make_trace()
     trace["task"]["input_schema"] = {"big": 2**60}
     r = httpx.post(f"{signing.url}/mcp", json=rpc_body("kp_score_trace", trace), headers=HEADERS)
     result = r.json()["result"]
-    assert result["isError"] is True
-    assert "cannot be signed: not I-JSON (RFC 8785)" in result["content"][0]["text"]
+    assert not result.get("isError"), result
+    jwks = httpx.get(f"{signing.url}/.well-known/jwks.json").json()
+    answer = result["structuredContent"]
+    assert verify(answer["signature"], trace, jwks, answer=answer)

@@ -21,11 +21,12 @@ from typer.testing import CliRunner
 
 from app.core.config import ConfigError, Settings
 from app.core.errors import ServiceError
-from app.core.signatures import trace_digests
+from app.core.signatures import trace_digests, trace_sha256
 from app.main import create_app
 from app.schemas.trace import ReasoningTrace
 from kp_scoring import KpScoringClient, SignatureInvalidError, verify_signature
 from kp_scoring.cli import cli
+from kp_scoring.signatures import trace_sha256 as client_sha256
 from tests.factories import make_trace, step
 from tests.server import Server, running_server
 
@@ -217,10 +218,25 @@ def test_unsigned_answers_say_null_and_publish_no_keys(server: Server) -> None:
     assert jwks_of(server) == {"keys": []}
 
 
-def test_a_trace_past_i_json_is_a_422_when_signing(signing: Server) -> None:
+def test_a_trace_past_i_json_is_signed_as_javascript_reads_it(signing: Server) -> None:
+    """An integer of 2**53 or more (RFC 8785 refuses it) is digested as the double
+    JavaScript reads, one past every double as JSON.stringify writes Infinity (null): the
+    service and the client hash it alike, and it verifies."""
     trace = make_trace()
-    trace["task"]["input_schema"] = {"big": 2**60}
+    trace["task"]["input_schema"] = {"big": 2**60, "bigger": 10**400}
     r = httpx.post(f"{signing.url}/evaluate", json=trace)
+    assert r.status_code == 200, r.text
+    assert verify_signature(r.json()["signature"], trace, jwks_of(signing))
+    read = {**trace, "task": {**trace["task"], "input_schema": {"big": 2.0**60, "bigger": None}}}
+    assert trace_sha256(trace) == client_sha256(trace) == canonical_sha256(read)
+
+
+def test_a_lone_surrogate_is_a_422_when_signing(signing: Server) -> None:
+    trace = {**make_trace(), "notes": "PLACE"}  # a field the schema does not read
+    body = json.dumps(trace).replace("PLACE", "\\udc00")
+    r = httpx.post(
+        f"{signing.url}/evaluate", content=body, headers={"content-type": "application/json"}
+    )
     assert r.status_code == 422, r.text
     assert r.json()["detail"][0]["loc"] == ["body"]
     assert r.json()["detail"][0]["type"] == "not_canonicalizable"
@@ -282,10 +298,12 @@ def _unsignable(traces: list[Any], **where: Any) -> list[tuple[tuple[Any, ...], 
 
 
 def test_unsignable_traces_are_named_where_they_stand() -> None:
-    fine, big = make_trace(), make_trace()
+    fine, lone = make_trace(), make_trace()
+    lone["task"]["objective"] = "\udc00"
+    big = make_trace()
     big["task"]["input_schema"] = {"big": 2**60}
-    assert _unsignable([fine], batch=False, at=("body",)) == []
-    assert _unsignable([big], batch=False, at=("body",)) == [(("body",), "not_canonicalizable")]
-    batch = _unsignable([fine, big, big], batch=True, at=("body",))
+    assert _unsignable([fine, big], batch=False, at=("body",)) == []
+    assert _unsignable([lone], batch=False, at=("body",)) == [(("body",), "not_canonicalizable")]
+    batch = _unsignable([fine, lone, lone], batch=True, at=("body",))
     assert [loc for loc, _ in batch] == [("body", "traces", 1), ("body", "traces", 2)]
-    assert [loc for loc, _ in _unsignable([big], batch=True)] == [("traces", 0)]
+    assert [loc for loc, _ in _unsignable([lone], batch=True)] == [("traces", 0)]

@@ -34,7 +34,7 @@ def test_the_typescript_clients_against_live_servers(tmp_path: Path) -> None:
         ran = npm("test", env=env)
     assert ran.returncode == 0, ran.stdout[-8000:] + ran.stderr[-2000:]
     assert "# fail 0" in ran.stdout
-    assert "# pass 17" in ran.stdout
+    assert "# pass 18" in ran.stdout
 
 
 def test_the_package_file_is_a_copy_that_installs_into_a_project(tmp_path: Path) -> None:

@@ -32,7 +32,7 @@ from app.api.edge import caller_of
 from app.core import namespaces
 from app.core.errors import Problem, ServiceError, invalid, problems_of
 from app.core.version import VERSION
-from app.schemas.contribution import ContributionOut
+from app.schemas.contribution import ContributionOptions, ContributionOut
 from app.schemas.ids import visible
 from app.schemas.responses import BatchIn, BatchOut, EvaluationOut
 from app.schemas.trace import ReasoningTrace
@@ -69,6 +69,17 @@ def _input_schema(model: type[BaseModel]) -> dict[str, Any]:
         "dry_run": _DRY_RUN_SCHEMA,
         "namespace": _NAMESPACE_SCHEMA,
     }
+    return schema
+
+
+#: kp_check_contribution's arguments beyond the trace's (POST /contribution's query).
+_OPTIONS: Final = tuple(ContributionOptions.model_fields)
+
+
+def _contribution_input_schema() -> dict[str, Any]:
+    schema = _input_schema(ReasoningTrace)
+    options = ContributionOptions.model_json_schema()["properties"]
+    schema["properties"] = {**schema["properties"], **options}
     return schema
 
 
@@ -109,10 +120,14 @@ def _tools() -> list[types.Tool]:
                 "As POST /contribution: the score (as kp_score_trace) and the trace as the "
                 "reference SDK's capture would contribute it (steps cleaned of secrets and, "
                 "unless privacy_level is private, identifiers), what was redacted, what would "
-                "go uncleaned (objective, outcome, metadata, ...), and the SDK's injection "
-                "check of each text field. Arguments: the trace's fields and dry_run."
+                "go uncleaned (objective, outcome, metadata, ...), every suspected leak the "
+                "SDK's patterns leave (findings: place, type, detector), leaks_remain, and the "
+                "SDK's injection check of each text field. Arguments: the trace's fields, "
+                "dry_run, namespace, redact_suspected (also redact what is suspected: the "
+                "contribution then differs from the SDK's) and the injection thresholds "
+                "(suspicious_threshold, reject_threshold)."
             ),
-            input_schema=_input_schema(ReasoningTrace),
+            input_schema=_contribution_input_schema(),
             output_schema=ContributionOut.model_json_schema(),
             annotations=annotations,
         ),
@@ -171,10 +186,22 @@ def contribution_summary(answer: ContributionOut) -> str:
     line += f". The SDK's capture {verdict} contribute it (threshold {answer.threshold:g})"
     redacted = sum(f.count for f in answer.redactions)
     uncleaned = sum(f.count for f in answer.uncleaned)
+    found = sum(f.count for f in answer.findings)
     line += f"; {redacted} redaction(s) in the contribution"
+    if answer.differs_from_sdk:
+        line += " (more than the SDK's: the contribution differs from what it would send)"
     if uncleaned:
         where = ", ".join(sorted({f.path for f in answer.uncleaned}))
         line += f"; {uncleaned} secret(s) or identifier(s) left uncleaned at {visible(where)}"
+    if found:
+        kinds = ", ".join(sorted({f.type for f in answer.findings}))
+        where = ", ".join(sorted({f.path for f in answer.findings}))
+        line += f"; {found} suspected leak(s) ({kinds}) at {visible(where)}"
+    line += (
+        "; leaks remain in what would be contributed"
+        if answer.leaks_remain
+        else "; nothing suspected remains in what would be contributed"
+    )
     highest = answer.injection.highest
     if highest is not None and highest.patterns:
         line += (
@@ -239,6 +266,15 @@ class McpTools:
         caller = self.service.within(
             caller_of(scope), arguments.pop("namespace", None), headers.get(namespaces.HEADER)
         )
+        options = None
+        if kind == "contribution":
+            # The gate's options, taken out so that they are not read as the trace's fields.
+            asked = {name: arguments.pop(name) for name in _OPTIONS if name in arguments}
+            try:
+                options = ContributionOptions.model_validate(asked)
+            except ValidationError as exc:
+                errors = exc.errors(include_url=False, include_input=False)
+                raise invalid(problems_of(errors)) from None
         try:
             traces = (
                 BatchIn.model_validate(arguments).traces
@@ -256,6 +292,7 @@ class McpTools:
             arguments["traces"] if kind == "batch" else [arguments],
             dry_run=dry_run,
             body_bytes=int(declared) if declared.isdigit() else None,
+            options=options,
         )
         answer = (await self.service.score(scoring)).model
         assert answer is not None  # no replay: MCP calls carry no Idempotency-Key

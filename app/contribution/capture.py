@@ -15,13 +15,21 @@ and, on request, cleaned the same way, string by string (an object's keys too).
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from app.contribution.injection import Assessment, classify_all
+from app.contribution.injection import (
+    REJECT_THRESHOLD,
+    SUSPICIOUS_THRESHOLD,
+    Assessment,
+    classify_all,
+)
 from app.contribution.js_json import as_sent, js_keys, js_value, parse, stringify
 from app.contribution.pii import Cleaned, clean_pii
+
+if TYPE_CHECKING:
+    from app.contribution.detectors import Suspect
 
 #: The fields the capture step cleans in each step (`input` as JSON text).
 STEP_TEXT_FIELDS = ("content", "output_summary")
@@ -39,13 +47,19 @@ _NOT_TEXT = frozenset(
 _STEP_TYPE = re.compile(r"/steps/[0-9]+/type")
 
 
+#: How the SDK's own patterns are named as a detector.
+SDK_PATTERNS = "cleanPii"
+
+
 @dataclass(frozen=True, slots=True)
 class Finding:
-    """`count` matches of a `type` (the SDK's: api_key, email, ...) at `path` (RFC 6901)."""
+    """`count` matches of a `type` (the SDK's: api_key, email, ...; the detectors' too) at
+    `path` (RFC 6901), found by `detector` (the SDK's patterns: SDK_PATTERNS)."""
 
     path: str
     type: str
     count: int
+    detector: str = SDK_PATTERNS
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,13 +71,20 @@ class FieldRisk:
 @dataclass(frozen=True, slots=True)
 class Gate:
     contribution: dict[str, Any]
-    #: What the capture step redacted (and, with `clean_all`, the other fields' findings).
+    #: What the capture step redacted (and, with `clean_all` or `redact_suspected`, what the
+    #: gate redacted beyond it).
     redactions: tuple[Finding, ...]
-    #: Secrets and identifiers in what the capture step sends as it was.
+    #: Matches of the SDK's patterns in what is sent as it is: fields the capture step does not
+    #: clean, and strings of a step's input whose match its pass over the input's JSON text
+    #: missed (or whose cleaned JSON did not parse).
     uncleaned: tuple[Finding, ...]
     #: Inputs sent as they were: their cleaned JSON text no longer parsed.
     inputs_kept: tuple[str, ...]
     injection: tuple[FieldRisk, ...]
+    #: Suspected leaks the SDK's patterns leave in `contribution` (app/contribution/detectors).
+    findings: tuple[Finding, ...] = ()
+    #: `contribution` is not the SDK's: the gate cleaned more than the capture step.
+    differs_from_sdk: bool = False
 
     @property
     def highest(self) -> FieldRisk | None:
@@ -73,6 +94,11 @@ class Gate:
             if best is None or field.assessment.score > best.assessment.score:
                 best = field
         return best
+
+    @property
+    def leaks_remain(self) -> bool:
+        """Whether `contribution` still holds something suspected: uncleaned or found."""
+        return bool(self.uncleaned or self.findings)
 
 
 def pointer_token(key: str) -> str:
@@ -89,10 +115,19 @@ def _note(findings: list[Finding], path: str, cleaned: Cleaned) -> None:
 
 
 def prepare(
-    trace: dict[str, Any], *, quality_score: float | None = None, clean_all: bool = False
+    trace: dict[str, Any],
+    *,
+    quality_score: float | None = None,
+    clean_all: bool = False,
+    redact_suspected: bool = False,
+    suspicious_threshold: float = SUSPICIOUS_THRESHOLD,
+    reject_threshold: float = REJECT_THRESHOLD,
 ) -> Gate:
     """The gate's findings for `trace` (as parsed from the agent's JSON). `quality_score`:
-    set as `metadata.quality_score` (the capture step sets the score it computed)."""
+    set as `metadata.quality_score` (the capture step sets the score it computed);
+    `clean_all`: also clean, with the SDK's patterns, every string the capture step sends as
+    it was; `redact_suspected`: that, and redact every suspected leak the detectors find;
+    the thresholds: the injection classifier's (the SDK's options)."""
     sent: dict[str, Any] = as_sent(trace)
     metadata = sent.get("metadata")
     level = metadata.get("privacy_level") if isinstance(metadata, dict) else None
@@ -102,6 +137,7 @@ def prepare(
     redactions: list[Finding] = []
     kept: list[str] = []
     captured: set[tuple[int, str]] = set()
+    inputs: dict[int, Any] = {}  # a step's input as given, where the capture step cleaned it
     steps = sent.get("steps")
     for i, step in enumerate(steps if isinstance(steps, list) else ()):
         if not isinstance(step, dict):
@@ -122,82 +158,183 @@ def prepare(
                 kept.append(f"/steps/{i}/input")
             else:
                 _note(redactions, f"/steps/{i}/input", cleaned)
-                captured.add((i, "input"))
-    others: list[Finding] = []
-    sent = _clean_rest(sent, level, captured, others, apply=clean_all)
+                inputs[i] = given
+    clean_all = clean_all or redact_suspected
+    rest = _Rest(level, captured, inputs, apply=clean_all)
+    sent = rest.walk(sent)
+    # Here, not at the module's import: detect-secrets and phonenumbers take a few tenths of
+    # a second to import, which the service's start would otherwise pay (as /mcp's SDK).
+    from app.contribution.detectors import detect, redact
+
+    suspects = detect(rest.texts, identifiers=level != "private")
+    found = [
+        Finding(path, type_, count, detector)
+        for path, (type_, detector), count in _counted(rest.paths, suspects)
+    ]
+    differs = bool(clean_all and rest.findings)
+    if redact_suspected and found:
+        redacted = iter([redact(text, s) for text, s in zip(rest.texts, suspects, strict=True)])
+        sent = _map_strings(sent, lambda _: next(redacted))
+        differs = True
+    others = list(rest.findings)
     if clean_all:
         redactions += others
         others = []
+    if redact_suspected:
+        redactions += found
+        found = []
     return Gate(
         contribution=sent,
         redactions=tuple(redactions),
         uncleaned=tuple(others),
         inputs_kept=tuple(kept),
-        injection=_risks(list(text_fields(trace))),
+        injection=_risks(list(text_fields(trace)), suspicious_threshold, reject_threshold),
+        findings=tuple(found),
+        differs_from_sdk=differs,
     )
 
 
-def _risks(fields: list[tuple[str, str]]) -> tuple[FieldRisk, ...]:
-    found = classify_all([text for _, text in fields])
+def _counted(
+    paths: list[str], suspects: list[list[Suspect]]
+) -> Iterator[tuple[str, tuple[str, str], int]]:
+    """Each text's suspects counted by (type, detector), in order of first place."""
+    for path, found in zip(paths, suspects, strict=True):
+        counts: dict[tuple[str, str], int] = {}
+        for s in found:
+            counts[s.type, s.detector] = counts.get((s.type, s.detector), 0) + 1
+        for kind, count in counts.items():
+            yield path, kind, count
+
+
+def _risks(
+    fields: list[tuple[str, str]], suspicious_threshold: float, reject_threshold: float
+) -> tuple[FieldRisk, ...]:
+    found = classify_all(
+        [text for _, text in fields],
+        suspicious_threshold=suspicious_threshold,
+        reject_threshold=reject_threshold,
+    )
     return tuple(FieldRisk(path, a) for (path, _), a in zip(fields, found, strict=True))
 
 
-def _clean_rest(
-    sent: dict[str, Any],
-    level: str | None,
-    captured: set[tuple[int, str]],
-    findings: list[Finding],
-    *,
-    apply: bool,
-) -> dict[str, Any]:
-    """Every string the capture step did not clean, read (and with `apply`, cleaned)."""
-    out: dict[str, Any] = {}
-    for key, value in sent.items():
-        path = f"/{pointer_token(key)}"
-        name = _key(key, path, level, findings, apply)
-        if key == "steps" and isinstance(value, list):
-            steps = []
-            for i, step in enumerate(value):
-                if not isinstance(step, dict):
-                    steps.append(_leaves(step, f"/steps/{i}", level, findings, apply))
-                    continue
-                kept_step = {}
-                for field_key, field in step.items():
-                    at = f"/steps/{i}/{pointer_token(field_key)}"
-                    kept_step[_key(field_key, at, level, findings, apply)] = (
-                        field
-                        if (i, field_key) in captured
-                        else _leaves(field, at, level, findings, apply)
-                    )
-                steps.append(kept_step)
-            out[name] = steps
-        else:
-            out[name] = _leaves(value, path, level, findings, apply)
-    return out
+class _Rest:
+    """What follows the capture step's loop: every string it did not clean read (and with
+    `apply`, cleaned) with the SDK's patterns; and each string of the result (an object's
+    keys too) as the SDK's patterns leave it, in `texts` at `paths`, for the detectors.
+
+    A step's input was cleaned as JSON text, where escaping defeats some patterns (`\\"`
+    ends a password's value, `\\\\` breaks a Windows path): each of its strings that the
+    cleaning left unchanged is read again on its own, so that what the patterns find in it is
+    not taken for handled."""
+
+    def __init__(
+        self,
+        level: str | None,
+        captured: set[tuple[int, str]],
+        inputs: dict[int, Any],
+        *,
+        apply: bool,
+    ) -> None:
+        self.level = level
+        self.captured = captured
+        self.inputs = inputs
+        self.apply = apply
+        self.findings: list[Finding] = []
+        self.texts: list[str] = []
+        self.paths: list[str] = []
+
+    def walk(self, sent: dict[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in sent.items():
+            path = f"/{pointer_token(key)}"
+            name = self.key(key, path)
+            if key == "steps" and isinstance(value, list):
+                out[name] = [self.step(step, f"/steps/{i}", i) for i, step in enumerate(value)]
+            else:
+                out[name] = self.leaves(value, path)
+        return out
+
+    def step(self, step: Any, path: str, i: int) -> Any:
+        if not isinstance(step, dict):
+            return self.leaves(step, path)
+        out = {}
+        for key, field in step.items():
+            at = f"{path}/{pointer_token(key)}"
+            name = self.key(key, at)
+            if (i, key) in self.captured:  # cleaned by the capture step: as it left it
+                out[name] = self.handled(field, at)
+            elif key == "input" and i in self.inputs:
+                out[name] = self.against(field, self.inputs[i], at)
+            else:
+                out[name] = self.leaves(field, at)
+        return out
+
+    def handled(self, text: str, path: str) -> str:
+        self.texts.append(text)
+        self.paths.append(path)
+        return text
+
+    def against(self, cleaned: Any, given: Any, path: str) -> Any:
+        """A cleaned input beside the input as given: a string the cleaning changed is
+        handled, one it left as it was is read on its own. Where the two no longer line up
+        (a cleaned key now equal to another), every string is read."""
+        if isinstance(cleaned, str) and isinstance(given, str):
+            return self.handled(cleaned, path) if cleaned != given else self.text(cleaned, path)
+        if isinstance(cleaned, dict) and isinstance(given, dict) and len(cleaned) == len(given):
+            out = {}
+            for (key, item), (given_key, given_item) in zip(
+                cleaned.items(), given.items(), strict=True
+            ):
+                at = f"{path}/{pointer_token(key)}"
+                name = self.handled(key, at) if key != given_key else self.key(key, at)
+                out[name] = self.against(item, given_item, at)
+            return out
+        if isinstance(cleaned, list) and isinstance(given, list) and len(cleaned) == len(given):
+            return [
+                self.against(item, given_item, f"{path}/{i}")
+                for i, (item, given_item) in enumerate(zip(cleaned, given, strict=True))
+            ]
+        return self.leaves(cleaned, path)
+
+    def text(self, text: str, path: str) -> str:
+        cleaned = clean_pii(text, self.level)
+        _note(self.findings, path, cleaned)
+        self.texts.append(cleaned.text)
+        self.paths.append(path)
+        return cleaned.text if self.apply else text
+
+    def key(self, key: str, path: str) -> str:
+        """An object's key, read (and with `apply`, cleaned); its findings at its member."""
+        return self.text(key, path)
+
+    def leaves(self, value: Any, path: str) -> Any:
+        if isinstance(value, str):
+            return self.text(value, path)
+        if isinstance(value, dict):
+            out = {}
+            for key, item in value.items():
+                at = f"{path}/{pointer_token(key)}"
+                name = self.key(key, at)
+                out[name] = self.leaves(item, at)
+            return out
+        if isinstance(value, list):
+            return [self.leaves(item, f"{path}/{i}") for i, item in enumerate(value)]
+        return value
 
 
-def _key(key: str, path: str, level: str | None, findings: list[Finding], apply: bool) -> str:
-    """An object's key, read (and with `apply`, cleaned); its findings at its member."""
-    cleaned = clean_pii(key, level)
-    _note(findings, path, cleaned)
-    return cleaned.text if apply else key
-
-
-def _leaves(value: Any, path: str, level: str | None, findings: list[Finding], apply: bool) -> Any:
+def _map_strings(value: Any, change: Callable[[str], str]) -> Any:
+    """`value` with each string (an object's key before its value) through `change`, in the
+    order _Rest reads them."""
     if isinstance(value, str):
-        cleaned = clean_pii(value, level)
-        _note(findings, path, cleaned)
-        return cleaned.text if apply else value
+        return change(value)
     if isinstance(value, dict):
         out = {}
         for key, item in value.items():
-            at = f"{path}/{pointer_token(key)}"
-            out[_key(key, at, level, findings, apply)] = _leaves(item, at, level, findings, apply)
+            name = change(key)
+            out[name] = _map_strings(item, change)
         return out
     if isinstance(value, list):
-        return [
-            _leaves(item, f"{path}/{i}", level, findings, apply) for i, item in enumerate(value)
-        ]
+        return [_map_strings(item, change) for item in value]
     return value
 
 

@@ -283,12 +283,17 @@ def classify_injection_risk(
     return _classify(content, _RULES, reject_threshold, suspicious_threshold)
 
 
-def classify_all(contents: Sequence[str]) -> list[Assessment]:
-    """`classify_injection_risk` of each (the SDK's default thresholds), the rules that none
-    of them holds a hint of set aside once for all."""
+def classify_all(
+    contents: Sequence[str],
+    *,
+    reject_threshold: float = REJECT_THRESHOLD,
+    suspicious_threshold: float = SUSPICIOUS_THRESHOLD,
+) -> list[Assessment]:
+    """`classify_injection_risk` of each, the rules that none of them holds a hint of set
+    aside once for all."""
     lowered = "\x00".join(contents).lower()
     rules = tuple(rule for rule in _RULES if rule.may_match(lowered))
-    return [_classify(c, rules, REJECT_THRESHOLD, SUSPICIOUS_THRESHOLD) for c in contents]
+    return [_classify(c, rules, reject_threshold, suspicious_threshold) for c in contents]
 
 
 def _classify(

@@ -3,9 +3,10 @@ from JSON: what the SDK's capture step does to a step's `input` (app/contributio
 
 What differs from Python's `json`: numbers are doubles written as `Number.prototype.toString`
 writes them (`1e-7`, `100000000000000000000`, `1e+21`; `-0` as `0`; integers past 2**53
-rounded); an object's integer-like keys ("0", "42", up to 2**32 - 2) come first, ascending, as
-JavaScript orders an object's properties; a lone surrogate is written as its `\\u` escape;
-`NaN` and `Infinity` are not JSON.
+rounded; an integer past the largest double, 309 digits or more, read as Infinity and so
+written `null`); an object's integer-like keys ("0", "42", up to 2**32 - 2) come first,
+ascending, as JavaScript orders an object's properties; a lone surrogate is written as its
+`\\u` escape; `NaN` and `Infinity` are not JSON.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def js_number_text(value: float) -> str:
     """`String(value)` for a double (`null` for a non-finite one, as JSON.stringify)."""
     if isinstance(value, int) and not isinstance(value, bool) and abs(value) <= _MAX_SAFE:
         return str(value)
-    x = _double(value) if isinstance(value, int) else float(value)
+    x = float(js_value(value))
     if not math.isfinite(x):
         return "null"
     if x == 0:
@@ -127,22 +128,18 @@ def parse(text: str) -> Any:
     return json.loads(text, parse_constant=_no_constant, parse_int=_number, parse_float=_number)
 
 
-def _double(value: int) -> float:
-    """An integer as a double: past the largest double (309 digits and more), JavaScript reads
-    Infinity."""
-    try:
-        return float(value)
-    except OverflowError:
-        return math.inf if value > 0 else -math.inf
-
-
 def js_value(value: Any) -> Any:
     """A number as the double JavaScript holds: an integral one within 2**53 as an int (so
     that it is written `1`, not `1.0`), `-0` as 0, any other as a float."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         return value
     if isinstance(value, int):
-        return value if abs(value) <= _MAX_SAFE else _double(value)
+        if abs(value) <= _MAX_SAFE:
+            return value
+        try:
+            return float(value)
+        except OverflowError:  # past the largest double: JavaScript reads Infinity
+            return math.inf if value > 0 else -math.inf
     if not math.isfinite(value):
         return value
     if value.is_integer() and abs(value) <= _MAX_SAFE:
@@ -157,7 +154,7 @@ def as_sent(value: Any) -> Any:
         return {k: as_sent(value[k]) for k in js_keys(value)}
     if isinstance(value, list):
         return [as_sent(v) for v in value]
-    number = js_value(value)
-    if isinstance(number, float) and not math.isfinite(number):
+    value = js_value(value)
+    if isinstance(value, float) and not math.isfinite(value):
         return None  # JSON.stringify writes a non-finite number as null
-    return number
+    return value

@@ -374,8 +374,35 @@ class Settings(BaseSettings):
         description="POST /contribution: also clean what the SDK's capture sends as it was (the "
         "objective, the outcome, the metadata, an input whose cleaned JSON did not parse, ...), "
         "string by string at the trace's privacy_level; their findings move from `uncleaned` "
-        "to `redactions`.",
+        "to `redactions`, and the answer's differs_from_sdk says when that changed anything.",
     )
+    contribution_redact_suspected: bool = Field(
+        False,
+        description="POST /contribution: what KP_CONTRIBUTION_CLEAN_ALL does, and also redact "
+        "every suspected leak the detectors find (`findings` move to `redactions`); a request's "
+        "redact_suspected overrides it. The contribution then differs from the SDK's, and the "
+        "answer's differs_from_sdk says so.",
+    )
+    injection_suspicious_threshold: Annotated[
+        float,
+        Field(
+            ge=0,
+            le=1,
+            description="POST /contribution: the injection classifier's suspiciousThreshold (the "
+            "reference SDK's 0.3): a field scoring at least this is `suspicious`; at most "
+            "KP_INJECTION_REJECT_THRESHOLD. A request's suspicious_threshold overrides it.",
+        ),
+    ] = 0.3
+    injection_reject_threshold: Annotated[
+        float,
+        Field(
+            ge=0,
+            le=1,
+            description="POST /contribution: the injection classifier's rejectThreshold (the "
+            "reference SDK's 0.6): a field scoring at least this is `rejected`. A request's "
+            "reject_threshold overrides it.",
+        ),
+    ] = 0.6
 
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Log lines below this level are not written."
@@ -447,6 +474,16 @@ class Settings(BaseSettings):
         if data.get("cache_durability") is None and fsync is not None:
             data["cache_durability"] = "power" if fsync == "always" else "process"
         return data
+
+    @model_validator(mode="after")
+    def _threshold_order(self) -> Settings:
+        if self.injection_suspicious_threshold > self.injection_reject_threshold:
+            raise ValueError(
+                "KP_INJECTION_SUSPICIOUS_THRESHOLD "
+                f"({self.injection_suspicious_threshold}) exceeds KP_INJECTION_REJECT_THRESHOLD "
+                f"({self.injection_reject_threshold}): suspicious would never be said"
+            )
+        return self
 
     @model_validator(mode="after")
     def _one_persistence(self) -> Settings:

@@ -2,7 +2,11 @@
 `UNSIGNED_FIELDS` (how long it took, and the signature itself), so that a field the answer
 gains is signed without a change of format; and what it is about: `trace_sha256`, the SHA-256
 of the trace's RFC 8785 (JCS) canonical JSON, so that it is the same whatever the trace's
-whitespace or key order (the `rfc8785` package makes the canonical form).
+whitespace or key order (the `rfc8785` package makes the canonical form). The trace is read as
+the reference SDK's JavaScript reads it, numbers as doubles: an integer past 2**53 is the
+double nearest it (RFC 8785 writes numbers as doubles, and would refuse the integer), one past
+the largest double is Infinity, written `null` as JSON.stringify writes it, as is NaN (which
+Python's JSON parser takes). What the SDK would contribute is never refused for its numbers.
 app/service/signing.py signs. Checking a
 signature is the client's (`kp_scoring.signatures.verify`, clients/python), which hashes the
 same way: tests/test_signatures.py holds the two to the same value.
@@ -11,6 +15,7 @@ same way: tests/test_signatures.py holds the two to the same value.
 from __future__ import annotations
 
 import hashlib
+import math
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -35,21 +40,73 @@ def signed_answer(answer: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in answer.items() if k not in UNSIGNED_FIELDS}
 
 
+#: POST /contribution's answer around its evaluation: the fields its signature covers in the
+#: CONTRIBUTION_CLAIM claim (the evaluation is the `answer` claim; the cleaned trace, which
+#: may be a megabyte, is covered by its digest).
+CONTRIBUTION_CLAIM = "contribution_answer"
+NOT_IN_CONTRIBUTION_CLAIM = frozenset({"evaluation", "contribution"})
+
+
+def contribution_claims(answer: Mapping[str, Any], contribution: Any) -> dict[str, Any]:
+    """A /contribution answer's own claims: `contribution_sha256` (the cleaned trace's digest)
+    and CONTRIBUTION_CLAIM, every field of the answer as the API shows it (`answer`) but
+    NOT_IN_CONTRIBUTION_CLAIM: shareable, threshold, leaks_remain, redactions, uncleaned,
+    inputs_kept, findings, the injection verdicts and any field the answer gains."""
+    return {
+        "contribution_sha256": trace_sha256(contribution),
+        CONTRIBUTION_CLAIM: {k: v for k, v in answer.items() if k not in NOT_IN_CONTRIBUTION_CLAIM},
+    }
+
+
 class TraceNotCanonicalError(ServiceError):
-    """A trace RFC 8785 cannot put in canonical form (an integer past 2**53, say)."""
+    """A trace RFC 8785 cannot put in canonical form: a string holding a lone surrogate."""
 
     def __init__(self, problem: str) -> None:
         msg = f"cannot be signed: not I-JSON (RFC 8785): {problem}"
         super().__init__(422, "not_canonicalizable", msg, loc=())
 
 
+_SAFE_INTEGER = 2**53
+
+
+def as_javascript_reads(value: Any) -> Any:
+    """`value` (parsed JSON) with its numbers as JavaScript's JSON.parse holds them, written
+    back as JSON.stringify writes them: an integer past 2**53 as the nearest double, a number
+    past the largest double (Infinity) and NaN as None."""
+    if isinstance(value, dict):
+        return {key: as_javascript_reads(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [as_javascript_reads(item) for item in value]
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return value
+    if isinstance(value, int):
+        if -_SAFE_INTEGER < value < _SAFE_INTEGER:  # RFC 8785's integers; 2**53 is a double
+            return value
+        try:
+            return float(value)
+        except OverflowError:
+            return None
+    return value if math.isfinite(value) else None
+
+
 def trace_sha256(trace: Any) -> str:
-    """Hex SHA-256 of the trace's RFC 8785 canonical JSON (`trace`: as parsed from JSON)."""
+    """Hex SHA-256 of the trace's RFC 8785 canonical JSON, its numbers as JavaScript reads
+    them (`trace`: as parsed from JSON)."""
     try:
         canonical = rfc8785.dumps(trace)
+    except (rfc8785.IntegerDomainError, rfc8785.FloatDomainError):
+        # Rare (a number past what JSON's doubles hold): only then the copy.
+        canonical = _canonical(as_javascript_reads(trace))
     except (rfc8785.CanonicalizationError, UnicodeError) as exc:
         raise TraceNotCanonicalError(str(exc)) from None
     return hashlib.sha256(canonical).hexdigest()
+
+
+def _canonical(value: Any) -> bytes:
+    try:
+        return rfc8785.dumps(value)
+    except (rfc8785.CanonicalizationError, UnicodeError) as exc:
+        raise TraceNotCanonicalError(str(exc)) from None
 
 
 def trace_digests(traces: Sequence[Any], *, batch: bool, at: Loc = ()) -> list[str]:

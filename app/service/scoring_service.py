@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -26,7 +27,7 @@ from app.core.config import Settings
 from app.core.errors import Problem, ServiceError, invalid
 from app.core.health import Health
 from app.core.metrics import Metrics
-from app.core.signatures import UNSIGNED_FIELDS, trace_digests, trace_sha256
+from app.core.signatures import UNSIGNED_FIELDS, contribution_claims, trace_digests
 from app.core.version import VERSION
 from app.embedding.types import OverloadedError
 from app.guards.api_keys import ApiKey, KeyRing
@@ -40,7 +41,14 @@ from app.guards.idempotency import (
 )
 from app.guards.rate_limit import RateLimitUnavailableError, retry_after
 from app.memory.base import NamespaceLimitError
-from app.schemas.contribution import ContributionOut, FieldRiskOut, FindingOut, InjectionOut
+from app.schemas.contribution import (
+    ContributionOptions,
+    ContributionOut,
+    FieldRiskOut,
+    FindingOut,
+    GateOptions,
+    InjectionOut,
+)
 from app.schemas.limits import TraceLimits, limit_problems
 from app.schemas.namespaces import NamespacesOut
 from app.schemas.responses import (
@@ -127,6 +135,8 @@ class Scoring:
     dry_run: bool = False
     body_bytes: int | None = None
     replay: Replay | None = None
+    #: A contribution's: what it asks of the gate beyond the settings.
+    options: ContributionOptions | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +156,7 @@ class _Prepared:
 
     digests: list[str] | None = None
     gate: Gate | None = None
+    options: GateOptions | None = None
 
 
 #: The answers' JSON as FastAPI writes a response model (pydantic's serializer).
@@ -361,20 +372,30 @@ class ScoringService:
                     "UTF-8 text"
                 )
                 raise invalid([Problem(("body", *where), msg, "lone_surrogate")])
-            prepared.gate = await self._gate(given, request.body_bytes)
+            at = ("query",) if request.caller.transport == "rest" else ()
+            asked = request.options or ContributionOptions()
+            prepared.options = asked.resolve(self.settings, at)
+            prepared.gate = await self._gate(given, request.body_bytes, prepared.options)
         if self.signer is not None:
             prepared.digests = trace_digests(request.sent, batch=batch, at=("body",))
         if batch:
             await self._charge_batch(request.caller.key, len(request.traces), ("body",))
         return prepared
 
-    async def _gate(self, given: Any, body_bytes: int | None) -> Gate:
-        """What the SDK's capture would send (its score set once scored); large traces' text
-        work off the event loop."""
-        clean_all = self.settings.contribution_clean_all
+    async def _gate(self, given: Any, body_bytes: int | None, options: GateOptions) -> Gate:
+        """What the SDK's capture would send (its score set once scored) and what it would
+        leak; large traces' text work off the event loop."""
+        work = functools.partial(
+            prepare,
+            given,
+            clean_all=self.settings.contribution_clean_all,
+            redact_suspected=options.redact_suspected,
+            suspicious_threshold=options.suspicious_threshold,
+            reject_threshold=options.reject_threshold,
+        )
         if body_bytes is not None and body_bytes > INLINE_BODY_BYTES:
-            return await asyncio.to_thread(prepare, given, clean_all=clean_all)
-        return prepare(given, clean_all=clean_all)
+            return await asyncio.to_thread(work)
+        return work()
 
     async def _evaluate(self, request: Scoring) -> list[Evaluation]:
         """The one commit: the traces meet their namespace's memory in order."""
@@ -407,9 +428,10 @@ class ScoringService:
         digests: Sequence[str | None] = prepared.digests or [None] * len(evaluations)
         if request.kind == "contribution":
             assert prepared.gate is not None
+            assert prepared.options is not None
             (evaluation,) = evaluations
             model: BaseModel = self._contribution_out(
-                evaluation, prepared.gate, digests[0], dry_run=request.dry_run
+                evaluation, prepared.gate, prepared.options, digests[0], dry_run=request.dry_run
             )
         elif request.kind == "batch":
             answers = []
@@ -453,31 +475,47 @@ class ScoringService:
         return out
 
     def _contribution_out(
-        self, evaluation: Evaluation, gate: Gate, digest: str | None, *, dry_run: bool
+        self,
+        evaluation: Evaluation,
+        gate: Gate,
+        options: GateOptions,
+        digest: str | None,
+        *,
+        dry_run: bool,
     ) -> ContributionOut:
         score = evaluation.score.value
         metadata = gate.contribution.get("metadata")
         if isinstance(metadata, dict):  # the capture step sets the score it computed
             metadata["quality_score"] = js_value(score)
-        # The cleaned trace's digest is signed beside the trace's: a registry sent the
-        # contribution can tell it is the one scored and cleaned here.
-        claims = None
-        if self.signer is not None:
-            claims = {"contribution_sha256": trace_sha256(gate.contribution)}
         threshold = self.settings.contribution_threshold
-        return ContributionOut(
-            evaluation=self._evaluation_out(evaluation, digest, dry_run=dry_run, claims=claims),
+        answer = ContributionOut(
+            evaluation=self._evaluation_out(evaluation, None, dry_run=dry_run),
             shareable=score >= threshold,
             threshold=threshold,
+            leaks_remain=gate.leaks_remain,
+            differs_from_sdk=gate.differs_from_sdk,
             contribution=gate.contribution,
             redactions=[_finding(f) for f in gate.redactions],
             uncleaned=[_finding(f) for f in gate.uncleaned],
             inputs_kept=list(gate.inputs_kept),
+            findings=[_finding(f) for f in gate.findings],
             injection=InjectionOut(
                 fields=[_risk(f) for f in gate.injection],
                 highest=None if gate.highest is None else _risk(gate.highest),
+                suspicious_threshold=options.suspicious_threshold,
+                reject_threshold=options.reject_threshold,
             ),
         )
+        if self.signer is not None and digest is not None:
+            # The whole answer is signed: the evaluation as /evaluate's, the cleaned trace by
+            # its digest (a registry sent it checks it is the one scored and cleaned here),
+            # every other field as the API shows it.
+            shown = answer.model_dump(mode="json", exclude={"evaluation", "contribution"})
+            claims = contribution_claims(shown, gate.contribution)
+            answer.evaluation = self._evaluation_out(
+                evaluation, digest, dry_run=dry_run, claims=claims
+            )
+        return answer
 
     # -- idempotency --------------------------------------------------------------------
 

@@ -404,7 +404,132 @@ def _persistence(data: dict[str, Any]) -> str:
     return "\n\n".join(out)
 
 
+def _detectors(data: dict[str, Any]) -> str:
+    """bench.detectors: per detector, what it found of the planted kinds and its false alarms
+    on clean traces; the clean traces' share with any; the cost's linearity."""
+    rows = [
+        [
+            f"`{name}`",
+            figures["type"],
+            f"{figures['planted_found']} of {figures['planted_of']}"
+            if figures["planted_of"]
+            else "-",
+            figures["false_alarms"],
+        ]
+        for name, figures in data["by_detector"].items()
+    ]
+    out = [_table(["detector", "type", "planted, found", "false alarms"], rows)]
+    planted, clean = data["planted"], data["clean"]
+    sources = ", ".join(f"{v['traces']} {k}" for k, v in clean["by_source"].items())
+    out.append(
+        f"Planted: {planted['kinds']} kinds at {len(planted['places'])} places "
+        f"({', '.join(planted['places'])}): **{planted['found']} of {planted['of']}** named at "
+        f"their pointer with their type and detector; with `redact_suspected`, "
+        f"{planted['kinds_redacted']} of {planted['kinds']} kinds gone from the contribution. "
+        f"Clean traces ({sources}): **{clean['flagged']} of {clean['traces']}** with any "
+        f"finding ({_number(100 * clean['flagged_share'])}%; target at most "
+        f"{_number(100 * clean['target'])}%: **{_number(clean['pass'])}**)."
+    )
+    doc = data["documented_scan"]
+    out.append(
+        "detect-secrets as its README shows it (`scan_line`, default settings): "
+        f"{doc['clean_flagged']} of {doc['clean_traces']} reference traces flagged, "
+        f"{_number(doc['cpu_ms_per_trace'])} ms of CPU a trace."
+    )
+    cost = data["cost"]
+    linear = [
+        [
+            kind,
+            f"{_number(f['chars'])} chars",
+            f"{_number(f['cpu_ms'])} ms",
+            f"{_number(f['scaled_cpu_ms'])} ms",
+            f"{_number(f['ratio'])}x",
+            f["pass"],
+        ]
+        for kind, f in cost["megabyte"].items()
+    ]
+    out.append(
+        _table(
+            [
+                "megabyte trace",
+                "text",
+                "detectors' CPU",
+                f"{cost['scale']}x the text",
+                "ratio",
+                f"under {_number(next(iter(cost['megabyte'].values()))['target'])}x",
+            ],
+            linear,
+        )
+    )
+    typical = cost["typical_cpu_ms"]
+    out.append(
+        f"A typical trace: the gate's CPU {_number(typical['gate'])} ms, of which the "
+        f"detectors' {_number(typical['detectors'])} ms."
+    )
+    return "\n\n".join(out)
+
+
+def _contribution(data: dict[str, Any]) -> str:
+    """bench.contribution: /contribution against /evaluate on typical traces, and on megabyte
+    traces against a full-window /evaluate; the detectors' linearity."""
+    typical = data["typical"]
+    e, c = typical["evaluate"], typical["contribution"]
+    out = [
+        _table(
+            ["typical traces", "p50 ms", "p90 ms", "p99 ms"],
+            [
+                [f"`POST /evaluate` ({typical['n']})", e["p50_ms"], e["p90_ms"], e["p99_ms"]],
+                [f"`POST /contribution` ({typical['n']})", c["p50_ms"], c["p90_ms"], c["p99_ms"]],
+            ],
+        ),
+        f"/contribution's p50 over /evaluate's: **{_checked(typical['ratio_p50'])}x** "
+        f"(target at most {_number(typical['target'])}x: **{_number(typical['pass'])}**); "
+        f"the gate's own CPU {_number(typical['gate_cpu_ms'])} ms a trace.",
+    ]
+    rows = [
+        [
+            kind,
+            f["body_bytes"],
+            f["evaluate_p50_ms"],
+            f["contribution_p50_ms"],
+            f["full_window_evaluate_p50_ms"],
+            f["gate_cpu_ms"],
+            f["gate_cpu_over_full_window"],
+        ]
+        for kind, f in data["megabyte"].items()
+    ]
+    out.append(
+        _table(
+            [
+                "megabyte trace",
+                "body bytes",
+                "/evaluate p50 ms",
+                "/contribution p50 ms",
+                "full-window /evaluate p50 ms",
+                "gate CPU ms",
+                "gate / full window",
+            ],
+            rows,
+        )
+    )
+    linear = data.get("detectors_linear", {})
+    kinds = {k: v for k, v in linear.items() if isinstance(v, dict)}
+    if kinds:
+        out.append(
+            "The detectors on eight times the text: "
+            + ", ".join(
+                f"{kind} {_number(f['ratio'])}x ({_number(f['cpu_ms'])} to "
+                f"{_number(f['scaled_cpu_ms'])} ms)"
+                for kind, f in kinds.items()
+            )
+            + f"; under 12x: **{_number(linear['pass'])}**."
+        )
+    return "\n\n".join(out)
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
+    "detectors": _detectors,
+    "contribution": _contribution,
     "latest": _latest,
     "reference": _reference,
     "memory": _memory,
@@ -620,7 +745,12 @@ def render(name: str, results: Path = RESULTS) -> str:
 
 
 #: The pages whose markers are rendered.
-PAGES = ("performance.md", "operating/persistence.md", "operating/large-memory.md")
+PAGES = (
+    "performance.md",
+    "contribution.md",
+    "operating/persistence.md",
+    "operating/large-memory.md",
+)
 
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, Request
+from fastapi import APIRouter, Body, Query, Request
 from fastapi.responses import Response
 
 from app.api import request_examples
@@ -17,7 +17,13 @@ from app.api.deps import (
     IdempotencyKey,
     NamespaceHeader,
 )
-from app.schemas.contribution import ContributionOut
+from app.schemas.contribution import (
+    REDACT_SUSPECTED,
+    REJECT_THRESHOLD,
+    SUSPICIOUS_THRESHOLD,
+    ContributionOptions,
+    ContributionOut,
+)
 from app.schemas.responses import BatchIn, BatchOut, EvaluationOut
 from app.schemas.trace import ReasoningTrace
 from app.service.scoring_service import Kind, Replay, Scoring, ScoringService
@@ -81,6 +87,7 @@ async def _answer(
     traces: Sequence[ReasoningTrace],
     dry_run: bool,
     idempotency_key: str | None,
+    options: ContributionOptions | None = None,
 ) -> Response:
     body = await request.body()
     sent = await request.json()  # FastAPI parsed the body with it, which keeps the result
@@ -96,6 +103,7 @@ async def _answer(
         dry_run=dry_run,
         body_bytes=len(body),
         replay=replay,
+        options=options,
     )
     service: ScoringService = request.app.state.service
     answer = await service.score(scoring)
@@ -154,7 +162,19 @@ async def contribution(
     trace: ReasoningTrace,
     request: Request,
     dry_run: DryRun = False,
+    redact_suspected: Annotated[bool | None, Query(description=REDACT_SUSPECTED)] = None,
+    suspicious_threshold: Annotated[
+        float | None, Query(ge=0, le=1, description=SUSPICIOUS_THRESHOLD)
+    ] = None,
+    reject_threshold: Annotated[
+        float | None, Query(ge=0, le=1, description=REJECT_THRESHOLD)
+    ] = None,
     idempotency_key: IdempotencyKey = None,
     kp_namespace: NamespaceHeader = None,
 ) -> Response:
-    return await _answer(request, "contribution", [trace], dry_run, idempotency_key)
+    options = ContributionOptions(
+        redact_suspected=redact_suspected,
+        suspicious_threshold=suspicious_threshold,
+        reject_threshold=reject_threshold,
+    )
+    return await _answer(request, "contribution", [trace], dry_run, idempotency_key, options)

@@ -19,10 +19,12 @@ export type Profile = Schemas["ProfileOut"];
 /** How `novelty.max_cosine` was found: "exact", or "index" (Redis's HNSW index of a large shared memory). */
 export type SearchMethod = NonNullable<Schemas["NoveltyOut"]["search"]>;
 /** POST /contribution's answer: the evaluation, and the trace as the SDK's capture would
- * contribute it (cleaned), with what was redacted, what would go uncleaned and the SDK's
- * injection check of each text field. */
+ * contribute it (cleaned), with what was redacted, what would go uncleaned, every suspected
+ * leak the SDK's patterns leave (`findings`), whether any remains (`leaks_remain`) and the
+ * SDK's injection check of each text field. */
 export type Contribution = Schemas["ContributionOut"];
-/** A secret or identifier found: where (a JSON Pointer), its type, how many. */
+/** A secret or identifier found: where (a JSON Pointer), its type, how many, and its
+ * detector (`cleanPii` for the SDK's own patterns). */
 export type Finding = Schemas["FindingOut"];
 export type CacheStats = Schemas["CacheOut"];
 export type Readiness = Schemas["ReadyOut"];
@@ -64,6 +66,16 @@ export interface NamespaceOptions {
 export interface ScoreOptions extends NamespaceOptions {
   /** Score without adding the trace's embedding to the novelty cache. */
   dryRun?: boolean;
+}
+
+export interface ContributionOptions extends ScoreOptions {
+  /** Also redact every suspected leak: the contribution then differs from the SDK's
+   * (`differs_from_sdk`). Default: the service's KP_CONTRIBUTION_REDACT_SUSPECTED. */
+  redactSuspected?: boolean;
+  /** The injection classifier's suspiciousThreshold (the SDK's option); default the service's. */
+  suspiciousThreshold?: number;
+  /** The injection classifier's rejectThreshold (the SDK's option); default the service's. */
+  rejectThreshold?: number;
 }
 
 /**
@@ -133,11 +145,27 @@ export class KpScoringClient {
 
   /** Before contributing a trace: its evaluation (as `score`), and the trace as the SDK's
    * capture would send it, cleaned of secrets and identifiers as `cleanPii` cleans it, with
-   * what it leaves uncleaned and the injection check (POST /contribution). */
-  async contribution(trace: ReasoningTrace, options: ScoreOptions = {}): Promise<Contribution> {
+   * what it leaves uncleaned, what is still suspected (`findings`, `leaks_remain`) and the
+   * injection check (POST /contribution). */
+  async contribution(
+    trace: ReasoningTrace,
+    options: ContributionOptions = {},
+  ): Promise<Contribution> {
+    const query = new URLSearchParams();
+    if (options.dryRun) query.set("dry_run", "true");
+    if (options.redactSuspected !== undefined) {
+      query.set("redact_suspected", String(options.redactSuspected));
+    }
+    if (options.suspiciousThreshold !== undefined) {
+      query.set("suspicious_threshold", String(options.suspiciousThreshold));
+    }
+    if (options.rejectThreshold !== undefined) {
+      query.set("reject_threshold", String(options.rejectThreshold));
+    }
+    const search = query.toString();
     return this.request<Contribution>(
       "POST",
-      withDryRun("/contribution", options),
+      search ? `/contribution?${search}` : "/contribution",
       trace,
       options.namespace,
     );

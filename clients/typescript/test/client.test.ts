@@ -50,9 +50,30 @@ test("contribution answers the evaluation and the cleaned trace", async () => {
   const sent = answer.contribution as unknown as ReasoningTrace;
   assert.equal(sent.metadata.quality_score, answer.evaluation.score);
   assert.equal(sent.steps[0]!.content, "key [REDACTED:api_key]");
-  assert.deepEqual(answer.redactions, [{ path: "/steps/0/content", type: "api_key", count: 1 }]);
-  assert.deepEqual(answer.uncleaned, [{ path: "/task/objective", type: "email", count: 1 }]);
+  assert.deepEqual(answer.redactions, [
+    { path: "/steps/0/content", type: "api_key", count: 1, detector: "cleanPii" },
+  ]);
+  assert.deepEqual(answer.uncleaned, [
+    { path: "/task/objective", type: "email", count: 1, detector: "cleanPii" },
+  ]);
+  assert.deepEqual(answer.findings, []);
+  assert.equal(answer.leaks_remain, true);
   assert.equal(answer.injection.highest?.max_score, 5.550000000000003);
+});
+
+test("contribution names suspected leaks and redacts them on request", async () => {
+  const trace = exampleTrace();
+  trace.steps[0]!.content = "call +44 20 7946 0958";
+  const answer = await kp.contribution(trace, { dryRun: true, suspiciousThreshold: 0.01 });
+  assert.deepEqual(answer.findings, [
+    { path: "/steps/0/content", type: "phone", count: 1, detector: "phonenumbers" },
+  ]);
+  assert.equal(answer.injection.suspicious_threshold, 0.01);
+  const redacted = await kp.contribution(trace, { dryRun: true, redactSuspected: true });
+  const sent = redacted.contribution as unknown as ReasoningTrace;
+  assert.equal(sent.steps[0]!.content, "call [REDACTED:phone]");
+  assert.equal(redacted.differs_from_sdk, true);
+  assert.equal(redacted.leaks_remain, false);
 });
 
 test("scoreBatch answers in order, as POST /evaluate/batch", async () => {

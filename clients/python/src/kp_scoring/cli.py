@@ -43,7 +43,7 @@ from kp_scoring.client import (
     verify_signature,
 )
 from kp_scoring.models import ContributionOut, EvaluationOut
-from kp_scoring.signatures import DEFAULT_LEEWAY_S
+from kp_scoring.signatures import DEFAULT_LEEWAY_S, is_contribution_answer
 from kp_scoring.text import visible
 
 # The reference SDK captures a trace when its score reaches this value.
@@ -454,20 +454,27 @@ def contribution(
         bool,
         typer.Option(
             "--findings",
-            help="Print the score, what was redacted, what would go uncleaned and the "
-            "injection check, instead of the cleaned trace.",
+            help="Print the score, what was redacted, what would go uncleaned, what is "
+            "suspected (by detector) and the injection check, instead of the cleaned trace.",
         ),
     ] = False,
     as_json: AsJson = False,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Score without adding the trace to the cache.")
     ] = False,
+    redact_suspected: Annotated[
+        bool,
+        typer.Option(
+            "--redact-suspected",
+            help="Also redact every suspected leak (the contribution then differs from the SDK's).",
+        ),
+    ] = False,
     api_key: ApiKey = None,
     retries: Retries = DEFAULT_RETRIES,
     max_wait: MaxWait = DEFAULT_MAX_WAIT,
 ) -> None:
     """Show what contributing a trace would send: the trace as the reference SDK's capture
-    cleans it (POST /contribution), or with --findings what was found.
+    cleans it (POST /contribution), or with --findings what was found and what is suspected.
 
     Exit code: 0 the SDK would contribute it (score >= the service's threshold), 1 it would
     not, 2 bad input, 3 service unreachable, 4 try later (429 or 503).
@@ -480,7 +487,9 @@ def contribution(
                 raise InputError(f"{visible(path)}: one trace, not an array")
         except InputError as exc:
             raise fail(str(exc), Code.INPUT_ERROR) from None
-        answer = kp.contribution(traces[0], dry_run=dry_run)
+        answer = kp.contribution(
+            traces[0], dry_run=dry_run, redact_suspected=True if redact_suspected else None
+        )
     if as_json:
         print_json(answer.model_dump(mode="json"))
     elif findings:
@@ -499,13 +508,27 @@ def print_findings(answer: ContributionOut) -> None:
         f"{visible(e.trace_id)}: score {e.score:.4f}, the SDK's capture {would} contribute it "
         f"(threshold {answer.threshold:g})"
     )
-    for title, found in (("redacted", answer.redactions), ("left uncleaned", answer.uncleaned)):
+    if answer.leaks_remain is not None:
+        typer.echo(
+            "  leaks remain in what would be contributed"
+            if answer.leaks_remain
+            else "  nothing suspected remains in what would be contributed"
+        )
+    if answer.differs_from_sdk:
+        typer.echo("  the contribution differs from the SDK's: the service redacted more")
+    sections = (
+        ("redacted", answer.redactions),
+        ("left uncleaned", answer.uncleaned),
+        ("suspected", answer.findings),
+    )
+    for title, found in sections:
         if not found:
             typer.echo(f"  {title}: nothing")
             continue
         typer.echo(f"  {title}:")
         for f in found:
-            typer.echo(f"    {visible(f.path)}: {visible(f.type)} x{f.count}")
+            by = "" if f.detector in (None, "cleanPii") else f" ({visible(f.detector)})"
+            typer.echo(f"    {visible(f.path)}: {visible(f.type)} x{f.count}{by}")
     for kept in answer.inputs_kept:
         typer.echo(f"  sent as it was (its cleaned JSON did not parse): {visible(kept)}")
     risky = [r for r in answer.injection.fields if r.patterns]
@@ -717,7 +740,7 @@ _COMPACT_JWS = re.compile(r"[A-Za-z0-9_-]+\.[A-Za-z0-9_-]*\.[A-Za-z0-9_-]*")
 def _signature_of(value: str) -> tuple[str, dict[str, Any] | None, Any]:
     """A compact JWS as given, or the `signature` of an answer in a JSON file and the answer
     (whose fields are then checked against the signed answer); for a POST /contribution
-    answer, its `evaluation`'s, and the `contribution` the signature must be about."""
+    answer, its `evaluation`'s (the whole answer is checked, its contribution too)."""
     if _COMPACT_JWS.fullmatch(value):
         return value, None, None
     try:
@@ -726,16 +749,15 @@ def _signature_of(value: str) -> tuple[str, dict[str, Any] | None, Any]:
         raise InputError(
             f"{visible(value)}: neither a compact JWS nor an answer's JSON: {exc}"
         ) from None
-    contribution = None
-    if isinstance(answer, dict) and isinstance(answer.get("evaluation"), dict):
-        contribution = answer.get("contribution")
-        answer = answer["evaluation"]
-    signature = answer.get("signature") if isinstance(answer, dict) else None
+    # A /contribution answer is checked whole (verify reads its evaluation, its other fields
+    # and its contribution); its signature is its evaluation's.
+    holder = answer.get("evaluation") if is_contribution_answer(answer) else answer
+    signature = holder.get("signature") if isinstance(holder, dict) else None
     if not isinstance(signature, str):
         raise InputError(
             f"{visible(value)}: the answer has no signature (the service signs nothing?)"
         )
-    return signature, answer, contribution
+    return signature, answer, None
 
 
 @cli.command()

@@ -171,6 +171,24 @@ def _params(dry_run: bool) -> dict[str, str]:
     return {"dry_run": "true"} if dry_run else {}
 
 
+def _contribution_params(
+    dry_run: bool,
+    redact_suspected: bool | None,
+    suspicious_threshold: float | None,
+    reject_threshold: float | None,
+) -> dict[str, str]:
+    params = _params(dry_run)
+    if redact_suspected is not None:
+        params["redact_suspected"] = "true" if redact_suspected else "false"
+    for name, value in (
+        ("suspicious_threshold", suspicious_threshold),
+        ("reject_threshold", reject_threshold),
+    ):
+        if value is not None:
+            params[name] = repr(float(value))
+    return params
+
+
 def _check(response: httpx.Response) -> Any:
     """The JSON body of a successful answer, or the matching KpScoringError."""
     try:
@@ -355,15 +373,23 @@ class KpScoringClient(_Base):
         dry_run: bool = False,
         idempotency_key: str | None = None,
         namespace: str | None = None,
+        redact_suspected: bool | None = None,
+        suspicious_threshold: float | None = None,
+        reject_threshold: float | None = None,
     ) -> ContributionOut:
         """POST /contribution: the score (`evaluation`, as `evaluate` answers it) and the trace
         as the reference SDK's capture would contribute it, cleaned, with what was redacted,
-        what would go uncleaned and the SDK's injection check of each text field."""
+        what would go uncleaned, every suspected leak the SDK's patterns leave (`findings`),
+        whether any remains (`leaks_remain`) and the SDK's injection check of each text field.
+        `redact_suspected`: also redact what is suspected (the contribution then differs from
+        the SDK's); the thresholds: the injection classifier's (None: the service's)."""
         body = self._request(
             "POST",
             "/contribution",
             json=_trace_json(trace),
-            params=_params(dry_run),
+            params=_contribution_params(
+                dry_run, redact_suspected, suspicious_threshold, reject_threshold
+            ),
             headers=self._scoring_headers(idempotency_key, namespace),
         )
         return ContributionOut.model_validate(body)
@@ -521,13 +547,18 @@ class AsyncKpScoringClient(_Base):
         dry_run: bool = False,
         idempotency_key: str | None = None,
         namespace: str | None = None,
+        redact_suspected: bool | None = None,
+        suspicious_threshold: float | None = None,
+        reject_threshold: float | None = None,
     ) -> ContributionOut:
         """As `KpScoringClient.contribution`."""
         body = await self._request(
             "POST",
             "/contribution",
             json=_trace_json(trace),
-            params=_params(dry_run),
+            params=_contribution_params(
+                dry_run, redact_suspected, suspicious_threshold, reject_threshold
+            ),
             headers=self._scoring_headers(idempotency_key, namespace),
         )
         return ContributionOut.model_validate(body)

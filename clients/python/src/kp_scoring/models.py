@@ -90,9 +90,12 @@ class BatchOut(_Answer):
 class FindingOut(_Answer):
     #: A JSON Pointer (RFC 6901) into the trace, e.g. /steps/0/content.
     path: str
-    #: The SDK's type: connection_string, bearer_token, api_key, password, email, phone, ...
+    #: connection_string, bearer_token, api_key, password, email, phone, ip, filepath (the
+    #: SDK's), private_key, jwt, card_number, ssn, high_entropy_string (the detectors').
     type: str
     count: int
+    #: Who found it: cleanPii (the SDK's patterns) or a detector (None from an older service).
+    detector: str | None = None
 
 
 class FieldRiskOut(_Answer):
@@ -107,6 +110,9 @@ class FieldRiskOut(_Answer):
 class InjectionOut(_Answer):
     fields: list[FieldRiskOut]
     highest: FieldRiskOut | None
+    #: The thresholds the verdicts used (None from an older service: the SDK's 0.3 and 0.6).
+    suspicious_threshold: float | None = None
+    reject_threshold: float | None = None
 
 
 class ContributionOut(_Answer):
@@ -115,10 +121,16 @@ class ContributionOut(_Answer):
     evaluation: EvaluationOut
     shareable: bool
     threshold: float
+    #: Whether something suspected is left in `contribution` (None from an older service).
+    leaks_remain: bool | None = None
+    #: Whether `contribution` is not the SDK's (the service redacted more).
+    differs_from_sdk: bool | None = None
     contribution: dict[str, Any]
     redactions: list[FindingOut]
     uncleaned: list[FindingOut]
     inputs_kept: list[str]
+    #: Suspected leaks the SDK's patterns leave, by place, type and detector.
+    findings: list[FindingOut] = []
     injection: InjectionOut
 
 

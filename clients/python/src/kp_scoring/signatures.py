@@ -1,18 +1,22 @@
 """Checking signed scores, for anyone holding a trace and the service's JWKS (the client, the
 CLI, a registry): the JWS must verify against a key of the set (by its kid) and be about the
 trace, whose `trace_sha256` is the SHA-256 of its RFC 8785 (JCS) canonical JSON, so that it is
-the same whatever the trace's whitespace or key order. `joserfc` checks the JWS, the `rfc8785`
-package makes the canonical form. The service signs with the same hash (tests hold the two to
-the same value). Beyond that, `verify` can require an issuer, an audience and a committed score
-(not a dry run), refuses an expired signature (`exp`, honoured at most `leeway_s` late: 5 s
-unless said), and compares every field of an answer (but `UNSIGNED_FIELDS`) with the signed
-answer, the `answer` claim (the service's docs: operating/signatures.md).
+the same whatever the trace's whitespace or key order, its numbers read as the reference SDK's
+JavaScript reads them (doubles: an integer past 2**53 as the nearest one). `joserfc` checks the
+JWS, the `rfc8785` package makes the canonical form. The service signs with the same hash
+(tests hold the two to the same value). Beyond that, `verify` can require an issuer, an
+audience and a committed score (not a dry run), refuses an expired signature (`exp`, honoured
+at most `leeway_s` late: 5 s unless said), and compares every field of an answer (but
+`UNSIGNED_FIELDS`) with the signed answer, the `answer` claim, and for a POST /contribution
+answer every other field with its `contribution_answer` claim (the service's docs:
+operating/signatures.md).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import time
 import warnings
 from collections.abc import Mapping
@@ -22,12 +26,15 @@ import rfc8785
 
 __all__ = [
     "ALGORITHM",
+    "CONTRIBUTION_CLAIM",
     "DEFAULT_LEEWAY_S",
     "UNSIGNED_FIELDS",
     "SignatureInvalidError",
     "TraceNotCanonicalError",
     "answer_mismatches",
+    "as_javascript_reads",
     "claim_problems",
+    "is_contribution_answer",
     "trace_sha256",
     "verify",
 ]
@@ -47,16 +54,50 @@ class SignatureInvalidError(Exception):
 
 
 class TraceNotCanonicalError(ValueError):
-    """A trace RFC 8785 cannot put in canonical form (an integer past 2**53, say)."""
+    """A trace RFC 8785 cannot put in canonical form: a string holding a lone surrogate."""
+
+
+_SAFE_INTEGER = 2**53
+
+
+def as_javascript_reads(value: Any) -> Any:
+    """`value` (parsed JSON) with its numbers as JavaScript's JSON.parse holds them, written
+    back as JSON.stringify writes them: an integer past 2**53 as the nearest double, a number
+    past the largest double (Infinity) and NaN as None. The service digests traces so (the
+    reference SDK is JavaScript), and RFC 8785 writes numbers as doubles."""
+    if isinstance(value, dict):
+        return {key: as_javascript_reads(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [as_javascript_reads(item) for item in value]
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return value
+    if isinstance(value, int):
+        if -_SAFE_INTEGER < value < _SAFE_INTEGER:  # RFC 8785's integers; 2**53 is a double
+            return value
+        try:
+            return float(value)
+        except OverflowError:
+            return None
+    return value if math.isfinite(value) else None
 
 
 def trace_sha256(trace: Any) -> str:
-    """Hex SHA-256 of the trace's RFC 8785 canonical JSON (`trace`: as parsed from JSON)."""
+    """Hex SHA-256 of the trace's RFC 8785 canonical JSON, its numbers as JavaScript reads
+    them (`trace`: as parsed from JSON)."""
     try:
         canonical = rfc8785.dumps(trace)
+    except (rfc8785.IntegerDomainError, rfc8785.FloatDomainError):
+        canonical = _canonical(as_javascript_reads(trace))
     except (rfc8785.CanonicalizationError, UnicodeError) as exc:
         raise TraceNotCanonicalError(str(exc)) from None
     return hashlib.sha256(canonical).hexdigest()
+
+
+def _canonical(value: Any) -> bytes:
+    try:
+        return rfc8785.dumps(value)
+    except (rfc8785.CanonicalizationError, UnicodeError) as exc:
+        raise TraceNotCanonicalError(str(exc)) from None
 
 
 def verify(
@@ -85,6 +126,10 @@ def verify(
     problems = claim_problems(
         claims, issuer=issuer, audience=audience, committed=committed, now=now, leeway_s=leeway_s
     )
+    if answer is not None and hasattr(answer, "model_dump"):
+        answer = answer.model_dump(mode="json")
+    if contribution is None and isinstance(answer, Mapping) and is_contribution_answer(answer):
+        contribution = answer["contribution"]
     if contribution is not None:
         problems += _contribution_problems(claims, contribution)
     if answer is not None:
@@ -132,10 +177,28 @@ def claim_problems(
     return problems
 
 
+#: A POST /contribution answer's fields beside its evaluation are signed in this claim; its
+#: evaluation is the `answer` claim, its `contribution` the `contribution_sha256` claim.
+CONTRIBUTION_CLAIM = "contribution_answer"
+
+
+def is_contribution_answer(answer: Any) -> bool:
+    """Whether `answer` (JSON) is a POST /contribution answer: an evaluation and a
+    contribution."""
+    return (
+        isinstance(answer, Mapping)
+        and isinstance(answer.get("evaluation"), Mapping)
+        and "contribution" in answer
+    )
+
+
 def answer_mismatches(claims: dict[str, Any], answer: Mapping[str, Any] | Any) -> list[str]:
     """Where the answer differs from the signed one (an answer edited after signing): a
     field whose value is not the signed one, a signed field it lacks, a field it adds.
-    `answer`: the JSON answer, or a model of it (anything with pydantic's `model_dump`)."""
+    `answer`: the JSON answer, or a model of it (anything with pydantic's `model_dump`); a
+    POST /contribution answer is compared whole: its evaluation with the `answer` claim
+    (named evaluation.score, ...), every other field but `contribution` (checked by its
+    digest) with the contribution_answer claim (shareable, redactions.0.type, ...)."""
     if hasattr(answer, "model_dump"):
         answer = answer.model_dump(mode="json")
     signed = claims.get("answer")
@@ -143,8 +206,22 @@ def answer_mismatches(claims: dict[str, Any], answer: Mapping[str, Any] | Any) -
         return ["the signature covers no answer (the `answer` claim): the answer cannot be checked"]
     if not isinstance(answer, Mapping):
         return [f"the answer is not a JSON object: {type(answer).__name__}"]
-    shown = {k: v for k, v in answer.items() if k not in UNSIGNED_FIELDS}
-    return _differences((), shown, signed)
+    if not is_contribution_answer(answer):
+        shown = {k: v for k, v in answer.items() if k not in UNSIGNED_FIELDS}
+        return _differences((), shown, signed)
+    evaluation = answer["evaluation"]
+    shown = {k: v for k, v in evaluation.items() if k not in UNSIGNED_FIELDS}
+    problems = _differences(("evaluation",), shown, signed)
+    signed_rest = claims.get(CONTRIBUTION_CLAIM)
+    if not isinstance(signed_rest, dict):
+        return [
+            *problems,
+            "the signature covers only this /contribution answer's evaluation (no "
+            f"{CONTRIBUTION_CLAIM} claim): its shareable, redactions, findings and injection "
+            "verdicts cannot be checked",
+        ]
+    rest = {k: v for k, v in answer.items() if k not in ("evaluation", "contribution")}
+    return problems + _differences((), rest, signed_rest)
 
 
 def _differences(path: tuple[str, ...], shown: Any, signed: Any) -> list[str]:
