@@ -22,6 +22,7 @@ import pytest
 
 from app.core.config import Settings
 from app.memory import in_process
+from app.memory import sqlite as sqlite_module
 from app.memory.base import DEFAULT_NAMESPACE
 from app.memory.in_process import InProcessMemory
 from app.memory.ring import CacheEntries
@@ -401,13 +402,17 @@ def _row_ids(path: Path) -> list[str]:
             each.unlink(missing_ok=True)
 
 
+@pytest.mark.parametrize("watch", ["kernel", "paths"])
 @pytest.mark.parametrize("removed", ["memory.db-wal", "memory.db"])
 def test_a_file_deleted_while_serving_is_noticed_before_the_next_commit_is_claimed(
-    tmp_path: Path, removed: str
+    tmp_path: Path, removed: str, watch: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The WAL holds every commit since the last checkpoint (all of them here): deleting it,
     or the database, would take them along. The next commit finds the file gone before its
-    answer and writes everything the memory holds into a new file at the path first."""
+    answer and writes everything the memory holds into a new file at the path first. Told by
+    the kernel (inotify), or, where there is none, by the paths compared at each commit."""
+    if watch == "paths":
+        monkeypatch.setattr(sqlite_module._FileWatch, "of", classmethod(lambda cls, paths: None))
     path = tmp_path / "memory.db"
     v = random_units(40, seed=21)
     memory = memory_at(path)
@@ -418,6 +423,7 @@ def test_a_file_deleted_while_serving_is_noticed_before_the_next_commit_is_claim
         after = add(memory, "ns-a", v[20:40], [f"c{i}" for i in range(20)])
         assert all(c.stored for c in after)
         assert memory.store is not None
+        assert (memory.store._watch is None) == (watch == "paths")
         assert memory.store.status.rewrites_total == 1
         assert any("written anew" in w for w in memory.health().warnings)
         # What the files at the path hold now, without the process's help.

