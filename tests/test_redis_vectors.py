@@ -830,25 +830,65 @@ def test_an_index_someone_else_made_is_never_used(
     run(scenario)
 
 
-def test_an_index_swapped_for_another_s_while_serving_is_refused(
-    redis_server: RedisServer, redis_prefix: str
-) -> None:
+def test_an_index_swapped_for_another_s_while_serving_is_refused(tmp_path: Path) -> None:
     """The namespace's index dropped and made again by someone else (another dimension)
     after this replica checked it: its next search finds nothing, the index is checked, and
-    the namespace is refused."""
-    v = unit_vectors(3, seed=32)
-    index = f"{redis_prefix}idx:{{victim}}"
+    the namespace is refused. Once that index is dropped the namespace answers again; after
+    kill -9 of Redis every trace answered as stored is there."""
+    redis = RedisServer(tmp_path)
+    v = unit_vectors(6, seed=32)
+    index = "kp:idx:{victim}"
+    stored: list[str] = []
+
+    async def scenario() -> None:
+        async with replicas(redis.url, "kp:", count=1) as (memory,):
+            for i in range(2):
+                (c,) = await memory.compare("victim", [v[i]], [f"t{i}"], add=True)
+                assert c.stored
+                stored.append(f"t{i}")
+            with redis.client() as client:
+                client.execute_command("FT.DROPINDEX", index)
+                _flat_index(client, index, "kp:{victim}:e:", "DIM", "128",
+                            "DISTANCE_METRIC", "COSINE")  # fmt: skip
+            with pytest.raises(MemoryUnavailableError, match="its dim is 128"):
+                await memory.compare("victim", [v[2]], ["t2"], add=True)
+            assert [t for t, _ in await entries_of(memory, "victim")] == stored
+            with redis.client() as client:
+                client.execute_command("FT.DROPINDEX", index)
+            again = await _until_answered(memory, "victim", v[0], "t3")
+            assert again.stored
+            assert again.nearest is not None
+            assert again.nearest.trace_id == "t0"
+            stored.append("t3")
+
+    async def after_kill() -> list[str]:
+        async with replicas(redis.url, "kp:", count=1) as (memory,):
+            return [t for t, _ in await entries_of(memory, "victim")]
+
+    try:
+        run(scenario)
+        redis.stop(signal.SIGKILL)
+        redis.start()
+        assert run(after_kill) == stored
+    finally:
+        redis.stop()
+
+
+def test_a_clear_makes_a_dropped_index_again(redis_server: RedisServer, redis_prefix: str) -> None:
+    """DELETE /cache of a namespace whose index went: the namespace answers at once after."""
+    v = unit_vectors(3, seed=35)
 
     async def scenario() -> None:
         async with replicas(redis_server.url, redis_prefix, count=1) as (memory,):
             await memory.compare("victim", v[:2], ["t0", "t1"], add=True)
             with redis_server.client() as client:
-                client.execute_command("FT.DROPINDEX", index)
-                _flat_index(client, index, f"{redis_prefix}{{victim}}:e:", "DIM", "128",
-                            "DISTANCE_METRIC", "COSINE")  # fmt: skip
-            with pytest.raises(MemoryUnavailableError, match="its dim is 128"):
-                await memory.compare("victim", [v[2]], ["t2"], add=True)
-            assert [t for t, _ in await entries_of(memory, "victim")] == ["t0", "t1"]
+                client.execute_command("FT.DROPINDEX", f"{redis_prefix}idx:{{victim}}")
+            assert await memory.clear("victim") == 2
+            (fresh,) = await memory.compare("victim", [v[2]], ["t2"], add=True)
+            (seen,) = await memory.compare("victim", [v[2]], ["t3"], add=True)
+            assert fresh.stored
+            assert fresh.max_cosine is None
+            assert seen.max_cosine == pytest.approx(1.0, abs=1e-6)
 
     run(scenario)
 
