@@ -331,6 +331,7 @@ class SqliteStore:
         self._lock = OwnerLock(path)
         self._target: LoadTarget | None = None
         self._path_text, self._wal_text = str(path), f"{path}-wal"
+        self._checked_wal = self._wal_text  # the database's own path where WAL mode failed
         self._files: tuple[int, int, int, int] | None = None  # the database's and WAL's ids
         self._watch: _FileWatch | None = None
         self._next_path_check = 0.0
@@ -409,11 +410,17 @@ class SqliteStore:
 
     def _record_files(self) -> None:
         """The identities of the database and its WAL as opened (the WAL exists once the
-        connection has read the database), and the kernel's watch on them."""
+        connection has read the database, unless SQLite could not use WAL mode there: then
+        the database alone), and the kernel's watch on them."""
         if self._watch is not None:
             self._watch.close()
-        self._watch = _FileWatch.of([self._path_text, self._wal_text])
-        db, wal = os.stat(self._path_text), os.stat(self._wal_text)
+        db = os.stat(self._path_text)
+        self._checked_wal = self._wal_text
+        try:
+            wal = os.stat(self._wal_text)
+        except FileNotFoundError:
+            self._checked_wal, wal = self._path_text, db
+        self._watch = _FileWatch.of(sorted({self._path_text, self._checked_wal}))
         self._files = (db.st_dev, db.st_ino, wal.st_dev, wal.st_ino)
         self._next_path_check = time.monotonic() + PATH_CHECK_INTERVAL_S
 
@@ -428,7 +435,7 @@ class SqliteStore:
                 return True
             self._next_path_check = time.monotonic() + PATH_CHECK_INTERVAL_S
         try:
-            db, wal = os.stat(self._path_text), os.stat(self._wal_text)
+            db, wal = os.stat(self._path_text), os.stat(self._checked_wal)
         except OSError:
             return False
         return (db.st_dev, db.st_ino, wal.st_dev, wal.st_ino) == self._files
@@ -961,7 +968,7 @@ class SqliteStore:
         aside = None
         for name, expected, suffix in (
             (self._path_text, self._files[:2], ""),
-            (self._wal_text, self._files[2:], "-wal"),
+            (self._checked_wal, self._files[2:], "-wal"),
         ):
             try:
                 found = os.stat(name)
