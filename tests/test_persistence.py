@@ -22,6 +22,7 @@ import pytest
 
 from app.core.config import Settings
 from app.memory import in_process
+from app.memory import sqlite as sqlite_module
 from app.memory.base import DEFAULT_NAMESPACE
 from app.memory.in_process import InProcessMemory
 from app.memory.ring import CacheEntries
@@ -380,6 +381,197 @@ def test_a_database_of_another_model_is_set_aside(tmp_path: Path) -> None:
     close(other)
 
 
+# ── an operator's mistakes while serving ────────────────────────────────────
+
+
+def _row_ids(path: Path) -> list[str]:
+    """The trace ids in the database file as SQLite reads it (a copy: nothing of it moves)."""
+    import sqlite3
+
+    copy = path.with_name("reading.db")
+    shutil.copyfile(path, copy)
+    wal = Path(f"{path}-wal")
+    if wal.exists():
+        shutil.copyfile(wal, Path(f"{copy}-wal"))
+    conn = sqlite3.connect(copy)
+    try:
+        return [r[0] for r in conn.execute("SELECT trace_id FROM entries ORDER BY id")]
+    finally:
+        conn.close()
+        for each in (copy, Path(f"{copy}-wal"), Path(f"{copy}-shm")):
+            each.unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("watch", ["kernel", "paths"])
+@pytest.mark.parametrize("removed", ["memory.db-wal", "memory.db"])
+def test_a_file_deleted_while_serving_is_noticed_before_the_next_commit_is_claimed(
+    tmp_path: Path, removed: str, watch: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The WAL holds every commit since the last checkpoint (all of them here): deleting it,
+    or the database, would take them along. The next commit finds the file gone before its
+    answer and writes everything the memory holds into a new file at the path first. Told by
+    the kernel (inotify), or, where there is none, by the paths compared at each commit."""
+    if watch == "paths":
+        monkeypatch.setattr(sqlite_module._FileWatch, "of", classmethod(lambda cls, paths: None))
+    path = tmp_path / "memory.db"
+    v = random_units(40, seed=21)
+    memory = memory_at(path)
+    try:
+        assert all(c.stored for c in add(memory, "ns-a", v[:10], [f"a{i}" for i in range(10)]))
+        assert all(c.stored for c in add(memory, "ns-b", v[10:20], [f"b{i}" for i in range(10)]))
+        (tmp_path / removed).unlink()
+        after = add(memory, "ns-a", v[20:40], [f"c{i}" for i in range(20)])
+        assert all(c.stored for c in after)
+        assert memory.store is not None
+        assert (memory.store._watch is None) == (watch == "paths")
+        assert memory.store.status.rewrites_total == 1
+        assert any("written anew" in w for w in memory.health().warnings)
+        # What the files at the path hold now, without the process's help.
+        expected_a = [f"a{i}" for i in range(10)] + [f"c{i}" for i in range(20)]
+        assert sorted(_row_ids(path)) == sorted(expected_a + [f"b{i}" for i in range(10)])
+    finally:
+        close(memory)
+    again = memory_at(path)
+    try:
+        assert list(exported(again, "ns-a").ids()) == expected_a
+        assert list(exported(again, "ns-b").ids()) == [f"b{i}" for i in range(10)]
+    finally:
+        close(again)
+
+
+def test_a_database_replaced_while_serving_is_moved_aside_and_written_anew(
+    tmp_path: Path,
+) -> None:
+    """An operator's copy put in place of the database (a backup restored without stopping
+    the service): kept beside it, never deleted; the path gets the memory's entries."""
+    path = tmp_path / "memory.db"
+    v = random_units(6, seed=22)
+    memory = memory_at(path)
+    try:
+        add(memory, DEFAULT_NAMESPACE, v[:3], ["t0", "t1", "t2"])
+        other = tmp_path / "other.db"
+        other.write_bytes(b"an operator's file")
+        os.replace(other, path)
+        assert all(c.stored for c in add(memory, DEFAULT_NAMESPACE, v[3:], ["t3", "t4", "t5"]))
+        (aside,) = tmp_path.glob("memory.db.replaced-*")
+        assert aside.read_bytes() == b"an operator's file"
+        assert memory.store is not None
+        assert aside.name in memory.store.health().warnings[0]
+    finally:
+        close(memory)
+    again = memory_at(path)
+    try:
+        assert list(exported(again).ids()) == [f"t{i}" for i in range(6)]
+    finally:
+        close(again)
+
+
+def test_a_database_that_cannot_be_opened_warns_from_the_start_and_is_tried_again(
+    tmp_path: Path,
+) -> None:
+    """Its directory does not exist yet: /readyz warns before any trace; once it exists, the
+    next trace is stored, with no restart."""
+    path = tmp_path / "later" / "memory.db"
+    memory = memory_at(path)
+    try:
+        assert memory.store is not None
+        assert memory.store.status.state == "error"
+        assert any("cannot be opened" in w for w in memory.health().warnings)
+        (first,) = add(memory, DEFAULT_NAMESPACE, random_units(1, seed=23), ["t0"])
+        assert not first.stored
+        path.parent.mkdir()
+        (second,) = add(memory, DEFAULT_NAMESPACE, random_units(1, seed=24), ["t1"])
+        assert second.stored
+        assert memory.store.status.state == "none"
+        assert not any("cannot" in w for w in memory.health().warnings)
+    finally:
+        close(memory)
+    again = memory_at(path)
+    try:
+        assert list(exported(again).ids()) == ["t1"]
+    finally:
+        close(again)
+
+
+def test_a_directory_as_the_path_warns_before_any_trace(tmp_path: Path) -> None:
+    path = tmp_path / "memory.db"
+    path.mkdir()
+    memory = memory_at(path)
+    try:
+        (warning,) = memory.health().warnings
+        assert warning.startswith("cache database cannot be opened")
+        assert memory.store is not None
+        assert memory.store.status.failing
+    finally:
+        close(memory)
+
+
+def test_a_second_owner_of_a_database_is_refused_naming_the_first(tmp_path: Path) -> None:
+    """One process owns a database: a second memory on it (here in this same process) is
+    refused at start, with the owner's PID and host, and the file is not touched."""
+    path = tmp_path / "memory.db"
+    first = memory_at(path)
+    try:
+        add(first, DEFAULT_NAMESPACE, random_units(1, seed=25), ["t0"])
+        before = path.read_bytes()
+        with pytest.raises(SystemExit, match=rf"KP_CACHE_DB_PATH: .*process {os.getpid()} on host"):
+            memory_at(path)
+        assert path.read_bytes() == before
+    finally:
+        close(first)
+    again = memory_at(path)  # the lock went with the first memory
+    close(again)
+
+
+def test_a_schema_newer_than_this_release_is_refused_and_left_as_it_is(tmp_path: Path) -> None:
+    import sqlite3
+
+    path = tmp_path / "memory.db"
+    memory = memory_at(path)
+    add(memory, DEFAULT_NAMESPACE, random_units(2, seed=26), ["t0", "t1"])
+    close(memory)
+    conn = sqlite3.connect(path)
+    conn.execute("UPDATE meta SET value = '3' WHERE key = 'schema'")
+    conn.execute("ALTER TABLE entries ADD COLUMN shard INTEGER")
+    conn.commit()
+    conn.close()
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    with pytest.raises(SystemExit, match="has schema 3, newer than this release's 2"):
+        memory_at(path)
+    after = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    assert {k: v for k, v in after.items() if not k.endswith((".lock", "-shm"))} == {
+        k: v for k, v in before.items() if not k.endswith((".lock", "-shm"))
+    }
+
+
+def test_expired_namespaces_are_let_go_and_their_rows_deleted(tmp_path: Path) -> None:
+    """Every entry of a namespace expired: it no longer counts against KP_MAX_NAMESPACES, its
+    ring is given back and its rows leave the database; the eviction counter never falls."""
+    path = tmp_path / "memory.db"
+    now = [1.7e12]
+    memory = memory_at(path, capacity=2, ttl_ms=1000.0, max_namespaces=3, clock_ms=lambda: now[0])
+    try:
+        v = random_units(12, seed=27)
+        for i, ns in enumerate(("ns-a", "ns-b", "ns-c")):
+            add(memory, ns, v[3 * i : 3 * i + 3], [f"{ns}-{k}" for k in range(3)])
+        evictions = memory.evictions_total
+        assert evictions == 3
+        with pytest.raises(in_process.NamespaceLimitError):
+            add(memory, "ns-d", v[9:10], ["d0"])
+        now[0] += 1500.0  # every entry expired
+        memory._next_forget = 0.0  # the memory's next look is due
+        assert all(c.stored for c in add(memory, "ns-d", v[9:10], ["d0"]))
+        assert set(memory._caches) == {"ns-d"}
+        assert memory.evictions_total == evictions
+        assert memory.store is not None
+        assert {ns: memory.store.rows(ns) for ns in ("ns-a", "ns-b", "ns-c")} == dict.fromkeys(
+            ("ns-a", "ns-b", "ns-c"), 0
+        )
+        assert _row_ids(path) == ["d0"]
+    finally:
+        close(memory)
+
+
 # ── the former files ────────────────────────────────────────────────────────
 
 
@@ -607,5 +799,196 @@ def test_a_full_disk_is_answered_as_not_stored_and_what_follows_survives_kill_9(
         again = _server(path, tmp_path / "server.log")
         try:
             assert _ids_in(again) == stored
+        finally:
+            again.stop()
+
+
+def _poster(server: LiveServer, stored: list[str], prefix: str) -> Any:
+    """POSTs one trace at a time; the ids answered as stored are appended to `stored`."""
+    count = [0]
+
+    def post() -> dict[str, Any]:
+        i = count[0] = count[0] + 1
+        trace = make_trace(trace_id=f"kp:trace:{prefix}{i}", objective=f"{prefix} topic {i}")
+        r = server.post("/evaluate", trace)
+        assert r.status_code == 200, r.text
+        novelty: dict[str, Any] = r.json()["novelty"]
+        if novelty["stored"]:
+            stored.append(trace["id"])
+        return novelty
+
+    return post
+
+
+def _metric(server: LiveServer, name: str) -> float:
+    for line in server.client.get("/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"no {name}")
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("removed", ["memory.db-wal", "memory.db"])
+def test_a_file_removed_while_serving_loses_no_answered_trace_after_kill_9(
+    tmp_path: Path, removed: str
+) -> None:
+    """20 traces, `rm` of the WAL (or the database), 20 more, kill -9, a restart: all 40."""
+    path = tmp_path / "memory.db"
+    server = _server(path, tmp_path / "server.log")
+    stored: list[str] = []
+    post = _poster(server, stored, "rm")
+    try:
+        assert all(post()["stored"] for _ in range(20))
+        (tmp_path / removed).unlink()
+        assert all(post()["stored"] for _ in range(20))
+        ready = server.client.get("/readyz").json()
+        assert any("written anew" in w for w in ready["warnings"])
+        assert _metric(server, "kp_cache_db_rewrites_total") == 1
+    finally:
+        server.stop(signal.SIGKILL)
+    again = _server(path, tmp_path / "server.log")
+    try:
+        assert _ids_in(again) == stored
+        assert len(stored) == 40
+    finally:
+        again.stop()
+
+
+@pytest.mark.server
+def test_a_second_process_on_the_database_is_refused_naming_the_first(tmp_path: Path) -> None:
+    """A real second server on the same KP_CACHE_DB_PATH: refused before it serves, one line
+    naming the first's PID; once the first is killed, it starts and finds every trace."""
+    import sys
+
+    from tests.server import free_port
+
+    path = tmp_path / "memory.db"
+    first = _server(path, tmp_path / "first.log")
+    stored: list[str] = []
+    try:
+        post = _poster(first, stored, "own")
+        assert all(post()["stored"] for _ in range(3))
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KP_")}
+        env |= {"KP_CACHE_DB_PATH": str(path), "KP_LOG_LEVEL": "warning"}
+        second = subprocess.run(
+            [sys.executable, "-m", "app.serve", "--port", str(free_port())],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert second.returncode == 1
+        assert second.stderr.strip().count("\n") == 0, second.stderr
+        assert "KP_CACHE_DB_PATH" in second.stderr
+        assert f"process {first.process.pid} on host" in second.stderr
+        assert all(post()["stored"] for _ in range(2))  # the first goes on
+    finally:
+        first.stop(signal.SIGKILL)  # the kernel lets go of its lock
+    again = _server(path, tmp_path / "again.log")
+    try:
+        assert _ids_in(again) == stored
+    finally:
+        again.stop()
+
+
+@pytest.mark.server
+def test_a_database_from_a_later_release_stops_the_start_and_is_left_as_it_is(
+    tmp_path: Path,
+) -> None:
+    import sqlite3
+    import sys
+
+    from tests.server import free_port
+
+    path = tmp_path / "memory.db"
+    server = _server(path, tmp_path / "server.log")
+    try:
+        _poster(server, [], "future")()
+    finally:
+        server.stop()
+    conn = sqlite3.connect(path)
+    conn.execute("UPDATE meta SET value = '99' WHERE key = 'schema'")
+    conn.execute("ALTER TABLE entries ADD COLUMN shard INTEGER")
+    conn.commit()
+    conn.close()
+    before = path.read_bytes()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KP_")}
+    env |= {"KP_CACHE_DB_PATH": str(path), "KP_LOG_LEVEL": "warning"}
+    started = subprocess.run(
+        [sys.executable, "-m", "app.serve", "--port", str(free_port())],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert started.returncode == 1
+    assert started.stderr.strip().count("\n") == 0, started.stderr
+    assert "has schema 99, newer than this release's 2" in started.stderr
+    assert path.read_bytes() == before
+
+
+@pytest.mark.server
+def test_a_directory_as_the_path_warns_in_readyz_before_any_trace(tmp_path: Path) -> None:
+    path = tmp_path / "memory.db"
+    path.mkdir()
+    server = _server(path, tmp_path / "server.log")
+    try:
+        ready = server.client.get("/readyz").json()
+        assert ready["storage"]["state"] == "error"
+        assert any(w.startswith("cache database cannot be opened") for w in ready["warnings"])
+        assert _metric(server, "kp_cache_db_failing") == 1
+        novelty = _poster(server, [], "dir")()
+        assert (novelty["stored"], novelty["not_stored"]) == (False, "storage_failed")
+    finally:
+        server.stop()
+
+
+@pytest.mark.server
+def test_a_start_on_a_full_disk_warns_and_stores_again_once_space_returns(
+    tmp_path: Path,
+) -> None:
+    """A 2 MB tmpfs filled to its last byte, then a restart: /readyz warns from the start (the
+    database cannot be opened) or from the first refused write; after `rm filler` the next
+    trace is stored, with no restart; after kill -9 every trace answered as stored is there."""
+    disk = tmp_path / "disk"
+    with _tmpfs(disk, "2m"):
+        path = disk / "memory.db"
+        server = _server(path, tmp_path / "server.log")
+        stored: list[str] = []
+        post = _poster(server, stored, "full")
+        try:
+            assert all(post()["stored"] for _ in range(5))
+        finally:
+            server.stop()
+        filler = _fill(disk)
+        server = _server(path, tmp_path / "server.log")
+        post = _poster(server, stored, "after")
+        try:
+            ready = server.client.get("/readyz").json()
+            opened = ready["storage"]["state"] != "error"
+            if not opened:
+                assert any("cannot be opened" in w for w in ready["warnings"])
+            refused = [post() for _ in range(5)]
+            assert not any(n["stored"] for n in refused)
+            ready = server.client.get("/readyz").json()
+            # SQLite's reason: "database or disk is full", or "disk I/O error" when the WAL
+            # index cannot be made.
+            assert any(
+                w.startswith(("cache database cannot be opened", "cache database not written"))
+                for w in ready["warnings"]
+            ), ready
+            assert _metric(server, "kp_cache_db_failing") == 1
+            filler.unlink()
+            assert post()["stored"]
+            assert all(post()["stored"] for _ in range(4))
+            ready = server.client.get("/readyz").json()
+            assert not any("cannot" in w or "not written" in w for w in ready["warnings"])
+            assert _metric(server, "kp_cache_db_failing") == 0
+        finally:
+            server.stop(signal.SIGKILL)
+        again = _server(path, tmp_path / "server.log")
+        try:
+            assert _ids_in(again) == stored
+            assert len(stored) == 10
         finally:
             again.stop()

@@ -714,3 +714,424 @@ def test_a_large_clear_deletes_in_batches_while_others_go_on(
         assert len(keys) == len(log)  # the old keys are all deleted
 
     run(scenario)
+
+
+# ── an operator's mistakes, a hostile neighbour ─────────────────────────────────────
+
+
+def _flat_index(client: Any, name: str, prefix: str, *params: str) -> None:
+    """FT.CREATE of a FLAT index someone else made: `params` after the vector's TYPE."""
+    client.execute_command(
+        "FT.CREATE", name, "ON", "HASH", "PREFIX", "1", prefix, "SCHEMA",
+        "seq", "NUMERIC", "v", "VECTOR", "FLAT", str(2 + len(params)), "TYPE", "FLOAT32",
+        *params,
+    )  # fmt: skip
+
+
+async def _until_answered(
+    memory: RedisVectorMemory, namespace: str, vector: Vector, tid: str
+) -> Comparison:
+    """The namespace's first answer once it answers again (Redis indexes in the background)."""
+    for _ in range(600):
+        try:
+            (answer,) = await memory.compare(namespace, [vector], [tid], add=True)
+            return answer
+        except MemoryUnavailableError:
+            await asyncio.sleep(0.05)
+    raise AssertionError(f"namespace {namespace} never answered again")
+
+
+def test_a_dropped_index_affects_its_namespace_alone_and_is_made_again(
+    redis_server: RedisServer, redis_prefix: str
+) -> None:
+    """FT.DROPINDEX of one namespace's index: that namespace is refused (saying which index)
+    while Redis indexes its entries again, every other answers as usual, and it answers
+    again with no restart, having lost nothing."""
+    v = unit_vectors(40, seed=30)
+
+    async def scenario() -> None:
+        async with replicas(redis_server.url, redis_prefix, count=2) as (a, b):
+            for i in range(10):
+                await a.compare("victim", [v[i]], [f"v{i}"], add=True)
+                await a.compare("normal", [v[10 + i]], [f"n{i}"], add=True)
+            with redis_server.client() as client:
+                client.execute_command("FT.DROPINDEX", f"{redis_prefix}idx:{{victim}}")
+            with pytest.raises(MemoryUnavailableError, match=rf"{redis_prefix}idx:\{{victim\}}"):
+                await b.compare("victim", [v[20]], ["refused"], add=True)
+            assert b.backend.available  # the replica is
+            assert b.health().degraded
+            assert any("'victim'" in w and "idx:{victim}" in w for w in b.health().warnings)
+            assert b.faults.namespaces_unavailable == 1
+            assert b.faults.index_rebuilds_total == 1
+            for i in range(15):  # the others are untouched
+                (seen,) = await b.compare("normal", [v[21 + i]], [f"n{10 + i}"], add=True)
+                assert seen.stored
+            again = await _until_answered(b, "victim", v[3], "v-again")
+            assert again.stored
+            assert again.max_cosine == pytest.approx(1.0, abs=1e-6)
+            assert again.nearest is not None
+            assert again.nearest.trace_id == "v3"
+            assert b.faults.namespaces_unavailable == 0
+            assert not b.health().degraded
+            # A's step meets the index made again (its check is the script's, not A's).
+            (on_a,) = await a.compare("victim", [v[5]], ["v-a"], add=True)
+            assert on_a.nearest is not None
+            assert on_a.nearest.trace_id == "v5"
+            entries = [t for t, _ in await entries_of(a, "victim")]
+            assert entries == [f"v{i}" for i in range(10)] + ["v-again", "v-a"]
+
+    run(scenario)
+
+
+@pytest.mark.parametrize(
+    ("params", "why"),
+    [
+        (("DIM", "128", "DISTANCE_METRIC", "COSINE"), "its dim is 128, not 384"),
+        (("DIM", "384", "DISTANCE_METRIC", "L2"), "its distance metric is L2, not COSINE"),
+        ("prefix", "its key prefix is other:, not"),
+    ],
+)
+def test_an_index_someone_else_made_is_never_used(
+    redis_server: RedisServer, redis_prefix: str, params: Any, why: str
+) -> None:
+    """An index of the namespace's name made by someone else (another dimension, metric or
+    prefix) before the namespace: refused with the reason, nothing added, the others fine;
+    once it is dropped, the namespace answers with no restart."""
+    v = unit_vectors(3, seed=31)
+    index = f"{redis_prefix}idx:{{victim}}"
+    with redis_server.client() as client:
+        if params == "prefix":
+            _flat_index(client, index, "other:", "DIM", "384", "DISTANCE_METRIC", "COSINE")
+        else:
+            _flat_index(client, index, f"{redis_prefix}{{victim}}:e:", *params)
+
+    async def scenario() -> None:
+        async with replicas(redis_server.url, redis_prefix, count=1) as (memory,):
+            for _ in range(3):  # the same trace three times: never "stored" into nothing
+                with pytest.raises(MemoryUnavailableError) as refused:
+                    await memory.compare("victim", [v[0]], ["t0"], add=True)
+                assert index in str(refused.value)
+                assert why in str(refused.value)
+            assert (await memory.stats("victim")).size == 0
+            assert await memory.compare("normal", [v[1]], ["n0"], add=True) == [
+                Comparison(None, 0, stored=True)
+            ]
+            assert any(why in w for w in memory.health().warnings)
+            with redis_server.client() as client:
+                client.execute_command("FT.DROPINDEX", index)
+            await asyncio.sleep(0)
+            (first,) = await memory.compare("victim", [v[0]], ["t0"], add=True)
+            (second,) = await memory.compare("victim", [v[0]], ["t1"], add=True)
+            assert first.stored
+            assert first.max_cosine is None
+            assert second.max_cosine == pytest.approx(1.0, abs=1e-6)
+            assert not memory.health().warnings
+
+    run(scenario)
+
+
+def test_an_index_swapped_for_another_s_while_serving_is_refused(tmp_path: Path) -> None:
+    """The namespace's index dropped and made again by someone else (another dimension)
+    after this replica checked it: its next search finds nothing, the index is checked, and
+    the namespace is refused. Once that index is dropped the namespace answers again; after
+    kill -9 of Redis every trace answered as stored is there."""
+    redis = RedisServer(tmp_path)
+    v = unit_vectors(6, seed=32)
+    index = "kp:idx:{victim}"
+    stored: list[str] = []
+
+    async def scenario() -> None:
+        async with replicas(redis.url, "kp:", count=1) as (memory,):
+            for i in range(2):
+                (c,) = await memory.compare("victim", [v[i]], [f"t{i}"], add=True)
+                assert c.stored
+                stored.append(f"t{i}")
+            with redis.client() as client:
+                client.execute_command("FT.DROPINDEX", index)
+                _flat_index(client, index, "kp:{victim}:e:", "DIM", "128",
+                            "DISTANCE_METRIC", "COSINE")  # fmt: skip
+            with pytest.raises(MemoryUnavailableError, match="its dim is 128"):
+                await memory.compare("victim", [v[2]], ["t2"], add=True)
+            assert [t for t, _ in await entries_of(memory, "victim")] == stored
+            with redis.client() as client:
+                client.execute_command("FT.DROPINDEX", index)
+            again = await _until_answered(memory, "victim", v[0], "t3")
+            assert again.stored
+            assert again.nearest is not None
+            assert again.nearest.trace_id == "t0"
+            stored.append("t3")
+
+    async def after_kill() -> list[str]:
+        async with replicas(redis.url, "kp:", count=1) as (memory,):
+            return [t for t, _ in await entries_of(memory, "victim")]
+
+    try:
+        run(scenario)
+        redis.stop(signal.SIGKILL)
+        redis.start()
+        assert run(after_kill) == stored
+    finally:
+        redis.stop()
+
+
+def test_a_clear_makes_a_dropped_index_again(redis_server: RedisServer, redis_prefix: str) -> None:
+    """DELETE /cache of a namespace whose index went: the namespace answers at once after."""
+    v = unit_vectors(3, seed=35)
+
+    async def scenario() -> None:
+        async with replicas(redis_server.url, redis_prefix, count=1) as (memory,):
+            await memory.compare("victim", v[:2], ["t0", "t1"], add=True)
+            with redis_server.client() as client:
+                client.execute_command("FT.DROPINDEX", f"{redis_prefix}idx:{{victim}}")
+            assert await memory.clear("victim") == 2
+            (fresh,) = await memory.compare("victim", [v[2]], ["t2"], add=True)
+            (seen,) = await memory.compare("victim", [v[2]], ["t3"], add=True)
+            assert fresh.stored
+            assert fresh.max_cosine is None
+            assert seen.max_cosine == pytest.approx(1.0, abs=1e-6)
+
+    run(scenario)
+
+
+def test_an_evicting_maxmemory_policy_stores_nothing_until_it_is_noeviction(
+    tmp_path: Path,
+) -> None:
+    """CONFIG SET maxmemory-policy allkeys-lru while serving: read within the watch's
+    interval, and from then on each trace is compared but answered as not stored, with the
+    reason; an import is refused. Back to noeviction: stored again, no restart."""
+    from app.memory import redis_vectors
+
+    redis = RedisServer(tmp_path)
+    v = unit_vectors(4, seed=33)
+
+    async def scenario() -> None:
+        async with replicas(redis.url, "kp:", count=1) as (memory,):
+            assert (await memory.compare(NS, [v[0]], ["t0"], add=True))[0].stored
+            with redis.client() as client:
+                client.config_set("maxmemory-policy", "allkeys-lru")
+            await _until(lambda: memory.faults.eviction_unsafe)
+            (refused,) = await memory.compare(NS, [v[0]], ["t1"], add=True)
+            assert not refused.stored
+            assert refused.max_cosine == pytest.approx(1.0, abs=1e-6)  # still measured
+            assert "maxmemory-policy allkeys-lru" in (refused.not_stored or "")
+            assert any("allkeys-lru" in w for w in memory.health().warnings)
+            assert memory.faults.not_stored_total == 1
+            with pytest.raises(MemoryUnavailableError, match="allkeys-lru"):
+                await memory.import_entries(
+                    NS, CacheEntries(np.stack(v[2:3]), np.array([1e12]), ["i"])
+                )
+            with redis.client() as client:
+                client.config_set("maxmemory-policy", "noeviction")
+            await _until(lambda: not memory.faults.eviction_unsafe)
+            assert (await memory.compare(NS, [v[3]], ["t3"], add=True))[0].stored
+            assert [t for t, _ in await entries_of(memory)] == ["t0", "t3"]
+
+    assert redis_vectors.WATCH_INTERVAL_S <= 5
+    try:
+        run(scenario)
+        # Read at the connect too: a replica started under allkeys-lru stores nothing.
+        with redis.client() as client:
+            client.config_set("maxmemory-policy", "allkeys-lfu")
+
+        async def started_under_it() -> None:
+            async with replicas(redis.url, "kp:", count=1) as (memory,):
+                assert memory.faults.eviction_unsafe
+                assert not (await memory.compare(NS, [v[1]], ["late"], add=True))[0].stored
+
+        run(started_under_it)
+    finally:
+        redis.stop()
+
+
+async def _until(condition: Callable[[], bool], patience_s: float = 60.0) -> None:
+    for _ in range(int(patience_s / 0.05)):
+        if condition():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("not within the patience")
+
+
+def test_expired_namespaces_are_let_go_and_no_longer_count(
+    redis_server: RedisServer, redis_prefix: str
+) -> None:
+    """Three namespaces at KP_MAX_NAMESPACES=3 expire: a fourth is admitted, and the expired
+    ones' keys, indexes and registry places are gone (the memory given back)."""
+    v = unit_vectors(4, seed=34)
+
+    async def scenario() -> None:
+        async with replicas(
+            redis_server.url, redis_prefix, count=2, ttl_ms=300, max_namespaces=3
+        ) as (a, b):
+            for i, ns in enumerate(("one", "two", "three")):
+                await a.compare(ns, [v[i]], [ns], add=True)
+            with pytest.raises(NamespaceLimitError):
+                await b.compare("four", [v[3]], ["four"], add=True)
+            await asyncio.sleep(0.4)
+            assert (await b.compare("four", [v[3]], ["four"], add=True))[0].stored
+            with redis_server.client() as client:
+                assert {m.decode() for m in client.smembers(f"{redis_prefix}namespaces")} == {
+                    "four"
+                }
+                left = list(client.scan_iter(match=f"{redis_prefix}{{one}}*"))
+                assert left == []
+                indexes = {i.decode() for i in client.execute_command("FT._LIST")}
+                assert f"{redis_prefix}idx:{{one}}" not in indexes
+                assert f"{redis_prefix}idx:{{four}}" in indexes
+            assert a.evictions_total == 0
+
+    run(scenario)
+
+
+# ── the same, through a live replica: answers, /readyz, /metrics, kill -9 of Redis ──
+
+
+def _replica(redis: RedisServer, log: Path, **env: str) -> Any:
+    from tests.server import TOKEN, LiveServer
+
+    return LiveServer(
+        {
+            "KP_EMBEDDER": "onnx",
+            "KP_EMBEDDER_PRELOAD": "true",
+            "KP_EMBEDDER_WORKERS": "1",
+            "KP_LOG_LEVEL": "warning",
+            "KP_REDIS_URL": redis.url,
+            "KP_ADMIN_TOKEN": TOKEN,
+            **env,
+        },
+        log,
+    )
+
+
+class _Traces:
+    """POSTs to a replica, one trace at a time, counting what each answer says was stored."""
+
+    def __init__(self, replica: Any) -> None:
+        self.replica = replica
+        self.stored: dict[str, list[str]] = {}
+        self.count = 0
+
+    def post(self, namespace: str) -> dict[str, Any]:
+        from tests.factories import make_trace
+
+        self.count += 1
+        trace = make_trace(
+            trace_id=f"kp:trace:{namespace}-{self.count}",
+            objective=f"{namespace} topic number {self.count}",
+        )
+        r = self.replica.client.post("/evaluate", json=trace, headers={"KP-Namespace": namespace})
+        assert r.status_code == 200, r.text
+        novelty: dict[str, Any] = r.json()["novelty"]
+        if novelty["stored"]:
+            self.stored.setdefault(namespace, []).append(trace["id"])
+        return novelty
+
+    def readyz(self) -> dict[str, Any]:
+        ready: dict[str, Any] = self.replica.client.get("/readyz").json()
+        return ready
+
+    def metric(self, name: str) -> float:
+        for line in self.replica.client.get("/metrics").text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+        raise AssertionError(f"no {name}")
+
+    def exported(self, namespace: str) -> list[str]:
+        import orjson
+
+        from tests.server import TOKEN
+
+        for _ in range(600):  # after a Redis restart: until the replica is back
+            r = self.replica.client.get(
+                "/cache/export",
+                headers={"KP-Namespace": namespace, "Authorization": f"Bearer {TOKEN}"},
+            )
+            if r.status_code == 200:
+                return [orjson.loads(line)["trace_id"] for line in r.text.splitlines()]
+            import time
+
+            time.sleep(0.05)
+        raise AssertionError(f"no export of {namespace}")
+
+
+def _wait(condition: Callable[[], bool], patience_s: float = 60.0) -> None:
+    import time
+
+    deadline = time.monotonic() + patience_s
+    while not condition():
+        assert time.monotonic() < deadline, "not within the patience"
+        time.sleep(0.1)
+
+
+@pytest.mark.server
+def test_a_dropped_index_through_a_replica_then_kill_9_of_redis(tmp_path: Path) -> None:
+    """FT.DROPINDEX kp:idx:{victim} under a live replica, requests alternating with another
+    namespace: the other is never refused, the victim is refused with the index named in the
+    answer, /readyz and the metrics until it is rebuilt, then answers with no restart. After
+    kill -9 of Redis and its restart, every trace answered as stored is there."""
+    (tmp_path / "redis").mkdir()
+    redis = RedisServer(tmp_path / "redis")
+    replica = _replica(redis, tmp_path / "replica.log")
+    traces = _Traces(replica)
+    try:
+        for _ in range(5):
+            assert traces.post("victim")["stored"]
+            assert traces.post("normal")["stored"]
+        with redis.client() as client:
+            client.execute_command("FT.DROPINDEX", "kp:idx:{victim}")
+        refused = traces.post("victim")
+        assert (refused["stored"], refused["reason"]) == (False, "cache_unavailable")
+        assert "kp:idx:{victim}" in refused["detail"]
+        ready = traces.readyz()
+        assert ready["degraded"]
+        assert ready["cache_backend"]["available"]
+        assert any("'victim'" in w and "kp:idx:{victim}" in w for w in ready["warnings"])
+        assert traces.metric("kp_cache_index_rebuilds_total") == 1
+        for _ in range(15):
+            assert traces.post("normal")["stored"]
+            traces.post("victim")
+        _wait(lambda: traces.post("victim")["stored"])
+        assert traces.metric("kp_cache_namespaces_unavailable") == 0
+        assert not traces.readyz()["degraded"]
+        redis.stop(signal.SIGKILL)
+        redis.start()
+        for namespace in ("victim", "normal"):
+            assert traces.exported(namespace) == traces.stored[namespace]
+    finally:
+        replica.stop()
+        redis.stop()
+
+
+@pytest.mark.server
+def test_an_evicting_policy_through_a_replica_then_kill_9_of_redis(tmp_path: Path) -> None:
+    """CONFIG SET maxmemory-policy allkeys-lru under a live replica: within the watch's
+    interval /readyz warns and the metric says so, and every answer says not stored (with the
+    reason) while novelty is still measured; back to noeviction, stored again with no
+    restart. After kill -9 of Redis, every trace answered as stored is there."""
+    (tmp_path / "redis").mkdir()
+    redis = RedisServer(tmp_path / "redis")
+    replica = _replica(redis, tmp_path / "replica.log")
+    traces = _Traces(replica)
+    try:
+        assert all(traces.post("default")["stored"] for _ in range(5))
+        with redis.client() as client:
+            client.config_set("maxmemory-policy", "allkeys-lru")
+        _wait(lambda: any("allkeys-lru" in w for w in traces.readyz()["warnings"]))
+        assert traces.metric("kp_cache_eviction_unsafe") == 1
+        for _ in range(5):
+            novelty = traces.post("default")
+            assert (novelty["stored"], novelty["not_stored"]) == (False, "storage_failed")
+            assert novelty["measured"]
+            assert "allkeys-lru" in novelty["not_stored_detail"]
+        assert traces.metric("kp_cache_not_stored_total") == 5
+        with redis.client() as client:
+            client.config_set("maxmemory-policy", "noeviction")
+        _wait(lambda: not traces.readyz()["warnings"])
+        assert traces.metric("kp_cache_eviction_unsafe") == 0
+        assert all(traces.post("default")["stored"] for _ in range(5))
+        redis.stop(signal.SIGKILL)
+        redis.start()
+        assert traces.exported("default") == traces.stored["default"]
+        assert len(traces.stored["default"]) == 10
+    finally:
+        replica.stop()
+        redis.stop()

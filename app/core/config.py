@@ -97,7 +97,8 @@ class Settings(BaseSettings):
             ge=1,
             description="Namespaces that may hold entries at once, each a memory of its own "
             "with `KP_CACHE_CAPACITY` and `KP_CACHE_TTL_MS`; a trace or import that would start "
-            "one more is refused (409, nothing stored) until one is cleared.",
+            "one more is refused (409, nothing stored) until one is cleared or every entry of "
+            "one has expired (its memory is then given back).",
         ),
     ] = 1000
     cache_ttl_ms: Annotated[float, Field(gt=0)] | None = Field(

@@ -82,6 +82,22 @@ class BackendInfo:
     outages_total: int
 
 
+@dataclass(frozen=True, slots=True)
+class MemoryFaults:
+    """What the memory cannot do now, part by part, for the metrics (the shared memory's;
+    the in-process database reports its own: app/memory/sqlite.py, StorageStatus)."""
+
+    #: Namespaces refused now, each for its own reason (an index missing and made again, or
+    #: another's): the others answer as usual.
+    namespaces_unavailable: int = 0
+    #: Indexes this process made again after they went (FT.DROPINDEX), since start.
+    index_rebuilds_total: int = 0
+    #: Redis's maxmemory-policy may evict the memory's keys: traces are not stored.
+    eviction_unsafe: bool = False
+    #: Traces answered as not stored because of it, since start.
+    not_stored_total: int = 0
+
+
 class NoveltyMemory(Protocol):
     """The vectors novelty is measured against (docs/scoring.md): one memory per namespace,
     each with its capacity, TTL and one order for every request."""
@@ -99,6 +115,9 @@ class NoveltyMemory(Protocol):
 
     @property
     def evictions_total(self) -> int: ...
+
+    @property
+    def faults(self) -> MemoryFaults: ...
 
     def health(self) -> Health: ...
 

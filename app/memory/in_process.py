@@ -8,7 +8,7 @@ import contextlib
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
@@ -20,6 +20,7 @@ from app.memory.base import (
     DEFAULT_NAMESPACE,
     BackendInfo,
     Comparison,
+    MemoryFaults,
     MemoryUnavailableError,
     NamespaceLimitError,
     NearestTrace,
@@ -85,6 +86,10 @@ class _Prefaulter:
 #: delete a commit cost a one-row commit 86-90 us p50 against 56-58 us
 #: (docs/decisions/memory-in-sqlite.md); a start loads only what the memory would hold.
 TRIM_FROM = 64
+#: How often, at most, the memory looks for namespaces whose every entry expired, to let go
+#: of their rings (and delete their rows from the database): they no longer count against
+#: KP_MAX_NAMESPACES from the moment they expire, and their memory is given back here.
+FORGET_EVERY_S = 2.0
 #: From this many entries in a namespace an exact scan takes about a millisecond (384
 #: dimensions, one core): compares run off the event loop from there on, so that other
 #: requests' HTTP work does not wait for them. Below it a scan costs less than a thread's
@@ -196,6 +201,9 @@ class InProcessMemory:
         self._queue_lock = threading.Lock()
         self._on_thread = 0  # items handed to the thread and not yet answered
         self._prefaulter = _Prefaulter()
+        self._next_forget = 0.0  # time.monotonic() of the next look for empty namespaces
+        self._forgotten_evictions = 0  # evictions of the namespaces let go
+        self._dead: set[str] = set()  # namespaces let go whose rows are still in the database
 
     # ── namespaces ──────────────────────────────────────────────────────────
 
@@ -206,7 +214,8 @@ class InProcessMemory:
 
     def cache(self, namespace: str) -> VectorCache:
         """The namespace's cache, made when first asked (NamespaceLimitError past the limit
-        of namespaces that hold entries)."""
+        of namespaces that hold entries). In the memory's order."""
+        self._forget_now_and_then()
         self._admit(namespace, set())
         with self._lock:
             found = self._caches.get(namespace)
@@ -230,13 +239,22 @@ class InProcessMemory:
         fresh.add(namespace)
 
     def _forget_empty(self) -> None:
-        """Drops empty caches but the default's (their counters go with them); in the
-        memory's order only, so that no queued change holds a cache that was dropped."""
+        """Drops empty caches but the default's (cleared, or every entry expired), giving
+        their rings back; their rows are deleted from the database with the next write. In
+        the memory's order only, so that no queued change holds a cache that was dropped."""
+        store = self.store
         with self._lock:
             for name in [
                 n for n, c in self._caches.items() if n != DEFAULT_NAMESPACE and not c.size
             ]:
-                del self._caches[name]
+                self._forgotten_evictions += self._caches.pop(name).evictions_total
+                if store is not None and store.rows(name):
+                    self._dead.add(name)
+        self._next_forget = time.monotonic() + FORGET_EVERY_S
+
+    def _forget_now_and_then(self) -> None:
+        if time.monotonic() >= self._next_forget:
+            self._forget_empty()
 
     def _made(self, namespace: str) -> VectorCache:
         """The namespace's cache, made without a check (admitted already)."""
@@ -318,6 +336,8 @@ class InProcessMemory:
         memory as it is (nothing of the group in it) and answered as not stored."""
         store = self.store
         assert store is not None
+        store.ensure_open()
+        self._forget_now_and_then()
         outcomes: list[list[Comparison] | Exception] = []
         pending: dict[str, list[Pending]] = {}
         held: dict[str, int] = {}
@@ -340,12 +360,15 @@ class InProcessMemory:
             for vector, trace_id, at in queued
         ]
         try:
-            store.write(rows, held=held, checkpoint=not on_loop, trim_from=TRIM_FROM)
+            store.write(
+                rows, held=held, forget=self._dead, checkpoint=not on_loop, trim_from=TRIM_FROM
+            )
         except StorageError as exc:
             return [
                 outcome if isinstance(outcome, Exception) else self._unstored(item, str(exc))
                 for item, outcome in zip(group, outcomes, strict=True)
             ]
+        self._dead.clear()
         for namespace, queued in pending.items():
             if queued:
                 self._made(namespace).extend(
@@ -382,7 +405,12 @@ class InProcessMemory:
     @property
     def evictions_total(self) -> int:
         with self._lock:
-            return sum(c.evictions_total for c in self._caches.values())
+            live = sum(c.evictions_total for c in self._caches.values())
+            return self._forgotten_evictions + live
+
+    @property
+    def faults(self) -> MemoryFaults:
+        return MemoryFaults()
 
     def health(self) -> Health:
         return Health() if self.store is None else self.store.health()
@@ -423,6 +451,15 @@ class InProcessMemory:
         with self._lock:
             self._caches.clear()
 
+    def held(self) -> Iterator[tuple[str, CacheEntries]]:
+        """Every entry, a chunk of one namespace at a time, oldest first (a database written
+        anew); in the memory's order."""
+        with self._lock:
+            names = list(self._caches)
+        for name in names:
+            for chunk in self._existing(name).chunks():
+                yield name, chunk
+
     async def close(self) -> None:
         await asyncio.to_thread(self._in_order_thread.shutdown)
         if self.store is not None:
@@ -446,8 +483,10 @@ class InProcessMemory:
         loop = asyncio.get_running_loop()
         item = _Item(loop, loop.create_future(), None, namespace, vectors, trace_ids)
         # A `process` commit is a write to the kernel, cheaper than the hand-off to the
-        # thread; a checkpoint syncs, so the commit that finds one due takes the thread.
-        flush = self.store.durability != "process" or self.store.checkpoint_due
+        # thread; a checkpoint syncs, so the commit that finds one due takes the thread, as
+        # does a database that is opened again (and loaded) before its commit.
+        store = self.store
+        flush = store.durability != "process" or store.checkpoint_due or store.needs_open
         if self._here(namespace, disk=flush):
             (outcome,) = self._add_group([item], on_loop=True)
             if isinstance(outcome, Exception):
@@ -466,12 +505,14 @@ class InProcessMemory:
     async def clear(self, namespace: str) -> int:
         def work() -> int:
             if self.store is not None:
+                self.store.ensure_open()
                 try:
-                    self.store.write(clear=namespace)
+                    self.store.write(clear=namespace, forget=self._dead)
                 except StorageError as exc:
                     raise MemoryUnavailableError(
                         f"the memory's database cannot be written ({exc}): nothing was cleared"
                     ) from None
+                self._dead.clear()
             with self._lock:
                 cache = self._caches.get(namespace)
             cleared = 0 if cache is None else cache.clear()
@@ -491,6 +532,8 @@ class InProcessMemory:
 
         def work() -> tuple[int, int]:
             store = self.store
+            if store is not None:
+                store.ensure_open()
             cache = self.cache(namespace)
             # An entry already past the TTL is skipped; a time in the future is lowered to now.
             now = cache.now_ms()
@@ -506,11 +549,12 @@ class InProcessMemory:
                     for trace_id, at, vector in zip(ids, times, vectors, strict=True)
                 ]
                 try:
-                    store.write(rows, held={namespace: cache.size})
+                    store.write(rows, held={namespace: cache.size}, forget=self._dead)
                 except StorageError as exc:
                     raise MemoryUnavailableError(
                         f"the memory's database cannot be written ({exc}): nothing was imported"
                     ) from None
+                self._dead.clear()
             cache.extend(vectors, times, ids)
             return len(ids), len(keep) - len(ids)
 

@@ -25,6 +25,19 @@ Redis down: requests get MemoryUnavailableError at once (nothing added), one log
 the outage and one its end, and a probe retries every RETRY_INTERVAL_S. No request waits for
 Redis longer than KP_REDIS_TIMEOUT_MS. A request that timed out after Redis ran its script has
 its entries stored although its answer said cache_unavailable.
+
+Each namespace's health is its own: an index that went (FT.DROPINDEX) is made again by the
+script, and the namespace is refused (NamespaceUnavailableError) while Redis indexes its
+entries into it; an index of its name that is not this memory's (another dimension, metric,
+prefix: FT.INFO, checked at a namespace's first step in this process and whenever a search
+finds nothing) is never searched, and the namespace is refused until it goes. The other
+namespaces answer as usual.
+
+While serving, every WATCH_INTERVAL_S: Redis's maxmemory-policy is read (also at every
+connect): under a policy that may evict the memory's keys (allkeys-*) no trace is stored, the
+answers say why; the namespaces refused are tried again (so /readyz clears without traffic);
+and one replica at a time lets go of the namespaces whose every entry expired (their keys,
+indexes and place among KP_MAX_NAMESPACES), as a new namespace past the limit does first.
 """
 
 from __future__ import annotations
@@ -32,8 +45,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import replace
 from importlib import resources
 from typing import Any
 
@@ -50,6 +65,7 @@ from app.memory.base import (
     DEFAULT_NAMESPACE,
     BackendInfo,
     Comparison,
+    MemoryFaults,
     MemoryUnavailableError,
     NamespaceLimitError,
     NearestTrace,
@@ -61,6 +77,11 @@ from app.memory.ring import CacheEntries, CacheStats, exact_cosine
 log = logging.getLogger(__name__)
 
 RETRY_INTERVAL_S = 0.5
+#: How often a replica reads Redis's maxmemory-policy, tries the namespaces it refuses again,
+#: and (one replica at a time) lets go of expired namespaces.
+WATCH_INTERVAL_S = 2.0
+#: Namespaces whose expiry is looked at concurrently while the registry is swept.
+SWEEP_CONCURRENCY = 32
 #: Entries one run of an import appends, and one read of an export returns (about 1.5 MB).
 BATCH = 1000
 #: How long one bulk run (an import's batch, an export's page, a clear) may take: an
@@ -81,6 +102,16 @@ return 1
 
 class SettingsMismatchError(PartError):
     """This replica's KP_CACHE_* or model differ from the namespace's in Redis."""
+
+
+class NamespaceUnavailableError(MemoryUnavailableError):
+    """This namespace cannot be used now (its index); the others can. Nothing was added."""
+
+
+def evicting(policy: str) -> bool:
+    """Whether a maxmemory-policy may evict the memory's keys: the allkeys-* ones. The
+    volatile-* ones evict only keys with a TTL, and the memory's keys have none."""
+    return policy.startswith("allkeys-")
 
 
 class QueryEngineMissingError(PartError):
@@ -190,6 +221,19 @@ class RedisVectorMemory:
         self._probe: asyncio.Task[None] | None = None
         self._mismatched: str | None = None  # a namespace whose settings differ from these
         self._closed = False
+        self._faults: dict[str, str] = {}  # namespaces refused now, and why
+        self._notes: dict[str, str] = {}  # namespaces answered by FLAT: the HNSW's name taken
+        self._verified: set[str] = set()  # namespaces whose index this process checked
+        self._index_rebuilds_total = 0
+        self._eviction: str | None = None  # why nothing is stored: the maxmemory-policy
+        self._policy_unread: str | None = None  # why the policy could not be read
+        self._not_stored_total = 0
+        self._retired_evictions = 0  # evictions of the namespaces let go
+        self._watch: asyncio.Task[None] | None = None
+        # No registered namespace can expire before this (time.monotonic()), as of the last
+        # sweep: a new namespace past the limit sweeps only from then on.
+        self._no_expiry_before = 0.0
+        self._sweeping = asyncio.Lock()
 
     # ── what operators see ──────────────────────────────────────────────────
 
@@ -215,12 +259,31 @@ class RedisVectorMemory:
 
     @property
     def evictions_total(self) -> int:
-        return sum(self._evictions.values())
+        return self._retired_evictions + sum(self._evictions.values())
+
+    @property
+    def faults(self) -> MemoryFaults:
+        return MemoryFaults(
+            namespaces_unavailable=len(self._faults),
+            index_rebuilds_total=self._index_rebuilds_total,
+            eviction_unsafe=self._eviction is not None,
+            not_stored_total=self._not_stored_total,
+        )
 
     def health(self) -> Health:
-        if self._available:
-            return Health()
-        return Health(degraded=True, warnings=(UNMEASURED + self._unavailable_detail(),))
+        warnings: list[str] = []
+        if not self._available:
+            warnings.append(UNMEASURED + self._unavailable_detail())
+        faults = sorted(self._faults.items())
+        warnings += [UNMEASURED + f"namespace {ns!r}: {why}" for ns, why in faults[:10]]
+        if len(faults) > 10:
+            warnings.append(UNMEASURED + f"and {len(faults) - 10} more namespaces (the log)")
+        if self._eviction is not None:
+            warnings.append(f"traces are scored but not stored: {self._eviction}")
+        if self._policy_unread is not None:
+            warnings.append(self._policy_unread)
+        warnings += [f"namespace {ns!r}: {note}" for ns, note in sorted(self._notes.items())[:10]]
+        return Health(degraded=not self._available or bool(faults), warnings=tuple(warnings))
 
     # ── lifecycle ───────────────────────────────────────────────────────────
 
@@ -233,6 +296,8 @@ class RedisVectorMemory:
             raise config_error("REDIS_URL", str(exc)) from None
         except (RedisError, OSError, TimeoutError) as exc:
             self._went_down(exc)
+        self._watch = asyncio.get_running_loop().create_task(self._watch_while_serving())
+        if not self._available:
             return
         # Other settings than the default namespace's are reported now, not at a first trace.
         with contextlib.suppress(MemoryUnavailableError):
@@ -268,6 +333,7 @@ class RedisVectorMemory:
         self._client = client
         self._script = client.register_script(self._script_text)
         self._register = client.register_script(_REGISTER)
+        await self._read_policy(client)
 
     async def _check_query_engine(self, client: Redis) -> None:
         execute: Callable[..., Awaitable[Any]] = client.execute_command  # untyped in redis-py
@@ -281,10 +347,11 @@ class RedisVectorMemory:
 
     async def close(self) -> None:
         self._closed = True
-        if self._probe is not None:
-            self._probe.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._probe
+        for task in (self._probe, self._watch):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         for client in (*self._stale, self._client):
             if client is not None:
                 with contextlib.suppress(RedisError, OSError):
@@ -306,6 +373,12 @@ class RedisVectorMemory:
             self._unmeasured_in_outage += len(vectors)
             self._ensure_probe()
             raise MemoryUnavailableError(self._unavailable_detail())
+        # While Redis may evict the memory's keys, nothing is claimed as stored: the traces
+        # are compared (a dry run) and answered as not stored, with the reason.
+        refused = self._eviction if add else None
+        if refused is not None:
+            add = False
+            self._not_stored_total += len(vectors)
         queries = [np.asarray(v, dtype=_WIRE) for v in vectors]
         args: list[bytes | str] = ["1" if add else "0"]
         for trace_id, vector in zip(trace_ids, queries, strict=True):
@@ -315,9 +388,13 @@ class RedisVectorMemory:
         reply = await self._run(namespace, "step", args, create=add, bulk=False)
         if reply is None:  # a dry run against a namespace that holds nothing yet
             empty = [[0, b"exact", 0]] * len(queries)
-            return _compared(queries, trace_ids, empty, 0.0, add, self.capacity)
-        now, _, _, results, _ = reply
-        return _compared(queries, trace_ids, results, float(now), add, self.capacity)
+            compared = _compared(queries, trace_ids, empty, 0.0, add, self.capacity)
+        else:
+            now, _, _, results, *_ = reply
+            compared = _compared(queries, trace_ids, results, float(now), add, self.capacity)
+        if refused is not None:
+            return [replace(c, not_stored=refused) for c in compared]
+        return compared
 
     async def namespaces(self) -> list[str]:
         client = await self._ready_client()
@@ -370,6 +447,8 @@ class RedisVectorMemory:
         if reply is None:
             return 0
         self._sizes[namespace] = 0
+        self._verified.discard(namespace)  # the next step checks the index made again
+        self._notes.pop(namespace, None)
         left = int(reply[2])
         while left > 0:  # the cleared keys, a batch a run: other requests go on between
             swept = await self._run(namespace, "sweep", [], create=False, bulk=True)
@@ -407,6 +486,8 @@ class RedisVectorMemory:
         """Appended BATCH entries a run (Redis serves other requests between runs)."""
         if not self._available:
             raise MemoryUnavailableError(self._unavailable_detail())
+        if self._eviction is not None:
+            raise MemoryUnavailableError(f"nothing was imported: {self._eviction}")
         added = skipped = 0
         ids = entries.ids()
         for begin in range(0, len(entries.vectors), BATCH):
@@ -459,13 +540,17 @@ class RedisVectorMemory:
         bulk: bool = True,
     ) -> list[Any] | None:
         """memory.lua's `op` on the namespace's node: its reply after 'ok', or None when the
-        namespace does not exist (and `create` is False)."""
+        namespace does not exist (and `create` is False). NamespaceUnavailableError when the
+        namespace's index refuses it (the replica stays available for the others)."""
         if "{" in namespace or "}" in namespace:
             raise ValueError("a namespace may not hold braces")
         await self._ready_client()
         if create and namespace not in self._known:
             await self._register_namespace(namespace)
         keys = [self._meta(namespace)]
+        # A step checks the namespace's index the first time this process meets it, and
+        # while it is refused (a few FT.INFO, once).
+        check = op == "step" and (namespace not in self._verified or namespace in self._faults)
         head = [
             op,
             f"{self.prefix}{{{namespace}}}:e:",
@@ -473,6 +558,7 @@ class RedisVectorMemory:
             f"{self.prefix}idx:{{{namespace}}}:hnsw",
             *self._settings,
             "1" if create else "0",
+            "1" if check else "0",
         ]
         timeout_s = max(self._timeout_s, BULK_TIMEOUT_S) if bulk else self._timeout_s
         try:
@@ -486,19 +572,75 @@ class RedisVectorMemory:
         if namespace == self._mismatched:
             self._mismatched = None
         self._went_up()
+        if status in (b"foreign_index", b"index_rebuilding"):
+            raise self._namespace_refused(namespace, status, body)
+        # Only a step checks the index: only a step's answer ends a refusal.
+        if op == "step" and self._faults.pop(namespace, None) is not None:
+            log.warning("namespace answers again", extra={"namespace": namespace})
         if status == b"absent":
             self._sizes.pop(namespace, None)
             return None
+        if op == "step":
+            self._verified.add(namespace)
+            if body[5]:
+                self._notes[namespace] = (
+                    f"its HNSW index {_text(body[5])}: it is not this service's, so FLAT "
+                    "answers (exactly, but slower); drop it and DELETE /cache the namespace"
+                )
+            else:
+                self._notes.pop(namespace, None)
         if op in ("step", "import"):
             created, size = int(body[1]), int(body[2])
             if created:  # made again after another replica cleared it: registered again
                 self._known.discard(namespace)
                 await self._register_namespace(namespace, limit=False)
             self._sizes[namespace] = size
-            self._evictions[namespace] = int(body[-1] or 0)
+            self._evictions[namespace] = int(body[4 if op == "step" else 5] or 0)
         return list(body)
 
+    def _namespace_refused(
+        self, namespace: str, status: bytes, body: list[Any]
+    ) -> NamespaceUnavailableError:
+        index = _text(body[0])
+        if status == b"foreign_index":
+            why = (
+                f"its index {index} is not this service's ({_text(body[1])}), so it is never "
+                f"searched: drop it (FT.DROPINDEX {index}) or give the service another "
+                "KP_REDIS_PREFIX; nothing is added meanwhile"
+            )
+        else:
+            if int(body[1]):
+                self._index_rebuilds_total += 1
+            why = (
+                f"its index {index} went missing and was made again; Redis is indexing the "
+                "namespace's entries into it, and it answers once that is done (nothing is "
+                "added meanwhile)"
+            )
+        if self._faults.get(namespace) != why:
+            log.error("namespace refused: its index", extra={"namespace": namespace, "reason": why})
+        self._faults[namespace] = why
+        self._verified.discard(namespace)
+        self._no_expiry_before = 0.0  # registered, perhaps never made: the next sweep looks
+        return NamespaceUnavailableError(f"the shared cache's namespace {namespace!r}: {why}")
+
     async def _register_namespace(self, namespace: str, *, limit: bool = True) -> None:
+        admitted = await self._admitted(namespace, limit)
+        if not admitted and time.monotonic() >= self._no_expiry_before:
+            # Namespaces whose every entry expired no longer count: let go of them, then ask
+            # again. Only once one may have expired since the last sweep (a new namespace
+            # past the limit costs a sweep no more often than namespaces expire).
+            async with self._sweeping:
+                if time.monotonic() >= self._no_expiry_before:
+                    await self._sweep_registry()
+            admitted = await self._admitted(namespace, limit)
+        if not admitted:
+            raise NamespaceLimitError(
+                f"namespace {namespace!r} would be one more than KP_MAX_NAMESPACES="
+                f"{self.max_namespaces} namespaces holding entries"
+            )
+        self._known.add(namespace)
+
+    async def _admitted(self, namespace: str, limit: bool) -> bool:
         try:
             async with asyncio.timeout(self._timeout_s):
                 admitted = await self._register(
@@ -507,12 +649,136 @@ class RedisVectorMemory:
                 )
         except (RedisError, OSError, TimeoutError) as exc:
             raise self._failed(exc) from None
-        if not admitted:
-            raise NamespaceLimitError(
-                f"namespace {namespace!r} would be one more than KP_MAX_NAMESPACES="
-                f"{self.max_namespaces} namespaces holding entries"
+        return bool(admitted)
+
+    # ── while serving ───────────────────────────────────────────────────────
+
+    async def _watch_while_serving(self) -> None:
+        """Every WATCH_INTERVAL_S while Redis answers: its maxmemory-policy, the namespaces
+        refused tried again, and (one replica at a time) expired namespaces let go."""
+        while not self._closed:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            if not self._available or self._client is None:
+                continue  # the probe reconnects (and reads the policy then)
+            try:
+                await self._read_policy(self._client)
+                for namespace in list(self._faults):
+                    with contextlib.suppress(MemoryUnavailableError, NamespaceLimitError):
+                        await self._run(namespace, "step", ["0"], bulk=False)
+                if self.ttl_ms is not None and await self._sweep_turn():
+                    await self._sweep_registry()
+            except (MemoryUnavailableError, RedisError, OSError, TimeoutError):
+                continue
+            except Exception:
+                log.exception("shared cache watch failed; going on")
+
+    async def _read_policy(self, client: Redis | RedisCluster) -> None:
+        """Redis's maxmemory-policy, on every node (INFO: also where CONFIG is renamed): under
+        one that may evict the memory's keys, nothing is stored until it changes."""
+        try:
+            async with asyncio.timeout(max(self._timeout_s, 1.0)):
+                if isinstance(client, RedisCluster):
+                    replies = await client.info("memory", target_nodes=RedisCluster.ALL_NODES)
+                else:
+                    replies = await client.info("memory")
+        except ResponseError as exc:
+            unread = (
+                f"the shared cache's Redis does not say its maxmemory-policy ({exc}): it must "
+                "be noeviction, or entries answered as stored may be evicted"
             )
-        self._known.add(namespace)
+            if self._policy_unread != unread:
+                log.warning(unread)
+            self._policy_unread = unread
+            return
+        self._policy_unread = None
+        nodes = {"": replies} if "maxmemory_policy" in replies else replies
+        unsafe = sorted(
+            (name, str(info.get("maxmemory_policy")))
+            for name, info in nodes.items()
+            if isinstance(info, dict) and evicting(str(info.get("maxmemory_policy", "")))
+        )
+        eviction = None
+        if unsafe:
+            where = "".join(f" on {name}" for name, _ in unsafe[:1] if name)
+            eviction = (
+                f"the shared cache's Redis{where} runs maxmemory-policy {unsafe[0][1]}, which may "
+                "evict the memory's entries: set it to noeviction (CONFIG SET "
+                "maxmemory-policy noeviction)"
+            )
+        if eviction != self._eviction:
+            if eviction is not None:
+                log.error("shared cache: traces are not stored", extra={"reason": eviction})
+            else:
+                log.warning("shared cache: traces are stored again (maxmemory-policy)")
+        self._eviction = eviction
+
+    async def _sweep_turn(self) -> bool:
+        """Whether this replica sweeps the registry this time: one replica a round."""
+        client = self._client
+        assert client is not None
+        async with asyncio.timeout(self._timeout_s):
+            taken = await client.set(
+                f"{self.prefix}sweeping", "1", nx=True, px=int(WATCH_INTERVAL_S * 1000)
+            )
+        return bool(taken)
+
+    async def _sweep_registry(self) -> None:
+        """Lets go of the registered namespaces whose every entry expired (or that hold
+        nothing: a foreign index refused them before they were made): their keys, indexes
+        and hash deleted, and their place among KP_MAX_NAMESPACES given back."""
+        client = await self._ready_client()
+        try:
+            async with asyncio.timeout(max(self._timeout_s, 1.0)):
+                names = sorted(_text(n) for n in await client.smembers(self._registry))
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise self._failed(exc) from None
+        gone: list[str] = []
+        # In seconds from now: when the first of the live namespaces can expire.
+        expiries: list[float] = [math.inf]
+        started = time.monotonic()
+
+        async def retire(namespace: str) -> None:
+            while True:
+                reply = await self._run(namespace, "retire", [], bulk=True)
+                if reply is None or reply[1] == b"gone":
+                    gone.append(namespace)
+                    return
+                if reply[1] == b"live":
+                    if self.ttl_ms is not None:
+                        now, newest = float(reply[0]), float(reply[3])
+                        expiries.append((newest + self.ttl_ms - now) / 1000.0)
+                    return
+                if reply[1] != b"sweeping":
+                    return
+
+        for start in range(0, len(names), SWEEP_CONCURRENCY):
+            batch = names[start : start + SWEEP_CONCURRENCY]
+            done = await asyncio.gather(*(retire(n) for n in batch), return_exceptions=True)
+            if any(isinstance(d, Exception) for d in done):
+                expiries.append(0.0)  # not all were looked at: the next one sweeps again
+        # A namespace registered after the sweep began expires a TTL after it at the
+        # earliest; and at least once a minute besides: a namespace registered but never made
+        # (its step failed) holds a place until a sweep finds it absent.
+        ttl_s = math.inf if self.ttl_ms is None else self.ttl_ms / 1000.0
+        self._no_expiry_before = started + max(0.0, min(60.0, ttl_s, *expiries))
+        if not gone:
+            return
+        try:
+            async with asyncio.timeout(max(self._timeout_s, 1.0)):
+                await client.srem(self._registry, *gone)
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise self._failed(exc) from None
+        for namespace in gone:
+            self._forget(namespace)
+        log.info("expired namespaces let go", extra={"namespaces": len(gone)})
+
+    def _forget(self, namespace: str) -> None:
+        """What this replica keeps of a namespace that was let go."""
+        self._retired_evictions += self._evictions.pop(namespace, 0)
+        for kept in (self._sizes, self._last_stats, self._notes):
+            kept.pop(namespace, None)
+        self._known.discard(namespace)
+        self._verified.discard(namespace)
 
     # ── outages ─────────────────────────────────────────────────────────────
 

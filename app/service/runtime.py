@@ -192,6 +192,42 @@ class RuntimeCollector(Collector):
             "Entries of the database that failed their checksum at start: dropped, never served.",
             storage.checksum_failures_total,
         )
+        yield GaugeMetricFamily(
+            "kp_cache_db_failing",
+            "1 while the in-process memory's database takes no commit (it cannot be opened, or "
+            "its last write failed): traces are scored but not stored.",
+            1 if storage.failing else 0,
+        )
+        yield CounterMetricFamily(
+            "kp_cache_db_rewrites",
+            "Times the database was written anew from the memory because its file or WAL was "
+            "deleted or replaced while serving.",
+            storage.rewrites_total,
+        )
+        faults = memory.faults
+        yield CounterMetricFamily(
+            "kp_cache_not_stored",
+            "Traces scored but not stored because the memory refused to keep them (the shared "
+            "memory's Redis may evict keys); the database's refusals: kp_cache_db_write_errors.",
+            faults.not_stored_total,
+        )
+        yield GaugeMetricFamily(
+            "kp_cache_eviction_unsafe",
+            "1 while the shared memory's Redis runs a maxmemory-policy that may evict its keys "
+            "(allkeys-*): no trace is stored until it is noeviction.",
+            1 if faults.eviction_unsafe else 0,
+        )
+        yield GaugeMetricFamily(
+            "kp_cache_namespaces_unavailable",
+            "Namespaces of the shared memory refused now for their own index (missing and "
+            "being rebuilt, or another's); the others answer.",
+            faults.namespaces_unavailable,
+        )
+        yield CounterMetricFamily(
+            "kp_cache_index_rebuilds",
+            "Namespace indexes this replica made again in Redis after they went missing.",
+            faults.index_rebuilds_total,
+        )
 
 
 def _embedder_health(embeddings: EmbeddingService) -> Health:

@@ -329,6 +329,8 @@ _KEEPERS = {
     "power": "`power`",
     "former_everysec": "former `everysec`",
     "former_always": "former `always`",
+    "former_process": "former `process`",
+    "former_power": "former `power`",
 }
 #: Start to ready at a million entries, the target (docs/operating/persistence.md).
 START_TARGET_S = 10.0
