@@ -6,8 +6,9 @@ persisted in SQLite (app/memory/in_process.py), and the shared memory in Redis's
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Literal, Protocol
 
 import numpy as np
@@ -25,6 +26,8 @@ Vector = npt.NDArray[np.float32]
 SearchMethod = Literal["exact", "index"]
 #: The namespace of a request that names none (docs/api.md, namespaces).
 DEFAULT_NAMESPACE = "default"
+#: How long a compare's receipt is kept: the day an idempotency record is replayed for.
+RECEIPT_TTL_MS = 24 * 3600 * 1000
 
 
 class MemoryUnavailableError(ServiceError):
@@ -67,6 +70,21 @@ class Comparison:
     #: for a dry run, and when it could not be stored (`not_stored`, e.g. a full disk).
     stored: bool = False
     not_stored: str | None = None  # why a trace asked to be added was not
+
+
+def receipt_text(comparisons: Sequence[Comparison]) -> str:
+    """Comparisons as a receipt keeps them (JSON)."""
+    return json.dumps([asdict(c) for c in comparisons])
+
+
+def from_receipt(text: str | bytes) -> list[Comparison]:
+    found = []
+    for fields in json.loads(text):
+        nearest = fields.pop("nearest")
+        found.append(
+            Comparison(**fields, nearest=None if nearest is None else NearestTrace(**nearest))
+        )
+    return found
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,10 +150,14 @@ class NoveltyMemory(Protocol):
         trace_ids: Sequence[str],
         *,
         add: bool,
+        receipt: str | None = None,
     ) -> list[Comparison]:
         """Each vector in order against the namespace's memory; with `add`, each is added after
         its comparison and the later ones see it, and no other request's vector comes between
         them. Without `add` nothing is kept (later vectors of the call still see earlier ones).
+        `receipt` (with `add`): a request's key (its Idempotency-Key's); the comparisons are
+        kept under it, committed with the adds, for RECEIPT_TTL_MS, and a later call with it
+        gets them again and adds nothing (a retry whose first answer was lost in a crash).
         MemoryUnavailableError when the memory cannot be reached (nothing was added);
         NamespaceLimitError when `add` would create a namespace past the limit."""
         ...

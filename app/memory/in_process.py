@@ -25,6 +25,8 @@ from app.memory.base import (
     NamespaceLimitError,
     NearestTrace,
     Vector,
+    from_receipt,
+    receipt_text,
 )
 from app.memory.ring import (
     CacheEntries,
@@ -158,6 +160,7 @@ class _Item:
     namespace: str = DEFAULT_NAMESPACE
     vectors: Sequence[Vector] = ()
     trace_ids: Sequence[str] = ()
+    receipt: str | None = None
 
 
 class InProcessMemory:
@@ -342,7 +345,12 @@ class InProcessMemory:
         pending: dict[str, list[Pending]] = {}
         held: dict[str, int] = {}
         fresh: set[str] = set()
+        receipts: list[tuple[str, str]] = []
         for item in group:
+            kept = None if item.receipt is None else store.receipt(item.receipt)
+            if kept is not None:  # committed before, its answer lost: the same, nothing added
+                outcomes.append(from_receipt(kept))
+                continue
             try:
                 self._admit(item.namespace, fresh)
             except NamespaceLimitError as exc:
@@ -351,9 +359,10 @@ class InProcessMemory:
             cache = self._existing(item.namespace)
             held.setdefault(item.namespace, cache.size)
             queued = pending.setdefault(item.namespace, [])
-            outcomes.append(
-                compare_pending(cache, item.vectors, item.trace_ids, queued, stored=True)
-            )
+            compared = compare_pending(cache, item.vectors, item.trace_ids, queued, stored=True)
+            outcomes.append(compared)
+            if item.receipt is not None:
+                receipts.append((item.receipt, receipt_text(compared)))
         rows = [
             NewRow(ns, trace_id, at, _wire(vector))
             for ns, queued in pending.items()
@@ -361,7 +370,12 @@ class InProcessMemory:
         ]
         try:
             store.write(
-                rows, held=held, forget=self._dead, checkpoint=not on_loop, trim_from=TRIM_FROM
+                rows,
+                held=held,
+                forget=self._dead,
+                checkpoint=not on_loop,
+                trim_from=TRIM_FROM,
+                receipts=receipts,
             )
         except StorageError as exc:
             return [
@@ -466,8 +480,15 @@ class InProcessMemory:
             await asyncio.to_thread(self.store.close)
 
     async def compare(
-        self, namespace: str, vectors: Sequence[Vector], trace_ids: Sequence[str], *, add: bool
+        self,
+        namespace: str,
+        vectors: Sequence[Vector],
+        trace_ids: Sequence[str],
+        *,
+        add: bool,
+        receipt: str | None = None,
     ) -> list[Comparison]:
+        # Without a database a receipt is not kept: what a crash loses, the memory loses too.
         if not add:
             return await self._in_order(
                 namespace,
@@ -481,7 +502,7 @@ class InProcessMemory:
                 disk=False,
             )
         loop = asyncio.get_running_loop()
-        item = _Item(loop, loop.create_future(), None, namespace, vectors, trace_ids)
+        item = _Item(loop, loop.create_future(), None, namespace, vectors, trace_ids, receipt)
         # A `process` commit is a write to the kernel, cheaper than the hand-off to the
         # thread; a checkpoint syncs, so the commit that finds one due takes the thread, as
         # does a database that is opened again (and loaded) before its commit.

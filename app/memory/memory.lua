@@ -387,9 +387,20 @@ local function refusal()
 end
 
 if op == 'step' then
-  -- ARGV[16] '1': add each vector after its search; ARGV[17..] trace id, vector (pairs).
+  -- ARGV[16] '1': add each vector after its search; ARGV[17] a receipt's key ('': none) and
+  -- ARGV[18] its TTL in ms; ARGV[19..] trace id, vector (pairs). With a receipt, the step's
+  -- results are kept under it with the adds, and a step that finds it kept adds nothing and
+  -- answers them again (a retry whose first answer was lost).
   -- Without adding, vector i (from 0) is compared with the memory less the i oldest entries
   -- that adding the earlier ones would have evicted (Python compares it with those).
+  local receipt = ARGV[17] or ''
+  if receipt ~= '' then
+    local kept = redis.call('GET', receipt)
+    if kept then
+      local r = cjson.decode(kept)
+      return {'ok', r[1], created, next_seq - first, r[2], evictions_total(), hnsw_foreign or ''}
+    end
+  end
   if check or rebuilding then
     local refused = refusal()
     if refused then
@@ -399,10 +410,10 @@ if op == 'step' then
   end
   local adding = ARGV[16] == '1'
   local results = {}
-  for i = 17, #ARGV, 2 do
+  for i = 19, #ARGV, 2 do
     local lo, size = first, next_seq - first
     if not adding then
-      local pending = (i - 17) / 2
+      local pending = (i - 19) / 2
       lo = first + math.max(0, size + pending - mem_capacity)
     end
     if next_seq - lo > 0 then
@@ -427,6 +438,17 @@ if op == 'step' then
     end
   end
   save()
+  if adding and receipt ~= '' then
+    -- Numbers as text: cjson keeps 14 digits, and a time in ms has more.
+    local kept = {}
+    for j, result in ipairs(results) do
+      kept[j] = {}
+      for k, field in ipairs(result) do
+        kept[j][k] = type(field) == 'number' and string.format('%.17g', field) or field
+      end
+    end
+    redis.call('SET', receipt, cjson.encode({string.format('%.17g', now), kept}), 'PX', ARGV[18])
+  end
   return {'ok', now, created, next_seq - first, results, evictions_total(), hnsw_foreign or ''}
 end
 

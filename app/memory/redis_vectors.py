@@ -63,6 +63,7 @@ from app.core.errors import PartError
 from app.core.health import UNMEASURED, Health
 from app.memory.base import (
     DEFAULT_NAMESPACE,
+    RECEIPT_TTL_MS,
     BackendInfo,
     Comparison,
     MemoryFaults,
@@ -301,7 +302,7 @@ class RedisVectorMemory:
             return
         # Other settings than the default namespace's are reported now, not at a first trace.
         with contextlib.suppress(MemoryUnavailableError):
-            await self._run(DEFAULT_NAMESPACE, "step", ["0"], bulk=False)
+            await self._run(DEFAULT_NAMESPACE, "step", ["0", "", "0"], bulk=False)
 
     async def _connect(self) -> None:
         seed = Redis.from_url(
@@ -366,6 +367,7 @@ class RedisVectorMemory:
         trace_ids: Sequence[str],
         *,
         add: bool,
+        receipt: str | None = None,
     ) -> list[Comparison]:
         if not vectors:
             return []
@@ -380,7 +382,8 @@ class RedisVectorMemory:
             add = False
             self._not_stored_total += len(vectors)
         queries = [np.asarray(v, dtype=_WIRE) for v in vectors]
-        args: list[bytes | str] = ["1" if add else "0"]
+        kept_as = "" if receipt is None or not add else f"{self.prefix}{{{namespace}}}:r:{receipt}"
+        args: list[bytes | str] = ["1" if add else "0", kept_as, str(RECEIPT_TTL_MS)]
         for trace_id, vector in zip(trace_ids, queries, strict=True):
             if vector.shape != (self._dimensions,):
                 raise ValueError(f"a vector of {vector.shape}, not ({self._dimensions},)")
@@ -664,7 +667,7 @@ class RedisVectorMemory:
                 await self._read_policy(self._client)
                 for namespace in list(self._faults):
                     with contextlib.suppress(MemoryUnavailableError, NamespaceLimitError):
-                        await self._run(namespace, "step", ["0"], bulk=False)
+                        await self._run(namespace, "step", ["0", "", "0"], bulk=False)
                 if self.ttl_ms is not None and await self._sweep_turn():
                     await self._sweep_registry()
             except (MemoryUnavailableError, RedisError, OSError, TimeoutError):
@@ -842,7 +845,7 @@ class RedisVectorMemory:
                         await client.ping()
                     self._went_up()
                 else:
-                    await self._run(mismatched, "step", ["0"], bulk=False)
+                    await self._run(mismatched, "step", ["0", "", "0"], bulk=False)
             except MemoryUnavailableError:
                 continue
             except (RedisError, OSError, TimeoutError) as exc:

@@ -46,6 +46,7 @@ from app.core.config import config_error
 from app.core.errors import PartError
 from app.core.health import Health
 from app.core.states import StorageState
+from app.memory.base import RECEIPT_TTL_MS
 from app.memory.former_files import (
     FormerFilesError,
     is_former_snapshot,
@@ -89,6 +90,11 @@ CREATE TABLE IF NOT EXISTS entries (
     checksum INTEGER NOT NULL
 );
 CREATE INDEX IF NOT EXISTS entries_by_namespace ON entries (namespace, id);
+CREATE TABLE IF NOT EXISTS receipts (
+    key TEXT PRIMARY KEY,
+    at_ms REAL NOT NULL,
+    comparisons TEXT NOT NULL
+);
 """
 _INSERT = (
     "INSERT INTO entries (namespace, trace_id, added_at_ms, vector, checksum) "
@@ -776,6 +782,20 @@ class SqliteStore:
     def rows(self, namespace: str) -> int:
         return self._rows.get(namespace, 0)
 
+    def receipt(self, key: str) -> str | None:
+        """The comparisons a commit kept under `key` (write's `receipts`), or None: none, or
+        one past RECEIPT_TTL_MS, or the database cannot be read (the caller compares anew)."""
+        if self._conn is None:
+            return None
+        oldest = time.time() * 1000.0 - RECEIPT_TTL_MS
+        try:
+            found = self._conn.execute(
+                "SELECT comparisons FROM receipts WHERE key = ? AND at_ms >= ?", (key, oldest)
+            ).fetchone()
+        except sqlite3.Error:
+            return None
+        return None if found is None else str(found[0])
+
     def write(
         self,
         rows: Sequence[NewRow] = (),
@@ -785,6 +805,7 @@ class SqliteStore:
         forget: Collection[str] = (),
         checkpoint: bool = True,
         trim_from: int = 1,
+        receipts: Sequence[tuple[str, str]] = (),
     ) -> None:
         """One transaction, committed: `rows` appended; for each namespace in `held` (the
         entries the memory holds of it, before these rows), the rows the memory no longer
@@ -793,7 +814,8 @@ class SqliteStore:
         added; `checkpoint`: one that is due runs after the commit (False on the event loop:
         the memory runs it on its thread); `trim_from`: a namespace's rows past `held` are
         deleted once there are at least that many. StorageError (nothing changed) when it
-        cannot be committed.
+        cannot be committed. `receipts`: (key, comparisons as text) kept with the rows, for
+        RECEIPT_TTL_MS (app/memory/base.py; older ones go with a later receipt).
 
         Claimed only when it is in the files at the path: when the database or its WAL was
         deleted or replaced, every entry the memory holds, and `rows`, are written into a new
@@ -808,7 +830,7 @@ class SqliteStore:
         if clear is not None:
             gone.add(clear)
         if self._rewrite_due:
-            self._rewrite(rows, gone)
+            self._rewrite(rows, gone, receipts)
         else:
             trims = {
                 ns: self.rows(ns) - kept
@@ -822,6 +844,13 @@ class SqliteStore:
                 for namespace in gone:
                     conn.execute("DELETE FROM entries WHERE namespace = ?", (namespace,))
                 conn.executemany(_INSERT, _values(rows))
+                if receipts:
+                    now = time.time() * 1000.0
+                    conn.execute("DELETE FROM receipts WHERE at_ms < ?", (now - RECEIPT_TTL_MS,))
+                    conn.executemany(
+                        "INSERT OR REPLACE INTO receipts VALUES (?, ?, ?)",
+                        [(key, now, text) for key, text in receipts],
+                    )
                 conn.execute("COMMIT")
             except (sqlite3.Error, OSError) as exc:
                 with contextlib.suppress(sqlite3.Error):
@@ -829,7 +858,7 @@ class SqliteStore:
                 self._failed(_reason(exc))
             if not self._files_intact():
                 self._rewrite_due = True
-                self._rewrite(rows, gone)
+                self._rewrite(rows, gone, receipts)
             else:
                 for namespace, excess in trims.items():
                     self._rows[namespace] -= excess
@@ -871,7 +900,12 @@ class SqliteStore:
         if self._displaced is not None:
             self._failed(self._displaced)
 
-    def _rewrite(self, rows: Sequence[NewRow], gone: Collection[str]) -> None:
+    def _rewrite(
+        self,
+        rows: Sequence[NewRow],
+        gone: Collection[str],
+        receipts: Sequence[tuple[str, str]] = (),
+    ) -> None:
         """The database or its WAL was deleted or replaced while serving: what the memory
         holds (but the namespaces `gone`), and `rows` (not held yet), is written into a new
         database at the path (the commits of the file that went are in nothing that survives
@@ -909,6 +943,11 @@ class SqliteStore:
             conn.executemany(_INSERT, _values(rows))
             for row in rows:
                 counts[row.namespace] = counts.get(row.namespace, 0) + 1
+            now = time.time() * 1000.0
+            conn.executemany(
+                "INSERT OR REPLACE INTO receipts VALUES (?, ?, ?)",
+                [(key, now, text) for key, text in receipts],
+            )
             conn.execute("COMMIT")
             conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
             conn.close()  # the last connection: its WAL folded in and deleted

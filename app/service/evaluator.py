@@ -67,9 +67,11 @@ class Evaluator:
         *,
         dry_run: bool = False,
         namespace: str = DEFAULT_NAMESPACE,
+        receipt: str | None = None,
     ) -> list[Evaluation]:
         """Score traces in order; each sees its namespace's memory as the ones before it left
-        it. NamespaceLimitError (nothing added) when the namespace would pass the limit."""
+        it. NamespaceLimitError (nothing added) when the namespace would pass the limit.
+        `receipt`: the memory's (NoveltyMemory.compare), an Idempotency-Key's."""
         started = time.perf_counter()
         texts, ids = [], []
         for trace in traces:
@@ -99,7 +101,9 @@ class Evaluator:
             )
             reports = [report] * len(traces)
         else:
-            reports = await self._measure(ids, embeddings, dry_run=dry_run, namespace=namespace)
+            reports = await self._measure(
+                ids, embeddings, dry_run=dry_run, namespace=namespace, receipt=receipt
+            )
 
         results = []
         for trace, report in zip(traces, reports, strict=True):
@@ -116,21 +120,28 @@ class Evaluator:
         return results
 
     async def _measure(
-        self, ids: list[str], embeddings: Sequence[Embedding], *, dry_run: bool, namespace: str
+        self,
+        ids: list[str],
+        embeddings: Sequence[Embedding],
+        *,
+        dry_run: bool,
+        namespace: str,
+        receipt: str | None,
     ) -> list[NoveltyReport]:
         vectors = []
         for embedding in embeddings:
             vectors.append(embedding.vector)
         unavailable = None
         try:
+            add = not dry_run
             if self.tracer is None:
-                comparisons = await self.memory.compare(namespace, vectors, ids, add=not dry_run)
+                comparisons = await self.memory.compare(
+                    namespace, vectors, ids, add=add, receipt=receipt
+                )
             else:
-                with self.tracer.start_as_current_span(
-                    "kp.memory", attributes={"kp.add": not dry_run}
-                ):
+                with self.tracer.start_as_current_span("kp.memory", attributes={"kp.add": add}):
                     comparisons = await self.memory.compare(
-                        namespace, vectors, ids, add=not dry_run
+                        namespace, vectors, ids, add=add, receipt=receipt
                     )
         except MemoryUnavailableError as exc:
             unavailable = str(exc)

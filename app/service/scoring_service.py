@@ -333,19 +333,21 @@ class ScoringService:
         kind = "batch" if request.kind == "batch" else "one"
         m.child(m.scoring_requests, request.caller.transport, kind).inc()
         if request.replay is not None:
-            return await self._once(request.caller, request.replay, lambda: self._score(request))
+            return await self._once(
+                request.caller, request.replay, lambda receipt: self._score(request, receipt)
+            )
         return await self._score(request)
 
-    async def _score(self, request: Scoring) -> Answer:
+    async def _score(self, request: Scoring, receipt: str | None = None) -> Answer:
         tracer = self.tracer
         if tracer is None:
             prepared = await self._refusals(request)
-            evaluations = await self._evaluate(request)
+            evaluations = await self._evaluate(request, receipt)
             return self._answer(request, prepared, evaluations)
         with tracer.start_as_current_span("kp.score") as span:
             with tracer.start_as_current_span("kp.validation"):
                 prepared = await self._refusals(request)
-            evaluations = await self._evaluate(request)
+            evaluations = await self._evaluate(request, receipt)
             if self.signer is None:
                 answer = self._answer(request, prepared, evaluations)
             else:
@@ -397,12 +399,17 @@ class ScoringService:
             return await asyncio.to_thread(work)
         return work()
 
-    async def _evaluate(self, request: Scoring) -> list[Evaluation]:
-        """The one commit: the traces meet their namespace's memory in order."""
+    async def _evaluate(self, request: Scoring, receipt: str | None) -> list[Evaluation]:
+        """The one commit: the traces meet their namespace's memory in order; under an
+        Idempotency-Key its `receipt` is kept with it (a retry whose answer a crash lost gets
+        the same comparisons, and adds nothing)."""
         m, caller = self.metrics, request.caller
         try:
             evaluations = await self.runtime.evaluator.evaluate(
-                request.traces, dry_run=request.dry_run, namespace=caller.namespace
+                request.traces,
+                dry_run=request.dry_run,
+                namespace=caller.namespace,
+                receipt=receipt,
             )
         except OverloadedError as exc:
             m.child(m.overloaded, exc.reason).inc()
@@ -520,11 +527,13 @@ class ScoringService:
     # -- idempotency --------------------------------------------------------------------
 
     async def _once(
-        self, caller: Caller, replay: Replay, work: Callable[[], Awaitable[Answer]]
+        self, caller: Caller, replay: Replay, work: Callable[[str], Awaitable[Answer]]
     ) -> Answer:
         """`work` run once for an Idempotency-Key (the IETF draft): the first request's answer
         is recorded and given again to its retries; the key with another request is a 422,
-        one still being answered a 409 after a wait."""
+        one still being answered a 409 after a wait. `work` gets the key's receipt for the
+        memory: a retry after a crash lost both the answer and its record (in this process)
+        still finds the first commit's comparisons there."""
         key = parse_key(replay.key)
         if key is None:
             msg = "must be 1 to 255 visible ASCII characters"
@@ -554,7 +563,7 @@ class ScoringService:
             return Answer(decision.recorded.body, status=decision.recorded.status, replayed=True)
         answer = None
         try:
-            answer = await work()
+            answer = await work(scoped)
             return answer
         finally:
             recorded = None if answer is None else Recorded(200, b"application/json", answer.body)
