@@ -37,9 +37,12 @@ from app.service.runtime import Runtime
 from app.service.trust import load_keys, load_signer
 
 
-def create_app(settings: Settings, *, cpu: CpuFeatures | None = None) -> FastAPI:
+def create_app(
+    settings: Settings, *, cpu: CpuFeatures | None = None, url: str | None = None
+) -> FastAPI:
     """`settings`: read from the environment by the launcher (app/serve.py) or given by a
-    test. `cpu`: the CPU int8 mode decides on (default: this machine's; tests pass another)."""
+    test. `cpu`: the CPU int8 mode decides on (default: this machine's; tests pass another).
+    `url`: where the launcher serves it, for the start's log line."""
     metrics = Metrics(namespace_labels=settings.metrics_namespaces)
     limits = TraceLimits(settings.max_batch, settings.max_steps, settings.max_string_chars)
     # Bad key files stop the start here, naming the variable, before anything is served.
@@ -49,7 +52,7 @@ def create_app(settings: Settings, *, cpu: CpuFeatures | None = None) -> FastAPI
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         runtime = Runtime(settings, cpu, observer=metrics)
-        await runtime.start()
+        await runtime.start(url)
         metrics.registry.register(runtime.collector)
         app.state.services = Services(settings, runtime, metrics, limits, signer)
         app.state.mcp = mcp.McpHost(app.state.services)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import errno
 import gc
 import logging
@@ -41,7 +42,8 @@ def run(host: str = "127.0.0.1", port: int = 8000) -> None:
         refuse_without_query_engine(url, redis_location(url))
     from app.main import create_app
 
-    app = create_app(settings)
+    prepare_memory_directory(settings)
+    app = create_app(settings, url=f"http://{f'[{host}]' if ':' in host else host}:{port}")
     # asyncio's own loop: uvloop measured no different here (docs/decisions/connection-edge.md).
     asyncio.run(_serve(app, host, port, settings))
 
@@ -96,6 +98,19 @@ async def _serve(app: object, host: str, port: int, settings: Settings) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, server.signal_handler_interrupt)
     await server.serve()
+
+
+def prepare_memory_directory(settings: Settings) -> None:
+    """The default database's directory (the user's data directory), made private when it is
+    missing; a directory that cannot be made leaves the database unopened, which the log and
+    /readyz then say. A KP_CACHE_DB_PATH given is used as it is: a missing directory there is
+    a mistake to report, not to paper over."""
+    from app.core.config import default_memory_file
+
+    path = settings.cache_db_path
+    if path is not None and path == default_memory_file():
+        with contextlib.suppress(OSError):
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
 
 
 def prepare() -> None:

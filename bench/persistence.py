@@ -50,7 +50,9 @@ COMMON = {
 
 
 def _modes(directory: Path, former: Path | None) -> dict[str, tuple[dict[str, str], Path | None]]:
-    modes: dict[str, tuple[dict[str, str], Path | None]] = {"none": ({}, None)}
+    modes: dict[str, tuple[dict[str, str], Path | None]] = {
+        "none": ({"KP_CACHE_DB_PATH": ":memory:"}, None)
+    }
     for durability in ("process", "power"):
         modes[f"sqlite_{durability}"] = (
             {

@@ -36,7 +36,7 @@ from bench import corpus, load
 from bench.corpus import Item
 from bench.floor import Floor
 from bench.machine import machine, parse_env
-from bench.server import HOST, ROOT, SERVE, Server, compile_app, free_port
+from bench.server import HOST, ROOT, SERVE, Server, compile_app, free_port, fresh_data_home
 from bench.stats import percentile
 
 RUNNER = Path(__file__).resolve().parent / "reference_runner.mjs"
@@ -145,6 +145,8 @@ def service_cold(trace: dict[str, Any], log: Path, env: dict[str, str]) -> float
     port = free_port()
     request = load.evaluate_requests([trace], port)[0]
     clean = {k: v for k, v in os.environ.items() if not k.startswith("KP_")} | env
+    data_home = fresh_data_home()  # a first start: the memory's default file made anew
+    clean["XDG_DATA_HOME"] = data_home
     with log.open("ab") as out:
         started = time.perf_counter()
         process = subprocess.Popen(
@@ -174,6 +176,7 @@ def service_cold(trace: dict[str, Any], log: Path, env: dict[str, str]) -> float
         finally:
             process.terminate()
             process.wait(timeout=30)
+            shutil.rmtree(data_home, ignore_errors=True)
 
 
 def _spread(values: list[float]) -> dict[str, Any]:

@@ -45,14 +45,22 @@ def entry_point() -> str:
     return found
 
 
+#: The memory of a server whose settings name none: in the process only, so that servers
+#: started side by side never share the default database of the user's data directory.
+MEMORY_SETTINGS = ("KP_CACHE_DB_PATH", "KP_CACHE_SNAPSHOT_PATH")
+
+
 class LiveServer:
-    """`command --host 127.0.0.1 --port <free>` with exactly the given KP_* settings."""
+    """`command --host 127.0.0.1 --port <free>` with exactly the given KP_* settings (and
+    KP_CACHE_DB_PATH=:memory: when they name no database)."""
 
     def __init__(self, env: dict[str, str], log_path: Path, command: Sequence[str] = SERVE) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         clean = {k: v for k, v in os.environ.items() if not k.startswith("KP_")}
+        if not any(name in env for name in MEMORY_SETTINGS):
+            env = {"KP_CACHE_DB_PATH": ":memory:", **env}
         self._log = log_path.open("ab")
         self.process = subprocess.Popen(
             [*command, "--host", "127.0.0.1", "--port", str(self.port)],

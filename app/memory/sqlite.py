@@ -601,6 +601,10 @@ class SqliteStore:
     def rows(self, namespace: str) -> int:
         return self._rows.get(namespace, 0)
 
+    def rows_by_namespace(self) -> dict[str, int]:
+        """The rows the database holds, of each namespace that has some."""
+        return {namespace: rows for namespace, rows in self._rows.items() if rows}
+
     def write(
         self,
         rows: Sequence[NewRow] = (),

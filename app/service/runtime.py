@@ -22,6 +22,7 @@ from app.embedding.memo import EmbeddingMemo
 from app.embedding.onnx_embedder import ModelError, OnnxEmbedder
 from app.embedding.session_cache import SessionCache
 from app.embedding.types import EmbedObserver
+from app.memory import summary as memory_summary
 from app.memory.base import NoveltyMemory
 from app.memory.in_process import InProcessMemory
 from app.memory.sqlite import SqliteStore, StorageStatus
@@ -57,7 +58,8 @@ class Runtime:
         self.trust = build_trust_stores(settings)
         self.collector = RuntimeCollector(self)
 
-    async def start(self) -> None:
+    async def start(self, url: str | None = None) -> None:
+        """`url`: where the server listens, for the start's log line."""
         for warning in [*self.settings.deprecation_warnings(), *retired_settings()]:
             log.warning(warning)
         if self.settings.cache_db_path is not None and self.store is None:
@@ -75,13 +77,13 @@ class Runtime:
             log.info("API keys required", extra={"file": str(self.settings.api_keys_file)})
         if self.settings.cache_open:
             log.warning("KP_ADMIN_TOKEN is not set: GET and DELETE /cache are open to every caller")
-        backend = self.memory.backend
         log.info(
             "kp-scoring started",
             extra={
+                "url": url,
                 "embedder": self.embeddings.state.value,
                 "cache_capacity": self.settings.cache_capacity,
-                "cache": backend.location or backend.kind,
+                **memory_summary.at_start(self.memory),
             },
         )
 
@@ -89,7 +91,7 @@ class Runtime:
         await self.embeddings.close()
         await self.memory.close()
         await self.trust.close()
-        log.info("kp-scoring stopped", extra={"cache_size": self.memory.size})
+        log.info("kp-scoring stopped", extra=memory_summary.at_stop(self.memory))
 
     def health(self) -> Health:
         """Every part's report, in one: degraded when any part is."""
