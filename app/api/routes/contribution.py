@@ -17,6 +17,7 @@ from app.contribution.capture import FieldRisk, Finding, lone_surrogate, prepare
 from app.core.errors import field_error
 from app.core.signatures import trace_sha256
 from app.schemas.contribution import ContributionOut, FieldRiskOut, FindingOut, InjectionOut
+from app.schemas.responses import rounded
 from app.schemas.trace import ReasoningTrace
 from app.service.evaluator import Evaluation
 
@@ -81,7 +82,7 @@ async def contribution_answer(
     `signed`: `given` passed the signing check (unsignable_errors); `large`: the text work
     runs off the event loop."""
     settings = services.settings
-    score = evaluation.score.value
+    score = rounded(evaluation.score.value)  # as the answer shows it
     clean_all = settings.contribution_clean_all
     gate = (
         await asyncio.to_thread(prepare, given, quality_score=score, clean_all=clean_all)
