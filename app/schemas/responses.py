@@ -33,6 +33,14 @@ def rounded(value: float) -> float:
 Rounded = Annotated[float, AfterValidator(rounded)]
 
 
+def _microseconds(ms: float) -> float:
+    return round(ms, 3)
+
+
+#: A duration in milliseconds to the microsecond, as elapsed_ms.
+Milliseconds = Annotated[float, AfterValidator(_microseconds)]
+
+
 class DimensionsOut(BaseModel):
     complexity: Rounded
     novelty: Rounded
@@ -59,7 +67,7 @@ class ProfileOut(BaseModel):
 class NearestOut(BaseModel):
     trace_id: str = Field(description="The id of the stored trace ('' if it was stored without).")
     cosine: Rounded = Field(description="Its cosine with this trace: max_cosine.")
-    age_ms: float = Field(description="How long before this trace it was stored, in ms.")
+    age_ms: Milliseconds = Field(description="How long before this trace it was stored, in ms.")
 
 
 class NoveltyOut(BaseModel):
