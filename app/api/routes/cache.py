@@ -52,6 +52,7 @@ def embedder_out(services: Services) -> EmbedderOut:
     return EmbedderOut(
         state=e.state,
         model=e.model_name,
+        weights=e.weights,
         precision=e.precision,
         precision_reason=e.precision_reason,
         reason=e.reason,

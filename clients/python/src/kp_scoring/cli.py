@@ -862,7 +862,13 @@ def cache_stats(
             ]
         )
     e = stats.embedder
-    rows.append(["embedder", visible(e.state + (f" ({e.model})" if e.model else ""))])
+    about = [
+        e.model,
+        e.weights and f"{e.weights} weights",
+        e.precision and f"{e.precision} arithmetic",
+    ]
+    named = ", ".join(str(part) for part in about if part)
+    rows.append(["embedder", visible(e.state + (f" ({named})" if named else ""))])
     if e.reason:
         rows.append(["embedder reason", visible(e.reason)])
     b = stats.backend
