@@ -116,11 +116,14 @@ def running_server(
     embedder: str = "none",
     token: str | None = TOKEN,
     command: Sequence[str] = SERVE,
-    **settings: str,
+    **settings: str | Path,
 ) -> Iterator[Server]:
-    """A LiveServer with the embedder off by default, quiet logs and an admin token."""
+    """A LiveServer with the embedder off by default, quiet logs and an admin token;
+    `xdg_data_home`: the user's data directory it sees (where its memory's default file is)."""
     env = {"KP_EMBEDDER": embedder, "KP_LOG_LEVEL": "warning"}
-    env |= {f"KP_{k.upper()}": v for k, v in settings.items()}
+    if "xdg_data_home" in settings:
+        env["XDG_DATA_HOME"] = str(settings.pop("xdg_data_home"))
+    env |= {f"KP_{k.upper()}": str(v) for k, v in settings.items()}
     if token is not None:
         env["KP_ADMIN_TOKEN"] = token
     with tempfile.TemporaryDirectory() as tmp:

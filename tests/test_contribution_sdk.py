@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
+from app.contribution import js_json
 from app.contribution.capture import lone_surrogate, prepare, text_fields
 from app.contribution.injection import MAX_SCORE, classify_all, classify_injection_risk
 from app.contribution.pii import clean_pii
-from app.contribution import js_json
 
 FIXTURES = Path(__file__).parent / "fixtures" / "contribution"
 
