@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from collections.abc import Iterator
 from html.parser import HTMLParser
 from pathlib import Path
@@ -63,8 +64,8 @@ def test_every_setting_has_a_description() -> None:
 
 
 def test_every_setting_is_on_the_configuration_page(site: Path) -> None:
-    page = (site / "configuration" / "index.html").read_text(encoding="utf-8")
-    text = _text(site / "configuration" / "index.html")
+    page = (site / "configuration.html").read_text(encoding="utf-8")
+    text = _text(site / "configuration.html")
     for name, field in Settings.model_fields.items():
         variable = f"{ENV_PREFIX}{name.upper()}"
         assert f'id="{variable.lower()}"' in page, f"{variable} has no section"
@@ -80,7 +81,7 @@ def test_the_rendered_settings_follow_the_class() -> None:
 
 
 def test_the_performance_page_names_the_cpu_and_command_of_each_result(site: Path) -> None:
-    text = " ".join(_text(site / "performance" / "index.html").split())
+    text = " ".join(_text(site / "performance.html").split())
     performance = _hook("performance")
     for name in performance.RENDERERS:
         path = ROOT / "bench" / "results" / f"{name}.json"
@@ -181,11 +182,11 @@ def test_the_memory_figures_render_a_row_for_each_ef_runtime(tmp_path: Path) -> 
 
 
 def test_the_decisions_page_lists_every_record(site: Path) -> None:
-    page = (site / "decisions" / "index.html").read_text(encoding="utf-8")
+    page = (site / "decisions" / "index.html").read_text(encoding="utf-8")  # docs/decisions/index.md
     records = [p for p in (ROOT / "docs" / "decisions").glob("*.md") if p.name != "index.md"]
     assert records
     for record in records:
-        assert f'href="{record.stem}/"' in page, record.name
+        assert f'href="{record.stem}.html"' in page, record.name
         body = record.read_text(encoding="utf-8")
         for section in ("## Context", "## Decision", "## Figures", "## Alternatives not kept"):
             assert section in body, f"{record.name} lacks {section}"
@@ -223,6 +224,39 @@ def test_the_site_loads_nothing_from_another_host(site: Path) -> None:
     assert not loaded, loaded
 
 
+class _Links(HTMLParser):
+    """Every URL a page links to or loads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.urls: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.urls += [value for name, value in attrs if name in ("href", "src") and value]
+
+
+def test_the_built_site_browses_as_files(site: Path) -> None:
+    """Opened from the disk (file://, no server), every link leads to a file: no directory
+    URL, which a browser shows as a listing. (404.html is a server's page: its links are
+    absolute on purpose.)"""
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text(encoding="utf-8"))
+    assert config["use_directory_urls"] is False
+    broken = []
+    for page in site.rglob("*.html"):
+        if page.name == "404.html":
+            continue
+        parser = _Links()
+        parser.feed(page.read_text(encoding="utf-8"))
+        for url in parser.urls:
+            path = url.split("#", 1)[0].split("?", 1)[0]
+            if not path or re.match(r"^([a-z]+:|//)", path, flags=re.IGNORECASE):
+                continue  # an anchor on the page, another host, mailto:, data:
+            target = (page.parent / path).resolve()
+            if not target.is_file():
+                broken.append(f"{page.relative_to(site)}: {url}")
+    assert not broken, broken[:20]
+
+
 def _sections(nav: list[Any], parent: str | None = None) -> Iterator[tuple[str | None, Any]]:
     for entry in nav:
         if isinstance(entry, dict):
@@ -248,7 +282,7 @@ def test_no_section_of_the_nav_is_a_child_of_itself() -> None:
 
 
 def test_the_performance_page_plots_the_committed_results(site: Path) -> None:
-    page = (site / "performance" / "index.html").read_text(encoding="utf-8")
+    page = (site / "performance.html").read_text(encoding="utf-8")
     charts = re.findall(r'<figure class="kp-plot".*?</figure>', page, flags=re.S)
     performance = _hook("performance")
     expected = [n for n in performance.PLOTTERS if (ROOT / "bench/results" / f"{n}.json").is_file()]
@@ -296,3 +330,29 @@ def test_every_snippet_line_is_whole() -> None:
         if re.search(r"--8\s+<\s*--|--8<\s+--", page.read_text(encoding="utf-8"))
     ]
     assert not mangled, mangled
+
+
+def test_make_docs_installs_the_docs_extra_alone() -> None:
+    """The site needs the service (its settings page reads Settings) and mkdocs, not the
+    test toolchain."""
+    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+    assert re.search(r"^docs: \$\(BIN\)/\.installed-docs$", makefile, flags=re.M)
+    recipe = makefile.split("$(BIN)/.installed-docs: $(BIN)/.installed\n")[1].split("\n\n")[0]
+    assert "'.[docs]'" in recipe
+    assert "test" not in recipe
+
+
+def test_every_extra_the_docs_name_exists() -> None:
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"][
+        "optional-dependencies"
+    ]
+    pages = [ROOT / "README.md", ROOT / "Makefile", *(ROOT / "docs").rglob("*.md")]
+    named = {
+        (page.relative_to(ROOT).as_posix(), name)
+        for page in pages
+        for name in re.findall(
+            r"`([\w-]+)` extra|\.\[([\w-]+)\]", page.read_text(encoding="utf-8")
+        )
+    }
+    missing = [(page, a or b) for page, (a, b) in named if (a or b) not in extras]
+    assert not missing, missing
