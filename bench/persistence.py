@@ -31,7 +31,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from bench.machine import machine
+from bench.machine import machine, provenance
 from bench.server import ADMIN_TOKEN, HOST, ROOT, Server
 from bench.stats import percentile
 from tests.factories import import_body
@@ -332,10 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         help=f"where the figures go (default: {DEFAULT_OUT.relative_to(ROOT)} after a whole run)",
     )
     args = parser.parse_args(argv)
-    result: dict[str, Any] = {
-        "machine": machine(),
-        "command": " ".join(["python -m bench persistence", *(argv or sys.argv[1:])]),
-    }
+    result: dict[str, Any] = {"run": provenance(), "machine": machine()}
     if not args.only_start:
         result["memory_step"] = memory_step(args.adds)
     if not args.skip_commits and not args.only_step and not args.only_start:

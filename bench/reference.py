@@ -35,7 +35,7 @@ from typing import Any
 from bench import corpus, load
 from bench.corpus import Item
 from bench.floor import Floor
-from bench.machine import machine, parse_env
+from bench.machine import machine, parse_env, provenance
 from bench.server import HOST, ROOT, SERVE, Server, compile_app, free_port, fresh_data_home
 from bench.stats import percentile
 
@@ -421,10 +421,12 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(where, str):
         print(f"reference phase skipped: {where}")
         return 0
+    run = provenance()
     m = machine()
     env = parse_env(args.env)
     ref = measure(where, args.rounds, args.quick, lambda s: print(s, file=sys.stderr), env)
     doc = {
+        "run": run,
         "machine": m,
         "env": env,
         "loadavg_end": Path("/proc/loadavg").read_text().split()[:3],

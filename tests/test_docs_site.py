@@ -80,33 +80,128 @@ def test_the_rendered_settings_follow_the_class() -> None:
     assert "**Default:** `1000`" in rendered.split("### KP_CACHE_CAPACITY")[1].split("###")[0]
 
 
-def test_the_performance_page_names_the_cpu_and_command_of_each_result(site: Path) -> None:
-    text = " ".join(_text(site / "performance.html").split())
+RESULTS = ROOT / "bench" / "results"
+
+
+def _results() -> list[tuple[str, dict[str, Any]]]:
+    return [(p.stem, json.loads(p.read_text())) for p in sorted(RESULTS.glob("*.json"))]
+
+
+def test_every_result_file_records_where_it_comes_from() -> None:
+    """Commit, command, date and CPU, and the app/ it measured; a command's round and repeat
+    counts are the file's own."""
+    assert _results()
+    for name, data in _results():
+        run = data["run"]
+        assert re.fullmatch(r"[0-9a-f]{40}", run["commit"]), name
+        assert run["command"].startswith("python -m bench"), name
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", run["date"]), name
+        assert run["cpu"], name
+        assert re.fullmatch(r"[0-9a-f]{40}", run["app_tree"]), name
+        rounds = re.search(r"--rounds (\d+)", run["command"])
+        if "rounds" in data:
+            assert rounds is not None, name
+            assert int(rounds.group(1)) == data["rounds"], name
+        repeat = re.search(r"--repeat (\d+)", run["command"])
+        if "settings" in data:
+            assert int(repeat.group(1) if repeat else 1) == data["settings"]["repeat"], name
+
+
+def test_the_performance_page_prints_where_each_result_comes_from(site: Path) -> None:
+    """The command line, commit, date, CPU and round counts on the page are the files'; a file
+    whose app/ is not app/ as it is now is marked stale, and only then."""
     performance = _hook("performance")
-    for name in performance.RENDERERS:
-        path = ROOT / "bench" / "results" / f"{name}.json"
-        if not path.is_file():
-            assert f"No bench/results/{name}.json" in text
-            continue
-        data = json.loads(path.read_text())
-        command = data.get("command") or performance.COMMANDS[name]
-        assert f"Command: {command}" in text, name
-        cpu = (
-            (data.get("machine") or {}).get("cpu")
-            or data.get("cpu")
-            or performance.NOTED_CPUS[name]
+    now = performance.app_tree_now()
+    pages = {
+        page: " ".join(_text(site / page).split())
+        for page in (
+            "performance.html",
+            "operating/persistence.html",
+            "operating/large-memory.html",
         )
-        assert cpu.split(",")[0] in text, name
-        assert f"File: bench/results/{name}.json" in text
+    }
+    for name, data in _results():
+        run = data["run"]
+        shown = [
+            f"Command: {run['command']} · Commit: {run['commit'][:7]} · Date: {run['date'][:10]} "
+            f"· CPU: {run['cpu']}",
+            f"File: bench/results/{name}.json",
+        ]
+        found = [text for text in pages.values() if all(part in text for part in shown)]
+        assert found, f"{name}: {shown[0]}"
+        block = found[0].split(shown[1])[1][:400]
+        stale = "Stale: measured on other code" in block
+        assert stale is (run["app_tree"] != now), (name, block)
+    reference = json.loads((RESULTS / "reference.json").read_text())
+    assert f"Median (min-max) of {reference['rounds']} rounds" in pages["performance.html"]
+    assert f"median of {reference['rounds']} rounds" in pages["performance.html"]
+
+
+def test_a_result_is_stale_once_app_is_no_longer_what_it_measured(tmp_path: Path) -> None:
+    performance = _hook("performance")
+    now = performance.app_tree_now()
+    assert now is not None
+    assert re.fullmatch(r"[0-9a-f]{40}", now)
+    run = {"commit": "0" * 40, "command": "python -m bench load", "date": "2026-01-02T03:04:05Z"}
+    run |= {"cpu": "X, 2 cores"}
+    for tree, stale in ((now, False), ("f" * 40, True)):
+        (tmp_path / "latest.json").write_text(json.dumps({"run": run | {"app_tree": tree}}))
+        rendered = performance.render("latest", tmp_path, now=now)
+        assert "**Command:** `python -m bench load` · **Commit:** `0000000`" in rendered
+        assert ("Stale: measured on other code" in rendered) is stale
+        assert (
+            "stale: app/ changed since"
+            in performance._subtitle({"run": run | {"app_tree": tree}}, now)
+        ) is stale
+
+
+def test_the_bench_records_this_checkout_and_the_command_as_typed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from bench.machine import provenance
+
+    monkeypatch.setattr(sys, "orig_argv", ["/x/.venv/bin/python", "-m", "bench", "load", "--quick"])
+    run = provenance()
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    assert run["commit"] == head.stdout.strip()
+    assert run["command"] == "python -m bench load --quick"
+    assert run["app_tree"] == _hook("performance").app_tree_now()
+
+
+def test_the_charts_are_legible_at_the_column_s_width(site: Path) -> None:
+    """Drawn at their own size where Material's content column is as wide (670 px at least on a
+    desktop), text of 13 px, 12 at the least once scaled; the clients' axis says it is
+    logarithmic; the CPU and the commit are in the figure."""
+    page = (site / "performance.html").read_text(encoding="utf-8")
+    charts = re.findall(r'<figure class="kp-plot".*?</figure>', page, flags=re.S)
+    assert charts
+    column = 670
+    latest = json.loads((RESULTS / "latest.json").read_text())["run"]
+    for chart in charts:
+        svg = re.search(r"<svg [^>]*>", chart)
+        assert svg is not None
+        attributes = dict(re.findall(r'([\w-]+)="([^"]*)"', svg.group(0)))
+        width, height = float(attributes["width"]), float(attributes["height"])
+        assert attributes["viewBox"] == f"0 0 {width:g} {height:g}"
+        sizes = [float(attributes["font-size"])]
+        sizes += [float(v) for v in re.findall(r'<text[^>]*font-size="([\d.]+)"', chart)]
+        assert min(sizes) * min(1.0, column / width) >= 12, sizes
+        assert "AMD EPYC" in chart or latest["cpu"] in chart
+    throughput, latency = charts[0], charts[1]
+    for chart in (throughput, latency):
+        assert "log scale" in chart
+        assert f"{latest['commit'][:7]} · {latest['date'][:10]}" in chart
+    assert "budget: 100 ms" in latency
 
 
 def test_a_missing_or_unknown_result_renders_without_failing(tmp_path: Path) -> None:
     performance = _hook("performance")
     assert "No `bench/results/latest.json`" in performance.render("latest", tmp_path)
     (tmp_path / "latest.json").write_text(json.dumps({"machine": {"cpu": "X"}, "other": {"a": 1}}))
-    rendered = performance.render("latest", tmp_path)
+    rendered = performance.render("latest", tmp_path, now="0" * 40)
     assert "| other.a | 1 |" in rendered
     assert "X" in rendered
+    assert "not recorded in the file" in rendered
 
 
 def test_the_persistence_figures_render_as_tables_with_the_start_target(tmp_path: Path) -> None:
@@ -182,7 +277,9 @@ def test_the_memory_figures_render_a_row_for_each_ef_runtime(tmp_path: Path) -> 
 
 
 def test_the_decisions_page_lists_every_record(site: Path) -> None:
-    page = (site / "decisions" / "index.html").read_text(encoding="utf-8")  # docs/decisions/index.md
+    page = (site / "decisions" / "index.html").read_text(
+        encoding="utf-8"
+    )  # docs/decisions/index.md
     records = [p for p in (ROOT / "docs" / "decisions").glob("*.md") if p.name != "index.md"]
     assert records
     for record in records:
@@ -285,7 +382,7 @@ def test_the_performance_page_plots_the_committed_results(site: Path) -> None:
     page = (site / "performance.html").read_text(encoding="utf-8")
     charts = re.findall(r'<figure class="kp-plot".*?</figure>', page, flags=re.S)
     performance = _hook("performance")
-    expected = [n for n in performance.PLOTTERS if (ROOT / "bench/results" / f"{n}.json").is_file()]
+    expected = [n for n in performance.PLOTTERS if (RESULTS / f"{n}.json").is_file()]
     assert expected
     assert len(charts) >= len(expected)
     latest = json.loads((ROOT / "bench" / "results" / "latest.json").read_text())
@@ -350,9 +447,7 @@ def test_every_extra_the_docs_name_exists() -> None:
     named = {
         (page.relative_to(ROOT).as_posix(), name)
         for page in pages
-        for name in re.findall(
-            r"`([\w-]+)` extra|\.\[([\w-]+)\]", page.read_text(encoding="utf-8")
-        )
+        for name in re.findall(r"`([\w-]+)` extra|\.\[([\w-]+)\]", page.read_text(encoding="utf-8"))
     }
     missing = [(page, a or b) for page, (a, b) in named if (a or b) not in extras]
     assert not missing, missing
