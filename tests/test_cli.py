@@ -355,6 +355,21 @@ def test_cache_stats_needs_the_token(server: Server) -> None:
     assert json.loads(as_json.stdout)["capacity"] == 1000
 
 
+def test_the_examples_summary_fits_80_columns_whatever_the_memory(onnx_server: Server) -> None:
+    """kp-scoring evaluate examples/ against an empty memory, then against one that holds
+    every example (each trace's nearest is itself, its id up to 45 characters): no line over
+    80 columns."""
+    examples = str(Path(__file__).resolve().parents[1] / "examples")
+    assert run(["cache", "reset", "--token", TOKEN], onnx_server.url).exit_code == 0
+    first = run(["evaluate", examples], onnx_server.url)
+    again = run(["evaluate", examples, "--dry-run"], onnx_server.url)
+    for result in (first, again):
+        assert result.exit_code == 1, result.output
+        assert max(len(line) for line in lines(result.stdout)) <= 80, result.stdout
+    assert "  nearest kp:trace:550e8400-e29b-41d4-a716-446655440000 (1.000, " in again.stdout
+    assert run(["cache", "reset", "--token", TOKEN], onnx_server.url).exit_code == 0
+
+
 def test_cache_reset_and_dry_run(onnx_server: Server, tmp_path: Path) -> None:
     """With the real embedder: --dry-run adds nothing, a plain run adds, reset empties."""
     path = str(write(tmp_path / "trace.json", make_trace()))
