@@ -564,11 +564,15 @@ def test_a_default_service_stopped_and_started_again_holds_its_memory_and_says_s
         answers = [first.post("/evaluate", make_trace(objective=f"topic {i}")) for i in (1, 2)]
         assert all(a.json()["novelty"]["stored"] for a in answers)
         started = _log_line(first, "kp-scoring started")
+        # As getting-started.md and persistence.md show the line.
+        shown = ["ts", "level", "logger", "msg", "url", "embedder", "cache_capacity"]
+        assert list(started) == [*shown, "memory", "entries"]
         assert started["url"] == first.url
         assert (started["memory"], started["entries"]) == (f"SQLite {database}", 0)
     finally:
         assert first.stop() == 0
     stopped = _log_line(first, "kp-scoring stopped")
+    assert list(stopped) == ["ts", "level", "logger", "msg", "memory", "kept", "namespaces"]
     assert (stopped["memory"], stopped["kept"], stopped["namespaces"]) == (
         f"SQLite {database}",
         2,
