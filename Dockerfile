@@ -7,7 +7,7 @@
 # Both stages use the same BASE, so the venv's python links stay valid.
 #
 #   docker build -t kp-scoring .
-#   docker run -p 8000:8000 -v kp-cache:/data -e KP_CACHE_DB_PATH=/data/memory.db kp-scoring
+#   docker run -p 8000:8000 -v kp-cache:/data kp-scoring
 ARG BASE=python:3.11-slim
 
 # ── build: a self-contained venv with the service, its dependencies and the model ──
@@ -77,9 +77,12 @@ HEALTHCHECK --interval=30s --timeout=5s --start-period=60s --retries=3 \
 # cannot hold them: KP_HEADER_TIMEOUT_S and KP_BODY_TIMEOUT_S close them
 # (docs/operating/slow-clients.md).
 
-# The model's optimised graph (KP_MODEL_CACHE) is kept in the volume: written by the first
-# start on a CPU, loaded by the next ones (the home, /app, is not writable).
-ENV KP_MODEL_CACHE_DIR=/data/model-cache
+# The volume keeps the memory's database (the service's default is the user's data directory,
+# and the home, /app, is not writable) and the model's optimised graph (KP_MODEL_CACHE),
+# written by the first start on a CPU and loaded by the next ones. With KP_REDIS_URL the
+# memory is Redis's: set KP_CACHE_DB_PATH empty (docker-compose.scale.yml does).
+ENV KP_CACHE_DB_PATH=/data/memory.db \
+    KP_MODEL_CACHE_DIR=/data/model-cache
 
 # One process: the in-process cache lives in it (no workers); to scale, run more containers
 # on one Redis (KP_REDIS_URL), where the cache is shared. app.serve serves the app with

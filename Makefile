@@ -14,18 +14,27 @@ PORT ?= 8000
 CLIENT := clients/python
 INSTALLED := pyproject.toml $(CLIENT)/pyproject.toml $(CLIENT)/VERSION
 
+# pip, quiet but for real problems: setuptools' boxed notice that an editable install of `app`
+# (a package at the checkout's root) reads the checkout is what this install is for.
+PIP := $(BIN)/python -W 'ignore:Editable installation' -m pip install --quiet
+
 # The service (package `app`) and the client (package `kp_scoring`), in one pip command: the
 # client distribution is not on any registry, so the server does not name it as a dependency.
 $(BIN)/.installed: $(INSTALLED)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e ./$(CLIENT) -e .
+	$(PIP) -e ./$(CLIENT) -e .
 	touch $@
 
-# ... and the test tools (pytest, schemathesis, ruff, mypy, ...).
-$(BIN)/.installed-test: $(BIN)/.installed
-	$(BIN)/python -m pip install --quiet -e ./$(CLIENT) -e '.[test]'
+# ... and the documentation site's tools (mkdocs with the Material theme), for `make docs`.
+$(BIN)/.installed-docs: $(BIN)/.installed
+	$(PIP) -e '.[docs]'
 	touch $@
+
+# ... and the test tools (pytest, schemathesis, ruff, mypy, ...), the docs' among them.
+$(BIN)/.installed-test: $(BIN)/.installed
+	$(PIP) -e ./$(CLIENT) -e '.[test]'
+	touch $@ $(BIN)/.installed-docs
 
 ## run: start the service on http://$(HOST):$(PORT) (settings from KP_* variables)
 run: $(BIN)/.installed
@@ -48,9 +57,11 @@ unit: $(BIN)/.installed-test promtool
 	$(BIN)/python -m pytest -n auto --dist loadfile
 
 ## docs: build the documentation site into site/ (mkdocs --strict: a broken link or a missing
-## page fails); `.venv/bin/mkdocs serve` serves it while you edit
-docs: $(BIN)/.installed-test
+## page fails); its pages open as files (site/index.html in a browser), and
+## `.venv/bin/mkdocs serve` serves it while you edit
+docs: $(BIN)/.installed-docs
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+	@echo "the site is in site/: open site/index.html in a browser (the search box needs a server: .venv/bin/mkdocs serve)"
 
 ## typescript: install the TypeScript client's pinned dev packages (npm ci: node 20, npm) and
 ## build it; tests/test_typescript_client.py runs its tests against a live server

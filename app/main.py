@@ -65,7 +65,7 @@ def create_app(
         if telemetry.get("tracing", True) and not isinstance(provider, trace.ProxyTracerProvider):
             tracer = provider.get_tracer("kp-scoring", VERSION)
         runtime.evaluator.tracer = runtime.embeddings.tracer = tracer
-        await runtime.start()
+        await runtime.start(getattr(app.state, "url", None))
         metrics.registry.register(runtime.collector)
         service = ScoringService(settings, runtime, metrics, keys, signer, tracer)
         app.state.service = service

@@ -48,6 +48,7 @@ def run(host: str = "127.0.0.1", port: int = 8000) -> None:
             raise config_error("CACHE_DB_PATH", refused)
     from app.server.header_limit import HeaderLimit
 
+    served.state.url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
     app = HeaderLimit(served, settings.max_header_bytes)
     # asyncio's own loop: uvloop measured no different here (docs/decisions/connection-edge.md).
     asyncio.run(_serve(app, host, port, settings))

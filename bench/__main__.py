@@ -56,7 +56,7 @@ from bench import (
 )
 from bench.corpus import Item
 from bench.floor import Floor
-from bench.machine import loadavg, machine, parse_env
+from bench.machine import loadavg, machine, parse_env, provenance
 from bench.report import megabyte_table, render, targets
 from bench.server import Server, rss_mb
 from bench.stats import latency_summary, median_of_runs, percentile
@@ -459,7 +459,7 @@ def _window_phase(sizes: Sizes, env: dict[str, str], items: dict[str, list[Item]
 def _all(
     args: argparse.Namespace, sizes: Sizes, env: dict[str, str], items: dict[str, list[Item]]
 ) -> int:
-    doc: dict[str, Any] = {"machine": machine()}
+    doc: dict[str, Any] = {"run": provenance(), "machine": machine()}
     doc["settings"] = {"quick": args.quick, "repeat": args.repeat, "env": env}
     doc["corpus"] = {
         "typical": corpus.describe(items["typical"]),

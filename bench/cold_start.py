@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -21,7 +22,7 @@ import time
 import urllib.error
 import urllib.request
 
-from bench.server import HOST, ROOT, SERVE, compile_app, free_port
+from bench.server import HOST, ROOT, SERVE, compile_app, free_port, fresh_data_home
 
 _FLOOR = """
 import time
@@ -75,11 +76,14 @@ def service_once() -> tuple[float, float]:
     compile_app()
     port = free_port()
     base = f"http://{HOST}:{port}"
+    # A fresh data directory: each start is a first start (its memory's default file made
+    # anew, empty), and none meets another's database.
+    data_home = fresh_data_home()
     started = time.perf_counter()
     proc = subprocess.Popen(
         [*SERVE, "--host", HOST, "--port", str(port)],  # KP_LOG_LEVEL=warning: _env
         cwd=ROOT,
-        env=_env(),
+        env=_env() | {"XDG_DATA_HOME": data_home},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -106,6 +110,7 @@ def service_once() -> tuple[float, float]:
     finally:
         proc.terminate()
         proc.wait(30)
+        shutil.rmtree(data_home, ignore_errors=True)
 
 
 def floor_once() -> tuple[float, float]:

@@ -50,6 +50,7 @@ from app.core.config import Settings, redis_location
 from app.memory.redis_vectors import RedisVectorMemory
 from app.memory.ring import CacheEntries
 from bench import memory_corpus
+from bench.machine import provenance
 from bench.server import rss_mb
 from bench.stats import percentile
 from tests.server import RedisServer
@@ -416,6 +417,7 @@ def run(
     ef_runtimes = ef_runtimes or [DEFAULT_EF]
     vectors, near, fresh = corpus_and_queries(queries)
     doc: dict[str, Any] = {
+        "run": provenance(),
         "cpu": cpu_name(),
         "source": "docstrings of /usr/lib/python3.11 and /usr/lib/python3/dist-packages, "
         "then /usr/share/doc changelog items (bench/memory_corpus.py)",

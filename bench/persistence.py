@@ -37,7 +37,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from bench.machine import machine
+from bench.machine import machine, provenance
 from bench.server import ADMIN_TOKEN, HOST, ROOT, Server
 from bench.stats import percentile
 from tests.factories import import_body
@@ -64,7 +64,9 @@ def former_has_database(former: Path) -> bool:
 
 
 def _modes(directory: Path, former: Path | None) -> dict[str, tuple[dict[str, str], Path | None]]:
-    modes: dict[str, tuple[dict[str, str], Path | None]] = {"none": ({}, None)}
+    modes: dict[str, tuple[dict[str, str], Path | None]] = {
+        "none": ({"KP_CACHE_DB_PATH": ":memory:"}, None)
+    }
     for durability in ("process", "power"):
         modes[f"sqlite_{durability}"] = (
             {
@@ -458,10 +460,7 @@ def main(argv: list[str] | None = None) -> int:
         help=f"where the figures go (default: {DEFAULT_OUT.relative_to(ROOT)} after a whole run)",
     )
     args = parser.parse_args(argv)
-    result: dict[str, Any] = {
-        "machine": machine(),
-        "command": " ".join(["python -m bench persistence", *(argv or sys.argv[1:])]),
-    }
+    result: dict[str, Any] = {"run": provenance(), "machine": machine()}
     if not args.only_start:
         result["memory_step"] = memory_step(args.adds)
         if args.former is not None and former_has_database(args.former):

@@ -40,7 +40,7 @@ from app.memory.in_process import InProcessMemory
 from app.schemas.trace import ReasoningTrace
 from app.service.evaluator import Evaluator
 from bench import corpus
-from bench.machine import machine
+from bench.machine import machine, provenance
 from bench.stats import percentile
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "precision.json"
@@ -224,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     support = int8_support()
     doc = {
+        "run": provenance(),
         "machine": machine(),
         "int8": {"weights": support.weights, "reason": support.reason},
         "quick": args.quick,

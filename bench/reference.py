@@ -35,8 +35,8 @@ from typing import Any
 from bench import corpus, load
 from bench.corpus import Item
 from bench.floor import Floor
-from bench.machine import machine, parse_env
-from bench.server import HOST, ROOT, SERVE, Server, compile_app, free_port
+from bench.machine import machine, parse_env, provenance
+from bench.server import HOST, ROOT, SERVE, Server, compile_app, free_port, fresh_data_home
 from bench.stats import percentile
 
 RUNNER = Path(__file__).resolve().parent / "reference_runner.mjs"
@@ -145,6 +145,8 @@ def service_cold(trace: dict[str, Any], log: Path, env: dict[str, str]) -> float
     port = free_port()
     request = load.evaluate_requests([trace], port)[0]
     clean = {k: v for k, v in os.environ.items() if not k.startswith("KP_")} | env
+    data_home = fresh_data_home()  # a first start: the memory's default file made anew
+    clean["XDG_DATA_HOME"] = data_home
     with log.open("ab") as out:
         started = time.perf_counter()
         process = subprocess.Popen(
@@ -174,6 +176,7 @@ def service_cold(trace: dict[str, Any], log: Path, env: dict[str, str]) -> float
         finally:
             process.terminate()
             process.wait(timeout=30)
+            shutil.rmtree(data_home, ignore_errors=True)
 
 
 def _spread(values: list[float]) -> dict[str, Any]:
@@ -418,10 +421,12 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(where, str):
         print(f"reference phase skipped: {where}")
         return 0
+    run = provenance()
     m = machine()
     env = parse_env(args.env)
     ref = measure(where, args.rounds, args.quick, lambda s: print(s, file=sys.stderr), env)
     doc = {
+        "run": run,
         "machine": m,
         "env": env,
         "loadavg_end": Path("/proc/loadavg").read_text().split()[:3],

@@ -6,10 +6,12 @@ import compileall
 import http.client
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -56,9 +58,17 @@ def cpu_seconds(pid: int, *, main_thread_only: bool = False) -> float:
     return (int(fields[11]) + int(fields[12])) / _TICKS
 
 
+def fresh_data_home() -> str:
+    """A new, empty user data directory (XDG_DATA_HOME) for one service process: with no
+    KP_CACHE_DB_PATH the service keeps its memory there, as a user's first start does, and no
+    two processes (nor the user's own service) share a database."""
+    return tempfile.mkdtemp(prefix="kp-bench-data-")
+
+
 class Server:
     """A service process with exactly the given KP_* settings (others from the environment
-    are dropped), logging to `log_path`. `started_s` is the time until /healthz answered."""
+    are dropped; the memory's default file in a fresh data directory), logging to `log_path`.
+    `started_s` is the time until /healthz answered."""
 
     def __init__(
         self,
@@ -72,6 +82,8 @@ class Server:
         compile_app(root)
         self.port = free_port()
         clean = {k: v for k, v in os.environ.items() if not k.startswith("KP_")}
+        self._data_home = fresh_data_home()
+        clean["XDG_DATA_HOME"] = self._data_home
         self.log_path = log_path
         self._log = log_path.open("ab")
         started = time.perf_counter()
@@ -122,6 +134,7 @@ class Server:
                 self.process.kill()
                 self.process.wait()
         self._log.close()
+        shutil.rmtree(self._data_home, ignore_errors=True)
 
     def __enter__(self) -> Server:
         return self

@@ -39,7 +39,7 @@ from app.core.config import redis_location
 from app.memory.redis_vectors import RedisVectorMemory
 from bench import corpus, load
 from bench.corpus import Item
-from bench.machine import machine, parse_env
+from bench.machine import machine, parse_env, provenance
 from bench.server import Server, cpu_seconds
 from bench.stats import median_of_runs, percentile
 from tests.server import RedisServer
@@ -273,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     env = parse_env(args.env)
     doc: dict[str, Any] = {
+        "run": provenance(),
         "machine": machine(),
         "settings": {"quick": args.quick, "repeat": args.repeat, "env": env},
     }

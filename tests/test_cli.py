@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
+import pty
 import re
 import subprocess
 from pathlib import Path
@@ -101,10 +103,10 @@ def test_exit_code_follows_the_threshold(
 def test_a_domain_with_no_profile_is_said(server: Server, tmp_path: Path) -> None:
     path = write(tmp_path / "trace.json", make_trace(domain="code-review"))
     result = run(["evaluate", str(path), "--dry-run"], server.url)
-    assert lines(result.stdout)[0] == (
-        "kp:trace:test-0001  score 0.5763  below (threshold 0.75)  "
-        "weights: default (task_domain not recognised)"
-    )
+    assert lines(result.stdout)[:2] == [  # 103 columns on one line: two that fit 80
+        "kp:trace:test-0001  score 0.5763  below (threshold 0.75)",
+        "  weights: default (task_domain not recognised)",
+    ]
     known = write(tmp_path / "known.json", make_trace(domain="code"))
     result = run(["evaluate", str(known), "--dry-run"], server.url)
     assert lines(result.stdout)[0].endswith("weights: code")
@@ -114,11 +116,26 @@ def test_the_novelty_line_says_what_the_model_read() -> None:
     novelty = NoveltyOut(
         measured=True, reason=None, max_cosine=0.5, cache_size=3, tokens=512, truncated=True
     )
-    line = cli_module.novelty_line(EvaluationOut.model_construct(novelty=novelty))
-    assert line == (
-        "novelty: measured, max cosine 0.500 against a cache of 3; "
-        "512 tokens read, the rest past the window"
-    )
+    shown = cli_module.novelty_lines(EvaluationOut.model_construct(novelty=novelty))
+    assert shown == [
+        "novelty: measured, max cosine 0.500 against a cache of 3",
+        "  512 tokens read, the rest past the window",
+    ]
+
+
+def test_parts_are_fitted_into_80_columns_and_numbers_read_as_the_service_gives_them() -> None:
+    parts = ["a" * 30, "b" * 30, "c" * 30, "d" * 90]
+    assert cli_module.fit(parts, first="  ") == [
+        f"  {'a' * 30}; {'b' * 30}",
+        f"  {'c' * 30}",
+        f"  {'d' * 90}",  # a part is never split
+    ]
+    # 0.40125 and 0.57625 as doubles lie below and above the decimal: both read half up.
+    assert [cli_module.decimals(v, 4) for v in (0.40125, 0.57625, 1.0)] == [
+        "0.4013",
+        "0.5763",
+        "1.0000",
+    ]
 
 
 def test_evaluate_stdin_json_dry_run(server: Server) -> None:
@@ -162,9 +179,7 @@ def test_evaluate_a_directory(
 
     result = run(["evaluate", "traces/", "--threshold", "0.5"], server.url)
     assert result.exit_code == 0, result.output
-    assert "scored 2 files" in result.stderr  # the progress bar, in its final state
-    assert "━" in result.stderr
-    assert "2/2" in result.stderr
+    assert result.stderr == ""  # no progress bar: stderr is not a terminal
     # A line per trace in columns, its id and the rest beneath: 80 columns are enough.
     assert lines(result.stdout) == [
         "file    score   result  weights",
@@ -340,6 +355,21 @@ def test_cache_stats_needs_the_token(server: Server) -> None:
     assert json.loads(as_json.stdout)["capacity"] == 1000
 
 
+def test_the_examples_summary_fits_80_columns_whatever_the_memory(onnx_server: Server) -> None:
+    """kp-scoring evaluate examples/ against an empty memory, then against one that holds
+    every example (each trace's nearest is itself, its id up to 45 characters): no line over
+    80 columns."""
+    examples = str(Path(__file__).resolve().parents[1] / "examples")
+    assert run(["cache", "reset", "--token", TOKEN], onnx_server.url).exit_code == 0
+    first = run(["evaluate", examples], onnx_server.url)
+    again = run(["evaluate", examples, "--dry-run"], onnx_server.url)
+    for result in (first, again):
+        assert result.exit_code == 1, result.output
+        assert max(len(line) for line in lines(result.stdout)) <= 80, result.stdout
+    assert "  nearest kp:trace:550e8400-e29b-41d4-a716-446655440000 (1.000, " in again.stdout
+    assert run(["cache", "reset", "--token", TOKEN], onnx_server.url).exit_code == 0
+
+
 def test_cache_reset_and_dry_run(onnx_server: Server, tmp_path: Path) -> None:
     """With the real embedder: --dry-run adds nothing, a plain run adds, reset empties."""
     path = str(write(tmp_path / "trace.json", make_trace()))
@@ -359,7 +389,7 @@ def test_cache_reset_and_dry_run(onnx_server: Server, tmp_path: Path) -> None:
     (tmp_path / "two").mkdir()
     write(tmp_path / "two" / "t.json", make_trace(trace_id="kp:trace:twin"))
     table = run(["evaluate", str(tmp_path / "two"), "--dry-run"], onnx_server.url)
-    assert "; nearest kp:trace:test-0001 (" in table.stdout
+    assert "\n  nearest kp:trace:test-0001 (" in table.stdout
     reset = run(["cache", "reset"], onnx_server.url, KP_ADMIN_TOKEN=TOKEN)
     assert reset.exit_code == 0
     assert reset.stdout.strip() == "cleared 1 cached vectors"
@@ -410,6 +440,51 @@ def test_the_installed_script(server: Server, tmp_path: Path) -> None:
     assert down.returncode == 3
     assert "cannot reach kp-scoring" in down.stderr
     assert "Traceback" not in down.stderr
+
+
+def test_help_to_a_pipe_is_plain_unpadded_and_unwrapped() -> None:
+    """Not a terminal: click's plain help, every paragraph on one line, no box, no padding."""
+    helps = {}
+    for command in ((), ("contribution",), ("cache", "stats")):  # the group, a command, a sub's
+        shown = script(*command, "--help", url="http://127.0.0.1:1")
+        assert shown.returncode == 0, shown.stderr
+        assert shown.stdout.startswith("Usage: kp-scoring"), shown.stdout
+        assert not [line for line in lines(shown.stdout) if line != line.rstrip()], command
+        assert not set("╭╮╰╯│─") & set(shown.stdout), command
+        helps[command] = shown.stdout
+    whole = (
+        "Show what contributing a trace would send: the trace as the reference SDK's capture "
+        "cleans it (POST /contribution), or with --findings what was found and what is suspected."
+    )
+    assert f"  {whole}\n" in helps[("contribution",)]  # one paragraph, one line
+    assert f"  contribution  {whole}\n" in helps[()]
+
+
+def test_a_progress_bar_only_on_a_terminal(server: Server, tmp_path: Path) -> None:
+    """stderr a terminal (a pseudo-terminal here): the bar is drawn there; the summary on
+    stdout, a pipe, stays plain."""
+    write(tmp_path / "a.json", make_trace())
+    controller, terminal = pty.openpty()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KP_", "FORCE_COLOR"))}
+    try:
+        done = subprocess.run(
+            [entry_point(), "evaluate", str(tmp_path), "--dry-run"],
+            stdout=subprocess.PIPE,
+            stderr=terminal,
+            env=env | {"KP_URL": server.url, "TERM": "xterm"},
+            timeout=30,
+            check=False,
+        )
+        os.close(terminal)
+        drawn = b""
+        with contextlib.suppress(OSError):  # EIO once the terminal's last holder closed it
+            while chunk := os.read(controller, 65536):
+                drawn += chunk
+    finally:
+        os.close(controller)
+    assert done.returncode == 1
+    assert "━" in drawn.decode(errors="replace")
+    assert done.stdout.decode().startswith("file    score   result  weights\n")
 
 
 @pytest.mark.server

@@ -310,15 +310,15 @@ def _leaky_everywhere() -> dict[str, Any]:
 SIGNED_EDITS = [
     (lambda a: a | {"shareable": not a["shareable"]}, "the answer's shareable is"),
     (lambda a: a | {"threshold": 0.1}, "the answer's threshold is 0.1"),
-    (lambda a: a | {"leaks_remain": False}, "the answer's leaks_remain is False"),
-    (lambda a: a | {"differs_from_sdk": True}, "the answer's differs_from_sdk is True"),
+    (lambda a: a | {"leaks_remain": False}, "the answer's leaks_remain is false"),
+    (lambda a: a | {"differs_from_sdk": True}, "the answer's differs_from_sdk is true"),
     (lambda a: a | {"redactions": a["redactions"][1:]}, "the answer's redactions is"),
     (lambda a: a | {"uncleaned": []}, "the answer's uncleaned is []"),
     (lambda a: a | {"inputs_kept": []}, "the answer's inputs_kept is []"),
     (lambda a: a | {"findings": []}, "the answer's findings is []"),
     (
         lambda a: a | {"findings": [a["findings"][0] | {"type": "email"}]},
-        "the answer's findings.0.type is 'email'",
+        'the answer\'s findings.0.type is "email"',
     ),
     (
         lambda a: (
@@ -328,7 +328,7 @@ SIGNED_EDITS = [
                 | {"highest": a["injection"]["highest"] | {"verdict": "rejected"}}
             }
         ),
-        "the answer's injection.highest.verdict is 'rejected'",
+        'the answer\'s injection.highest.verdict is "rejected"',
     ),
     (
         lambda a: a | {"injection": a["injection"] | {"reject_threshold": 0.9}},
@@ -376,7 +376,7 @@ def test_verify_on_the_command_line_names_the_edited_field(
     (tmp_path / "answer.json").write_text(json.dumps(body))
     ran = CliRunner().invoke(cli, args)
     assert ran.exit_code == 1
-    assert "the answer's shareable is True, the signed one False" in ran.stderr
+    assert "the answer's shareable is true, the signed one false" in ran.stderr
     assert "the answer's uncleaned is []" in ran.stderr
 
 

@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from collections.abc import Iterator
 from html.parser import HTMLParser
 from pathlib import Path
@@ -63,8 +64,8 @@ def test_every_setting_has_a_description() -> None:
 
 
 def test_every_setting_is_on_the_configuration_page(site: Path) -> None:
-    page = (site / "configuration" / "index.html").read_text(encoding="utf-8")
-    text = _text(site / "configuration" / "index.html")
+    page = (site / "configuration.html").read_text(encoding="utf-8")
+    text = _text(site / "configuration.html")
     for name, field in Settings.model_fields.items():
         variable = f"{ENV_PREFIX}{name.upper()}"
         assert f'id="{variable.lower()}"' in page, f"{variable} has no section"
@@ -79,43 +80,128 @@ def test_the_rendered_settings_follow_the_class() -> None:
     assert "**Default:** `1000`" in rendered.split("### KP_CACHE_CAPACITY")[1].split("###")[0]
 
 
-def test_the_performance_page_names_the_cpu_and_command_of_each_result(site: Path) -> None:
+RESULTS = ROOT / "bench" / "results"
+
+
+def _results() -> list[tuple[str, dict[str, Any]]]:
+    return [(p.stem, json.loads(p.read_text())) for p in sorted(RESULTS.glob("*.json"))]
+
+
+def test_every_result_file_records_where_it_comes_from() -> None:
+    """Commit, command, date and CPU, and the app/ it measured; a command's round and repeat
+    counts are the file's own."""
+    assert _results()
+    for name, data in _results():
+        run = data["run"]
+        assert re.fullmatch(r"[0-9a-f]{40}", run["commit"]), name
+        assert run["command"].startswith("python -m bench"), name
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", run["date"]), name
+        assert run["cpu"], name
+        assert re.fullmatch(r"[0-9a-f]{40}", run["app_tree"]), name
+        rounds = re.search(r"--rounds (\d+)", run["command"])
+        if "rounds" in data:
+            assert rounds is not None, name
+            assert int(rounds.group(1)) == data["rounds"], name
+        repeat = re.search(r"--repeat (\d+)", run["command"])
+        if "settings" in data:
+            assert int(repeat.group(1) if repeat else 1) == data["settings"]["repeat"], name
+
+
+def test_the_performance_page_prints_where_each_result_comes_from(site: Path) -> None:
+    """The command line, commit, date, CPU and round counts on the page are the files'; a file
+    whose app/ is not app/ as it is now is marked stale, and only then."""
     performance = _hook("performance")
-    for name in performance.RENDERERS:
-        # The page that shows it: the performance page, else the one whose marker names it.
-        shown = next(
-            (
-                page
-                for page in performance.PAGES
-                if f"<!-- bench: {name} -->" in (ROOT / "docs" / page).read_text(encoding="utf-8")
-            ),
-            "performance.md",
+    now = performance.app_tree_now()
+    pages = {
+        page: " ".join(_text(site / page).split())
+        for page in (
+            "performance.html",
+            "operating/persistence.html",
+            "operating/large-memory.html",
         )
-        html = site / shown.removesuffix(".md") / "index.html"
-        text = " ".join(_text(html).split())
-        path = ROOT / "bench" / "results" / f"{name}.json"
-        if not path.is_file():
-            assert f"No bench/results/{name}.json" in text
-            continue
-        data = json.loads(path.read_text())
-        command = data.get("command") or performance.COMMANDS[name]
-        assert f"Command: {command}" in text, name
-        cpu = (
-            (data.get("machine") or {}).get("cpu")
-            or data.get("cpu")
-            or performance.NOTED_CPUS[name]
-        )
-        assert cpu.split(",")[0] in text, name
-        assert f"File: bench/results/{name}.json" in text
+    }
+    for name, data in _results():
+        run = data["run"]
+        shown = [
+            f"Command: {run['command']} · Commit: {run['commit'][:7]} · Date: {run['date'][:10]} "
+            f"· CPU: {run['cpu']}",
+            f"File: bench/results/{name}.json",
+        ]
+        found = [text for text in pages.values() if all(part in text for part in shown)]
+        assert found, f"{name}: {shown[0]}"
+        block = found[0].split(shown[1])[1][:400]
+        stale = "Stale: measured on other code" in block
+        assert stale is (run["app_tree"] != now), (name, block)
+    reference = json.loads((RESULTS / "reference.json").read_text())
+    assert f"Median (min-max) of {reference['rounds']} rounds" in pages["performance.html"]
+    assert f"median of {reference['rounds']} rounds" in pages["performance.html"]
+
+
+def test_a_result_is_stale_once_app_is_no_longer_what_it_measured(tmp_path: Path) -> None:
+    performance = _hook("performance")
+    now = performance.app_tree_now()
+    assert now is not None
+    assert re.fullmatch(r"[0-9a-f]{40}", now)
+    run = {"commit": "0" * 40, "command": "python -m bench load", "date": "2026-01-02T03:04:05Z"}
+    run |= {"cpu": "X, 2 cores"}
+    for tree, stale in ((now, False), ("f" * 40, True)):
+        (tmp_path / "latest.json").write_text(json.dumps({"run": run | {"app_tree": tree}}))
+        rendered = performance.render("latest", tmp_path, now=now)
+        assert "**Command:** `python -m bench load` · **Commit:** `0000000`" in rendered
+        assert ("Stale: measured on other code" in rendered) is stale
+        assert (
+            "stale: app/ changed since"
+            in performance._subtitle({"run": run | {"app_tree": tree}}, now)
+        ) is stale
+
+
+def test_the_bench_records_this_checkout_and_the_command_as_typed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from bench.machine import provenance
+
+    monkeypatch.setattr(sys, "orig_argv", ["/x/.venv/bin/python", "-m", "bench", "load", "--quick"])
+    run = provenance()
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    assert run["commit"] == head.stdout.strip()
+    assert run["command"] == "python -m bench load --quick"
+    assert run["app_tree"] == _hook("performance").app_tree_now()
+
+
+def test_the_charts_are_legible_at_the_column_s_width(site: Path) -> None:
+    """Drawn at their own size where Material's content column is as wide (670 px at least on a
+    desktop), text of 13 px, 12 at the least once scaled; the clients' axis says it is
+    logarithmic; the CPU and the commit are in the figure."""
+    page = (site / "performance.html").read_text(encoding="utf-8")
+    charts = re.findall(r'<figure class="kp-plot".*?</figure>', page, flags=re.S)
+    assert charts
+    column = 670
+    latest = json.loads((RESULTS / "latest.json").read_text())["run"]
+    for chart in charts:
+        svg = re.search(r"<svg [^>]*>", chart)
+        assert svg is not None
+        attributes = dict(re.findall(r'([\w-]+)="([^"]*)"', svg.group(0)))
+        width, height = float(attributes["width"]), float(attributes["height"])
+        assert attributes["viewBox"] == f"0 0 {width:g} {height:g}"
+        sizes = [float(attributes["font-size"])]
+        sizes += [float(v) for v in re.findall(r'<text[^>]*font-size="([\d.]+)"', chart)]
+        assert min(sizes) * min(1.0, column / width) >= 12, sizes
+        assert "AMD EPYC" in chart or latest["cpu"] in chart
+    throughput, latency = charts[0], charts[1]
+    for chart in (throughput, latency):
+        assert "log scale" in chart
+        assert f"{latest['commit'][:7]} · {latest['date'][:10]}" in chart
+    assert "budget: 100 ms" in latency
 
 
 def test_a_missing_or_unknown_result_renders_without_failing(tmp_path: Path) -> None:
     performance = _hook("performance")
     assert "No `bench/results/latest.json`" in performance.render("latest", tmp_path)
     (tmp_path / "latest.json").write_text(json.dumps({"machine": {"cpu": "X"}, "other": {"a": 1}}))
-    rendered = performance.render("latest", tmp_path)
+    rendered = performance.render("latest", tmp_path, now="0" * 40)
     assert "| other.a | 1 |" in rendered
     assert "X" in rendered
+    assert "not recorded in the file" in rendered
 
 
 def test_the_persistence_figures_render_as_tables_with_the_start_target(tmp_path: Path) -> None:
@@ -191,11 +277,13 @@ def test_the_memory_figures_render_a_row_for_each_ef_runtime(tmp_path: Path) -> 
 
 
 def test_the_decisions_page_lists_every_record(site: Path) -> None:
-    page = (site / "decisions" / "index.html").read_text(encoding="utf-8")
+    page = (site / "decisions" / "index.html").read_text(
+        encoding="utf-8"
+    )  # docs/decisions/index.md
     records = [p for p in (ROOT / "docs" / "decisions").glob("*.md") if p.name != "index.md"]
     assert records
     for record in records:
-        assert f'href="{record.stem}/"' in page, record.name
+        assert f'href="{record.stem}.html"' in page, record.name
         body = record.read_text(encoding="utf-8")
         for section in ("## Context", "## Decision", "## Figures", "## Alternatives not kept"):
             assert section in body, f"{record.name} lacks {section}"
@@ -233,6 +321,39 @@ def test_the_site_loads_nothing_from_another_host(site: Path) -> None:
     assert not loaded, loaded
 
 
+class _Links(HTMLParser):
+    """Every URL a page links to or loads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.urls: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.urls += [value for name, value in attrs if name in ("href", "src") and value]
+
+
+def test_the_built_site_browses_as_files(site: Path) -> None:
+    """Opened from the disk (file://, no server), every link leads to a file: no directory
+    URL, which a browser shows as a listing. (404.html is a server's page: its links are
+    absolute on purpose.)"""
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text(encoding="utf-8"))
+    assert config["use_directory_urls"] is False
+    broken = []
+    for page in site.rglob("*.html"):
+        if page.name == "404.html":
+            continue
+        parser = _Links()
+        parser.feed(page.read_text(encoding="utf-8"))
+        for url in parser.urls:
+            path = url.split("#", 1)[0].split("?", 1)[0]
+            if not path or re.match(r"^([a-z]+:|//)", path, flags=re.IGNORECASE):
+                continue  # an anchor on the page, another host, mailto:, data:
+            target = (page.parent / path).resolve()
+            if not target.is_file():
+                broken.append(f"{page.relative_to(site)}: {url}")
+    assert not broken, broken[:20]
+
+
 def _sections(nav: list[Any], parent: str | None = None) -> Iterator[tuple[str | None, Any]]:
     for entry in nav:
         if isinstance(entry, dict):
@@ -258,10 +379,10 @@ def test_no_section_of_the_nav_is_a_child_of_itself() -> None:
 
 
 def test_the_performance_page_plots_the_committed_results(site: Path) -> None:
-    page = (site / "performance" / "index.html").read_text(encoding="utf-8")
+    page = (site / "performance.html").read_text(encoding="utf-8")
     charts = re.findall(r'<figure class="kp-plot".*?</figure>', page, flags=re.S)
     performance = _hook("performance")
-    expected = [n for n in performance.PLOTTERS if (ROOT / "bench/results" / f"{n}.json").is_file()]
+    expected = [n for n in performance.PLOTTERS if (RESULTS / f"{n}.json").is_file()]
     assert expected
     assert len(charts) >= len(expected)
     latest = json.loads((ROOT / "bench" / "results" / "latest.json").read_text())
@@ -306,3 +427,27 @@ def test_every_snippet_line_is_whole() -> None:
         if re.search(r"--8\s+<\s*--|--8<\s+--", page.read_text(encoding="utf-8"))
     ]
     assert not mangled, mangled
+
+
+def test_make_docs_installs_the_docs_extra_alone() -> None:
+    """The site needs the service (its settings page reads Settings) and mkdocs, not the
+    test toolchain."""
+    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+    assert re.search(r"^docs: \$\(BIN\)/\.installed-docs$", makefile, flags=re.M)
+    recipe = makefile.split("$(BIN)/.installed-docs: $(BIN)/.installed\n")[1].split("\n\n")[0]
+    assert "'.[docs]'" in recipe
+    assert "test" not in recipe
+
+
+def test_every_extra_the_docs_name_exists() -> None:
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"][
+        "optional-dependencies"
+    ]
+    pages = [ROOT / "README.md", ROOT / "Makefile", *(ROOT / "docs").rglob("*.md")]
+    named = {
+        (page.relative_to(ROOT).as_posix(), name)
+        for page in pages
+        for name in re.findall(r"`([\w-]+)` extra|\.\[([\w-]+)\]", page.read_text(encoding="utf-8"))
+    }
+    missing = [(page, a or b) for page, (a, b) in named if (a or b) not in extras]
+    assert not missing, missing

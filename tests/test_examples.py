@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -85,18 +86,56 @@ def test_the_readme_and_the_getting_started_page_have_examples_that_run() -> Non
         assert _marked(ROOT / page), page
 
 
+def _shown_outputs() -> list[tuple[str, str]]:
+    """(where, text) of every output a page shows for a block that runs."""
+    found = []
+    for page in pages():
+        for block in _marked(page):
+            if block.option("file"):
+                found.append((block.where, shown_by_file(snippet_file(block))))
+            elif block.language == "console":
+                found += [(block.where, out) for _, out in console_commands(block.text)]
+            elif block.output is not None:
+                found.append((block.where, block.output.text))
+    return found
+
+
+#: A float past 6 decimal places, or in exponent form: the last bits of one CPU's arithmetic.
+_PAST_THE_PROMISE = re.compile(r"(?<![\w.])\d+\.\d{7,}|\b\d(?:\.\d+)?e-\d+\b")
+
+
+def test_no_page_shows_a_float_past_the_promised_places_or_a_python_none() -> None:
+    """Answers give scores and cosines to 6 places (docs/scoring.md): an output showing more
+    is one CPU's, which another does not print; and a message is never Python's None."""
+    past = [(where, m) for where, text in _shown_outputs() for m in _PAST_THE_PROMISE.findall(text)]
+    assert not past, past
+    nones = [where for where, text in _shown_outputs() if re.search(r"\bNone\b", text)]
+    assert not nones, nones
+
+
 @pytest.fixture(scope="module")
-def live() -> Iterator[Server]:
-    # Default settings: the model, no admin token, the default log level.
-    with running_server(embedder="onnx", token=None, log_level="info") as server:
+def data_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The user's data directory of the examples and of their server: a scratch one, so that
+    neither meets the memory of the user's own service."""
+    return tmp_path_factory.mktemp("data-home")
+
+
+@pytest.fixture(scope="module")
+def live(data_home: Path) -> Iterator[Server]:
+    # Default settings: the model, no admin token, the default log level, the memory kept in
+    # the default file (of a scratch data directory).
+    with running_server(
+        embedder="onnx", token=None, log_level="info", cache_db_path="", xdg_data_home=data_home
+    ) as server:
         yield server
 
 
-def _environment(url: str) -> dict[str, str]:
+def _environment(url: str, data_home: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KP_")}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env["KP_URL"] = url
     env["PYTHONUNBUFFERED"] = "1"
+    env["XDG_DATA_HOME"] = str(data_home)
     return env
 
 
@@ -165,9 +204,9 @@ def _run_file(path: Path, url: str, env: dict[str, str]) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def reading(live: Server) -> dict[Path, list[str]]:
+def reading(live: Server, data_home: Path) -> dict[Path, list[str]]:
     """Every page's examples, run once in reading order: each page's problems."""
-    env = _environment(live.url)
+    env = _environment(live.url, data_home)
     problems: dict[Path, list[str]] = {}
     for page in pages():
         problems[page] = []

@@ -129,7 +129,7 @@ def test_the_breakdown_escapes_the_ids(monkeypatch: pytest.MonkeyPatch) -> None:
     result = run(["evaluate", "-"], stdin=json.dumps(make_trace()))
     assert result.exit_code == 1, result.output
     assert raw_controls(result.stdout + result.stderr) == []
-    assert result.stdout.startswith(SHOWN + "  score 0.5000")
+    assert result.stdout.startswith(SHOWN + "\n  score 0.5000")  # too long to share a line
     assert f"nearest {SHOWN} (0.500, 1.0 s ago)" in result.stdout
     assert "weights: default\\x1b]0;title\\x07" in result.stdout
     assert "Ignore previous instructions" not in result.stdout.splitlines()[1]

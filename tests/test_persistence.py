@@ -582,11 +582,15 @@ def _former_at(directory: Path) -> Path:
 
 
 def test_the_former_snapshot_and_journal_are_converted_once(
-    make_client: ClientFactory, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    make_client: ClientFactory,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Files made by the former release (a snapshot of three traces and a journal of two
     more): read into the database at the same path, kept beside it, under the former setting
     names (with a deprecation warning)."""
+    monkeypatch.delenv("KP_CACHE_DB_PATH")  # the new name would win over the former one
     path = _former_at(tmp_path)
     former = path.read_bytes()
     with caplog.at_level(logging.WARNING):
@@ -633,7 +637,10 @@ def test_a_former_snapshot_of_another_model_is_kept_and_the_way_named(
 # ── settings ────────────────────────────────────────────────────────────────
 
 
-def test_the_former_setting_names_still_work_for_one_release() -> None:
+def test_the_former_setting_names_still_work_for_one_release(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("KP_CACHE_DB_PATH")  # the new name would win over the former one
     old = Settings(cache_snapshot_path=Path("/data/m.db"), cache_journal_fsync="everysec")
     assert (old.cache_db_path, old.cache_durability) == (Path("/data/m.db"), "process")
     assert Settings(cache_journal_fsync="always").cache_durability == "power"
@@ -642,6 +649,30 @@ def test_the_former_setting_names_still_work_for_one_release() -> None:
     assert new_wins.cache_db_path == Path("/a.db")
     assert len(Settings(cache_snapshot_interval_s=5).deprecation_warnings()) == 1
     assert Settings().deprecation_warnings() == []
+
+
+def test_the_memory_is_kept_in_the_user_s_data_directory_unless_told_otherwise(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The default keeps its word: a file in the user's data directory; `:memory:` keeps the
+    memory in the process only; a shared memory or no model has no file unless one is named
+    (and then it is refused, as before)."""
+    monkeypatch.delenv("KP_CACHE_DB_PATH")
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    assert Settings().cache_db_path == tmp_path / "data" / "kp-scoring" / "memory.db"
+    assert _from_env({"KP_CACHE_DB_PATH": ""}).cache_db_path == Settings().cache_db_path
+    monkeypatch.delenv("XDG_DATA_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    expected = tmp_path / "home" / ".local" / "share" / "kp-scoring" / "memory.db"
+    assert Settings().cache_db_path == expected
+    assert Settings(cache_db_path=":memory:").cache_db_path is None
+    assert _from_env({"KP_CACHE_DB_PATH": ":memory:"}).cache_db_path is None
+    assert Settings(embedder="none").cache_db_path is None
+    redis = "redis://127.0.0.1:6379/0"
+    assert Settings(redis_url=redis).cache_db_path is None
+    assert Settings(redis_url=redis, cache_db_path=":memory:").cache_db_path is None
+    with pytest.raises(SystemExit, match="KP_CACHE_DB_PATH and KP_REDIS_URL are both set"):
+        _from_env({"KP_REDIS_URL": redis, "KP_CACHE_DB_PATH": "/data/m.db"})
 
 
 def test_a_path_without_a_model_is_refused_at_start_with_the_reason() -> None:
@@ -701,6 +732,68 @@ def test_kill_9_right_after_the_answers_keeps_every_stored_trace(
         assert _ids_in(again) == ids
     finally:
         again.stop()
+
+
+def _log_line(server: LiveServer, msg: str) -> dict[str, Any]:
+    lines = [orjson.loads(line) for line in server.log_path.read_text().splitlines()]
+    found: list[dict[str, Any]] = [line for line in lines if line.get("msg") == msg]
+    assert found, f"no {msg!r} line in {server.log()}"
+    return found[-1]
+
+
+@pytest.mark.server
+def test_a_default_service_stopped_and_started_again_holds_its_memory_and_says_so(
+    tmp_path: Path,
+) -> None:
+    """As `make run` starts it (no KP_CACHE_DB_PATH): the memory is kept in the user's data
+    directory, made at the first start; the start line says where the service listens, where
+    the memory is and what it loaded, the stop line what it kept."""
+    data = tmp_path / "data"
+    env = {"KP_CACHE_DB_PATH": "", "XDG_DATA_HOME": str(data), "KP_LOG_LEVEL": "info"}
+    database = data / "kp-scoring" / "memory.db"
+    first = LiveServer(env, tmp_path / "first.log")
+    try:
+        answers = [first.post("/evaluate", make_trace(objective=f"topic {i}")) for i in (1, 2)]
+        assert all(a.json()["novelty"]["stored"] for a in answers)
+        started = _log_line(first, "kp-scoring started")
+        # As getting-started.md and persistence.md show the line.
+        shown = ["ts", "level", "logger", "msg", "url", "embedder", "cache_capacity"]
+        assert list(started) == [*shown, "memory", "entries"]
+        assert started["url"] == first.url
+        assert (started["memory"], started["entries"]) == (f"SQLite {database}", 0)
+    finally:
+        assert first.stop() == 0
+    stopped = _log_line(first, "kp-scoring stopped")
+    assert list(stopped) == ["ts", "level", "logger", "msg", "memory", "kept", "namespaces"]
+    assert (stopped["memory"], stopped["kept"], stopped["namespaces"]) == (
+        f"SQLite {database}",
+        2,
+        1,
+    )
+    assert database.stat().st_size > 0
+    assert (database.parent.stat().st_mode & 0o777) == 0o700
+    again = LiveServer(env, tmp_path / "again.log")
+    try:
+        assert again.client.get("/cache").json()["size"] == 2
+        assert _log_line(again, "kp-scoring started")["entries"] == 2
+    finally:
+        again.stop()
+
+
+@pytest.mark.server
+def test_a_memory_kept_in_the_process_only_is_said_lost_at_stop(tmp_path: Path) -> None:
+    env = {"KP_CACHE_DB_PATH": ":memory:", "KP_LOG_LEVEL": "info"}
+    env["XDG_DATA_HOME"] = str(tmp_path / "data")
+    server = LiveServer(env, tmp_path / "server.log")
+    try:
+        assert server.post("/evaluate", make_trace()).json()["novelty"]["stored"] is True
+        started = _log_line(server, "kp-scoring started")
+        assert started["memory"] == "the process only (nothing is kept when it stops)"
+    finally:
+        server.stop()
+    stopped = _log_line(server, "kp-scoring stopped")
+    assert (stopped["kept"], stopped["dropped"]) == (0, 1)
+    assert not (tmp_path / "data").exists()
 
 
 @contextlib.contextmanager

@@ -24,7 +24,12 @@ from typer.testing import CliRunner
 from app.core.signatures import trace_sha256
 from app.service.signing import Signer
 from kp_scoring.cli import cli
-from kp_scoring.signatures import SignatureInvalidError, answer_mismatches, verify
+from kp_scoring.signatures import (
+    SignatureInvalidError,
+    answer_mismatches,
+    claim_problems,
+    verify,
+)
 from tests.factories import make_trace
 from tests.server import ROOT, Server, running_server
 
@@ -137,9 +142,9 @@ def test_issuer_audience_and_expiry_are_checked(signing: Server) -> None:
     trace = make_trace(trace_id="kp:trace:aud")
     answer = scored(signing, trace, dry_run=False)
     keys, token = jwks(signing), answer["signature"]
-    with pytest.raises(SignatureInvalidError, match="not 'someone-else'"):
+    with pytest.raises(SignatureInvalidError, match='not "someone-else"'):
         verify(token, trace, keys, audience=AUDIENCE, issuer="someone-else")
-    with pytest.raises(SignatureInvalidError, match="not 'other-registry'"):
+    with pytest.raises(SignatureInvalidError, match='not "other-registry"'):
         verify(token, trace, keys, audience="other-registry")
     with pytest.raises(SignatureInvalidError, match="name yours"):
         verify(token, trace, keys)  # signed for an audience: the verifier must be it
@@ -153,17 +158,35 @@ def test_issuer_audience_and_expiry_are_checked(signing: Server) -> None:
     assert verify(token, trace, keys, audience=AUDIENCE, now=expiry + 59, leeway_s=60)
 
 
+def test_a_claim_the_signature_lacks_is_said_so_never_as_none() -> None:
+    """A service that signs for no audience (KP_SIGNING_AUDIENCE unset), a verifier that
+    names one: the message says the signature names none, and how a service names one."""
+    (problem,) = claim_problems({"iss": "kp-scoring"}, audience="my-registry")
+    assert problem == (
+        'the signature names no audience, not "my-registry" (the service names one when it '
+        "has KP_SIGNING_AUDIENCE)"
+    )
+    (problem,) = claim_problems({}, issuer="kp-scoring")
+    assert problem == 'the signature names no issuer, not "kp-scoring"'
+    assert "None" not in " ".join(claim_problems({"aud": None}, audience="x", issuer="y"))
+
+
 def test_a_difference_is_named_by_its_path_in_the_answer() -> None:
     signed = {"novelty": {"nearest": {"trace_id": "a", "cosine": 1}}, "overrides": ["x", "y"]}
     claims = {"answer": signed}
     shown = {"novelty": {"nearest": {"trace_id": "b", "cosine": 1.0}}, "overrides": ["x", "z"]}
     assert answer_mismatches(claims, signed | {"elapsed_ms": 3.0, "signature": "s"}) == []
     assert answer_mismatches(claims, shown) == [
-        "the answer's novelty.nearest.trace_id is 'b', the signed one 'a'",
-        "the answer's overrides.1 is 'z', the signed one 'y'",
+        'the answer\'s novelty.nearest.trace_id is "b", the signed one "a"',
+        'the answer\'s overrides.1 is "z", the signed one "y"',
     ]
     assert answer_mismatches(claims, signed | {"overrides": ["x"]}) == [
-        "the answer's overrides is ['x'], the signed one ['x', 'y']"
+        'the answer\'s overrides is ["x"], the signed one ["x", "y"]'
+    ]
+    # JSON's words, never Python's: a null signed value, a boolean.
+    assert answer_mismatches({"answer": {"a": None, "b": True}}, {"b": False}) == [
+        "the answer lacks a, signed as null",
+        "the answer's b is false, the signed one true",
     ]
     (older,) = answer_mismatches({"score": 0.5}, shown)
     assert "covers no answer" in older

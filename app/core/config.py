@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
@@ -119,10 +119,12 @@ class Settings(BaseSettings):
         None,
         description="The SQLite database that keeps the in-process memory (every namespace) "
         "across restarts: every trace added is committed to it before it is answered. Unset: "
-        "the memory lives only as long as the process. A snapshot of the former format found "
-        "there is converted at start and kept beside it (`<name>.old-format`). Refused with "
-        "`KP_REDIS_URL` (Redis's own persistence keeps a shared memory) and with "
-        "`KP_EMBEDDER=none` (no model: no vector to keep) (docs/operating/persistence.md).",
+        "`$XDG_DATA_HOME/kp-scoring/memory.db` (`~/.local/share/kp-scoring/memory.db`; the "
+        "image sets `/data/memory.db`). `:memory:`: no file, the memory lives only as long as "
+        "the process. A snapshot of the former format found there is converted at start and "
+        "kept beside it (`<name>.old-format`). Refused with `KP_REDIS_URL` (Redis's own "
+        "persistence keeps a shared memory) and with `KP_EMBEDDER=none` (no model: no vector "
+        "to keep); unset, neither has a file (docs/operating/persistence.md).",
     )
     cache_durability: Literal["process", "power"] = Field(
         "process",
@@ -465,7 +467,8 @@ class Settings(BaseSettings):
     @classmethod
     def _former_names(cls, data: Any) -> Any:
         """The deprecated persistence settings, read as the settings that replace them (the
-        new name wins when both are set; deprecation_warnings says so in the log)."""
+        new name wins when both are set; deprecation_warnings says so in the log), then the
+        memory's database file: the one given, the default one, or none (`:memory:`)."""
         if not isinstance(data, dict):
             return data
         data = dict(data)
@@ -474,6 +477,7 @@ class Settings(BaseSettings):
         fsync = data.get("cache_journal_fsync")
         if data.get("cache_durability") is None and fsync is not None:
             data["cache_durability"] = "power" if fsync == "always" else "process"
+        data["cache_db_path"] = _memory_file(data)
         return data
 
     @model_validator(mode="after")
@@ -551,6 +555,40 @@ def retired_settings() -> list[str]:
         for name, instead in RETIRED.items()
         if f"{ENV_PREFIX}{name}" in os.environ
     ]
+
+
+#: KP_CACHE_DB_PATH's value for a memory kept in the process only (SQLite's own name for a
+#: database that is not a file).
+MEMORY_ONLY: Final = ":memory:"
+
+
+def _memory_file(data: dict[str, Any]) -> Path | str | None:
+    """KP_CACHE_DB_PATH as given, MEMORY_ONLY as None; unset (or empty), the default file
+    when the in-process memory can keep one: none with KP_REDIS_URL (Redis keeps the shared
+    memory) or KP_EMBEDDER=none (no vectors)."""
+    given = data.get("cache_db_path")
+    if isinstance(given, str) and not given.strip():
+        given = None
+    if given is not None:
+        return None if str(given) == MEMORY_ONLY else given
+    redis = data.get("redis_url")
+    if isinstance(redis, SecretStr):
+        redis = redis.get_secret_value()
+    if (redis is not None and str(redis).strip()) or data.get("embedder") == "none":
+        return None
+    return default_memory_file()
+
+
+def default_memory_file() -> Path | None:
+    """$XDG_DATA_HOME/kp-scoring/memory.db, or ~/.local/share/kp-scoring/memory.db; None when
+    neither is known (no HOME): the memory is then kept in the process only."""
+    base = os.environ.get("XDG_DATA_HOME")
+    if not base:
+        try:
+            base = str(Path.home() / ".local" / "share")
+        except (KeyError, RuntimeError):
+            return None
+    return Path(base) / "kp-scoring" / "memory.db"
 
 
 def _db_path_name(settings: Settings) -> str:

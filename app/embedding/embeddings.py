@@ -249,6 +249,7 @@ class EmbeddingService:
         factory: EmbedderFactory | None,
         *,
         model_name: str | None,
+        weights: str | None = None,
         precision: Precision | None = None,
         precision_reason: str | None = None,
         workers: int = 1,
@@ -260,6 +261,8 @@ class EmbeddingService:
         self.model_name = model_name
         #: Set (app/main.py) when traces are exported: the queue's wait and the model's run.
         self.tracer: Tracer | None = None
+        #: How the model's file stores its weights (int8 for the packaged model), when known.
+        self.weights = weights
         self.precision = precision
         #: With KP_EMBEDDER_PRECISION=int8: which int8 products run, or why float32 instead.
         self.precision_reason = precision_reason
@@ -388,6 +391,7 @@ class EmbeddingService:
     def _log_extra(self) -> dict[str, Any]:
         return {
             "model": self.model_name,
+            "weights": self.weights,
             "precision": self.precision,
             "precision_reason": self.precision_reason,
             "workers": self.workers,

@@ -796,6 +796,10 @@ class SqliteStore:
             return None
         return None if found is None else str(found[0])
 
+    def rows_by_namespace(self) -> dict[str, int]:
+        """The rows the database holds, of each namespace that has some."""
+        return {namespace: rows for namespace, rows in self._rows.items() if rows}
+
     def write(
         self,
         rows: Sequence[NewRow] = (),

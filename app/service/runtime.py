@@ -4,6 +4,7 @@ from Settings, started and stopped in order; what they report to /readyz and /me
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -12,7 +13,7 @@ from functools import partial
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from app.core.config import Settings, redis_location, retired_settings
+from app.core.config import Settings, default_memory_file, redis_location, retired_settings
 from app.core.health import UNMEASURED, Health
 from app.core.states import EmbedderState, Precision, StorageState
 from app.embedding import model_files
@@ -21,6 +22,7 @@ from app.embedding.int8_support import CpuFeatures, Int8Support, int8_support
 from app.embedding.onnx_embedder import ModelError, OnnxEmbedder
 from app.embedding.session_cache import SessionCache
 from app.embedding.types import EmbedObserver
+from app.memory import summary as memory_summary
 from app.memory.base import NoveltyMemory
 from app.memory.in_process import InProcessMemory
 from app.memory.sqlite import SqliteStore, StorageStatus
@@ -56,7 +58,8 @@ class Runtime:
         self.trust = build_trust_stores(settings)
         self.collector = RuntimeCollector(self)
 
-    async def start(self) -> None:
+    async def start(self, url: str | None = None) -> None:
+        """`url`: where the server listens, for the start's log line."""
         for warning in [*self.settings.deprecation_warnings(), *retired_settings()]:
             log.warning(warning)
         if self.settings.cache_db_path is not None and self.store is None:
@@ -74,13 +77,13 @@ class Runtime:
             log.info("API keys required", extra={"file": str(self.settings.api_keys_file)})
         if self.settings.cache_open:
             log.warning("KP_ADMIN_TOKEN is not set: GET and DELETE /cache are open to every caller")
-        backend = self.memory.backend
         log.info(
             "kp-scoring started",
             extra={
+                "url": url,
                 "embedder": self.embeddings.state.value,
                 "cache_capacity": self.settings.cache_capacity,
-                "cache": backend.location or backend.kind,
+                **memory_summary.at_start(self.memory),
             },
         )
 
@@ -88,7 +91,7 @@ class Runtime:
         await self.embeddings.close()
         await self.memory.close()
         await self.trust.close()
-        log.info("kp-scoring stopped", extra={"cache_size": self.memory.size})
+        log.info("kp-scoring stopped", extra=memory_summary.at_stop(self.memory))
 
     def health(self) -> Health:
         """Every part's report, in one: degraded when any part is."""
@@ -303,6 +306,7 @@ def build_embeddings(
     service = EmbeddingService(
         partial(load_embedder, files, settings, int8),
         model_name=files.name,
+        weights=files.weights,
         precision="float32" if int8 is None else int8.precision,
         precision_reason=None if int8 is None else int8.reason,
         workers=settings.embedder_worker_count,
@@ -313,10 +317,22 @@ def build_embeddings(
     return service, files
 
 
+def prepare_memory_directory(settings: Settings) -> None:
+    """The default database's directory (the user's data directory), made private when it is
+    missing; a directory that cannot be made leaves the database unopened, which the log and
+    /readyz then say. A KP_CACHE_DB_PATH given is used as it is: a missing directory there is
+    a mistake to report, not to paper over."""
+    path = settings.cache_db_path
+    if path is not None and path == default_memory_file():
+        with contextlib.suppress(OSError):
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+
+
 def build_memory(settings: Settings, model_id: str | None) -> NoveltyMemory:
     """This process's memory (kept in KP_CACHE_DB_PATH when set and the model is known), or
     the one shared through KP_REDIS_URL (connected, or loaded, by start())."""
     if settings.redis_url is None:
+        prepare_memory_directory(settings)
         path = settings.cache_db_path
         store = None
         if path is not None and model_id is not None:

@@ -67,6 +67,7 @@ from app.schemas.responses import (
     SnapshotOut,
     StorageOut,
     WeightsOut,
+    rounded,
 )
 from app.schemas.trace import ReasoningTrace
 from app.service.cache_transfer import export_lines, read_body
@@ -490,7 +491,7 @@ class ScoringService:
         *,
         dry_run: bool,
     ) -> ContributionOut:
-        score = evaluation.score.value
+        score = rounded(evaluation.score.value)  # as the answer shows it
         metadata = gate.contribution.get("metadata")
         if isinstance(metadata, dict):  # the capture step sets the score it computed
             metadata["quality_score"] = js_value(score)
@@ -648,6 +649,7 @@ class ScoringService:
         return EmbedderOut(
             state=e.state,
             model=e.model_name,
+            weights=e.weights,
             precision=e.precision,
             precision_reason=e.precision_reason,
             reason=e.reason,

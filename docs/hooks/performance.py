@@ -1,21 +1,27 @@
 """mkdocs hook: the performance page's tables, rendered from the committed bench results.
 
 `<!-- bench: NAME -->` on docs/performance.md (or another page of PAGES) becomes the tables of
-`bench/results/NAME.json`, headed by the machine (CPU, cores, flags, date, load) and the
-command that made it. A result that is missing renders as a note, never a failed build; a
-file whose layout this renderer does not know renders as a flat list of its figures.
+`bench/results/NAME.json`, headed by where the file comes from (its `run`: command, commit,
+date, CPU, as bench/machine.py records them) and, when app/ is no longer the code that run
+measured, a warning that the file is stale. A result that is missing renders as a note, never
+a failed build; a file whose layout this renderer does not know renders as a flat list of its
+figures.
 
 `<!-- plot: NAME -->` becomes a chart of the same file, an SVG written inline by this hook:
 a few lines and bars need no plotting library (matplotlib would add a heavy dependency to the
 docs build and fonts to embed for a handful of shapes), and inline SVG loads nothing from
-anywhere, so the site stays offline.
+anywhere, so the site stays offline. `<!-- budget: latest -->` becomes what that run says of
+the 100 ms budget, so that the page claims no more than the file measured.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import subprocess
+import tempfile
 from collections.abc import Callable, Iterator
 from html import escape
 from pathlib import Path
@@ -26,18 +32,9 @@ RESULTS = ROOT / "bench" / "results"
 MARKER = re.compile(r"<!-- bench: ([\w.-]+) -->")
 PLOT_MARKER = re.compile(r"<!-- plot: ([\w.-]+) -->")
 
-#: The command that writes each file, where the file does not say it itself.
-COMMANDS = {
-    "latest": "python -m bench --repeat 3",
-    "reference": "python -m bench.reference --rounds 5",
-    "memory": "python -m bench.memory --sizes 100000,1000000",
-    "precision": "python -m bench.precision",
-    "persistence": "python -m bench persistence",
-}
-
-
-#: The CPU of a file that does not record it, as noted when it was run.
-NOTED_CPUS: dict[str, str] = {}
+BUDGET_MARKER = re.compile(r"<!-- budget: ([\w.-]+) -->")
+#: One evaluation of a typical trace, end to end (docs/performance.md).
+BUDGET_MS = 100.0
 
 
 def _number(value: Any) -> str:
@@ -85,10 +82,77 @@ def _machine(data: dict[str, Any]) -> str:
     return "not recorded in the file"
 
 
-def _cpu(name: str, data: dict[str, Any]) -> str:
-    if not isinstance(data.get("machine"), dict) and "cpu" not in data and name in NOTED_CPUS:
-        return NOTED_CPUS[name]
-    return _machine(data)
+def _git(*args: str, env: dict[str, str] | None = None) -> str | None:
+    try:
+        done = subprocess.run(
+            ["git", *args], cwd=ROOT, env=env, capture_output=True, text=True, check=False
+        )
+    except OSError:
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def app_tree_now() -> str | None:
+    """app/'s git tree id as it is on disk, committed or not, computed as bench/machine.py
+    computes what a run measured; None without git."""
+    with tempfile.TemporaryDirectory() as scratch:
+        env = {**os.environ, "GIT_INDEX_FILE": str(Path(scratch) / "index")}
+        if _git("add", "--all", "--", "app", env=env) is None:
+            return None
+        return _git("write-tree", "--prefix=app/", env=env)
+
+
+def staleness(run: dict[str, Any], now: str | None) -> str | None:
+    """Why a file's figures are not of the code as it is (None: they are). `now`: app/'s tree
+    as it is (app_tree_now)."""
+    if now is None:
+        return "there is no git history here to check it against app/"
+    if run.get("app_tree") == now:
+        return None
+    last = _git("log", "-1", "--format=%h, %cs", "--", "app") or "?"
+    if _git("status", "--porcelain", "--", "app"):
+        last += ", and has changes not committed"
+    commit = str(run.get("commit") or "")[:7] or "an unrecorded commit"
+    return f"app/ has changed since this run measured it at {commit} (app/ last changed in {last})"
+
+
+def _head(name: str, data: dict[str, Any], now: str | None) -> str:
+    """Where the file comes from, and a warning when its figures are no longer the code's."""
+    run = data.get("run")
+    file = f"**File:** `bench/results/{name}.json`"
+    if not isinstance(run, dict):
+        return (
+            f"**Command, commit and date:** not recorded in the file · **CPU:** "
+            f"{_machine(data)} · {file}"
+        )
+    commit = str(run.get("commit") or "")[:7] or "not recorded"
+    if run.get("uncommitted_changes"):
+        commit += " with changes not committed"
+    cpu = str(run.get("cpu") or _machine(data))
+    machine = data.get("machine")
+    if isinstance(machine, dict) and machine.get("cpu_flags"):
+        cpu += f" ({', '.join(machine['cpu_flags'])})"
+    parts = [
+        f"**Command:** `{run.get('command', 'not recorded')}`",
+        f"**Commit:** `{commit}`",
+        f"**Date:** {str(run.get('date', 'not recorded'))[:10]}",
+        f"**CPU:** {cpu}",
+        file,
+    ]
+    head = " · ".join(parts)
+    if isinstance(machine, dict) and "loadavg_start" in machine:
+        head += f" · load average at start {machine['loadavg_start']}"
+    if run.get("recorded_afterwards"):
+        head += f"\n\n*Recorded {run['recorded_afterwards']}.*"
+    why = staleness(run, now)
+    if why is not None:
+        command = run.get("command", "its command")
+        head += (
+            f'\n\n!!! warning "Stale: measured on other code"\n    {why}. These figures '
+            f"describe the code that run measured, not this one: `{command}` on a quiet "
+            "machine replaces them (bench/README.md)."
+        )
+    return head
 
 
 def _flat(value: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
@@ -548,8 +612,11 @@ MISSED = (
 
 # --- charts: inline SVG ---------------------------------------------------------------------
 
-_WIDTH, _HEIGHT = 640, 300
-_LEFT, _RIGHT, _TOP, _BOTTOM = 64, 150, 34, 46
+#: The chart's size in CSS pixels, and its text's: drawn at this width wherever the column is as
+#: wide (Material's content column is at least 670 px on a desktop: a 61rem grid at 20 px, less
+#: a 12.1rem sidebar and the margins), scaled down only in a narrower one.
+_WIDTH, _HEIGHT, _FONT = 640, 340, 13
+_LEFT, _RIGHT, _TOP, _BOTTOM = 64, 178, 58, 50
 _COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd")
 
 
@@ -561,14 +628,18 @@ def _ticks(top: float) -> list[float]:
     return [i * step for i in range(math.ceil(top / step) + 1)]
 
 
-def _svg(title: str, body: list[str], label: str) -> str:
+def _svg(title: str, subtitle: str, body: list[str], label: str) -> str:
+    """A figure drawn at _WIDTH x _HEIGHT CSS pixels (its figure shrinks to fit it, as
+    Material's figures do, so the chart is never drawn at the caption's width)."""
     return (
         f'<figure class="kp-plot" markdown="0"><svg xmlns="http://www.w3.org/2000/svg" '
-        f'viewBox="0 0 {_WIDTH} {_HEIGHT}" width="100%" role="img" aria-label="{escape(label)}" '
-        'font-family="sans-serif" font-size="12" fill="currentColor">'
-        f'<text x="{_WIDTH / 2}" y="18" text-anchor="middle" font-weight="bold">'
-        f"{escape(title)}</text>" + "".join(body) + f"</svg><figcaption>{escape(label)}"
-        "</figcaption></figure>"
+        f'viewBox="0 0 {_WIDTH} {_HEIGHT}" width="{_WIDTH}" height="{_HEIGHT}" role="img" '
+        f'aria-label="{escape(label)}" font-family="sans-serif" font-size="{_FONT}" '
+        f'fill="currentColor"><text x="{_WIDTH / 2}" y="20" text-anchor="middle" '
+        f'font-weight="bold" font-size="{_FONT + 2}">{escape(title)}</text>'
+        f'<text x="{_WIDTH / 2}" y="40" text-anchor="middle">{escape(subtitle)}</text>'
+        + "".join(body)
+        + f"</svg><figcaption>{escape(label)}</figcaption></figure>"
     )
 
 
@@ -585,8 +656,8 @@ def _axes(
         'stroke="currentColor"/>',
         f'<line x1="{_LEFT}" y1="{_HEIGHT - _BOTTOM}" x2="{_WIDTH - _RIGHT}" '
         f'y2="{_HEIGHT - _BOTTOM}" stroke="currentColor"/>',
-        f'<text x="14" y="{_TOP + plot_h / 2}" text-anchor="middle" '
-        f'transform="rotate(-90 14 {_TOP + plot_h / 2})">{escape(y_label)}</text>',
+        f'<text x="16" y="{_TOP + plot_h / 2}" text-anchor="middle" '
+        f'transform="rotate(-90 16 {_TOP + plot_h / 2})">{escape(y_label)}</text>',
         f'<text x="{(_LEFT + _WIDTH - _RIGHT) / 2}" y="{_HEIGHT - 8}" text-anchor="middle">'
         f"{escape(x_label)}</text>",
     ]
@@ -601,29 +672,51 @@ def _axes(
 
 def _legend(names: list[str]) -> list[str]:
     return [
-        f'<rect x="{_WIDTH - _RIGHT + 12}" y="{_TOP + 18 * i}" width="12" height="12" '
+        f'<rect x="{_WIDTH - _RIGHT + 12}" y="{_TOP + 20 * i}" width="12" height="12" '
         f'fill="{_COLOURS[i % len(_COLOURS)]}"/><text x="{_WIDTH - _RIGHT + 30}" '
-        f'y="{_TOP + 18 * i + 10}">{escape(name)}</text>'
+        f'y="{_TOP + 20 * i + 11}">{escape(name)}</text>'
         for i, name in enumerate(names)
     ]
 
 
 def line_chart(
-    title: str, x_label: str, y_label: str, xs: list[float], series: dict[str, list[float]]
+    title: str,
+    subtitle: str,
+    x_label: str,
+    y_label: str,
+    xs: list[float],
+    series: dict[str, list[float]],
+    *,
+    log_x: bool = False,
+    mark: tuple[float, str] | None = None,
 ) -> str:
-    """Lines over categories `xs` (evenly spaced, as the clients 1, 4, 16, 64 are)."""
+    """Lines over `xs`, placed by value, or by its logarithm with `log_x` (the x label should
+    say which); `mark`: a dashed horizontal line at a value, with its label."""
     top = max(max(values) for values in series.values())
+    if mark is not None:
+        top = max(top, mark[0])
     ticks = _ticks(top)
     body, y = _axes(ticks, y_label, x_label)
     span = _WIDTH - _RIGHT - _LEFT - 40
+    scale = math.log if log_x else float
+    low, high = scale(min(xs)), scale(max(xs))
 
     def x(i: int) -> float:
-        return _LEFT + 20 + (span * i / (len(xs) - 1) if len(xs) > 1 else span / 2)
+        if high == low:
+            return _LEFT + 20 + span / 2
+        return _LEFT + 20 + span * (scale(xs[i]) - low) / (high - low)
 
     for i, value in enumerate(xs):
         body.append(
-            f'<text x="{x(i):.1f}" y="{_HEIGHT - _BOTTOM + 16}" text-anchor="middle">'
+            f'<text x="{x(i):.1f}" y="{_HEIGHT - _BOTTOM + 18}" text-anchor="middle">'
             f"{value:g}</text>"
+        )
+    if mark is not None:
+        body.append(
+            f'<line x1="{_LEFT}" y1="{y(mark[0]):.1f}" x2="{_WIDTH - _RIGHT}" '
+            f'y2="{y(mark[0]):.1f}" stroke="currentColor" stroke-dasharray="6 4"/>'
+            f'<text x="{_WIDTH - _RIGHT - 4}" y="{y(mark[0]) - 5:.1f}" text-anchor="end">'
+            f"{escape(mark[1])}</text>"
         )
     for k, values in enumerate(series.values()):
         colour = _COLOURS[k % len(_COLOURS)]
@@ -638,10 +731,10 @@ def line_chart(
         + ", ".join(f"{_number(v)} at {x_value:g}" for x_value, v in zip(xs, values, strict=True))
         for name, values in series.items()
     )
-    return _svg(title, body + _legend(list(series)), f"{title}. {summary}.")
+    return _svg(title, subtitle, body + _legend(list(series)), f"{title}. {summary}.")
 
 
-def bar_chart(title: str, y_label: str, groups: dict[str, dict[str, float]]) -> str:
+def bar_chart(title: str, subtitle: str, y_label: str, groups: dict[str, dict[str, float]]) -> str:
     """Bars side by side in each group (a measure), one colour a series (who measured)."""
     names = list(next(iter(groups.values())))
     top = max(v for bars in groups.values() for v in bars.values())
@@ -659,45 +752,66 @@ def bar_chart(title: str, y_label: str, groups: dict[str, dict[str, float]]) -> 
                 f'height="{y(0) - y(value):.1f}" fill="{_COLOURS[k % len(_COLOURS)]}"/>'
             )
         body.append(
-            f'<text x="{_LEFT + slot * (g + 0.5):.1f}" y="{_HEIGHT - _BOTTOM + 16}" '
+            f'<text x="{_LEFT + slot * (g + 0.5):.1f}" y="{_HEIGHT - _BOTTOM + 18}" '
             f'text-anchor="middle">{escape(group)}</text>'
         )
     summary = "; ".join(
         f"{group}: " + ", ".join(f"{name} {_number(v)}" for name, v in bars.items())
         for group, bars in groups.items()
     )
-    return _svg(title, body + _legend(names), f"{title}. {summary}.")
+    return _svg(title, subtitle, body + _legend(names), f"{title}. {summary}.")
 
 
-def _plot_latest(data: dict[str, Any]) -> str:
+def _subtitle(data: dict[str, Any], now: str | None = None) -> str:
+    """The machine and the code a chart's figures come from, in the figure itself, and
+    whether that code is still app/ (`now`: app/'s tree as it is, when known)."""
+    run = data.get("run") if isinstance(data.get("run"), dict) else {}
+    cpu = run.get("cpu") or _machine(data)
+    commit = str(run.get("commit") or "")[:7] or "commit not recorded"
+    date = str(run.get("date") or "")[:10] or "date not recorded"
+    stale = now is not None and staleness(run, now) is not None
+    return f"{cpu} · {commit} · {date}" + (" · stale: app/ changed since" if stale else "")
+
+
+def _subtitle_of(path: Path) -> str:
+    return _subtitle(json.loads(path.read_text(encoding="utf-8")), app_tree_now())
+
+
+def _plot_latest(data: dict[str, Any], subtitle: str) -> str:
     runs = data["results"]["concurrency"]
     clients = sorted(runs, key=int)
     xs = [float(c) for c in clients]
     floor = data["results"]["floor"]["typical"]["throughput_rps"]
+    x_label = "concurrent clients (log scale: each step is x4)"
     throughput = line_chart(
         "Typical traces: answers a second against concurrent clients",
-        "concurrent clients",
+        subtitle,
+        x_label,
         "answers / s",
         xs,
         {
             "service": [runs[c]["throughput_rps"] for c in clients],
             "floor, one at a time": [floor for _ in clients],
         },
+        log_x=True,
     )
     latency = line_chart(
         "Typical traces: latency against concurrent clients",
-        "concurrent clients",
-        "ms",
+        subtitle,
+        x_label,
+        "ms (linear)",
         xs,
         {
             "p50": [runs[c]["p50_ms"] for c in clients],
             "p99": [runs[c]["p99_ms"] for c in clients],
         },
+        log_x=True,
+        mark=(BUDGET_MS, f"budget: {BUDGET_MS:g} ms, one evaluation"),
     )
     return f"{throughput}\n\n{latency}"
 
 
-def _plot_reference(data: dict[str, Any]) -> str:
+def _plot_reference(data: dict[str, Any], subtitle: str) -> str:
     figures = data["figures"]
     who = {"floor": "floor", "reference (node)": "reference", "service": "service"}
     groups = {
@@ -708,37 +822,41 @@ def _plot_reference(data: dict[str, Any]) -> str:
             ("long p99", "long_p99_ms"),
         )
     }
-    return bar_chart("Latency, one client: median of the rounds", "ms", groups)
+    rounds = data.get("rounds", "?")
+    return bar_chart(
+        f"Latency, one client: median of {rounds} rounds", subtitle, "ms (linear)", groups
+    )
 
 
-PLOTTERS: dict[str, Callable[[dict[str, Any]], str]] = {
+PLOTTERS: dict[str, Callable[[dict[str, Any], str], str]] = {
     "latest": _plot_latest,
     "reference": _plot_reference,
 }
 
 
-def plot(name: str, results: Path = RESULTS) -> str:
+def plot(name: str, results: Path = RESULTS, now: str | None = None) -> str:
     """The chart of `bench/results/NAME.json`, or nothing when the file is missing or of a
-    layout the plotter does not know (its table still says what the file holds)."""
+    layout the plotter does not know (its table still says what the file holds); `now`:
+    app/'s tree as it is (default: computed)."""
     path = results / f"{name}.json"
     if not path.is_file() or name not in PLOTTERS:
         return ""
     try:
-        return PLOTTERS[name](json.loads(path.read_text(encoding="utf-8")))
+        data = json.loads(path.read_text(encoding="utf-8"))
+        subtitle = _subtitle(data, app_tree_now() if now is None else now)
+        return PLOTTERS[name](data, subtitle)
     except (KeyError, TypeError, ValueError, StopIteration):
         return ""
 
 
-def render(name: str, results: Path = RESULTS) -> str:
+def render(name: str, results: Path = RESULTS, now: str | None = None) -> str:
+    """The tables of `results/NAME.json`, headed by where they come from; `now`: app/'s tree
+    as it is (default: computed)."""
     path = results / f"{name}.json"
     if not path.is_file():
         return f"!!! note\n    No `bench/results/{name}.json` is committed at the moment."
     data = json.loads(path.read_text(encoding="utf-8"))
-    command = data.get("command") or COMMANDS.get(name, "python -m bench")
-    head = (
-        f"**Command:** `{command}` · **CPU:** {_cpu(name, data)} · "
-        f"**File:** `bench/results/{name}.json`"
-    )
+    head = _head(name, data, app_tree_now() if now is None else now)
     try:
         body = RENDERERS.get(name, _generic)(data)
     except (KeyError, TypeError, ValueError):  # a layout this renderer does not know
@@ -755,8 +873,41 @@ PAGES = (
 )
 
 
+def budget(name: str, results: Path = RESULTS) -> str:
+    """What a run of the whole bench says of the budget, from its own figures: one client
+    against it, and the concurrent clients that queue past it."""
+    path = results / f"{name}.json"
+    if not path.is_file():
+        return ""
+    try:
+        r = json.loads(path.read_text(encoding="utf-8"))["results"]
+        one, long = r["single_client"]["typical"], r["single_client"]["long"]
+        crowd = {int(n): c["p50_ms"] for n, c in r["concurrency"].items() if int(n) > 1}
+    except (KeyError, TypeError, ValueError):
+        return ""
+    verdict = "within" if one["p50_ms"] <= BUDGET_MS and one["p99_ms"] <= BUDGET_MS else "past"
+    over = sorted(n for n, p50 in crowd.items() if p50 > BUDGET_MS)
+    levels = ", ".join(f"{n} ({_number(p50)} ms)" for n, p50 in sorted(crowd.items()))
+    first = f"On the run below ({_subtitle_of(path)}), one client's typical traces took "
+    first += f"{_number(one['p50_ms'])} ms at the median and {_number(one['p99_ms'])} ms at the "
+    first += f"99th percentile: {verdict} the budget."
+    window = f"A full 512-token window took {_number(long['p50_ms'])} ms at the median."
+    crowds = (
+        f"With concurrent clients the median grew with the queue for the model's cores: {levels}"
+    )
+    text = f"{first} {window} {crowds}"
+    if over:
+        text += (
+            f"; from {over[0]} clients on, past the budget, which is one evaluation's, not a "
+            "crowd's on that machine's cores (answers a second are the measure there)"
+        )
+    return text + "."
+
+
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
     if page.file.src_uri not in PAGES:
         return markdown
-    markdown = PLOT_MARKER.sub(lambda match: plot(match.group(1)), markdown)
-    return MARKER.sub(lambda match: render(match.group(1)), markdown)
+    now = app_tree_now()
+    markdown = PLOT_MARKER.sub(lambda match: plot(match.group(1), now=now), markdown)
+    markdown = BUDGET_MARKER.sub(lambda match: budget(match.group(1)), markdown)
+    return MARKER.sub(lambda match: render(match.group(1), now=now), markdown)

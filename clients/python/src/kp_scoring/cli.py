@@ -6,19 +6,22 @@ trace's id, error messages, file names) goes through `visible`: control and bidi
 characters are shown as escapes, never sent to the terminal. `--json` output is JSON with
 ASCII escapes, so it holds none either.
 
-Printed for the medium: on a terminal, colours and lines wrapped at its width; to a pipe or a
-file, plain lines as long as they are, with no padding at their ends (`say`, `aligned`), so
-that what a script captures does not depend on COLUMNS.
+Printed for the medium: on a terminal, colours, lines wrapped at its width, rich's help and a
+progress bar; to a pipe or a file, plain lines as long as they are, with no padding at their
+ends (`say`, `aligned`), click's plain help unwrapped and no progress bar, so that what a
+script captures does not depend on COLUMNS. Summaries are laid out to fit 80 columns (`fit`).
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from decimal import ROUND_HALF_UP, Decimal
 from enum import IntEnum
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -88,6 +91,45 @@ err = Console(stderr=True, highlight=False)
 def say(*objects: Any, **options: Any) -> None:
     """Print to stdout: wrapped at a terminal's width, never when written to a pipe or file."""
     out.print(*objects, soft_wrap=not out.is_terminal, **options)
+
+
+#: The width summaries are laid out for: a terminal's classic width, whatever COLUMNS says.
+LAYOUT_WIDTH = 80
+
+
+def fit(parts: list[str], *, first: str = "", rest: str = "  ", sep: str = "; ") -> list[str]:
+    """`parts` joined by `sep` into lines of at most LAYOUT_WIDTH columns, the first begun
+    with `first`, the others with `rest`; a part is never split (one longer than a line is a
+    line of its own)."""
+    return [
+        (rest if i else first) + sep.join(parts[k] for k in line)
+        for i, line in enumerate(fit_groups(parts, first=first, rest=rest, sep=sep))
+    ]
+
+
+def fit_groups(parts: list[str], *, first: str, rest: str, sep: str) -> list[list[int]]:
+    """Which parts (by index) `fit` puts on each line."""
+    lines: list[list[int]] = []
+    line: list[int] = []
+    width = 0
+    for k, part in enumerate(parts):
+        prefix = rest if lines else first
+        joined = width + cell_len(sep) + cell_len(part) if line else cell_len(part)
+        if line and cell_len(prefix) + joined > LAYOUT_WIDTH:
+            lines.append(line)
+            line, joined = [], cell_len(part)
+        line.append(k)
+        width = joined
+    if line:
+        lines.append(line)
+    return lines
+
+
+def decimals(value: float, places: int) -> str:
+    """`value` to `places` decimals, half up from its shortest decimal form, so that a score
+    the service gives as 0.40125 reads 0.4013 (its binary double lies a hair below 0.40125)."""
+    step = Decimal(1).scaleb(-places)
+    return str(Decimal(repr(value)).quantize(step, rounding=ROUND_HALF_UP))
 
 
 def aligned(rows: list[list[str | tuple[str, str]]]) -> list[Text]:
@@ -320,11 +362,19 @@ def shown(text: object) -> str:
 
 
 def print_breakdown(r: EvaluationOut, threshold: float) -> None:
-    say(
-        f"[bold]{shown(r.trace_id)}[/]  score [bold]{r.score:.4f}[/]  "
-        f"{verdict(r.score, threshold)} (threshold {threshold})  "
-        f"weights: {shown(weights_text(r))}"
-    )
+    score = decimals(r.score, 4)
+    head = [  # (plain, with markup)
+        (visible(r.trace_id), f"[bold]{shown(r.trace_id)}[/]"),
+        (f"score {score}", f"score [bold]{score}[/]"),
+        (
+            f"{verdict_cell(r.score, threshold)[0]} (threshold {threshold})",
+            f"{verdict(r.score, threshold)} (threshold {threshold})",
+        ),
+        (f"weights: {visible(weights_text(r))}", f"weights: {shown(weights_text(r))}"),
+    ]
+    plain = [text for text, _ in head]
+    for i, group in enumerate(fit_groups(plain, first="", rest="  ", sep="  ")):
+        say(("  " if i else "") + "  ".join(head[k][1] for k in group))
     bold = "bold"
     rows: list[list[str | tuple[str, str]]] = [
         [("dimension", bold), ("value", bold), ("weight", bold), ("weighted", bold)]
@@ -333,13 +383,16 @@ def print_breakdown(r: EvaluationOut, threshold: float) -> None:
     for name in ("complexity", "novelty", "tool_diversity", "outcome_confidence"):
         value, weight = getattr(r.dimensions, name), getattr(r.weights, name)
         total += value * weight
-        rows.append([name, f"{value:.3f}", f"{weight:.2f}", f"{value * weight:.3f}"])
-    rows.append(["weighted sum", "", "", f"{total:.3f}"])
-    for line in aligned(rows):
-        say(line)
+        weighted = decimals(value * weight, 3)
+        rows.append([name, decimals(value, 3), decimals(weight, 2), weighted])
+    rows.append(["weighted sum", "", "", decimals(total, 3)])
+    for row in aligned(rows):
+        say(row)
     rules = [f"{visible(rule)} ({OVERRIDE_EFFECTS.get(rule, '?')})" for rule in r.overrides]
-    say("overrides: " + ("; ".join(rules) or "none"), markup=False)
-    say(novelty_line(r), markup=False)
+    for text in [*fit(["overrides: " + (rules[0] if rules else "none"), *rules[1:]])]:
+        say(text, markup=False)
+    for text in novelty_lines(r):
+        say(text, markup=False)
 
 
 def weights_text(r: EvaluationOut) -> str:
@@ -348,20 +401,28 @@ def weights_text(r: EvaluationOut) -> str:
     return r.weights.profile + (" (task_domain not recognised)" if unknown else "")
 
 
-def novelty_line(r: EvaluationOut) -> str:
+def novelty_lines(r: EvaluationOut) -> list[str]:
+    """The novelty of a breakdown: how it was measured, the nearest stored trace, the tokens
+    read, in lines that fit LAYOUT_WIDTH (their continuations indented)."""
     n = r.novelty
+    parts = []
     if n.measured:
-        line = f"novelty: measured, max cosine {n.max_cosine:.3f} against a cache of {n.cache_size}"
+        parts.append(
+            f"novelty: measured, max cosine {decimals(n.max_cosine or 0.0, 3)} against a cache "
+            f"of {n.cache_size}"
+        )
         if n.nearest is not None:
-            line += f", nearest {nearest_text(r)}"
+            parts.append(f"nearest {nearest_text(r)}")
         if n.search == "index":
-            line += f" (approximate search: within {n.search_bound:g} of the exact maximum)"
+            parts.append(f"approximate search: within {n.search_bound:g} of the exact maximum")
     else:
         detail = f": {visible(n.detail)}" if n.detail else ""
-        line = f"novelty: not measured ({visible(n.reason)}{detail})"
+        parts.append(f"novelty: not measured ({visible(n.reason)}{detail})")
     if n.tokens is not None:
-        line += f"; {n.tokens} tokens read" + (", the rest past the window" if n.truncated else "")
-    return line
+        parts.append(
+            f"{n.tokens} tokens read" + (", the rest past the window" if n.truncated else "")
+        )
+    return fit(parts)
 
 
 def nearest_text(r: EvaluationOut) -> str:
@@ -369,7 +430,7 @@ def nearest_text(r: EvaluationOut) -> str:
     nearest = r.novelty.nearest
     if nearest is None:
         return "-"
-    when = f"{nearest.cosine:.3f}, {nearest.age_ms / 1000:.1f} s ago"
+    when = f"{decimals(nearest.cosine, 3)}, {nearest.age_ms / 1000:.1f} s ago"
     return f"{visible(nearest.trace_id) or '?'} ({when})"
 
 
@@ -505,8 +566,8 @@ def print_findings(answer: ContributionOut) -> None:
     e = answer.evaluation
     would = "would" if answer.shareable else "would not"
     typer.echo(
-        f"{visible(e.trace_id)}: score {e.score:.4f}, the SDK's capture {would} contribute it "
-        f"(threshold {answer.threshold:g})"
+        f"{visible(e.trace_id)}: score {decimals(e.score, 4)}, the SDK's capture {would} "
+        f"contribute it (threshold {answer.threshold:g})"
     )
     if answer.leaks_remain is not None:
         typer.echo(
@@ -557,7 +618,9 @@ def evaluate_directory(
         raise fail(f"no *.json files in {visible(directory)}", Code.INPUT_ERROR)
     done: list[FileResult] = []
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
-    with Progress(*columns, TimeElapsedColumn(), console=err) as progress:
+    # A bar for a person watching a terminal; a redirected stderr gets none, not its last frame.
+    quiet = not err.is_terminal
+    with Progress(*columns, TimeElapsedColumn(), console=err, disable=quiet) as progress:
         task = progress.add_task("scoring", total=len(files))
         for file in files:
             progress.update(task, description=f"scoring {shown(file.name)}")
@@ -595,7 +658,7 @@ def print_summary(done: list[FileResult], threshold: float) -> None:
         ("weights", bold),
     ]
     rows: list[list[str | tuple[str, str]]] = [header]
-    details: list[str | None] = [None]
+    details: list[list[str] | None] = [None]
     for f in done:
         if f.error:
             rows.append([visible(f.file), "", ("error", "red")])
@@ -604,7 +667,7 @@ def print_summary(done: list[FileResult], threshold: float) -> None:
             rows.append(
                 [
                     visible(f.file),
-                    f"{r.score:.4f}",
+                    decimals(r.score, 4),
                     verdict_cell(r.score, threshold),
                     visible(weights_text(r)),
                 ]
@@ -612,13 +675,15 @@ def print_summary(done: list[FileResult], threshold: float) -> None:
             details.append(summary_detail(r))
     for line, detail in zip(aligned(rows), details, strict=True):
         say(line)
-        if detail is not None:
-            say("  " + detail, markup=False)
+        for part in detail or []:
+            say(part, markup=False)
 
 
-def summary_detail(r: EvaluationOut) -> str:
+def summary_detail(r: EvaluationOut) -> list[str]:
+    """What identifies and explains a row, indented beneath it, in lines that fit
+    LAYOUT_WIDTH."""
     novelty = (
-        f"measured, max cosine {r.novelty.max_cosine:.3f}"
+        f"measured, max cosine {decimals(r.novelty.max_cosine, 3)}"
         if r.novelty.measured and r.novelty.max_cosine is not None
         else visible(r.novelty.reason)
     )
@@ -629,7 +694,7 @@ def summary_detail(r: EvaluationOut) -> str:
     ]
     if r.novelty.nearest is not None:
         parts.append(f"nearest {nearest_text(r)}")
-    return "; ".join(parts)
+    return fit(parts, first="  ")
 
 
 @cli.command()
@@ -819,7 +884,13 @@ def cache_stats(
             ]
         )
     e = stats.embedder
-    rows.append(["embedder", visible(e.state + (f" ({e.model})" if e.model else ""))])
+    about = [
+        e.model,
+        e.weights and f"{e.weights} weights",
+        e.precision and f"{e.precision} arithmetic",
+    ]
+    named = ", ".join(str(part) for part in about if part)
+    rows.append(["embedder", visible(e.state + (f" ({named})" if named else ""))])
     if e.reason:
         rows.append(["embedder reason", visible(e.reason)])
     b = stats.backend
@@ -848,8 +919,29 @@ def cache_namespaces(url: Url = DEFAULT_URL, token: Token = None) -> None:
         say(visible(name), markup=False)
 
 
+def paragraphs(text: str) -> str:
+    """A docstring as help: each paragraph's lines joined into one, so that neither rich (on a
+    terminal) nor click (elsewhere) shows a line break where the source wrapped; a paragraph
+    that begins with \\b keeps its lines (click's convention)."""
+    blocks = inspect.cleandoc(text).split("\n\n")
+    return "\n\n".join(b if b.startswith("\b") else " ".join(b.split("\n")) for b in blocks)
+
+
+for _group in (cli, cache_cli):
+    for _command in _group.registered_commands:
+        if _command.help is None and _command.callback is not None:
+            _command.help = paragraphs(_command.callback.__doc__ or "")
+
+#: Help for a pipe or a file: click's own, unwrapped (typer's rich panels pad every line to
+#: the console's width and wrap at 80).
+PLAIN_HELP = {"terminal_width": 100_000, "max_content_width": 100_000}
+
+
 def main() -> None:
-    """The `kp-scoring` console script."""
+    """The `kp-scoring` console script: rich's help on a terminal, plain help elsewhere."""
+    if not (out.is_terminal and err.is_terminal):
+        cli.rich_markup_mode = None
+        cli.info.context_settings = PLAIN_HELP
     cli()
 
 

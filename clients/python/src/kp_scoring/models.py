@@ -137,7 +137,8 @@ class ContributionOut(_Answer):
 class EmbedderOut(_Answer):
     state: str
     model: str | None
-    precision: str | None
+    weights: str | None = None  # how the model's file stores them (int8); not its arithmetic
+    precision: str | None  # the arithmetic it runs in: float32 or int8
     precision_reason: str | None
     reason: str | None
 

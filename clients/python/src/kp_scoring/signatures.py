@@ -159,15 +159,27 @@ def claim_problems(
         isinstance(expiry, bool) or not isinstance(expiry, int | float) or at >= expiry + leeway_s
     ):
         problems.append(f"the signature expired (exp {expiry})")
-    if issuer is not None and claims.get("iss") != issuer:
-        problems.append(f"the issuer is {claims.get('iss')!r}, not {issuer!r}")
+    signer = claims.get("iss")
+    if issuer is not None and signer != issuer:
+        problems.append(
+            f"the signature names no issuer, not {_json(issuer)}"
+            if signer is None
+            else f"the issuer is {_json(signer)}, not {_json(issuer)}"
+        )
     signed_for = claims.get("aud")
     if signed_for is not None or audience is not None:
         audiences = signed_for if isinstance(signed_for, list) else [signed_for]
         if audience is None:
-            problems.append(f"the signature is for the audience {signed_for!r}: name yours")
+            problems.append(f"the signature is for the audience {_json(signed_for)}: name yours")
+        elif signed_for is None:
+            problems.append(
+                f"the signature names no audience, not {_json(audience)} (the service names "
+                "one when it has KP_SIGNING_AUDIENCE)"
+            )
         elif audience not in audiences:
-            problems.append(f"the signature is for the audience {signed_for!r}, not {audience!r}")
+            problems.append(
+                f"the signature is for the audience {_json(signed_for)}, not {_json(audience)}"
+            )
     if committed and claims.get("dry_run") is not False:
         problems.append(
             "the score is of a dry run (the trace did not enter the memory)"
@@ -232,7 +244,7 @@ def _differences(path: tuple[str, ...], shown: Any, signed: Any) -> list[str]:
         for key in [*signed, *(k for k in shown if k not in signed)]:
             where = ".".join((*path, str(key)))
             if key not in shown:
-                problems.append(f"the answer lacks {where}, signed as {signed[key]!r}")
+                problems.append(f"the answer lacks {where}, signed as {_json(signed[key])}")
             elif key not in signed:
                 problems.append(f"the answer's {where} is not signed")
             else:
@@ -246,7 +258,15 @@ def _differences(path: tuple[str, ...], shown: Any, signed: Any) -> list[str]:
         ]
     if _same(shown, signed):
         return []
-    return [f"the answer's {'.'.join(path)} is {shown!r}, the signed one {signed!r}"]
+    return [f"the answer's {'.'.join(path)} is {_json(shown)}, the signed one {_json(signed)}"]
+
+
+def _json(value: Any) -> str:
+    """A value in a message as JSON writes it (null, true, "text"), never as Python would."""
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):  # not JSON (a model given as the answer): its own text
+        return str(value)
 
 
 def _same(a: Any, b: Any) -> bool:
