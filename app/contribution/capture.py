@@ -152,7 +152,7 @@ def prepare(
                 inputs[i] = given
     clean_all = clean_all or redact_suspected
     rest = _Rest(level, captured, inputs, apply=clean_all)
-    sent = rest.walk(sent)
+    sent = rest.leaves(sent, "")
     # Here, not at the module's import: detect-secrets and phonenumbers take a few tenths of
     # a second to import, which the service's start would otherwise pay (as /mcp's SDK).
     from app.contribution.detectors import detect, redact
@@ -224,17 +224,6 @@ class _Rest:
         self.texts: list[str] = []
         self.paths: list[str] = []
 
-    def walk(self, sent: dict[str, Any]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for key, value in sent.items():
-            path = f"/{pointer_token(key)}"
-            name = self.text(key, path)
-            if key == "steps" and isinstance(value, list):
-                out[name] = [self.step(step, f"/steps/{i}", i) for i, step in enumerate(value)]
-            else:
-                out[name] = self.leaves(value, path)
-        return out
-
     def step(self, step: Any, path: str, i: int) -> Any:
         if not isinstance(step, dict):
             return self.leaves(step, path)
@@ -292,7 +281,10 @@ class _Rest:
             for key, item in value.items():
                 at = f"{path}/{pointer_token(key)}"
                 name = self.text(key, at)
-                out[name] = self.leaves(item, at)
+                if at == "/steps" and isinstance(item, list):  # the trace's steps
+                    out[name] = [self.step(step, f"{at}/{i}", i) for i, step in enumerate(item)]
+                else:
+                    out[name] = self.leaves(item, at)
             return out
         if isinstance(value, list):
             return [self.leaves(item, f"{path}/{i}") for i, item in enumerate(value)]
