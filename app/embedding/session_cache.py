@@ -107,11 +107,7 @@ class SessionCache:
         return self._build(model(), key, options, why_not)
 
     def _build(
-        self,
-        model: bytes,
-        key: str,
-        options: Callable[[], ort.SessionOptions],
-        why_not: str | None,
+        self, model: bytes, key: str, options: Callable[[], ort.SessionOptions], why_not: str | None
     ) -> tuple[ort.InferenceSession, Outcome]:
         # Only a start that writes the cache needs these (about 10 ms of imports).
         import secrets
