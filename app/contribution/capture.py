@@ -1,20 +1,15 @@
 """What an agent would contribute: the trace as the reference SDK's capture step sends it, what
 that step redacted, what it leaves in place, and how each text field reads to the SDK's
-injection classifier (docs/contribution.md).
+injection classifier (docs/contribution.md says what the step cleans and what it leaves).
 
-The capture step (`KPCapture.scoreAndContribute`, `packages/sdk/src/capture.ts` of the
-KnowledgePulse SDK, github.com/chesterkuo/OpenKnowledgePulse, Apache License 2.0) sets
-`metadata.quality_score` to the score, then for each step cleans `content` and
-`output_summary` with `cleanPii` at the trace's `privacy_level`, and `input` as its
-`JSON.stringify` text, parsed back with `JSON.parse` (the input is kept as it was when the
-cleaned text no longer parses). It cleans nothing else: the objective, the outcome, the
-metadata, a tool's name go as they are; here they are read for the same findings (`uncleaned`)
-and, on request, cleaned the same way, string by string (an object's keys too).
+The capture step is `KPCapture.scoreAndContribute` (`packages/sdk/src/capture.ts` of the
+KnowledgePulse SDK, github.com/chesterkuo/OpenKnowledgePulse, Apache License 2.0).
 """
 
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -89,11 +84,7 @@ class Gate:
     @property
     def highest(self) -> FieldRisk | None:
         """The riskiest field (the first of equals), None without text fields."""
-        best: FieldRisk | None = None
-        for field in self.injection:
-            if best is None or field.assessment.score > best.assessment.score:
-                best = field
-        return best
+        return max(self.injection, key=lambda field: field.assessment.score, default=None)
 
     @property
     def leaks_remain(self) -> bool:
@@ -161,7 +152,7 @@ def prepare(
                 inputs[i] = given
     clean_all = clean_all or redact_suspected
     rest = _Rest(level, captured, inputs, apply=clean_all)
-    sent = rest.walk(sent)
+    sent = rest.leaves(sent, "")
     # Here, not at the module's import: detect-secrets and phonenumbers take a few tenths of
     # a second to import, which the service's start would otherwise pay (as /mcp's SDK).
     from app.contribution.detectors import detect, redact
@@ -176,20 +167,23 @@ def prepare(
         redacted = iter([redact(text, s) for text, s in zip(rest.texts, suspects, strict=True)])
         sent = _map_strings(sent, lambda _: next(redacted))
         differs = True
-    others = list(rest.findings)
     if clean_all:
-        redactions += others
-        others = []
+        redactions += rest.findings
     if redact_suspected:
         redactions += found
-        found = []
+    fields = list(text_fields(trace))
+    risks = classify_all(
+        [text for _, text in fields],
+        suspicious_threshold=suspicious_threshold,
+        reject_threshold=reject_threshold,
+    )
     return Gate(
         contribution=sent,
         redactions=tuple(redactions),
-        uncleaned=tuple(others),
+        uncleaned=() if clean_all else tuple(rest.findings),
         inputs_kept=tuple(kept),
-        injection=_risks(list(text_fields(trace)), suspicious_threshold, reject_threshold),
-        findings=tuple(found),
+        injection=tuple(FieldRisk(path, a) for (path, _), a in zip(fields, risks, strict=True)),
+        findings=() if redact_suspected else tuple(found),
         differs_from_sdk=differs,
     )
 
@@ -199,22 +193,9 @@ def _counted(
 ) -> Iterator[tuple[str, tuple[str, str], int]]:
     """Each text's suspects counted by (type, detector), in order of first place."""
     for path, found in zip(paths, suspects, strict=True):
-        counts: dict[tuple[str, str], int] = {}
-        for s in found:
-            counts[s.type, s.detector] = counts.get((s.type, s.detector), 0) + 1
-        for kind, count in counts.items():
-            yield path, kind, count
-
-
-def _risks(
-    fields: list[tuple[str, str]], suspicious_threshold: float, reject_threshold: float
-) -> tuple[FieldRisk, ...]:
-    found = classify_all(
-        [text for _, text in fields],
-        suspicious_threshold=suspicious_threshold,
-        reject_threshold=reject_threshold,
-    )
-    return tuple(FieldRisk(path, a) for (path, _), a in zip(fields, found, strict=True))
+        if found:
+            for kind, count in Counter((s.type, s.detector) for s in found).items():
+                yield path, kind, count
 
 
 class _Rest:
@@ -243,24 +224,13 @@ class _Rest:
         self.texts: list[str] = []
         self.paths: list[str] = []
 
-    def walk(self, sent: dict[str, Any]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for key, value in sent.items():
-            path = f"/{pointer_token(key)}"
-            name = self.key(key, path)
-            if key == "steps" and isinstance(value, list):
-                out[name] = [self.step(step, f"/steps/{i}", i) for i, step in enumerate(value)]
-            else:
-                out[name] = self.leaves(value, path)
-        return out
-
     def step(self, step: Any, path: str, i: int) -> Any:
         if not isinstance(step, dict):
             return self.leaves(step, path)
         out = {}
         for key, field in step.items():
             at = f"{path}/{pointer_token(key)}"
-            name = self.key(key, at)
+            name = self.text(key, at)
             if (i, key) in self.captured:  # cleaned by the capture step: as it left it
                 out[name] = self.handled(field, at)
             elif key == "input" and i in self.inputs:
@@ -286,7 +256,7 @@ class _Rest:
                 cleaned.items(), given.items(), strict=True
             ):
                 at = f"{path}/{pointer_token(key)}"
-                name = self.handled(key, at) if key != given_key else self.key(key, at)
+                name = self.handled(key, at) if key != given_key else self.text(key, at)
                 out[name] = self.against(item, given_item, at)
             return out
         if isinstance(cleaned, list) and isinstance(given, list) and len(cleaned) == len(given):
@@ -303,10 +273,6 @@ class _Rest:
         self.paths.append(path)
         return cleaned.text if self.apply else text
 
-    def key(self, key: str, path: str) -> str:
-        """An object's key, read (and with `apply`, cleaned); its findings at its member."""
-        return self.text(key, path)
-
     def leaves(self, value: Any, path: str) -> Any:
         if isinstance(value, str):
             return self.text(value, path)
@@ -314,8 +280,11 @@ class _Rest:
             out = {}
             for key, item in value.items():
                 at = f"{path}/{pointer_token(key)}"
-                name = self.key(key, at)
-                out[name] = self.leaves(item, at)
+                name = self.text(key, at)
+                if at == "/steps" and isinstance(item, list):  # the trace's steps
+                    out[name] = [self.step(step, f"{at}/{i}", i) for i, step in enumerate(item)]
+                else:
+                    out[name] = self.leaves(item, at)
             return out
         if isinstance(value, list):
             return [self.leaves(item, f"{path}/{i}") for i, item in enumerate(value)]
@@ -328,11 +297,7 @@ def _map_strings(value: Any, change: Callable[[str], str]) -> Any:
     if isinstance(value, str):
         return change(value)
     if isinstance(value, dict):
-        out = {}
-        for key, item in value.items():
-            name = change(key)
-            out[name] = _map_strings(item, change)
-        return out
+        return {change(key): _map_strings(item, change) for key, item in value.items()}
     if isinstance(value, list):
         return [_map_strings(item, change) for item in value]
     return value

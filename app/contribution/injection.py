@@ -8,13 +8,10 @@ rules' names, weights, order and patterns are the SDK's; the code around them is
 Weights are summed as floats in rule order and the score rounded as `Math.round` does (halves
 up), so `max_score` is 5.550000000000003 as in the SDK.
 
-Each rule is tried only where it can match (docs/decisions/sdk-patterns-where-they-can-match.md):
-a case-insensitive one where its first word occurs, one needing a character where it occurs.
-Two are tested another way, with the same outcome, in linear time (the SDK's forms are
-quadratic on long runs): a line-start rule (`(?:^|\\n)\\s*(?:[-*>]\\s*)?...`, where `\\s*` also
-takes line feeds) matches iff it matches from the last line feed before its words, so its
-leading white space need not cross one; and a base64 run of 100 or more is looked for in a
-translated copy of the text.
+Each rule is tried only where it can match, with the SDK's outcome in linear time
+(docs/decisions/sdk-patterns-where-they-can-match.md). A line-start rule
+(`(?:^|\\n)\\s*(?:[-*>]\\s*)?...`, where `\\s*` also takes line feeds) matches iff it matches from
+the last line feed before its words, so its leading white space need not cross one.
 """
 
 from __future__ import annotations
@@ -74,7 +71,7 @@ class _Rule:
         return not self.hints
 
 
-def _from_word(source: str, *words: str) -> Test:
+def _from_word(name: str, weight: float, source: str, *words: str) -> _Rule:
     """A case-insensitive rule whose matches begin with one of `words` (lower case): tried
     only where they occur."""
     pattern = compile_js(source, "i")
@@ -90,12 +87,19 @@ def _from_word(source: str, *words: str) -> Test:
                 at = t.lowered.find(word, at + 1)
         return False
 
-    return test
+    return _Rule(name, weight, test, words)
 
 
-def _containing(source: str, *needles: str, flags: str = "") -> Test:
+def _containing(
+    name: str,
+    weight: float,
+    source: str,
+    needles: tuple[str, ...],
+    hints: tuple[str, ...] = (),
+    flags: str = "i",
+) -> _Rule:
     """A rule each of whose matches holds one of `needles`: the search only when one is
-    there."""
+    there. `hints`: in lower case, as `_Rule`'s (default: the needles)."""
     pattern = compile_js(source, flags)
 
     def test(t: _Text) -> bool:
@@ -104,19 +108,23 @@ def _containing(source: str, *needles: str, flags: str = "") -> Test:
                 return pattern.search(t.text) is not None
         return False
 
-    return test
+    return _Rule(name, weight, test, hints or needles)
 
 
-def _line_start(core: str) -> Test:
-    # The SDK: (?:^|\n)\s*(?:[-*>]\s*)?<core>, case-insensitive (see the module's docstring);
-    # the first line and the others apart, each pattern beginning with a literal.
+def _line_start(name: str, weight: float, core: str, word: str) -> _Rule:
+    """A case-insensitive rule at a line's start (the module's docstring) whose `core` begins
+    with `word`: two patterns each beginning with a literal (the first line, the others)."""
     space = f"[{JS_SPACE_NO_LF}]*"
     lead = f"{space}(?:[-*>]{space})?" + compile_js(core, "i").pattern
     first = re.compile(lead, re.ASCII | re.IGNORECASE)
     others = re.compile("\n" + lead, re.ASCII | re.IGNORECASE)
-    return lambda t: (
-        first.match(t.text) is not None or ("\n" in t.text and others.search(t.text) is not None)
-    )
+
+    def test(t: _Text) -> bool:
+        return first.match(t.text) is not None or (
+            "\n" in t.text and others.search(t.text) is not None
+        )
+
+    return _Rule(name, weight, test, (word,))
 
 
 _BIDI = tuple(chr(c) for c in (*range(0x202A, 0x202F), *range(0x2066, 0x206A)))
@@ -171,88 +179,55 @@ def _suspicious_url_in_code_block(t: _Text) -> bool:
 
 _RULES: Final[tuple[_Rule, ...]] = (
     # Instruction overrides.
-    _Rule(
-        "ignore-previous-instructions",
-        0.3,
-        _from_word(r"ignore\s+(all\s+)?previous\s+instructions", "ignore"),
-        ("ignore",),
+    _from_word(
+        "ignore-previous-instructions", 0.3, r"ignore\s+(all\s+)?previous\s+instructions", "ignore"
     ),
-    _Rule(
-        "forget-instructions",
-        0.3,
-        _from_word(r"forget\s+(all\s+)?(your\s+|prior\s+)?instructions", "forget"),
-        ("forget",),
+    _from_word(
+        "forget-instructions", 0.3, r"forget\s+(all\s+)?(your\s+|prior\s+)?instructions", "forget"
     ),
-    _Rule(
+    _from_word(
         "disregard-instructions",
         0.3,
-        _from_word(r"disregard\s+(all\s+)?(your\s+|above\s+)?instructions", "disregard"),
-        ("disregard",),
+        r"disregard\s+(all\s+)?(your\s+|above\s+)?instructions",
+        "disregard",
     ),
-    _Rule(
-        "override-prompt",
-        0.3,
-        _from_word(r"override\s+(your\s+|system\s+)?prompt", "override"),
-        ("override",),
-    ),
-    _Rule(
-        "new-updated-instructions",
-        0.3,
-        _from_word(r"(?:new|updated)\s+instructions\s*:", "new", "updated"),
-        ("new", "updated"),
+    _from_word("override-prompt", 0.3, r"override\s+(your\s+|system\s+)?prompt", "override"),
+    _from_word(
+        "new-updated-instructions", 0.3, r"(?:new|updated)\s+instructions\s*:", "new", "updated"
     ),
     # Role play.
-    _Rule("you-are-now", 0.25, _line_start(r"you\s+are\s+now\s+"), ("you",)),
-    _Rule("pretend-to-be", 0.25, _line_start(r"pretend\s+(?:you\s+are|to\s+be)"), ("pretend",)),
-    _Rule("act-as", 0.25, _line_start(r"act\s+as\s+(?:a\s+|an\s+)?"), ("act",)),
-    _Rule("from-now-on-you", 0.25, _from_word(r"from\s+now\s+on,?\s+you", "from"), ("from",)),
-    _Rule("imagine-you-are", 0.25, _line_start(r"imagine\s+you\s+are"), ("imagine",)),
+    _line_start("you-are-now", 0.25, r"you\s+are\s+now\s+", "you"),
+    _line_start("pretend-to-be", 0.25, r"pretend\s+(?:you\s+are|to\s+be)", "pretend"),
+    _line_start("act-as", 0.25, r"act\s+as\s+(?:a\s+|an\s+)?", "act"),
+    _from_word("from-now-on-you", 0.25, r"from\s+now\s+on,?\s+you", "from"),
+    _line_start("imagine-you-are", 0.25, r"imagine\s+you\s+are", "imagine"),
     # Chat-template delimiters.
-    _Rule("llama-inst-tag", 0.2, _containing(r"\[INST\]", "[", flags="i"), ("[inst]",)),
-    _Rule("llama-inst-close-tag", 0.2, _containing(r"\[\/INST\]", "[", flags="i"), ("[/inst]",)),
-    _Rule(
-        "chatml-im-start", 0.2, _containing(r"<\|im_start\|>", "<|", flags="i"), ("<|im_start|>",)
-    ),
-    _Rule("chatml-im-end", 0.2, _containing(r"<\|im_end\|>", "<|", flags="i"), ("<|im_end|>",)),
-    _Rule("llama-sys-open", 0.2, _containing(r"<<SYS>>", "<<", flags="i"), ("<<sys>>",)),
-    _Rule("llama-sys-close", 0.2, _containing(r"<<\/SYS>>", "<<", flags="i"), ("<</sys>>",)),
-    _Rule("system-tag-bracket", 0.2, _containing(r"\[SYSTEM\]", "[", flags="i"), ("[system]",)),
-    _Rule(
-        "markdown-role-header",
-        0.2,
-        _containing(r"###\s*(?:System|Human|Assistant)\s*:", "###", flags="i"),
-        ("###",),
-    ),
+    _containing("llama-inst-tag", 0.2, r"\[INST\]", ("[",), ("[inst]",)),
+    _containing("llama-inst-close-tag", 0.2, r"\[\/INST\]", ("[",), ("[/inst]",)),
+    _containing("chatml-im-start", 0.2, r"<\|im_start\|>", ("<|",), ("<|im_start|>",)),
+    _containing("chatml-im-end", 0.2, r"<\|im_end\|>", ("<|",), ("<|im_end|>",)),
+    _containing("llama-sys-open", 0.2, r"<<SYS>>", ("<<",), ("<<sys>>",)),
+    _containing("llama-sys-close", 0.2, r"<<\/SYS>>", ("<<",), ("<</sys>>",)),
+    _containing("system-tag-bracket", 0.2, r"\[SYSTEM\]", ("[",), ("[system]",)),
+    _containing("markdown-role-header", 0.2, r"###\s*(?:System|Human|Assistant)\s*:", ("###",)),
     # Hidden content.
     _Rule("long-base64-block", 0.15, _long_base64_run),
-    _Rule("bidi-override-chars", 0.15, _containing(r"[\u202A-\u202E\u2066-\u2069]", *_BIDI), _BIDI),
-    _Rule(
+    _containing("bidi-override-chars", 0.15, r"[\u202A-\u202E\u2066-\u2069]", _BIDI, flags=""),
+    _containing(
         "zero-width-steganography",
         0.15,
-        _containing(r"(?:\u200B|\u200C|\u200D|\uFEFF){3,}", *_ZERO_WIDTH),
+        r"(?:\u200B|\u200C|\u200D|\uFEFF){3,}",
         _ZERO_WIDTH,
+        flags="",
     ),
-    _Rule(
-        "excessive-whitespace-encoding",
-        0.15,
-        _containing(r"[ \t]{21,}", *_BLANKS),
-        _BLANKS,
-    ),
+    _containing("excessive-whitespace-encoding", 0.15, r"[ \t]{21,}", _BLANKS, flags=""),
     # Exfiltration.
-    _Rule(
-        "send-data-pattern",
-        0.2,
-        _from_word(r"send\s+(?:this|the|all)\s+(?:to|via)\b", "send"),
-        ("send",),
-    ),
-    _Rule(
+    _from_word("send-data-pattern", 0.2, r"send\s+(?:this|the|all)\s+(?:to|via)\b", "send"),
+    _from_word(
         "output-to-endpoint",
         0.2,
-        _from_word(
-            r"output\s+(?:(?:to|the)\s+)+(?:following|this)\s+(?:url|endpoint|webhook)",
-            "output",
-        ),
-        ("output",),
+        r"output\s+(?:(?:to|the)\s+)+(?:following|this)\s+(?:url|endpoint|webhook)",
+        "output",
     ),
     _Rule("suspicious-url-in-code-block", 0.2, _suspicious_url_in_code_block, ("```",)),
 )

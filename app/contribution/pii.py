@@ -8,12 +8,9 @@ written here. The patterns run one after the other over the text already cleaned
 one can swallow an earlier placeholder, as in the SDK), each replacing every match, and count
 their matches by type in the order types first occur.
 
-JavaScript's semantics (app/contribution/js_regex.py): the text is matched as UTF-16 code
-units, with ASCII `\\d \\b` and case folding and JavaScript's `\\s`. The SDK's email pattern
-backtracks over every start in a long run of letters or digits (quadratic: 50 KB takes
-seconds), and patterns without a literal start cost a try at every position; here each
-pattern is tried only where one of its matches can start, with the same matches (docs/decisions/
-sdk-patterns-where-they-can-match.md).
+The text is matched as JavaScript does, as UTF-16 code units (app/contribution/js_regex.py).
+Each pattern is tried only where one of its matches can start, with the same matches
+(docs/decisions/sdk-patterns-where-they-can-match.md: the SDK's email pattern is quadratic).
 """
 
 from __future__ import annotations
@@ -21,7 +18,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Final, Literal, Self
 
 from app.contribution.js_regex import compile_js, from_code_units, has_astral, to_code_units
 
@@ -61,6 +58,21 @@ class _Rule:
     def subn(self, text: str) -> tuple[str, int]:
         return self.pattern.subn(self.replacement, text)
 
+    @classmethod
+    def of(
+        cls,
+        type_: str,
+        category: Category,
+        source: str,
+        *needs: str,
+        flags: str = "g",
+        replacement: Replacement = "",
+    ) -> Self:
+        """The SDK's pattern `source` (as written between its slashes) with its `flags`,
+        replaced by `[REDACTED:<type>]` unless `replacement` says otherwise."""
+        pattern = compile_js(source, flags)
+        return cls(type_, category, pattern, replacement or f"[REDACTED:{type_}]", needs)
+
 
 class _WhereRule(_Rule):
     """A rule whose matches can only start at `starts(text)` (ascending; a superset is fine):
@@ -99,6 +111,8 @@ class _WhereRule(_Rule):
 #: A pattern tried at a place costs about as much as the engine's scan over this many
 #: characters: past one place in so many, the scan is used instead.
 _PLACES_PER_SCAN = 200
+#: The same for checking the keys that end before a separator.
+_PLACES_PER_KEY = 100
 #: Text this short is scanned by the engine at once: finding the places would cost more.
 _SHORT = 512
 
@@ -125,16 +139,11 @@ class _ConnectionStringRule(_WhereRule):
 
 
 #: The password rule's keys; a match is one, then JavaScript white space, then `=` or `:`.
-_KEYS = (
-    "password",
-    "passwd",
-    "secret",
-    "token",
-    "api_key",
-    "apikey",
-    "api_secret",
-    "access_token",
-    "auth_token",
+_KEYS_SOURCE = "password|passwd|secret|token|api_key|apikey|api_secret|access_token|auth_token"
+_KEYS = _KEYS_SOURCE.split("|")
+_PASSWORD_SOURCE = (
+    rf"\b(?<key>{_KEYS_SOURCE})(?<sep>\s*[=:]\s*)(?!\[REDACTED)(?:(?<qchar>['\"])(?<qval>[^'\"]*)"
+    r"\k<qchar>|(?<uval>[^\s'\"`,;)}\[\]]{2,}))"
 )
 _SPACE = frozenset(
     "\t\n\v\f\r \u00a0\u1680\u2028\u2029\u202f\u205f\u3000\ufeff"
@@ -161,11 +170,6 @@ class _PasswordRule(_WhereRule):
                         found.add(start)
                 at = text.find(separator, at + 1)
         return sorted(found)
-
-
-#: Checking a separator's keys costs about as much as the engine's scan over this many
-#: characters.
-_PLACES_PER_KEY = 100
 
 
 # What ends every US phone match: 3 digits, a separator, 4 digits; the match starts at most 10
@@ -260,109 +264,53 @@ class _EmailRule(_Rule):
 
 _RULES: Final[tuple[_Rule, ...]] = (
     # Secrets: always redacted (connection strings before the password assignments).
-    _ConnectionStringRule(
+    _ConnectionStringRule.of(
         "connection_string",
         "secret",
-        compile_js(
-            r"(?:postgresql|postgres|mysql|redis|rediss|mongodb|mongodb\+srv|amqp|amqps):\/\/"
-            r"[^\s'\"`,)}\]]+",
-            "gi",
-        ),
-        "[REDACTED:connection_string]",
-        needs=("://",),
+        r"(?:postgresql|postgres|mysql|redis|rediss|mongodb|mongodb\+srv|amqp|amqps):\/\/"
+        r"[^\s'\"`,)}\]]+",
+        "://",
+        flags="gi",
     ),
-    _Rule(
+    _Rule.of(
         "bearer_token",
         "secret",
-        compile_js(r"Bearer\s+(?!kp_)[A-Za-z0-9_\-.~+/=]{20,}", "g"),
-        "Bearer [REDACTED:bearer_token]",
-        needs=("Bearer",),
+        r"Bearer\s+(?!kp_)[A-Za-z0-9_\-.~+/=]{20,}",
+        "Bearer",
+        replacement="Bearer [REDACTED:bearer_token]",
     ),
-    _Rule(
-        "api_key",
-        "secret",
-        compile_js(r"sk-[A-Za-z0-9]{20,}", "g"),
-        "[REDACTED:api_key]",
-        needs=("sk-",),
-    ),
-    _Rule(
-        "api_key",
-        "secret",
-        compile_js(r"gh[poas]_[A-Za-z0-9]{36,}", "g"),
-        "[REDACTED:api_key]",
-        needs=("ghp_", "gho_", "gha_", "ghs_"),
-    ),
-    _Rule(
-        "api_key",
-        "secret",
-        compile_js(r"AKIA[A-Z0-9]{16}", "g"),
-        "[REDACTED:api_key]",
-        needs=("AKIA",),
-    ),
-    _Rule(
-        "api_key",
-        "secret",
-        compile_js(r"kp_[a-f0-9]{16,}", "g"),
-        "[REDACTED:api_key]",
-        needs=("kp_",),
-    ),
-    _Rule(
-        "api_key",
-        "secret",
-        compile_js(r"xox[bpras]-[A-Za-z0-9\-]+", "g"),
-        "[REDACTED:api_key]",
-        needs=("xox",),
-    ),
-    _PasswordRule(
-        "password",
-        "secret",
-        compile_js(
-            r"\b(?<key>password|passwd|secret|token|api_key|apikey|api_secret|access_token"
-            r"|auth_token)(?<sep>\s*[=:]\s*)(?!\[REDACTED)(?:(?<qchar>['\"])(?<qval>[^'\"]*)"
-            r"\k<qchar>|(?<uval>[^\s'\"`,;)}\[\]]{2,}))",
-            "gi",
-        ),
-        _password,
-        needs=("=", ":"),
+    _Rule.of("api_key", "secret", r"sk-[A-Za-z0-9]{20,}", "sk-"),
+    _Rule.of("api_key", "secret", r"gh[poas]_[A-Za-z0-9]{36,}", "ghp_", "gho_", "gha_", "ghs_"),
+    _Rule.of("api_key", "secret", r"AKIA[A-Z0-9]{16}", "AKIA"),
+    _Rule.of("api_key", "secret", r"kp_[a-f0-9]{16,}", "kp_"),
+    _Rule.of("api_key", "secret", r"xox[bpras]-[A-Za-z0-9\-]+", "xox"),
+    _PasswordRule.of(
+        "password", "secret", _PASSWORD_SOURCE, "=", ":", flags="gi", replacement=_password
     ),
     # Identifiers: redacted at "aggregated" and "federated", kept at "private".
-    _EmailRule("email", "identifier", _EMAIL, "[REDACTED:email]", needs=("@",)),
-    _UsPhoneRule(
-        "phone",
-        "identifier",
-        compile_js(r"(?:\+?1[-.\s]?)?\(?\d{3}\)?[-.\s]?\s?\d{3}[-.\s]\d{4}\b", "g"),
-        "[REDACTED:phone]",
+    _EmailRule("email", "identifier", _EMAIL, "[REDACTED:email]", ("@",)),
+    _UsPhoneRule.of(
+        "phone", "identifier", r"(?:\+?1[-.\s]?)?\(?\d{3}\)?[-.\s]?\s?\d{3}[-.\s]\d{4}\b"
     ),
-    _Rule(
-        "phone",
-        "identifier",
-        compile_js(r"\+[1-9]\d{6,14}\b", "g"),
-        "[REDACTED:phone]",
-        needs=("+",),
-    ),
-    _IpRule(
+    _Rule.of("phone", "identifier", r"\+[1-9]\d{6,14}\b", "+"),
+    _IpRule.of(
         "ip",
         "identifier",
-        compile_js(
-            r"\b(?:25[0-5]|2[0-4]\d|[01]?\d\d?)\.(?:25[0-5]|2[0-4]\d|[01]?\d\d?)\."
-            r"(?:25[0-5]|2[0-4]\d|[01]?\d\d?)\.(?:25[0-5]|2[0-4]\d|[01]?\d\d?)\b",
-            "g",
-        ),
-        "[REDACTED:ip]",
+        r"\b(?:25[0-5]|2[0-4]\d|[01]?\d\d?)\.(?:25[0-5]|2[0-4]\d|[01]?\d\d?)\."
+        r"(?:25[0-5]|2[0-4]\d|[01]?\d\d?)\.(?:25[0-5]|2[0-4]\d|[01]?\d\d?)\b",
     ),
-    _Rule(
+    _Rule.of(
         "filepath",
         "identifier",
-        compile_js(r"\/(?:home|Users)\/[a-zA-Z0-9._\-]+(?:\/[^\s'\"`,;)}\]]*)?", "g"),
-        "[REDACTED:filepath]",
-        needs=("/home/", "/Users/"),
+        r"\/(?:home|Users)\/[a-zA-Z0-9._\-]+(?:\/[^\s'\"`,;)}\]]*)?",
+        "/home/",
+        "/Users/",
     ),
-    _WindowsPathRule(
+    _WindowsPathRule.of(
         "filepath",
         "identifier",
-        compile_js(r"[A-Z]:\\Users\\[a-zA-Z0-9._\-]+(?:\\[^\s'\"`,;)}\]]*)*", "g"),
-        "[REDACTED:filepath]",
-        needs=(":\\Users\\",),
+        r"[A-Z]:\\Users\\[a-zA-Z0-9._\-]+(?:\\[^\s'\"`,;)}\]]*)*",
+        ":\\Users\\",
     ),
 )
 

@@ -1,16 +1,7 @@
-"""The embedder as the service runs it: loaded once, lazily, run by its own worker threads,
-with a memo of recent vectors in front.
-
-- `ModelLifecycle`: the model's state, its lazy load and the warm-up that follows the first
-  answer (or precedes readiness, with preload);
-- `EmbeddingMemo`: one model run per text: a bounded memo of recent vectors, by the SHA-256 of
-  the exact text handed to the model. A commit after a dry run, or a retry, gets the vector the
-  model gave the first time (the model is deterministic for a text) without running it again;
-  requests that ask for the same new text at the same time share one run;
-- `EmbeddingService`: the two above and the scheduler (scheduler.py: the queue, its limits and
-  the worker threads) behind one small API.
-
-Load the machine can carry is served later, not refused, on a fast CPU and a slow one alike.
+"""The embedder as the service runs it: `ModelLifecycle` (the lazy load, and the warm-up after
+the first answer or before readiness), `EmbeddingMemo` (recent vectors) and `EmbeddingService`,
+which puts them and the scheduler (scheduler.py: the queue and the worker threads) behind one
+small API.
 """
 
 from __future__ import annotations
@@ -39,14 +30,11 @@ from app.embedding.types import (
 )
 
 __all__ = [
-    "EmbedObserver",
-    "EmbedderFactory",
     "EmbedderUnavailableError",
     "Embedding",
     "EmbeddingMemo",
     "EmbeddingService",
     "ModelLifecycle",
-    "Outcome",
     "OverloadedError",
 ]
 
@@ -64,7 +52,9 @@ class Embedder(Protocol):
 
 
 class EmbeddingMemo:
-    """`capacity` vectors at most (the least recently used go first); 0 turns it off."""
+    """Vectors by the SHA-256 of the exact text (the model is deterministic for a text), at most
+    `capacity` (the least recently used go first; 0 turns it off); requests that ask for the
+    same new text at the same time share one run (docs/decisions/embedding-memo.md)."""
 
     def __init__(self, embeddings: Embedder, capacity: int) -> None:
         self._embeddings = embeddings
@@ -179,11 +169,9 @@ class ModelLifecycle:
         log.info("embedder loading", extra=self._log_extra())
         try:
             self.embedder = await asyncio.to_thread(factory)
-        except ModelError as exc:
-            self.mark_unavailable(str(exc))
-            return
-        except Exception as exc:  # onnxruntime raises many types for a bad file
-            self.mark_unavailable(f"{type(exc).__name__}: {exc}")
+        except Exception as exc:  # ModelError says what; onnxruntime raises many other types
+            why = str(exc) if isinstance(exc, ModelError) else f"{type(exc).__name__}: {exc}"
+            self.mark_unavailable(why)
             return
         if not self._on_loaded():
             return
@@ -256,7 +244,6 @@ class EmbeddingService:
         batch_size: int = 32,
         queue_limit: int = 256,
         max_wait_ms: float = 10_000.0,
-        observer: EmbedObserver | None = None,
     ) -> None:
         self.model_name = model_name
         #: Set (app/main.py) when traces are exported: the queue's wait and the model's run.
@@ -273,7 +260,6 @@ class EmbeddingService:
             workers=workers,
             batch_size=batch_size,
             limits=QueueLimits(queue_limit, max_wait_ms),
-            observer=observer,
         )
         self.lifecycle = ModelLifecycle(
             factory,
@@ -296,12 +282,10 @@ class EmbeddingService:
 
     @property
     def runs_total(self) -> dict[str, int]:
-        """Model calls made, on every core (a request alone) and on one core (side by side)."""
-        return {cores: runs for cores, runs in self.scheduler.runs_total.items()}
+        return dict(self.scheduler.runs_total)
 
     @property
     def queue_depth(self) -> int:
-        """Texts waiting for the model or in it."""
         return self.scheduler.queue_depth
 
     @property
@@ -310,7 +294,6 @@ class EmbeddingService:
 
     @property
     def loaded_fully(self) -> bool:
-        """The model is loaded and nothing of its start-up is left to do."""
         return self.lifecycle.warmed_up
 
     @property

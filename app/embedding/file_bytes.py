@@ -1,9 +1,7 @@
-"""A model file's bytes for hashing and checksums, mapped rather than read a chunk at a time.
-
-hashlib and zlib leave the GIL for the whole of one call over a large buffer. Read a chunk at
-a time, a hash retook the GIL after every read and every chunk, and during a start each retake
-waited for the loading thread to let it go: the checks of the model and of the cached graph,
-which run beside the session's load, took several times their CPU in wall clock.
+"""A model file's bytes for hashing and checksums, mapped rather than read a chunk at a time:
+hashlib and zlib then leave the GIL for the whole call. Read a chunk at a time, every retake of
+the GIL waited for the loading thread, and the checks that run beside the session's load took
+several times their CPU in wall clock.
 """
 
 from __future__ import annotations

@@ -1,25 +1,21 @@
-"""The opt-in int8 embedding mode: the packaged model's MatMuls run on int8 activations.
+"""The opt-in int8 embedding mode (docs/decisions/int8-mode.md): the packaged model's MatMuls
+run on int8 activations.
 
 The packaged model stores each weight matrix W (K x N) as an INT8 initializer `q` with a float
 per-column scale `s` of shape (1, N), rebuilt as `Mul(Cast(q, to=FLOAT), s)` before a float
-MatMul: onnxruntime folds that into a float32 matrix at load, so inference is float32.
-`quantize_activations` hands `q` and `s` as they are (no weight is re-quantised) to
-com.microsoft `DynamicQuantizeMatMul`, which quantises the activations to uint8 on every run
-(one scale per tensor) and multiplies in integers, with VNNI where the CPU has it. The MatMul's
-bias Add is folded into the same node. On CPUs without VNNI the weights are handed over shifted
-into uint8 (`q + 128` with zero point 128: the same products), which onnxruntime multiplies
-exactly there (app/embedding/int8_support.py).
+MatMul (onnxruntime folds that into float32 at load). `quantize_activations` hands `q` and `s`
+as they are (no weight is re-quantised) to com.microsoft `DynamicQuantizeMatMul`, which
+quantises the activations to uint8 on every run (one scale per tensor) and multiplies in
+integers; the MatMul's bias Add is folded into the same node. On CPUs without VNNI the weights
+go shifted into uint8 (int8_support.py).
 
-One scale per tensor is coarse for BERT models: a few input channels (channel 99 after most
-LayerNorms, one GELU channel per layer) reach 5 to 10 times the range of the rest, and
-quantising them with the others moved scores by up to 0.016. Those channels, listed per MatMul
-in `assets/int8_float_channels.json` for the packaged model only (made by
-`scripts/calibrate_int8.py`), are zeroed before the int8 product and multiplied in float32
-against the same dequantised rows of W instead; the score change then stays under 0.01
-(docs/performance.md, "int8 mode against float32").
+One scale per tensor is coarse for BERT models: a few input channels reach 5 to 10 times the
+range of the rest, and quantising them with the others moved scores by up to 0.016. Those
+listed per MatMul in `assets/int8_float_channels.json` (the packaged model's, made by
+`scripts/calibrate_int8.py`) are zeroed before the int8 product and multiplied in float32
+instead: the score change stays under 0.01 (docs/performance.md).
 
-The activation scale depends on every row of the run, so texts sharing a run would change each
-other's vectors: OnnxEmbedder runs one text per run in this mode.
+The activation scale depends on every row of a run: OnnxEmbedder runs one text per run here.
 """
 
 from __future__ import annotations
@@ -83,9 +79,7 @@ class _Weight:
 
 
 def quantize_activations(
-    model: bytes,
-    float_channels: Mapping[str, Sequence[int]] | None = None,
-    weights: Int8Weights = "int8",
+    model: bytes, float_channels: Mapping[str, Sequence[int]], weights: Int8Weights
 ) -> bytes:
     """The model with each int8-weight MatMul computed by DynamicQuantizeMatMul;
     `float_channels` maps a MatMul node name to input channels kept in float32, `weights` is
@@ -119,7 +113,7 @@ def quantize_activations(
         bias_add = _bias_add(node, consumers, initializers, n=weight.q.dims[1])
         if bias_add is not None:
             fused.add(id(bias_add))
-        channels = list((float_channels or {}).get(node.name, ()))
+        channels = list(float_channels.get(node.name, ()))
         replacement, tensors = _replacement(node, weight, bias_add, channels, weights)
         nodes += [n for n in replacement if not done.issuperset(n.output)]
         done.update(o for n in replacement for o in n.output)

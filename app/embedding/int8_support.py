@@ -1,22 +1,19 @@
 """Whether int8 mode can keep its promise on this CPU, and with which weights
-(docs/configuration.md, KP_EMBEDDER_PRECISION).
+(KP_EMBEDDER_PRECISION; docs/decisions/int8-mode.md).
 
 int8 mode multiplies uint8 activations by the shipped int8 weights in onnxruntime's MLAS
-kernels. Which kernel runs depends on the CPU (onnxruntime/core/mlas/lib/platform.cpp):
+kernels, which the CPU chooses (onnxruntime/core/mlas/lib/platform.cpp):
 
 - with VNNI (AVX-VNNI, AVX-512 VNNI) or AMX the u8 x s8 kernel sums the products in 32 bits:
   exact;
 - without them, on AVX2 or AVX-512, it uses `vpmaddubsw`, which adds each pair of products in
-  saturating 16 bits (255 x 127 x 2 = 64,770 is cut to 32,767): scores moved by up to 0.021
-  on such a CPU. Its u8 x u8 kernel widens both operands to 16 bits and sums in 32 bits: exact.
-  The weights are then shifted into uint8 (w + 128, zero point 128: the same products), which
-  is what onnxruntime's own `session.x64quantprecision` does, but only at the EXTENDED
-  optimisation level, not at the BASIC one this service uses;
-- on any other CPU (no AVX2, or not x86-64) no int8 path has been checked here: int8 mode
-  declines and the service runs float32, the reference's arithmetic.
+  saturating 16 bits (255 x 127 x 2 = 64,770 is cut to 32,767: scores moved by up to 0.021).
+  Its u8 x u8 kernel widens both operands to 16 bits and sums in 32 bits: exact. The weights
+  are then shifted into uint8 (w + 128, zero point 128: the same products), as onnxruntime's
+  `session.x64quantprecision` does, but only at the EXTENDED level, not this service's BASIC;
+- on any other CPU no int8 path has been checked: int8 mode declines and serves float32.
 
-The flags are Linux's names (/proc/cpuinfo), which the kernel sets from the same CPUID bits
-MLAS reads (and clears for state the OS does not save).
+The flags are Linux's (/proc/cpuinfo), set from the same CPUID bits MLAS reads.
 """
 
 from __future__ import annotations
@@ -88,10 +85,10 @@ def _declined(why: str) -> Int8Support:
     )
 
 
-def _proc_cpuinfo_flags(path: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+def _proc_cpuinfo_flags() -> frozenset[str]:
     """The first processor's x86 flags; none when unreadable (and then int8 mode declines)."""
     try:
-        text = path.read_text(encoding="utf-8", errors="replace")
+        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
     except OSError:
         return frozenset()
     for line in text.splitlines():

@@ -33,9 +33,6 @@ _JS_WHITESPACE: Final = frozenset(
     "\t\n\v\f\r \u00a0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007\u2008\u2009\u200a"
     "\u2028\u2029\u202f\u205f\u3000\ufeff"
 )
-#: transformers.js's is_chinese_char, BMP ranges only (is_cjk): its astral ranges can never
-#: match a UTF-16 code unit.
-CJK_RANGES: Final = ((0x4E00, 0x9FFF), (0x3400, 0x4DBF), (0xF900, 0xFAFF))
 _REMOVED_CATEGORIES: Final = frozenset({"Cc", "Cf", "Co", "Cs"})
 _ASCII_CONTROL: Final = re.compile("[\x00-\x1f\x7f]")
 _ASCII_CLEAN: Final[dict[int, str | None]] = {
@@ -44,6 +41,8 @@ _ASCII_CLEAN: Final[dict[int, str | None]] = {
 
 
 def is_cjk(char: str) -> bool:
+    """transformers.js's is_chinese_char, BMP ranges only: its astral ones never match a UTF-16
+    code unit."""
     code = ord(char)
     return 0x4E00 <= code <= 0x9FFF or 0x3400 <= code <= 0x4DBF or 0xF900 <= code <= 0xFAFF
 

@@ -12,6 +12,7 @@ true`, the reference SDK's embedder:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -75,20 +76,21 @@ class OnnxEmbedder:
         model_sha256: Callable[[], str] | None = None,
     ) -> None:
         """`defer`: open only what a first answer needs (the main session, not yet run once);
-        `finish_loading` then opens the one-core session, builds what long texts need to be
-        cut (token_window) and warms both sessions up. `int8_weights`:
-        in int8 mode, the weights' type int8_support() chose for the CPU (None: ask it now;
-        ModelError where int8 mode declines). `spinning`: whether the main session's idle
-        pool threads spin (onnxruntime's default) or sleep. `session_cache`: where the
-        optimised graph is kept between starts (None: made at every start); `model_sha256`:
-        gives the model file's, when the caller checks it (else the bytes are hashed); it is
-        called once the tokenizer has loaded, so that a check can run beside that load."""
+        `finish_loading` then opens the one-core session, prepares the token window and warms
+        both sessions up. `int8_weights`: in int8 mode, the weights' type int8_support() chose
+        for the CPU (None: ask it now; ModelError where int8 mode declines). `spinning`: whether
+        the main session's idle pool threads spin (onnxruntime's default) or sleep.
+        `session_cache`: where the optimised graph is kept between starts (None: made at every
+        start). `model_sha256`: the model file's, when the caller checks it (else the bytes are
+        hashed), called once the tokenizer has loaded so that a check can run beside that load."""
         self._window = TokenWindow(load_tokenizer(tokenizer_path), MAX_TOKENS)
         # The PyPI wheel ships with telemetry on; a scoring service does not phone home.
         ort.disable_telemetry_events()
         self.precision: Final = precision
         self._model_path = model_path
-        model = _ModelBytes(model_path, precision, int8_weights)
+        # Read at the first need and kept: a session loaded from the session cache needs none
+        # (23 MB less to read on the way to a first answer).
+        model = functools.cache(functools.partial(_read_model, model_path, precision, int8_weights))
         sha256 = None if model_sha256 is None else model_sha256()  # a failed check raises
         self._cache: tuple[SessionCache, str] | None = None
         if session_cache is None:
@@ -104,14 +106,13 @@ class OnnxEmbedder:
         # Until the one-core session is open, runs side by side share the main one.
         self._one_core_session = self._session
         #: Kept until the one-core session is opened from it.
-        self._model: _ModelBytes | None = model if concurrent_runs > 1 else None
+        self._model: Callable[[], bytes] | None = model if concurrent_runs > 1 else None
         if not defer:
             self.finish_loading()
 
     def finish_loading(self) -> None:
-        """Under load, runs side by side on one core each do more per second than one run
-        spread over all cores (no synchronisation inside a run). One single-threaded session
-        serves them all: concurrent run() calls on a session are safe."""
+        """Opens the one-core session for runs side by side (docs/decisions/embedding-scheduler.md):
+        one single-threaded session serves them all, concurrent run() calls on it being safe."""
         if self._model is not None:
             self._one_core_session = self._open(self._model, 1, True, main=False)
             self._model = None
@@ -128,11 +129,9 @@ class OnnxEmbedder:
             self.embed_tokenized([text], one_core=True)
 
     def _open(
-        self, model: _ModelBytes, intra_op_threads: int, spinning: bool, *, main: bool = True
+        self, model: Callable[[], bytes], threads: int, spinning: bool, *, main: bool = True
     ) -> ort.InferenceSession:
-        def options() -> ort.SessionOptions:
-            return _session_options(intra_op_threads, spinning)
-
+        options = functools.partial(_session_options, threads, spinning)
         try:
             if self._cache is None:
                 session = ort.InferenceSession(model(), options(), providers=_PROVIDERS)
@@ -150,11 +149,8 @@ class OnnxEmbedder:
 
     def tokenize(self, texts: Sequence[str]) -> list[TokenizedText]:
         tokenized = []
-        for text in texts:
-            window = self._window.window(text)
-            tokenized.append(
-                TokenizedText(np.asarray(window.ids, dtype=np.int64), window.truncated)
-            )
+        for window in map(self._window.window, texts):
+            tokenized.append(TokenizedText(np.asarray(window.ids, np.int64), window.truncated))
         return tokenized
 
     def embed_tokenized(
@@ -213,10 +209,8 @@ MAX_PADDING: Final = 0.25
 PADDING_SLACK_TOKENS: Final = 4
 
 
-def length_groups(
-    tokenized: Sequence[TokenizedText], max_size: int, max_padding: float = MAX_PADDING
-) -> list[list[int]]:
-    """Indices grouped into model runs of similar length (padding at most `max_padding`)."""
+def length_groups(tokenized: Sequence[TokenizedText], max_size: int) -> list[list[int]]:
+    """Indices grouped into model runs of similar length (padding at most MAX_PADDING)."""
     order = sorted(range(len(tokenized)), key=lambda i: len(tokenized[i].ids))
     groups: list[list[int]] = []
     for i in order:
@@ -226,28 +220,12 @@ def length_groups(
             shortest = len(tokenized[group[0]].ids)
             if (
                 len(group) < max_size
-                and length <= shortest * (1 + max_padding) + PADDING_SLACK_TOKENS
+                and length <= shortest * (1 + MAX_PADDING) + PADDING_SLACK_TOKENS
             ):
                 group.append(i)
                 continue
         groups.append([i])
     return groups
-
-
-class _ModelBytes:
-    """The model's bytes, read at the first need and kept: a session loaded from the session
-    cache needs none (23 MB less to read on the way to a first answer)."""
-
-    def __init__(
-        self, model_path: Path, precision: Precision, int8_weights: Int8Weights | None
-    ) -> None:
-        self._args = (model_path, precision, int8_weights)
-        self._bytes: bytes | None = None
-
-    def __call__(self) -> bytes:
-        if self._bytes is None:
-            self._bytes = _read_model(*self._args)
-        return self._bytes
 
 
 def _read_model(model_path: Path, precision: Precision, int8_weights: Int8Weights | None) -> bytes:
@@ -272,17 +250,13 @@ def _read_model(model_path: Path, precision: Precision, int8_weights: Int8Weight
 
 
 def _session_options(intra_op_threads: int, spinning: bool) -> ort.SessionOptions:
+    # BASIC, not ALL (the reference's), and spinning as onnxruntime ships it unless turned off:
+    # docs/decisions/onnxruntime-session-options.md.
     options = ort.SessionOptions()
-    # BASIC (constant folding, redundant nodes removed), not ALL (the reference's): ALL's fusions
-    # cost 5-10% more CPU per text on one thread here; both keep the vectors within 2e-7 of the
-    # reference's (docs/decisions/onnxruntime-session-options.md).
     options.graph_optimization_level = LEVEL
     options.intra_op_num_threads = intra_op_threads
     options.log_severity_level = 3
     if not spinning:
-        # Idle pool threads sleep instead of spinning: on a host whose cores are busy with other
-        # work a spinning thread takes a core from the one doing the run
-        # (docs/decisions/onnxruntime-session-options.md).
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     # No `session.x64quantprecision` for int8 mode: its weight rewrite runs at the EXTENDED
     # level only. The weights' type does that work (int8_support.py).

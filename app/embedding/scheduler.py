@@ -1,20 +1,12 @@
-"""The worker threads that run the model, and the choice of each one's next run.
+"""The worker threads that run the model, and the choice of each one's next run
+(docs/decisions/embedding-scheduler.md): a request alone gets one run over all cores; under
+load each free worker takes a share of the queue and runs it on one core. A worker takes its
+next run itself, without a round trip through the event loop (busy with HTTP under load, it
+would leave the cores idle between runs). A run that fails is retried one request at a time,
+so one bad input fails alone.
 
-Each worker takes its next run from the queue as soon as it is free, without a round trip
-through the event loop (busy with HTTP under load, it would leave the cores idle between runs):
-
-- a request alone (nothing else waiting, every worker idle) gets one run over all cores, the
-  lowest latency one text can have;
-- under load each free worker takes a share of the queue and runs it on one core: runs side by
-  side do more per second than runs one after another over all cores. No request ever waits
-  for others to arrive.
-
-A run that fails is retried one request at a time, so one bad input fails alone.
-
-Admission turns real overload away, and only that: a request that would put more than
-`queue_limit` texts in the queue is refused at the door; one that has waited `max_wait_ms`
-without its run starting is refused when its turn comes. Both limits are counts and wall time
-the operator sets, never this machine's speed.
+Admission turns real overload away, and only that: its limits are counts and wall time the
+operator sets, never this machine's speed.
 """
 
 from __future__ import annotations
@@ -25,7 +17,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Final, Literal
+from typing import Final
 
 from app.embedding.types import (
     EmbedderUnavailableError,
@@ -133,7 +125,6 @@ ONE_CORE_RUN_TEXTS: Final = 2
 
 #: One model run over `texts` (on all cores, or on one): what the scheduler calls on a worker.
 Backend = Callable[[list[str], bool], list[Embedding]]
-Cores = Literal["all_cores", "one_core"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,7 +160,7 @@ class RunScheduler:
         self._closing = False
         self._threads: list[threading.Thread] = []
         #: Model calls made, on every core (a request alone) and on one core (side by side).
-        self.runs_total: dict[Cores, int] = {"all_cores": 0, "one_core": 0}
+        self.runs_total = {"all_cores": 0, "one_core": 0}
 
     @property
     def queue_depth(self) -> int:
@@ -180,10 +171,6 @@ class RunScheduler:
     def idle_workers(self) -> int:
         """Workers not running the model now (a run over every core takes them all)."""
         return self._idle_workers
-
-    @property
-    def closing(self) -> bool:
-        return self._closing
 
     def start(self) -> bool:
         """Starts the workers; False if closing already."""
@@ -202,11 +189,11 @@ class RunScheduler:
         self,
         texts: Sequence[str],
         settle: Callable[[Outcome], None],
-        abandoned: Callable[[], bool] | None = None,
+        abandoned: Callable[[], bool] = _never,
     ) -> Job:
         """Queues `texts`; `settle` gets their outcome from a worker. Raises OverloadedError
         at the door, EmbedderUnavailableError once closing."""
-        job = Job(texts, settle) if abandoned is None else Job(texts, settle, abandoned)
+        job = Job(texts, settle, abandoned)
         with self._lock:
             if self._closing:
                 raise EmbedderUnavailableError("the service is shutting down")
@@ -279,17 +266,15 @@ class RunScheduler:
         """Under the lock: drops the jobs at the head that nobody awaits any more, and turns
         away those that waited past the limit (the guarantee that the queue never piles up)."""
         now = time.monotonic()
-        errors: dict[int, Exception] = {}
+        expired = self.limits.expired
 
         def stale(job: Job) -> bool:
-            error = self.limits.expired(now - job.queued_at)
-            if error is not None:
-                errors[id(job)] = error
-            return error is not None or job.abandoned()
+            return expired(now - job.queued_at) is not None or job.abandoned()
 
         for job in self._queue.pop_stale(stale):
-            if id(job) in errors:
-                job.settle(errors[id(job)])
+            error = expired(now - job.queued_at)
+            if error is not None:
+                job.settle(error)
 
     def _run_jobs(self, jobs: list[Job], *, one_core: bool) -> list[tuple[Job, Outcome]]:
         """One model run for all jobs; if it fails, each job alone."""

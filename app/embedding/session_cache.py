@@ -1,20 +1,14 @@
 """onnxruntime's optimised graph of the model, kept on disk: a later start loads it with the
-optimisations off instead of making them again.
+optimisations off instead of making them again (docs/decisions/model-graph-cache.md). The
+graph is written once by the session that makes it (`optimized_model_filepath`, initializers
+in a data file beside it) and loaded as it is: the same kernels, the same vectors bit for bit.
 
-For the packaged model that is most of a session's creation: the BASIC level folds its int8
-weights into float32 ones (a 23 MB file becomes 90 MB of initializers), some 150 ms of one
-core, on the way to a cold start's first answer. The graph is written once by the session
-that makes it (onnxruntime's `optimized_model_filepath`, initializers in a data file beside
-it) and loaded as it is: the same nodes and weights, hence the same kernels and the same
-vectors, bit for bit (tests/test_session_cache.py).
-
-A cached graph is used only for the same model bytes, onnxruntime version, optimisation level
-and CPU (a constant folded by one CPU's kernels may differ in its last bits on another), and
-only when its files are whole: sizes and CRC-32s are recorded when written. CRC rather than
-SHA-256 because it catches damage at well under half the cost, and whoever could forge a file
-here could as well rewrite its record. A missing, stale or damaged entry, or one onnxruntime
-refuses, is built again from the model and written again. A directory that cannot be written
-(a read-only image) leaves the load as it is without a cache, and says so in the outcome.
+An entry is used only for the same model bytes, onnxruntime version, optimisation level and
+CPU (a constant folded by one CPU's kernels may differ in its last bits on another), and only
+when its files are whole by the sizes and CRC-32s recorded when written (CRC: it catches damage
+at under half SHA-256's cost, and whoever could forge a file here could rewrite its record).
+A missing, stale, damaged or refused entry is built and written again; a directory that cannot
+be written leaves the load without a cache, and the outcome says so.
 """
 
 from __future__ import annotations
@@ -41,8 +35,6 @@ LEVEL: Final = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
 #: such as shapes stay in the graph).
 _EXTERNAL_MIN_BYTES: Final = 1024
 
-OutcomeState = Literal["loaded", "built", "unsaved"]
-
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
@@ -50,7 +42,7 @@ class Outcome:
     written to the cache; `unsaved`: built from the model, the cache not written (`detail`
     says why). `detail` also says why an entry found was not used (stale or damaged)."""
 
-    state: OutcomeState
+    state: Literal["loaded", "built", "unsaved"]
     detail: str | None = None
 
 
@@ -115,11 +107,7 @@ class SessionCache:
         return self._build(model(), key, options, why_not)
 
     def _build(
-        self,
-        model: bytes,
-        key: str,
-        options: Callable[[], ort.SessionOptions],
-        why_not: str | None,
+        self, model: bytes, key: str, options: Callable[[], ort.SessionOptions], why_not: str | None
     ) -> tuple[ort.InferenceSession, Outcome]:
         # Only a start that writes the cache needs these (about 10 ms of imports).
         import secrets

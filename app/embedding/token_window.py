@@ -1,10 +1,7 @@
-"""The model's window of a text's token ids, from as little of the text as it takes to fill it.
-
-transformers.js tokenizes a whole text and keeps its first 512 ids: the cost grows with the
-text's length (a megabyte, about a second) while what the model reads stays the same. Here a
-prefix of the text is normalised and tokenized, cut where the whole text's normalisation and
-pre-tokenisation split too, and grown until the words before the cut fill the window; the ids
-are then exactly the whole text's first ones.
+"""The model's window of a text's token ids, from as little of the text as it takes to fill it
+(docs/decisions/token-window.md). A prefix of the text is normalised and tokenized, cut where
+the whole text's normalisation and pre-tokenisation split too, and grown until the words before
+the cut fill the window; the ids are then exactly the whole text's first ones.
 
 A cut before the character at index k is clean when:
 
