@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, Field
@@ -24,21 +25,11 @@ from app.schemas.trace import ReasoningTrace
 DECIMALS = 6
 
 
-def rounded(value: float) -> float:
-    """A score or cosine as answers give it."""
-    return round(value, DECIMALS)
-
-
-#: A score or cosine as answers give it: rounded to DECIMALS places.
+#: A score or cosine as answers give it (Python's round: no code of ours per field).
+rounded = functools.partial(round, ndigits=DECIMALS)
 Rounded = Annotated[float, AfterValidator(rounded)]
-
-
-def _microseconds(ms: float) -> float:
-    return round(ms, 3)
-
-
 #: A duration in milliseconds to the microsecond, as elapsed_ms.
-Milliseconds = Annotated[float, AfterValidator(_microseconds)]
+Milliseconds = Annotated[float, AfterValidator(functools.partial(round, ndigits=3))]
 
 
 class DimensionsOut(BaseModel):
