@@ -17,12 +17,11 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 from bench import corpus, floor, load
-from bench.machine import machine
+from bench.machine import machine, parse_env, provenance
 from bench.server import ROOT, Server
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "versus.json"
@@ -30,13 +29,13 @@ CLIENTS = 16
 
 
 def _server_figures(
-    root: Path, log: Path, seed: int, lone: int, seconds: float
+    root: Path, log: Path, seed: int, lone: int, seconds: float, env: dict[str, str]
 ) -> dict[str, float]:
     """One server of `root`: the lone client's typical p50, then 16 clients' rate."""
     warm = corpus.build("typical", 30, seed=seed)
     single = corpus.build("typical", lone, seed=seed + 1)
     crowd = corpus.build("typical", 4000, seed=seed + 2)
-    with Server({"KP_EMBEDDER_PRELOAD": "true"}, log, root=root) as server:
+    with Server({"KP_EMBEDDER_PRELOAD": "true", **env}, log, root=root) as server:
         port, pid = server.port, server.pid
 
         async def sequence() -> dict[str, float]:
@@ -55,7 +54,9 @@ def _server_figures(
         return load.run(sequence)
 
 
-def run(former: Path, rounds: int, lone: int, seconds: float) -> dict[str, Any]:
+def run(
+    former: Path, rounds: int, lone: int, seconds: float, this_env: dict[str, str]
+) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="kp-bench-versus-"))
     bare = floor.Floor()
     floor_texts = [i.text for i in corpus.build("typical", 200, seed=7)]
@@ -68,7 +69,8 @@ def run(former: Path, rounds: int, lone: int, seconds: float) -> dict[str, Any]:
         order = [("this", ROOT), ("former", former)]
         for name, root in order if r % 2 == 0 else order[::-1]:
             seed = 1000 * (r + 1) + (0 if name == "this" else 500)
-            figures = _server_figures(root, tmp / f"{name}-{r}.log", seed, lone, seconds)
+            env = this_env if name == "this" else {}
+            figures = _server_figures(root, tmp / f"{name}-{r}.log", seed, lone, seconds, env)
             figures["lone_over_floor"] = figures["lone_p50_ms"] / floors[-1]
             sides[name].append(figures)
     ratios = {
@@ -76,13 +78,13 @@ def run(former: Path, rounds: int, lone: int, seconds: float) -> dict[str, Any]:
         for key in ("lone_over_floor", "rate_16_rps")
     }
     return {
+        "run": provenance(),
         "machine": machine(),
-        "command": "python -m bench versus --former DIR "
-        f"--rounds {rounds} --lone {lone} --seconds {seconds:g}",
-        "date": time.strftime("%Y-%m-%d"),
+        "former": str(former),
+        "this_env": this_env,
         "floor_p50_ms": floors,
         "this": sides["this"],
-        "former": sides["former"],
+        "former_figures": sides["former"],
         "ratio": {
             key: {"median": statistics.median(v), "min": min(v), "max": max(v)}
             for key, v in ratios.items()
@@ -100,9 +102,9 @@ def render(doc: dict[str, Any]) -> str:
     ):
         r = doc["ratio"][key]
         lines.append(f"  {what}: {r['median']:.3f} ({r['min']:.3f}-{r['max']:.3f})")
-    for name in ("this", "former"):
-        p50 = statistics.median(x["lone_p50_ms"] for x in doc[name])
-        rate = statistics.median(x["rate_16_rps"] for x in doc[name])
+    for name, key in (("this", "this"), ("former", "former_figures")):
+        p50 = statistics.median(x["lone_p50_ms"] for x in doc[key])
+        rate = statistics.median(x["rate_16_rps"] for x in doc[key])
         lines.append(f"  {name}: lone p50 {p50:.2f} ms, 16 clients {rate:.0f}/s (medians)")
     return "\n".join(lines)
 
@@ -113,9 +115,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=4, help="A B rounds (default %(default)s)")
     parser.add_argument("--lone", type=int, default=200, help="lone-client traces a server")
     parser.add_argument("--seconds", type=float, default=8.0, help="16 clients' run a server")
+    parser.add_argument(
+        "--this-env",
+        action="append",
+        default=[],
+        metavar="KP_NAME=VALUE",
+        help="a setting for this checkout's servers alone (a default the former lacks: "
+        "KP_CACHE_DB_PATH=:memory: compares the memory kept in the process on both sides)",
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
-    doc = run(args.former.resolve(), args.rounds, args.lone, args.seconds)
+    this_env = parse_env(args.this_env)
+    doc = run(args.former.resolve(), args.rounds, args.lone, args.seconds, this_env)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=2) + "\n")
     print(render(doc))

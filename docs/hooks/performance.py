@@ -16,6 +16,8 @@ the 100 ms budget, so that the page claims no more than the file measured.
 
 from __future__ import annotations
 
+import statistics
+
 import json
 import math
 import os
@@ -593,7 +595,37 @@ def _contribution(data: dict[str, Any]) -> str:
     return "\n\n".join(out)
 
 
+def _versus(data: dict[str, Any]) -> str:
+    """bench.versus: this checkout against another, A B A B: each round's ratio."""
+    rounds = len(data["this"])
+    rows = []
+    for key, what in (
+        ("lone_over_floor", "the lone client's typical p50 over the floor (lower is better)"),
+        ("rate_16_rps", "16 clients' rate (higher is better)"),
+    ):
+        r = data["ratio"][key]
+        rows.append([what, r["median"], f"{_number(r['min'])}-{_number(r['max'])}"])
+    medians = [
+        [
+            name,
+            statistics.median(x["lone_p50_ms"] for x in data[key]),
+            statistics.median(x["rate_16_rps"] for x in data[key]),
+        ]
+        for name, key in (("this checkout", "this"), ("the former", "former_figures"))
+    ]
+    settings = ", ".join(f"{k}={v}" for k, v in data.get("this_env", {}).items()) or "none"
+    return "\n\n".join(
+        [
+            f"{rounds} rounds, the two servers in turn (A B, then B A); this checkout's own "
+            f"settings: {settings}.",
+            _table(["this checkout over the former", "median", "min-max"], rows),
+            _table(["medians", "lone p50 ms", "16 clients /s"], medians),
+        ]
+    )
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
+    "versus": _versus,
     "detectors": _detectors,
     "contribution": _contribution,
     "latest": _latest,
