@@ -60,10 +60,11 @@ def _tail(log: IO[bytes]) -> str:
     return log.read().decode(errors="replace")[-3000:]
 
 
-def test_uvicorn_serves_app_main_app_with_the_model() -> None:
+def test_uvicorn_serves_app_main_app_with_the_model(tmp_path: Path) -> None:
     port = free_port()
     command = [str(BIN / "uvicorn"), "app.main:app", "--host", "127.0.0.1", "--port", str(port)]
-    with serving(command, port, {"KP_CACHE_CAPACITY": "50"}) as client:
+    env = {"KP_CACHE_CAPACITY": "50", "KP_CACHE_DB_PATH": str(tmp_path / "memory.db")}
+    with serving(command, port, env) as client:
         trace = make_trace(trace_id="kp:trace:uvicorn", objective="Served by uvicorn")
         first = client.post("/evaluate", json=trace)
         assert first.status_code == 200, first.text
@@ -84,7 +85,7 @@ def test_fastapi_run_and_gunicorn_serve_it_too(server: str) -> None:
     else:
         command = [str(BIN / "gunicorn"), "app.main:app", "--bind", f"127.0.0.1:{port}"]
         command += ["--workers", "1", "--worker-class", "uvicorn_worker.UvicornWorker"]
-    with serving(command, port, {"KP_EMBEDDER": "none"}) as client:
+    with serving(command, port, {"KP_EMBEDDER": "none", "KP_CACHE_DB_PATH": ":memory:"}) as client:
         answer = client.post("/evaluate", json=make_trace())
         assert answer.status_code == 200, answer.text
         assert answer.json()["score"] == 0.57625
