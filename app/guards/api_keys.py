@@ -20,7 +20,6 @@ from app.core import namespaces
 from app.core.errors import PartError
 
 Scope = Literal["evaluate", "admin"]
-SCOPES: tuple[Scope, ...] = ("evaluate", "admin")
 #: Name of the principal KP_ADMIN_TOKEN stands for (in logs and metrics).
 ADMIN_TOKEN_NAME = "admin-token"
 
