@@ -26,9 +26,6 @@ class Problem:
     type: str
     extra: Mapping[str, Any] = field(default_factory=dict)
 
-    def entry(self) -> dict[str, Any]:
-        return {"loc": list(self.loc), "msg": self.msg, "type": self.type, **self.extra}
-
 
 class ServiceError(Exception):
     """A refusal: nothing was changed. `problems`: the request's faults, each naming its

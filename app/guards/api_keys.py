@@ -80,10 +80,6 @@ class KeyRing:
                 (key_digest(admin_token), ApiKey(ADMIN_TOKEN_NAME, frozenset({"admin"}), None))
             )
 
-    @property
-    def names(self) -> list[str]:
-        return [key.name for _, key in self._entries]
-
     def identify(self, presented: str) -> ApiKey | None:
         """The key `presented` is, or None; every entry is compared, each in constant time."""
         digest = key_digest(presented)
