@@ -83,21 +83,6 @@ class DescriptorAlarm:
         )
 
 
-class _AcceptFailures(logging.Filter):
-    """Drops granian's line for each accept that failed for want of descriptors, counting it."""
-
-    def __init__(self, alarm: DescriptorAlarm) -> None:
-        super().__init__()
-        self.alarm = alarm
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        if _ACCEPT_FAILED in message and any(s in message for s in _NO_DESCRIPTORS):
-            self.alarm.accept_failed()
-            return False
-        return True
-
-
 async def watch_descriptors() -> None:
     """Counts open descriptors every WATCH_INTERVAL_S; logs once when they come within 2% of
     the limit (kp_fd_exhausted, kp_fd_low) and once when they are back under 90%; granian's
@@ -106,7 +91,15 @@ async def watch_descriptors() -> None:
         log.info("file descriptor watch off: no /proc/self/fd on this system")
         return
     alarm = DescriptorAlarm()
-    accept_failures = _AcceptFailures(alarm)
+
+    def accept_failures(record: logging.LogRecord) -> bool:
+        """Drops granian's line for an accept that failed for want of descriptors, counted."""
+        message = record.getMessage()
+        if _ACCEPT_FAILED in message and any(s in message for s in _NO_DESCRIPTORS):
+            alarm.accept_failed()
+            return False
+        return True
+
     # On granian's handlers: its Rust side logs on child loggers (`_granian.<module>`), whose
     # records reach those handlers but not a filter of the parent logger.
     handlers = list(logging.getLogger(GRANIAN_LOGGER).handlers)
