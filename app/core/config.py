@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, Final, Literal
+from typing import Any, Final, Literal
 from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
@@ -44,29 +44,24 @@ class Settings(BaseSettings):
         description="Load the model before the service reports ready, instead of on the first "
         "trace.",
     )
-    embedder_threads: Annotated[
-        int,
-        Field(
-            ge=0,
-            description="onnxruntime intra-op threads of a request that runs alone; `0`: one "
-            "per core.",
-        ),
-    ] = 0
+    embedder_threads: int = Field(
+        0,
+        ge=0,
+        description="onnxruntime intra-op threads of a request that runs alone; `0`: one per core.",
+    )
     embedder_spinning: bool = Field(
         True,
         description="`false`: onnxruntime's idle intra-op threads sleep instead of spinning "
         "(steadier latency on hosts whose cores other work keeps busy; the same vectors).",
     )
-    embedder_workers: Annotated[
-        int,
-        Field(
-            ge=0,
-            le=64,
-            description="Model runs side by side under load, one core each; `0`: one per core "
-            "this process may use. Above 1 a second, single-threaded session is loaded (about "
-            "110 MiB more); `1`: one run at a time over all cores.",
-        ),
-    ] = 0
+    embedder_workers: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="Model runs side by side under load, one core each; `0`: one per core "
+        "this process may use. Above 1 a second, single-threaded session is loaded (about "
+        "110 MiB more); `1`: one run at a time over all cores.",
+    )
     embedder_precision: Literal["float32", "int8"] = Field(
         "float32",
         description="`float32`: the reference's vectors. `int8`: int8 activations, about twice "
@@ -87,34 +82,30 @@ class Settings(BaseSettings):
         "start, nothing written.",
     )
 
-    cache_capacity: Annotated[
-        int,
-        Field(ge=1, description="Vectors the novelty memory keeps; the oldest is evicted first."),
-    ] = 1000
-    max_namespaces: Annotated[
-        int,
-        Field(
-            ge=1,
-            description="Namespaces that may hold entries at once, each a memory of its own "
-            "with `KP_CACHE_CAPACITY` and `KP_CACHE_TTL_MS`; a trace or import that would start "
-            "one more is refused (409, nothing stored) until one is cleared or every entry of "
-            "one has expired (its memory is then given back).",
-        ),
-    ] = 1000
-    cache_ttl_ms: Annotated[float, Field(gt=0)] | None = Field(
+    cache_capacity: int = Field(
+        1000, ge=1, description="Vectors the novelty memory keeps; the oldest is evicted first."
+    )
+    max_namespaces: int = Field(
+        1000,
+        ge=1,
+        description="Namespaces that may hold entries at once, each a memory of its own "
+        "with `KP_CACHE_CAPACITY` and `KP_CACHE_TTL_MS`; a trace or import that would start "
+        "one more is refused (409, nothing stored) until one is cleared or every entry of "
+        "one has expired (its memory is then given back).",
+    )
+    cache_ttl_ms: float | None = Field(
         None,
+        gt=0,
         description="Entries expire after this many milliseconds (`604800000` is a week). "
         "Unset: they never expire.",
     )
     # The lines are checked before any is added, so a request's entries are held until its end.
-    cache_import_max_bytes: Annotated[
-        int,
-        Field(
-            ge=1_048_576,
-            description="Largest `POST /cache/import` body (NDJSON, about 2.1 kB an entry: 64 "
-            "MiB is about 30,000 entries); send more in several requests.",
-        ),
-    ] = 64 * 1_048_576
+    cache_import_max_bytes: int = Field(
+        64 * 1_048_576,
+        ge=1_048_576,
+        description="Largest `POST /cache/import` body (NDJSON, about 2.1 kB an entry: 64 "
+        "MiB is about 30,000 entries); send more in several requests.",
+    )
     cache_db_path: Path | None = Field(
         None,
         description="The SQLite database that keeps the in-process memory (every namespace) "
@@ -145,8 +136,9 @@ class Settings(BaseSettings):
         description="Deprecated (removed in the next release): read as `KP_CACHE_DURABILITY` "
         "(`always`: `power`; `everysec` and `off`: `process`), with a warning in the log.",
     )
-    cache_snapshot_interval_s: Annotated[float, Field(gt=0)] | None = Field(
+    cache_snapshot_interval_s: float | None = Field(
         None,
+        gt=0,
         description="Deprecated (removed in the next release): ignored, with a warning in the "
         "log; every change is committed before its answer, there is no snapshot to time.",
     )
@@ -172,39 +164,32 @@ class Settings(BaseSettings):
         description="PEM public keys of earlier signing keys, still published in the JWKS "
         "after a rotation.",
     )
-    signing_issuer: Annotated[
-        str,
-        Field(min_length=1, max_length=200, description="The `iss` claim of signed scores."),
-    ] = "kp-scoring"
-    signing_audience: Annotated[
-        str | None,
-        Field(
-            min_length=1,
-            max_length=200,
-            description="Set: every signed score's payload carries it as `aud`, the party the "
-            "scores are for (a registry's name); a verifier that is not this audience refuses "
-            "them (docs/operating/signatures.md).",
-        ),
-    ] = None
-    signing_lifetime_s: Annotated[
-        int | None,
-        Field(
-            ge=1,
-            description="Set: every signed score's payload carries `exp`, this many seconds "
-            "after it was signed; past it the signature no longer verifies "
-            "(docs/operating/signatures.md). Unset: signed scores do not expire.",
-        ),
-    ] = None
-    embed_memo_capacity: Annotated[
-        int,
-        Field(
-            ge=0,
-            le=1_000_000,
-            description="Vectors of recently embedded texts kept by the SHA-256 of the text "
-            "(about 1.6 KiB each), so that a commit after a dry run or a retry runs no model; "
-            "`0`: off.",
-        ),
-    ] = 4096
+    signing_issuer: str = Field(
+        "kp-scoring", min_length=1, max_length=200, description="The `iss` claim of signed scores."
+    )
+    signing_audience: str | None = Field(
+        None,
+        min_length=1,
+        max_length=200,
+        description="Set: every signed score's payload carries it as `aud`, the party the "
+        "scores are for (a registry's name); a verifier that is not this audience refuses "
+        "them (docs/operating/signatures.md).",
+    )
+    signing_lifetime_s: int | None = Field(
+        None,
+        ge=1,
+        description="Set: every signed score's payload carries `exp`, this many seconds "
+        "after it was signed; past it the signature no longer verifies "
+        "(docs/operating/signatures.md). Unset: signed scores do not expire.",
+    )
+    embed_memo_capacity: int = Field(
+        4096,
+        ge=0,
+        le=1_000_000,
+        description="Vectors of recently embedded texts kept by the SHA-256 of the text "
+        "(about 1.6 KiB each), so that a commit after a dry run or a retry runs no model; "
+        "`0`: off.",
+    )
 
     # A secret: it may carry a password.
     redis_url: SecretStr | None = Field(
@@ -213,165 +198,126 @@ class Settings(BaseSettings):
         "novelty memory is shared by every replica with the same URL and prefix. Unset: the "
         "memory lives in the process.",
     )
-    redis_prefix: Annotated[
-        str,
-        Field(
-            min_length=1,
-            max_length=200,
-            pattern=r"^[^\s{}]+$",
-            description="Key prefix in that Redis (several services or environments can share "
-            "one Redis). No braces: a namespace's keys carry its name as their hash tag.",
-        ),
-    ] = "kp:"
+    redis_prefix: str = Field(
+        "kp:",
+        min_length=1,
+        max_length=200,
+        pattern=r"^[^\s{}]+$",
+        description="Key prefix in that Redis (several services or environments can share "
+        "one Redis). No braces: a namespace's keys carry its name as their hash tag.",
+    )
     # A healthy exchange takes well under 1 ms locally and a few ms across a network; 250 ms
     # is past an fsync stall of a slow disk (appendfsync always) and past the event loop's
     # delays on a busy two-core machine, so it does not fire under load, yet keeps a request
     # within a few times the 100 ms budget (docs/performance.md) when Redis is gone.
-    redis_timeout_ms: Annotated[
-        float,
-        Field(
-            gt=0,
-            le=60_000,
-            description="Longest a request waits for Redis; past it novelty is not measured "
-            "(`cache_unavailable`).",
-        ),
-    ] = 250.0
-
-    # FLAT compares every entry: about 0.15 µs an entry on one core of Redis, so 10,000
-    # entries keep a search near 2 ms, a small part of a request (docs/decisions/
-    # flat-then-hnsw.md).
-    redis_hnsw_from: Annotated[
-        int,
-        Field(
-            ge=0,
-            description="With `KP_REDIS_URL`: entries from which a namespace's searches move "
-            "from Redis's exact FLAT index to an HNSW index (answers then say "
-            "`search: index`); `0`: FLAT at any size.",
-        ),
-    ] = 10_000
-    redis_hnsw_m: Annotated[
-        int,
-        Field(ge=4, le=128, description="The HNSW graph's links per entry (Redis's `M`)."),
-    ] = 16
-    redis_hnsw_ef_construction: Annotated[
-        int,
-        Field(
-            ge=16,
-            le=4096,
-            description="The HNSW graph's breadth while it is built (`EF_CONSTRUCTION`): "
-            "higher finds better links, for more of Redis's time per add.",
-        ),
-    ] = 200
-    redis_hnsw_ef_runtime: Annotated[
-        int,
-        Field(
-            ge=8,
-            le=8192,
-            description="The HNSW search's breadth (`EF_RUNTIME`): higher finds the exact "
-            "maximum more often, for more of Redis's time per search. 800 keeps fresh answers "
-            "within 0.02 of the exact maximum for 99% at a million entries (about 6 ms a search "
-            "there); 200 does at 100,000 (docs/operating/large-memory.md).",
-        ),
-    ] = 800
-
-    max_body_bytes: Annotated[int, Field(ge=1024, description="Larger request bodies get 413.")] = (
-        1_048_576
+    redis_timeout_ms: float = Field(
+        250.0,
+        gt=0,
+        le=60_000,
+        description="Longest a request waits for Redis; past it novelty is not measured "
+        "(`cache_unavailable`).",
     )
-    max_batch: Annotated[int, Field(ge=1, le=10_000, description="Traces per batch request.")] = 64
-    max_steps: Annotated[int, Field(ge=1, description="Steps per trace.")] = 1000
-    max_string_chars: Annotated[
-        int, Field(ge=1, description="Characters in any one string of a trace.")
-    ] = 100_000
-    max_json_depth: Annotated[
-        int,
-        Field(
-            ge=4,
-            le=1000,
-            description="Nesting of arrays and objects in a body (checked before parsing).",
-        ),
-    ] = 32
-    embed_batch_size: Annotated[
-        int,
-        Field(
-            ge=1,
-            le=1024,
-            description="Texts one model run takes at most (concurrent requests share runs; "
-            "`int8` runs each text alone).",
-        ),
-    ] = 32
-    embed_queue_limit: Annotated[
-        int,
-        Field(
-            ge=1,
-            description="Texts waiting for the model beyond which requests get 503 at once.",
-        ),
-    ] = 256
-    # A limit for real overload, not for latency: 10 s is about 70 full-window texts on a CPU
-    # where one takes 140 ms, so bursts and closed-loop clients on slow CPUs are served, later.
-    embed_max_wait_ms: Annotated[
-        float,
-        Field(
-            gt=0,
-            description="Longest a request may wait for the model before its run starts; past "
-            "it, 503.",
-        ),
-    ] = 10_000.0
 
-    # Connection bounds (docs/operating/slow-clients.md): the header deadline and size are
-    # granian's (app/serve.py hands them over), the body deadline the app's own
-    # (app/api/asgi/request_bounds.py), so that slow or silent clients cannot hold descriptors.
-    # An honest request's headers are under 1 KB, one packet; 15 s outlasts several TCP
-    # retransmissions (1 s, 2 s, 4 s...) on a lossy link.
-    header_timeout_s: Annotated[
-        float,
-        Field(
-            gt=0,
-            le=60,
-            description="From connect (or the end of the previous answer) to the request's last "
-            "header line; past it the connection is closed without an answer (an idle "
-            "kept-alive one too). At most 60 (the server's bound).",
-        ),
-    ] = 15.0
-    body_timeout_s: Annotated[
-        float,
-        Field(
-            gt=0,
-            le=600,
-            description="From the request's headers to its body's last byte; past it, 408 and "
-            "close (1 MiB at 35 KB/s fits).",
-        ),
-    ] = 30.0
-    max_header_bytes: Annotated[
-        int,
-        Field(
-            ge=8192,
-            le=1_048_576,
-            description="Request line plus header lines, in bytes (the server's HTTP/1 buffer); "
-            "past it, 431 (nginx's default). At most 100 header lines are taken, whatever "
-            "their size.",
-        ),
-    ] = 32_768
+    # Why 10,000: docs/decisions/flat-then-hnsw.md.
+    redis_hnsw_from: int = Field(
+        10_000,
+        ge=0,
+        description="With `KP_REDIS_URL`: entries from which a namespace's searches move "
+        "from Redis's exact FLAT index to an HNSW index (answers then say "
+        "`search: index`); `0`: FLAT at any size.",
+    )
+    redis_hnsw_m: int = Field(
+        16, ge=4, le=128, description="The HNSW graph's links per entry (Redis's `M`)."
+    )
+    redis_hnsw_ef_construction: int = Field(
+        200,
+        ge=16,
+        le=4096,
+        description="The HNSW graph's breadth while it is built (`EF_CONSTRUCTION`): "
+        "higher finds better links, for more of Redis's time per add.",
+    )
+    redis_hnsw_ef_runtime: int = Field(
+        800,
+        ge=8,
+        le=8192,
+        description="The HNSW search's breadth (`EF_RUNTIME`): higher finds the exact "
+        "maximum more often, for more of Redis's time per search. 800 keeps fresh answers "
+        "within 0.02 of the exact maximum for 99% at a million entries (about 6 ms a search "
+        "there); 200 does at 100,000 (docs/operating/large-memory.md).",
+    )
 
-    metrics_namespaces: Annotated[
-        int,
-        Field(
-            ge=0,
-            le=10_000,
-            description="Namespaces that get a `namespace` label of their own in the metrics "
-            "(the first this process scores); the others are counted together as `(other)`, "
-            "so that tenants cannot grow the metrics without bound.",
-        ),
-    ] = 20
+    max_body_bytes: int = Field(1_048_576, ge=1024, description="Larger request bodies get 413.")
+    max_batch: int = Field(64, ge=1, le=10_000, description="Traces per batch request.")
+    max_steps: int = Field(1000, ge=1, description="Steps per trace.")
+    max_string_chars: int = Field(
+        100_000, ge=1, description="Characters in any one string of a trace."
+    )
+    max_json_depth: int = Field(
+        32,
+        ge=4,
+        le=1000,
+        description="Nesting of arrays and objects in a body (checked before parsing).",
+    )
+    embed_batch_size: int = Field(
+        32,
+        ge=1,
+        le=1024,
+        description="Texts one model run takes at most (concurrent requests share runs; "
+        "`int8` runs each text alone).",
+    )
+    embed_queue_limit: int = Field(
+        256, ge=1, description="Texts waiting for the model beyond which requests get 503 at once."
+    )
+    # A limit for real overload, not for latency (docs/decisions/overload-is-a-queue.md).
+    embed_max_wait_ms: float = Field(
+        10_000.0,
+        gt=0,
+        description="Longest a request may wait for the model before its run starts; past it, 503.",
+    )
+
+    # Connection bounds, and why these values: docs/operating/slow-clients.md. The header
+    # deadline and size are granian's (app/serve.py hands them over), the body deadline the
+    # app's own (app/api/edge.py).
+    header_timeout_s: float = Field(
+        15.0,
+        gt=0,
+        le=60,
+        description="From connect (or the end of the previous answer) to the request's last "
+        "header line; past it the connection is closed without an answer (an idle "
+        "kept-alive one too). At most 60 (the server's bound).",
+    )
+    body_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        le=600,
+        description="From the request's headers to its body's last byte; past it, 408 and "
+        "close (1 MiB at 35 KB/s fits).",
+    )
+    max_header_bytes: int = Field(
+        32_768,
+        ge=8192,
+        le=1_048_576,
+        description="Request line plus header lines, in bytes (the server's HTTP/1 buffer); "
+        "past it, 431 (nginx's default). At most 100 header lines are taken, whatever "
+        "their size.",
+    )
+
+    metrics_namespaces: int = Field(
+        20,
+        ge=0,
+        le=10_000,
+        description="Namespaces that get a `namespace` label of their own in the metrics "
+        "(the first this process scores); the others are counted together as `(other)`, "
+        "so that tenants cannot grow the metrics without bound.",
+    )
     # POST /contribution (docs/contribution.md).
-    contribution_threshold: Annotated[
-        float,
-        Field(
-            ge=0,
-            le=1,
-            description="POST /contribution: a trace is `shareable` when its score is at least "
-            "this (the reference SDK's capture contributes from 0.75).",
-        ),
-    ] = 0.75
+    contribution_threshold: float = Field(
+        0.75,
+        ge=0,
+        le=1,
+        description="POST /contribution: a trace is `shareable` when its score is at least "
+        "this (the reference SDK's capture contributes from 0.75).",
+    )
     contribution_clean_all: bool = Field(
         False,
         description="POST /contribution: also clean what the SDK's capture sends as it was (the "
@@ -386,26 +332,22 @@ class Settings(BaseSettings):
         "redact_suspected overrides it. The contribution then differs from the SDK's, and the "
         "answer's differs_from_sdk says so.",
     )
-    injection_suspicious_threshold: Annotated[
-        float,
-        Field(
-            ge=0,
-            le=1,
-            description="POST /contribution: the injection classifier's suspiciousThreshold (the "
-            "reference SDK's 0.3): a field scoring at least this is `suspicious`; at most "
-            "KP_INJECTION_REJECT_THRESHOLD. A request's suspicious_threshold overrides it.",
-        ),
-    ] = 0.3
-    injection_reject_threshold: Annotated[
-        float,
-        Field(
-            ge=0,
-            le=1,
-            description="POST /contribution: the injection classifier's rejectThreshold (the "
-            "reference SDK's 0.6): a field scoring at least this is `rejected`. A request's "
-            "reject_threshold overrides it.",
-        ),
-    ] = 0.6
+    injection_suspicious_threshold: float = Field(
+        0.3,
+        ge=0,
+        le=1,
+        description="POST /contribution: the injection classifier's suspiciousThreshold (the "
+        "reference SDK's 0.3): a field scoring at least this is `suspicious`; at most "
+        "KP_INJECTION_REJECT_THRESHOLD. A request's suspicious_threshold overrides it.",
+    )
+    injection_reject_threshold: float = Field(
+        0.6,
+        ge=0,
+        le=1,
+        description="POST /contribution: the injection classifier's rejectThreshold (the "
+        "reference SDK's 0.6): a field scoring at least this is `rejected`. A request's "
+        "reject_threshold overrides it.",
+    )
 
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Log lines below this level are not written."
@@ -592,10 +534,8 @@ def default_memory_file() -> Path | None:
 
 
 def _db_path_name(settings: Settings) -> str:
-    """The variable the database path came from, as the operator wrote it."""
-    former = settings.cache_snapshot_path is not None and (
-        settings.cache_snapshot_path == settings.cache_db_path
-    )
+    """The variable the database path (set) came from, as the operator wrote it."""
+    former = settings.cache_snapshot_path == settings.cache_db_path
     return f"{ENV_PREFIX}{'CACHE_SNAPSHOT_PATH' if former else 'CACHE_DB_PATH'}"
 
 

@@ -1,5 +1,5 @@
 """Process-wide metrics of the HTTP connections: what the request bounds
-(app/api/asgi/request_bounds.py) and the descriptor watch count. One server runs per process,
+(app/api/edge.py) and the descriptor watch count. One server runs per process,
 whereas apps (each with its own registry, app/core/metrics.py) may be several: every app's
 /metrics shows these too."""
 

@@ -1,11 +1,9 @@
-"""The service's error types. Every refusal is a ServiceError: its status, its kind (the
-machine-readable `type`), where the fault is (`loc`), what rule it breaks, and when a retry may
-come; a transport renders it once (REST: app/api/errors.py; MCP: a tool error of the same
-kind). A PartError is a part that could not do its work (the model, the database, Redis): the
-service degrades as the docs say (novelty not measured, a trace not stored) instead of refusing.
+"""The service's error types (docs/decisions/one-door.md): every refusal is a ServiceError,
+rendered once by each transport (REST: app/api/errors.py; MCP: a tool error of the same kind);
+a PartError is a part that could not do its work, and the service degrades instead of refusing.
 
-The REST shape of a refusal about a request's content is FastAPI's validation shape,
-`{"detail": [{"loc": [...], "msg": ..., "type": ...}]}`; a refusal about the service's state
+In REST, a refusal about a request's content has FastAPI's validation shape,
+`{"detail": [{"loc": [...], "msg": ..., "type": ...}]}`; one about the service's state
 (overload, an unreachable memory) is `{"detail": "<message>"}`.
 """
 
@@ -27,9 +25,6 @@ class Problem:
     msg: str
     type: str
     extra: Mapping[str, Any] = field(default_factory=dict)
-
-    def entry(self) -> dict[str, Any]:
-        return {"loc": list(self.loc), "msg": self.msg, "type": self.type, **self.extra}
 
 
 class ServiceError(Exception):
@@ -68,11 +63,6 @@ def invalid(problems: Sequence[Problem], status: int = 422) -> ServiceError:
 class PartError(Exception):
     """A part of the service could not do its work (a model file, a database write, Redis);
     the service degrades, as the docs say, rather than refuse."""
-
-
-def field_error(loc: Loc, msg: str, kind: str) -> dict[str, Any]:
-    """One entry of the REST error body: where (`loc`), what rule (`msg`), its `type`."""
-    return {"loc": list(loc), "msg": msg, "type": kind}
 
 
 def problems_of(errors: Iterable[Mapping[str, Any]]) -> list[Problem]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 #: How a warning about a part that leaves novelty unmeasured begins.
 UNMEASURED = "novelty is not measured (fixed at 0.5): "
@@ -14,7 +13,3 @@ class Health:
     #: The service answers, but a part works below its promise (novelty not measured).
     degraded: bool = False
     warnings: tuple[str, ...] = ()
-
-
-class ReportsHealth(Protocol):
-    def health(self) -> Health: ...

@@ -5,6 +5,7 @@ expose their own figures through app.service.runtime.RuntimeCollector."""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -32,112 +33,90 @@ class Metrics:
         self._children: dict[tuple[object, tuple[str, ...]], Any] = {}
         self._namespace_labels = namespace_labels
         self._labelled_namespaces: set[str] = set()
-        r = self.registry
-        register_connection_metrics(r)
-        self.requests = Counter(
-            "kp_http_requests",
-            "HTTP requests by route and status.",
-            ["route", "method", "status"],
-            registry=r,
+        register_connection_metrics(self.registry)
+        counter = partial(Counter, registry=self.registry)
+        histogram = partial(Histogram, registry=self.registry)
+        self.requests = counter(
+            "kp_http_requests", "HTTP requests by route and status.", ["route", "method", "status"]
         )
-        self.latency = Histogram(
+        self.latency = histogram(
             "kp_http_request_duration_seconds",
             "HTTP request latency by route.",
             ["route"],
             buckets=_LATENCY_BUCKETS,
-            registry=r,
         )
-        self.errors = Counter(
+        self.errors = counter(
             "kp_http_errors",
             "Requests answered with 4xx or 5xx, by route and status.",
             ["route", "status"],
-            registry=r,
         )
-        self.scoring_requests = Counter(
+        self.scoring_requests = counter(
             "kp_scoring_requests",
             "Scoring requests (one trace, or a batch) by transport (rest: POST /evaluate*, "
             "mcp: the /mcp tools) and kind (one, batch), refused ones included.",
             ["transport", "kind"],
-            registry=r,
         )
-        self.evaluations = Counter(
-            "kp_evaluations", "Traces scored, by weight profile.", ["profile"], registry=r
+        self.evaluations = counter(
+            "kp_evaluations", "Traces scored, by weight profile.", ["profile"]
         )
-        self.overrides = Counter(
-            "kp_overrides", "Rule overrides fired, by rule.", ["rule"], registry=r
+        self.overrides = counter("kp_overrides", "Rule overrides fired, by rule.", ["rule"])
+        self.novelty_unmeasured = counter(
+            "kp_novelty_unmeasured", "Traces whose novelty was not measured, by reason.", ["reason"]
         )
-        self.novelty_unmeasured = Counter(
-            "kp_novelty_unmeasured",
-            "Traces whose novelty was not measured, by reason.",
-            ["reason"],
-            registry=r,
-        )
-        self.novelty_search = Counter(
+        self.novelty_search = counter(
             "kp_novelty_search",
             "Traces whose novelty was measured, by how the memory found the nearest: exact "
             "(the in-process scan, Redis's FLAT) or index (Redis's HNSW).",
             ["search"],
-            registry=r,
         )
-        self.score = Histogram(
-            "kp_score", "Scores given.", buckets=[i / 10 for i in range(1, 11)], registry=r
-        )
-        self.overloaded = Counter(
+        self.score = histogram("kp_score", "Scores given.", buckets=[i / 10 for i in range(1, 11)])
+        self.overloaded = counter(
             "kp_overloaded",
             "Requests turned away with 503, by limit: queue_limit (KP_EMBED_QUEUE_LIMIT) or "
             "waited_too_long (waited past KP_EMBED_MAX_WAIT_MS for the model).",
             ["reason"],
-            registry=r,
         )
-        self.embed_queue_wait = Histogram(
+        self.embed_queue_wait = histogram(
             "kp_embed_queue_wait_seconds",
             "Time a request waited in the queue before its model run started.",
             buckets=_QUEUE_WAIT_BUCKETS,
-            registry=r,
         )
-        self.embed_run = Histogram(
+        self.embed_run = histogram(
             "kp_embed_run_seconds",
             "Time of one model run (the texts of one or more requests).",
             buckets=_LATENCY_BUCKETS,
-            registry=r,
         )
-        self.auth_refused = Counter(
+        self.auth_refused = counter(
             "kp_auth_refused",
             "Requests refused for their API key: missing, unknown_key (401), missing_scope (403), "
             "namespace_forbidden (403: a key bound to another namespace).",
             ["reason"],
-            registry=r,
         )
         # Key names come from KP_API_KEYS_FILE: their number is bounded by the operator.
-        self.key_requests = Counter(
+        self.key_requests = counter(
             "kp_api_key_requests",
             "Requests with an API key, by key name and outcome (admitted, rate_limited).",
             ["key", "outcome"],
-            registry=r,
         )
-        self.rate_limit_unavailable = Counter(
+        self.rate_limit_unavailable = counter(
             "kp_rate_limit_unavailable",
             "Requests let through unchecked because the shared rate limit's Redis did not answer.",
-            registry=r,
         )
-        self.namespace_evaluations = Counter(
+        self.namespace_evaluations = counter(
             "kp_namespace_evaluations",
             "Traces scored, by namespace: up to KP_METRICS_NAMESPACES of them by name (the first "
             f"this process scores), the rest together as {OTHER_NAMESPACES}.",
             ["namespace"],
-            registry=r,
         )
-        self.namespace_limit = Counter(
+        self.namespace_limit = counter(
             "kp_namespace_limit_refused",
             "Requests refused with 409 because a new namespace would pass KP_MAX_NAMESPACES.",
-            registry=r,
         )
-        self.idempotency = Counter(
+        self.idempotency = counter(
             "kp_idempotency",
             "Requests with an Idempotency-Key, by what happened: run, replay, mismatch (422), "
             "in_progress (409).",
             ["action"],
-            registry=r,
         )
 
     def namespace_label(self, namespace: str) -> str:

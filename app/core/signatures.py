@@ -1,15 +1,10 @@
-"""What a signed score says: `answer`, every field of the answer as the API shows it but
-`UNSIGNED_FIELDS` (how long it took, and the signature itself), so that a field the answer
-gains is signed without a change of format; and what it is about: `trace_sha256`, the SHA-256
-of the trace's RFC 8785 (JCS) canonical JSON, so that it is the same whatever the trace's
-whitespace or key order (the `rfc8785` package makes the canonical form). The trace is read as
-the reference SDK's JavaScript reads it, numbers as doubles: an integer past 2**53 is the
-double nearest it (RFC 8785 writes numbers as doubles, and would refuse the integer), one past
-the largest double is Infinity, written `null` as JSON.stringify writes it, as is NaN (which
-Python's JSON parser takes). What the SDK would contribute is never refused for its numbers.
-app/service/signing.py signs. Checking a
-signature is the client's (`kp_scoring.signatures.verify`, clients/python), which hashes the
-same way: tests/test_signatures.py holds the two to the same value.
+"""What a signed score says (its claims: docs/operating/signatures.md): `answer`, the answer
+as the API shows it but UNSIGNED_FIELDS, so that a field the answer gains is signed without a
+change of format; `trace_sha256`, the SHA-256 of the trace's RFC 8785 (JCS) canonical JSON,
+its numbers read as the reference SDK's JavaScript reads them (as_javascript_reads: RFC 8785
+would refuse an integer past 2**53), so that what the SDK would contribute is never refused
+for its numbers. app/service/signing.py signs; the client's `kp_scoring.signatures.verify`
+(clients/python) hashes the same way: tests/test_signatures.py holds the two to one value.
 """
 
 from __future__ import annotations
@@ -50,8 +45,7 @@ NOT_IN_CONTRIBUTION_CLAIM = frozenset({"evaluation", "contribution"})
 def contribution_claims(answer: Mapping[str, Any], contribution: Any) -> dict[str, Any]:
     """A /contribution answer's own claims: `contribution_sha256` (the cleaned trace's digest)
     and CONTRIBUTION_CLAIM, every field of the answer as the API shows it (`answer`) but
-    NOT_IN_CONTRIBUTION_CLAIM: shareable, threshold, leaks_remain, redactions, uncleaned,
-    inputs_kept, findings, the injection verdicts and any field the answer gains."""
+    NOT_IN_CONTRIBUTION_CLAIM, any field the answer gains included."""
     return {
         "contribution_sha256": trace_sha256(contribution),
         CONTRIBUTION_CLAIM: {k: v for k, v in answer.items() if k not in NOT_IN_CONTRIBUTION_CLAIM},
@@ -93,20 +87,14 @@ def trace_sha256(trace: Any) -> str:
     """Hex SHA-256 of the trace's RFC 8785 canonical JSON, its numbers as JavaScript reads
     them (`trace`: as parsed from JSON)."""
     try:
-        canonical = rfc8785.dumps(trace)
-    except (rfc8785.IntegerDomainError, rfc8785.FloatDomainError):
-        # Rare (a number past what JSON's doubles hold): only then the copy.
-        canonical = _canonical(as_javascript_reads(trace))
+        try:
+            canonical = rfc8785.dumps(trace)
+        except (rfc8785.IntegerDomainError, rfc8785.FloatDomainError):
+            # Rare (a number past what JSON's doubles hold): only then the copy.
+            canonical = rfc8785.dumps(as_javascript_reads(trace))
     except (rfc8785.CanonicalizationError, UnicodeError) as exc:
         raise TraceNotCanonicalError(str(exc)) from None
     return hashlib.sha256(canonical).hexdigest()
-
-
-def _canonical(value: Any) -> bytes:
-    try:
-        return rfc8785.dumps(value)
-    except (rfc8785.CanonicalizationError, UnicodeError) as exc:
-        raise TraceNotCanonicalError(str(exc)) from None
 
 
 def trace_digests(traces: Sequence[Any], *, batch: bool, at: Loc = ()) -> list[str]:

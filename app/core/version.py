@@ -1,9 +1,6 @@
 """The service's version: the installed kp-scoring distribution's, whose pyproject reads the
-project's one VERSION file (clients/python/VERSION, which the client's pyproject reads too).
-
-Read once, where the app is built (about 2 ms: importlib.metadata looks through sys.path);
-importlib.metadata itself is already loaded by the web stack by then.
-"""
+project's one VERSION file (clients/python/VERSION, as the client's does). Read once, where the
+app is built: importlib.metadata looks through sys.path (about 2 ms)."""
 
 from __future__ import annotations
 

@@ -20,7 +20,6 @@ from app.core import namespaces
 from app.core.errors import PartError
 
 Scope = Literal["evaluate", "admin"]
-SCOPES: tuple[Scope, ...] = ("evaluate", "admin")
 #: Name of the principal KP_ADMIN_TOKEN stands for (in logs and metrics).
 ADMIN_TOKEN_NAME = "admin-token"
 
@@ -80,10 +79,6 @@ class KeyRing:
             self._entries.append(
                 (key_digest(admin_token), ApiKey(ADMIN_TOKEN_NAME, frozenset({"admin"}), None))
             )
-
-    @property
-    def names(self) -> list[str]:
-        return [key.name for _, key in self._entries]
 
     def identify(self, presented: str) -> ApiKey | None:
         """The key `presented` is, or None; every entry is compared, each in constant time."""

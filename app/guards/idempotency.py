@@ -1,11 +1,8 @@
-"""Retries that count once (the IETF Idempotency-Key draft): the first request with a key is
-answered and its answer recorded; the same key with the same request within a day gets that
-answer again, and adds nothing; with another request, a 422; while the first is still being
-answered, a copy waits for it (and gets 409 if it waits too long). The first holds the key by a
-short lease it renews while it answers, so a holder that died frees the key within seconds.
-
-The records live in this process, or in Redis (KP_REDIS_URL, idempotency_redis.py) so that a
-retry sent to another replica finds the first answer."""
+"""Retries that count once (the IETF Idempotency-Key draft; the rules and why:
+docs/decisions/idempotency-key.md). The first request with a key holds it by a short lease it
+renews while it answers, so a holder that died frees the key within seconds. The records live
+in this process, or in Redis (KP_REDIS_URL, idempotency_redis.py) so that a retry sent to
+another replica finds the first answer."""
 
 from __future__ import annotations
 
@@ -157,21 +154,23 @@ def fingerprint(method: str, path: str, query: bytes, body: bytes) -> str:
 
 
 class Idempotency:
-    def __init__(self, store: IdempotencyStore, *, wait_s: float = WAIT_S) -> None:
+    def __init__(self, store: IdempotencyStore) -> None:
         self.store = store
-        self.wait_s = wait_s
         self._leases: dict[str, asyncio.Task[None]] = {}  # claims held, renewed until finish
 
     async def begin(self, key: str, print_: str) -> Decision:
         """A `run` decision holds the key (its claim renewed) until `finish`."""
-        deadline = time.monotonic() + self.wait_s
+        deadline = time.monotonic() + WAIT_S
         while True:
             claim = await self.store.claim(key, print_)
-            decision = _decide(claim, print_)
-            if decision is not None:
-                if decision.action == "run":
-                    self._leases[key] = asyncio.create_task(self._hold(key, print_))
-                return decision
+            if claim.state == "claimed":
+                self._leases[key] = asyncio.create_task(self._hold(key, print_))
+                return Decision("run")
+            if claim.fingerprint != print_:
+                return Decision("mismatch")
+            if claim.state == "done":
+                return Decision("replay", claim.recorded)
+            # The same request, still being answered: wait.
             if time.monotonic() >= deadline:
                 return Decision("in_progress")
             await asyncio.sleep(_POLL_S)
@@ -192,13 +191,3 @@ class Idempotency:
             await self.store.record(key, print_, answer)
         else:
             await self.store.release(key)
-
-
-def _decide(claim: Claim, print_: str) -> Decision | None:
-    if claim.fingerprint != print_ and claim.state != "claimed":
-        return Decision("mismatch")
-    if claim.state == "claimed":
-        return Decision("run")
-    if claim.state == "done":
-        return Decision("replay", claim.recorded)
-    return None  # the same request, still being answered: wait

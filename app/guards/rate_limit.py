@@ -1,11 +1,8 @@
 """Per-key token buckets (rate_per_minute of the keys file): in this process, or shared by
-every replica through Redis (KP_REDIS_URL), so the limit holds however requests are spread.
-
-The Redis buckets are in rate_limit_redis.py (redis is imported only with KP_REDIS_URL).
-A bucket holds `per_minute` tokens (a whole minute's worth may come at once) and refills at
-`per_minute` a minute; a request takes one (a batch, one per trace) or is told how long until
-they are there.
-"""
+every replica through Redis (KP_REDIS_URL, rate_limit_redis.py), so the limit holds however
+requests are spread. A bucket holds `per_minute` tokens (a whole minute's worth may come at
+once) and refills at `per_minute` a minute; a request takes one (a batch, one per trace) or is
+told how long until they are there."""
 
 from __future__ import annotations
 

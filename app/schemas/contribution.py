@@ -46,18 +46,12 @@ class ContributionOptions(BaseModel):
     def resolve(self, settings: Settings, at: tuple[str, ...] = ()) -> GateOptions:
         """The options with the settings' defaults, or ServiceError (422, naming the option at
         `at`) when the two thresholds cannot be taken together."""
-        suspicious = self.suspicious_threshold
+        redact, suspicious = self.redact_suspected, self.suspicious_threshold
         reject = self.reject_threshold
         options = GateOptions(
-            redact_suspected=(
-                settings.contribution_redact_suspected
-                if self.redact_suspected is None
-                else self.redact_suspected
-            ),
-            suspicious_threshold=(
-                settings.injection_suspicious_threshold if suspicious is None else suspicious
-            ),
-            reject_threshold=settings.injection_reject_threshold if reject is None else reject,
+            settings.contribution_redact_suspected if redact is None else redact,
+            settings.injection_suspicious_threshold if suspicious is None else suspicious,
+            settings.injection_reject_threshold if reject is None else reject,
         )
         if options.suspicious_threshold <= options.reject_threshold:
             return options
@@ -66,11 +60,7 @@ class ContributionOptions(BaseModel):
             f"reject threshold ({options.reject_threshold}): 0 <= suspicious <= reject <= 1"
         )
         # Named by the one the request set (both: the suspicious one), so the fix is clear.
-        name = (
-            "suspicious_threshold"
-            if reject is None or suspicious is not None
-            else ("reject_threshold")
-        )
+        name = "reject_threshold" if suspicious is None else "suspicious_threshold"
         raise ServiceError(422, "threshold_order", problem, loc=(*at, name))
 
 

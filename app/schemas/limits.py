@@ -31,10 +31,9 @@ def json_problem(body: bytes, max_depth: int) -> tuple[str, str] | None:
     and Infinity, which Python's parser takes, are refused by the schema where it names a
     number, and read as JavaScript's JSON.stringify writes them, null, elsewhere.)
 
-    Only what lies outside strings counts. The strings' contents are dropped in bulk (escaped
-    backslashes and quotes first, then every other run between quotes), and the depth is a
-    cumulative sum, so that no Python code runs per character of a megabyte body. Up to the
-    first error in a malformed body the quotes pair as the parser pairs them.
+    Only what lies outside strings counts, with no Python code per character of the body
+    (docs/decisions/cheap-body-checks.md). Up to the first error in a malformed body the quotes
+    pair as the parser pairs them.
     """
     deep = body.count(b"[") + body.count(b"{") > max_depth
     long_number = _LONG_DIGITS.search(body) is not None

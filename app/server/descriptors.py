@@ -1,12 +1,7 @@
-"""File descriptors: a watch that says (once, in the log and in /metrics) when the process
-runs out of them, and once when it has them again, with how many connections could not be
-accepted meanwhile.
-
-Each open connection holds a descriptor; granian raises the soft limit to the hard one at
-start (`ulimit -n`, docker run --ulimit nofile=N:N). At the limit it cannot accept, and logs
-each failed accept on its own logger (`_granian`), many a second: those lines are counted here
-and left out of the log, which says it once instead.
-"""
+"""File descriptors: a watch that says once (log, /metrics) when the process runs out of them
+and once when it has them again (docs/operating/slow-clients.md, "Descriptors"). Out of them,
+granian logs each accept that fails on its own logger (`_granian`), many a second: those lines
+are counted here and left out of the log, which says it once instead."""
 
 from __future__ import annotations
 
@@ -43,10 +38,6 @@ def _open_descriptors(limit: int) -> int:
         if exc.errno in (errno.EMFILE, errno.ENFILE):
             return limit  # not one left to list them with
         raise
-
-
-def _running_out(open_fds: int, limit: int) -> bool:
-    return open_fds >= limit - max(2, limit // 50)
 
 
 class DescriptorAlarm:
@@ -92,30 +83,23 @@ class DescriptorAlarm:
         )
 
 
-class _AcceptFailures(logging.Filter):
-    """Drops granian's line for each accept that failed for want of descriptors, counting it."""
-
-    def __init__(self, alarm: DescriptorAlarm) -> None:
-        super().__init__()
-        self.alarm = alarm
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        if _ACCEPT_FAILED in message and any(s in message for s in _NO_DESCRIPTORS):
-            self.alarm.accept_failed()
-            return False
-        return True
-
-
-async def watch_descriptors(interval_s: float = WATCH_INTERVAL_S) -> None:
-    """Counts open descriptors every `interval_s`; logs once when they come within 2% of
+async def watch_descriptors() -> None:
+    """Counts open descriptors every WATCH_INTERVAL_S; logs once when they come within 2% of
     the limit (kp_fd_exhausted, kp_fd_low) and once when they are back under 90%; granian's
     failed accepts meanwhile are counted into that second line."""
     if not _can_count():
         log.info("file descriptor watch off: no /proc/self/fd on this system")
         return
     alarm = DescriptorAlarm()
-    accept_failures = _AcceptFailures(alarm)
+
+    def accept_failures(record: logging.LogRecord) -> bool:
+        """Drops granian's line for an accept that failed for want of descriptors, counted."""
+        message = record.getMessage()
+        if _ACCEPT_FAILED in message and any(s in message for s in _NO_DESCRIPTORS):
+            alarm.accept_failed()
+            return False
+        return True
+
     # On granian's handlers: its Rust side logs on child loggers (`_granian.<module>`), whose
     # records reach those handlers but not a filter of the parent logger.
     handlers = list(logging.getLogger(GRANIAN_LOGGER).handlers)
@@ -126,11 +110,11 @@ async def watch_descriptors(interval_s: float = WATCH_INTERVAL_S) -> None:
             limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
             open_fds = _open_descriptors(limit)
             if limit != resource.RLIM_INFINITY:
-                if _running_out(open_fds, limit):
+                if open_fds >= limit - max(2, limit // 50):  # within 2%
                     alarm.exhausted(open_fds, limit)
                 elif open_fds < limit * 0.9:
                     alarm.recovered(open_fds, limit)
-            await asyncio.sleep(interval_s)
+            await asyncio.sleep(WATCH_INTERVAL_S)
     finally:
         for handler in handlers:
             handler.removeFilter(accept_failures)

@@ -9,11 +9,7 @@ CRLFs, and the blank line that ends them."""
 
 from __future__ import annotations
 
-from typing import Any
-
-Scope = dict[str, Any]
-Receive = Any
-Send = Any
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 _REFUSED_HEADERS = [(b"content-length", b"0"), (b"connection", b"close")]
 
@@ -34,7 +30,7 @@ class HeaderLimit:
     """Answers 431 (empty body, Connection: close) to a request whose head is larger than
     `max_bytes`; everything else (lifespan, other requests) goes to `app` untouched."""
 
-    def __init__(self, app: Any, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
         self.max_bytes = max_bytes
 

@@ -16,12 +16,11 @@ the 100 ms budget, so that the page claims no more than the file measured.
 
 from __future__ import annotations
 
-import statistics
-
 import json
 import math
 import os
 import re
+import statistics
 import subprocess
 import tempfile
 from collections.abc import Callable, Iterator
