@@ -456,8 +456,7 @@ class SqliteStore:
         if other is not None:
             conn.close()
             self._set_aside(other)
-            self._conn = self._connect(path)
-            self._write_meta(self._conn)
+            self._conn = self._connect(path, meta=True)
             return
         self._conn = conn  # closed by _not_opened if what follows fails
         self._write_meta(conn)
@@ -466,7 +465,7 @@ class SqliteStore:
         self.status.loaded_vectors = loaded
         log.info("cache database opened", extra={"path": str(path), "entries": loaded})
 
-    def _connect(self, path: Path) -> sqlite3.Connection:
+    def _connect(self, path: Path, *, meta: bool = False) -> sqlite3.Connection:
         conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute(f"PRAGMA synchronous={SYNCHRONOUS[self.durability]}")
@@ -474,6 +473,8 @@ class SqliteStore:
         # commit that may run on the event loop (checkpoint()).
         conn.execute("PRAGMA wal_autocheckpoint=0")
         conn.executescript(_SCHEMA)
+        if meta:
+            self._write_meta(conn)
         return conn
 
     def _write_meta(self, conn: sqlite3.Connection) -> None:
@@ -548,10 +549,8 @@ class SqliteStore:
             if not ok.all():
                 bad.extend(i for i, good_row in zip(ids, ok.tolist(), strict=True) if not good_row)
             first = namespaces[0]
-            if ok.all() and namespaces.count(first) == len(namespaces):
-                self._loaded(
-                    load, first, CacheEntries(vectors, times, trace_ids)
-                )  # the common case
+            if ok.all() and namespaces.count(first) == len(namespaces):  # the common case
+                self._loaded(load, first, CacheEntries(vectors, times, trace_ids))
                 continue
             names = np.array(namespaces, dtype=object)
             for namespace in dict.fromkeys(namespaces):
@@ -622,8 +621,7 @@ class SqliteStore:
                 with contextlib.suppress(OSError):
                     leftover.unlink()
         _remove_database(path)
-        conn = self._connect(path)
-        self._write_meta(conn)
+        conn = self._connect(path, meta=True)
         kept: list[tuple[str, str, float, bytes, int]] = []
 
         def keep(namespace: str, entries: CacheEntries) -> None:
@@ -666,13 +664,11 @@ class SqliteStore:
             self.status.state, self.status.detail = StorageState.SET_ASIDE, message
             self._start_warnings.append(message)
             log.error("cache snapshot not converted", extra={"reason": message})
-            self._conn = self._connect(path)
-            self._write_meta(self._conn)
+            self._conn = self._connect(path, meta=True)
             return
         building = path.with_name(f"{path.name}.converting")
         _remove_database(building)
-        conn = self._connect(building)
-        self._write_meta(conn)
+        conn = self._connect(building, meta=True)
         e, ids = former.entries, former.entries.ids()
         conn.execute("BEGIN IMMEDIATE")
         for i in range(0, len(e.vectors), CHUNK):
@@ -743,19 +739,14 @@ class SqliteStore:
         trim_from: int = 1,
         receipts: Sequence[tuple[str, str]] = (),
     ) -> None:
-        """One transaction, committed: `rows` appended; for each namespace in `held` (the
-        entries the memory holds of it, before these rows), the rows the memory no longer
-        holds deleted, oldest first; `clear` and each of `forget` (namespaces the memory let
-        go, every entry expired): every row of that namespace deleted, before `rows` are
-        added; `checkpoint`: one that is due runs after the commit (False on the event loop:
-        the memory runs it on its thread); `trim_from`: a namespace's rows past `held` are
-        deleted once there are at least that many. StorageError (nothing changed) when it
-        cannot be committed. `receipts`: (key, comparisons as text) kept with the rows, for
-        RECEIPT_TTL_MS (app/memory/base.py; older ones go with a later receipt).
-
-        Claimed only when it is in the files at the path: when the database or its WAL was
-        deleted or replaced, every entry the memory holds, and `rows`, are written into a new
-        database first (_rewrite)."""
+        """One transaction, committed (StorageError, nothing changed, when it cannot be): every
+        row of `clear` and of each of `forget` (namespaces the memory let go) deleted; for each
+        namespace in `held` (its entries in the memory before `rows`), the rows the memory no
+        longer holds deleted oldest first, once at least `trim_from`; `rows` appended;
+        `receipts` (key, comparisons as text) kept for RECEIPT_TTL_MS (older ones go).
+        `checkpoint`: one that is due runs after the commit (False on the event loop: the
+        memory runs it on its thread). Claimed only when it is in the files at the path, else
+        written into a new database first (_rewrite)."""
         conn = self._conn
         if conn is None:
             self._failed(self._unopened or "the database is not open")
@@ -842,13 +833,12 @@ class SqliteStore:
         gone: Collection[str],
         receipts: Sequence[tuple[str, str]] = (),
     ) -> None:
-        """The database or its WAL was deleted or replaced while serving: what the memory
-        holds (but the namespaces `gone`), and `rows` (not held yet), is written into a new
-        database at the path (the commits of the file that went are in nothing that survives
-        a crash). Built beside the path and renamed into it: a crash meanwhile loses nothing
-        more than the operator's act did. Files found at the path that are not this
-        process's are moved aside (`<name>.replaced-<time>`), never deleted. StorageError
-        when it cannot be written (it is tried again at the next write)."""
+        """The database or its WAL was deleted or replaced while serving (its commits survive
+        no crash): what the memory holds (but the namespaces `gone`) and `rows` are written
+        into a new database built beside the path and renamed into it (a crash meanwhile loses
+        nothing more than the operator's act did); files at the path that are not this
+        process's are moved aside, never deleted. StorageError when it cannot be written
+        (tried again at the next write)."""
         target = self._target
         assert target is not None
         path = self.path
@@ -858,8 +848,7 @@ class SqliteStore:
         aside: str | None = None
         try:
             _remove_database(building)
-            conn = self._connect(building)
-            self._write_meta(conn)
+            conn = self._connect(building, meta=True)
             conn.execute("BEGIN IMMEDIATE")
             for namespace, chunk in target.held():
                 if namespace in gone:
