@@ -1,8 +1,5 @@
-"""The novelty memory's interface: what the evaluator and the /cache routes may ask of it.
-
-Implementations (chosen by the settings in app/service/runtime.py): the in-process memory,
-persisted in SQLite (app/memory/in_process.py), and the shared memory in Redis's Query Engine
-(app/memory/redis_vectors.py). This module imports none of them."""
+"""The novelty memory's interface: what the evaluator and the /cache routes may ask of it (the
+implementations: app/memory/__init__.py). This module imports none of them."""
 
 from __future__ import annotations
 

@@ -40,10 +40,9 @@ class FormerFilesError(PartError):
 
 @dataclass(frozen=True, slots=True)
 class FormerMemory:
-    """What the former files held, oldest first, and every file they were read from."""
+    """What the former files held, oldest first."""
 
     entries: CacheEntries
-    files: list[Path]
     records_dropped: int  # journal records cut short or failing their CRC
 
 
@@ -104,9 +103,8 @@ def read_former(path: Path, model_id: str, dimensions: int) -> FormerMemory:
     times = np.frombuffer(payload, "<f8", count, count * dimensions * 4)
     ids = orjson.loads(payload[count * dimensions * 4 + count * 8 :]) if ids_len else [""] * count
     parts = [(vectors, times, list(ids))]
-    files, dropped = [path], 0
+    dropped = 0
     for number, journal in journal_files(path):
-        files.append(journal)
         if number < generation:
             continue  # held by the snapshot
         for change in _changes(journal, model_id, dimensions):
@@ -116,7 +114,7 @@ def read_former(path: Path, model_id: str, dimensions: int) -> FormerMemory:
                 parts.clear()  # a clear: nothing before it stays
             else:
                 parts.append(change)
-    return FormerMemory(_joined(parts, dimensions), files, dropped)
+    return FormerMemory(_joined(parts, dimensions), dropped)
 
 
 Part = tuple[np.ndarray, np.ndarray, list[str]]

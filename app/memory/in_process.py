@@ -1,5 +1,5 @@
-"""The default novelty memory: one exact VectorCache per namespace, in this process (no
-Redis needed), kept in an SQLite database (app/memory/sqlite.py) when configured."""
+"""The default novelty memory: one exact VectorCache per namespace, in this process, kept in
+an SQLite database (app/memory/sqlite.py) when configured."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ from app.memory.ring import (
     exact_cosine,
     wall_clock_ms,
 )
-from app.memory.sqlite import NewRow, SqliteStore, StorageError
+from app.memory.sqlite import NewRow, SqliteStore, StorageError, entry_rows, wire
 
 T = TypeVar("T")
 
@@ -88,14 +88,11 @@ class _Prefaulter:
 #: delete a commit cost a one-row commit 86-90 us p50 against 56-58 us
 #: (docs/decisions/memory-in-sqlite.md); a start loads only what the memory would hold.
 TRIM_FROM = 64
-#: How often, at most, the memory looks for namespaces whose every entry expired, to let go
-#: of their rings (and delete their rows from the database): they no longer count against
-#: KP_MAX_NAMESPACES from the moment they expire, and their memory is given back here.
+#: How often, at most, the memory lets go of namespaces whose every entry expired (their
+#: rings, their rows): they no longer count against KP_MAX_NAMESPACES once expired.
 FORGET_EVERY_S = 2.0
-#: From this many entries in a namespace an exact scan takes about a millisecond (384
-#: dimensions, one core): compares run off the event loop from there on, so that other
-#: requests' HTTP work does not wait for them. Below it a scan costs less than a thread's
-#: hand-off.
+#: From this many entries (an exact scan of about a millisecond) a namespace's compares run off
+#: the event loop (docs/decisions/large-memory-off-the-event-loop.md).
 OFF_LOOP_FROM = 20_000
 
 
@@ -164,18 +161,16 @@ class _Item:
 
 
 class InProcessMemory:
-    """The memory of one process: a dict of exact VectorCaches, one per namespace, each with
-    the same capacity and TTL, kept in an SQLite database when given one (`store`).
+    """The memory of one process: an exact VectorCache per namespace, each with the same
+    capacity and TTL, kept in an SQLite database when given one (`store`).
 
     What changes them (compare, clear, import) meets them in one one-at-a-time order: as one
     step of the event loop while the namespace is small and nothing needs the disk's flush,
-    and else on one thread of its own, in the order asked. The loop takes the work back only
-    once that thread has nothing left to do, so the order holds across the switch. With a
-    database, the adds queued together on that thread are compared in order as if each were
-    added, committed in one transaction (group commit), then added: no answer before its
-    commit, and a trace whose commit failed is not in the memory (its answer says so). At
-    durability `process` a commit is a write to the kernel and runs on the loop like the rest
-    (SQLite's checkpoints, which flush, are run on the thread instead)."""
+    else on one thread of its own, in the order asked; the loop takes the work back only once
+    that thread has nothing left, so the order holds across the switch. With a database, the
+    adds queued together are compared in order as if each were added, committed in one
+    transaction, then added: no answer before its commit, and a trace whose commit failed is
+    not in the memory (docs/decisions/memory-in-sqlite.md)."""
 
     def __init__(
         self,
@@ -193,7 +188,7 @@ class InProcessMemory:
         self.max_namespaces = max_namespaces
         self.off_loop_from = off_loop_from
         self.store = store
-        self._dimensions = dimensions
+        self.dimensions = dimensions
         self._clock_ms = clock_ms
         # One reentrant lock for every namespace: exports and metrics read while the loop
         # (or the in-order thread) writes.
@@ -212,7 +207,7 @@ class InProcessMemory:
 
     def _new_cache(self) -> VectorCache:
         return VectorCache(
-            self.capacity, self._dimensions, self.ttl_ms, self._clock_ms, lock=self._lock
+            self.capacity, self.dimensions, self.ttl_ms, self._clock_ms, lock=self._lock
         )
 
     def cache(self, namespace: str) -> VectorCache:
@@ -272,17 +267,16 @@ class InProcessMemory:
         with self._lock:
             return self._caches.get(namespace) or self._new_cache()
 
-    def _large(self, namespace: str) -> bool:
-        cache = self._caches.get(namespace)
-        return cache is not None and cache.size >= self.off_loop_from
-
     # ── the order ───────────────────────────────────────────────────────────
 
     def _here(self, namespace: str, *, disk: bool) -> bool:
         """Whether work may run on the event loop in the memory's order: nothing is queued on
         the thread, `disk` is false (a write that must wait for the disk) and the namespace is
         small."""
-        return self._on_thread == 0 and not disk and not self._large(namespace)
+        if self._on_thread or disk:
+            return False
+        cache = self._caches.get(namespace)
+        return cache is None or cache.size < self.off_loop_from
 
     async def _in_order(self, namespace: str, work: Callable[[], T], *, disk: bool) -> T:
         """`work` in the memory's order: here when it may be (`_here`), else on the in-order
@@ -317,19 +311,17 @@ class InProcessMemory:
                         group.append(self._queue.popleft())
             if first.work is not None:
                 try:
-                    _settle(first, first.work(), None)
+                    outcome = first.work()
                 except Exception as exc:  # the caller's to handle
-                    _settle(first, None, exc)
+                    outcome = exc
+                _settle(first, outcome)
             else:
                 try:
                     outcomes = self._add_group(group)
                 except Exception as exc:  # a bad vector: every request of the group hears it
                     outcomes = [exc] * len(group)
                 for item, outcome in zip(group, outcomes, strict=True):
-                    if isinstance(outcome, Exception):
-                        _settle(item, None, outcome)
-                    else:
-                        _settle(item, outcome, None)
+                    _settle(item, outcome)
 
     def _add_group(
         self, group: Sequence[_Item], *, on_loop: bool = False
@@ -364,7 +356,7 @@ class InProcessMemory:
             if item.receipt is not None:
                 receipts.append((item.receipt, receipt_text(compared)))
         rows = [
-            NewRow(ns, trace_id, at, _wire(vector))
+            NewRow(ns, trace_id, at, wire(vector))
             for ns, queued in pending.items()
             for vector, trace_id, at in queued
         ]
@@ -411,10 +403,6 @@ class InProcessMemory:
     def size(self) -> int:
         with self._lock:
             return sum(c.size for c in self._caches.values())
-
-    @property
-    def dimensions(self) -> int:
-        return self._dimensions
 
     @property
     def evictions_total(self) -> int:
@@ -488,17 +476,12 @@ class InProcessMemory:
         add: bool,
         receipt: str | None = None,
     ) -> list[Comparison]:
-        # Without a database a receipt is not kept: what a crash loses, the memory loses too.
-        if not add:
+        if not add or self.store is None:
+            # Without a database a receipt is not kept: what a crash loses, the memory loses too.
+            cache = self.cache if add else self._existing  # a dry run makes no namespace
             return await self._in_order(
                 namespace,
-                lambda: compare_in_order(self._existing(namespace), vectors, trace_ids, add=False),
-                disk=False,
-            )
-        if self.store is None:
-            return await self._in_order(
-                namespace,
-                lambda: compare_in_order(self.cache(namespace), vectors, trace_ids, add=True),
+                lambda: compare_in_order(cache(namespace), vectors, trace_ids, add=add),
                 disk=False,
             )
         loop = asyncio.get_running_loop()
@@ -527,13 +510,7 @@ class InProcessMemory:
         def work() -> int:
             if self.store is not None:
                 self.store.ensure_open()
-                try:
-                    self.store.write(clear=namespace, forget=self._dead)
-                except StorageError as exc:
-                    raise MemoryUnavailableError(
-                        f"the memory's database cannot be written ({exc}): nothing was cleared"
-                    ) from None
-                self._dead.clear()
+                self._commit(self.store, "cleared", clear=namespace)
             with self._lock:
                 cache = self._caches.get(namespace)
             cleared = 0 if cache is None else cache.clear()
@@ -565,36 +542,37 @@ class InProcessMemory:
             ids = [trace_id for trace_id, kept in zip(entries.ids(), keep, strict=True) if kept]
             vectors, times = np.asarray(entries.vectors)[keep], times[keep]
             if store is not None:
-                rows = [
-                    NewRow(namespace, trace_id, float(at), _wire(vector))
-                    for trace_id, at, vector in zip(ids, times, vectors, strict=True)
-                ]
-                try:
-                    store.write(rows, held={namespace: cache.size}, forget=self._dead)
-                except StorageError as exc:
-                    raise MemoryUnavailableError(
-                        f"the memory's database cannot be written ({exc}): nothing was imported"
-                    ) from None
-                self._dead.clear()
+                rows = entry_rows(namespace, CacheEntries(vectors, times, ids))
+                self._commit(store, "imported", rows, held={namespace: cache.size})
             cache.extend(vectors, times, ids)
             return len(ids), len(keep) - len(ids)
 
         return await self._in_order(namespace, work, disk=self.store is not None)
 
+    def _commit(
+        self, store: SqliteStore, what: str, rows: Sequence[NewRow] = (), **change: Any
+    ) -> None:
+        """An operator's change (SqliteStore.write's `held` or `clear`) committed with the
+        namespaces let go; MemoryUnavailableError (nothing was `what`) when it cannot be."""
+        try:
+            store.write(rows, forget=self._dead, **change)
+        except StorageError as exc:
+            raise MemoryUnavailableError(
+                f"the memory's database cannot be written ({exc}): nothing was {what}"
+            ) from None
+        self._dead.clear()
 
-def _settle(item: _Item, result: Any, error: Exception | None) -> None:
-    """Hands an outcome to the waiting request, on its loop (it may have gone: cancelled)."""
+
+def _settle(item: _Item, outcome: Any) -> None:
+    """Hands an outcome (a result, or an Exception to raise) to the waiting request, on its
+    loop (it may have gone: cancelled)."""
 
     def settle() -> None:
         if item.future.done():
             return
-        if error is not None:
-            item.future.set_exception(error)
+        if isinstance(outcome, Exception):
+            item.future.set_exception(outcome)
         else:
-            item.future.set_result(result)
+            item.future.set_result(outcome)
 
     item.loop.call_soon_threadsafe(settle)
-
-
-def _wire(vector: Vector) -> bytes:
-    return np.ascontiguousarray(vector, dtype="<f4").tobytes()

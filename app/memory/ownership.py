@@ -36,10 +36,6 @@ class DatabaseRefusedError(PartError):
     wrote it. Nothing was changed."""
 
 
-def lock_path(database: Path) -> Path:
-    return database.with_name(f"{database.name}.lock")
-
-
 def _identity(stat: os.stat_result) -> tuple[int, int]:
     return stat.st_dev, stat.st_ino
 
@@ -49,7 +45,7 @@ class OwnerLock:
 
     def __init__(self, database: Path) -> None:
         self.database = database
-        self.path = lock_path(database)
+        self.path = database.with_name(f"{database.name}.lock")
         self._path_text = str(self.path)
         self._fd: int | None = None
         self._identity: tuple[int, int] | None = None

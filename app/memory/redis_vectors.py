@@ -1,43 +1,27 @@
 """The shared novelty memory (KP_REDIS_URL): kept once, in Redis, and searched there by Redis's
-Query Engine (FT.SEARCH); replicas hold no copy.
+Query Engine (FT.SEARCH); replicas hold no copy. Why every replica's answers equal one-at-a-time
+scoring in one order per namespace: docs/operating/scaling.md, docs/decisions/
+memory-step-in-lua.md (the step), flat-then-hnsw.md (the search) and shared-namespace-health.md
+(each namespace's health, the maxmemory-policy, expired namespaces). In short:
 
-Why every replica's answers equal one-at-a-time scoring in one order per namespace
-(docs/operating/scaling.md):
+- A namespace's keys and indexes carry its name as a hash tag (`<prefix>{ns}:meta`, its entries
+  `<prefix>{ns}:e:<seq>`, `<prefix>idx:{ns}` FLAT and `<prefix>idx:{ns}:hnsw`): one node holds
+  them all, on a Redis Cluster too.
+- A request's searches and adds, in order, with the TTL's expiry (on Redis's TIME) and the
+  capacity's eviction, are one run of memory.lua on that node: Redis runs it alone, so no
+  other request's trace comes between, and each trace sees the ones before it.
+- FLAT up to KP_REDIS_HNSW_FROM entries ("exact"): the candidates within 1e-4 of the best
+  float32 distance come back and are rescored here in float64, so the answer is the true
+  maximum (ties: the newest). Past it HNSW ("index"): a true cosine with the entry it names.
 
-- A namespace's keys carry its name as a hash tag: `<prefix>{ns}:meta`, its entries
-  `<prefix>{ns}:e:<seq>` (hashes: the float32 vector, the trace id, Redis's time, the seq),
-  its indexes `<prefix>idx:{ns}` (FLAT) and `<prefix>idx:{ns}:hnsw`. One node holds them all,
-  on a Redis Cluster too.
-- A request's compare and add are one run of memory.lua on that node: for each trace in
-  order, FT.SEARCH, then its add (HSET: the Query Engine indexes it before the next command,
-  so the request's next trace sees it). Redis runs a script alone, so no other request's
-  trace comes between.
-- The search: FLAT (every entry compared) up to KP_REDIS_HNSW_FROM entries, "exact"; the
-  candidates within 1e-4 of the best float32 distance come back with their vectors and are
-  rescored here in float64, the reference's arithmetic, so the answer is the true maximum
-  (ties: the newest). Past it an HNSW index answers, "index": a true cosine with the entry
-  it names, as near the maximum as docs/performance.md measures. docs/decisions/
-  flat-then-hnsw.md says how a namespace moves from one to the other while serving.
-- Capacity, oldest-first eviction and the TTL (on Redis's clock, TIME) are applied by the
-  same script, so they take their place in the order.
-
-Redis down: requests get MemoryUnavailableError at once (nothing added), one log line marks
-the outage and one its end, and a probe retries every RETRY_INTERVAL_S. No request waits for
-Redis longer than KP_REDIS_TIMEOUT_MS. A request that timed out after Redis ran its script has
-its entries stored although its answer said cache_unavailable.
-
-Each namespace's health is its own: an index that went (FT.DROPINDEX) is made again by the
-script, and the namespace is refused (NamespaceUnavailableError) while Redis indexes its
-entries into it; an index of its name that is not this memory's (another dimension, metric,
-prefix: FT.INFO, checked at a namespace's first step in this process and whenever a search
-finds nothing) is never searched, and the namespace is refused until it goes. The other
-namespaces answer as usual.
-
-While serving, every WATCH_INTERVAL_S: Redis's maxmemory-policy is read (also at every
-connect): under a policy that may evict the memory's keys (allkeys-*) no trace is stored, the
-answers say why; the namespaces refused are tried again (so /readyz clears without traffic);
-and one replica at a time lets go of the namespaces whose every entry expired (their keys,
-indexes and place among KP_MAX_NAMESPACES), as a new namespace past the limit does first.
+Redis down: requests get MemoryUnavailableError at once (nothing added), one log line marks the
+outage and one its end, and a probe retries every RETRY_INTERVAL_S. No request waits for Redis
+longer than KP_REDIS_TIMEOUT_MS; one that timed out after Redis ran its script has its entries
+stored although its answer said cache_unavailable. A namespace whose index went (made again by
+the script) or is not this memory's is refused alone (NamespaceUnavailableError). Every
+WATCH_INTERVAL_S: the maxmemory-policy is read (under allkeys-* no trace is stored), refused
+namespaces are tried again, and one replica at a time lets go of namespaces whose every entry
+expired.
 """
 
 from __future__ import annotations
@@ -188,7 +172,7 @@ class RedisVectorMemory:
         self.ttl_ms = ttl_ms
         self.model = model or ""
         self.max_namespaces = max_namespaces
-        self._dimensions = dimensions
+        self.dimensions = dimensions
         self._timeout_s = timeout_ms / 1000.0
         self._settings = [
             str(capacity),
@@ -255,10 +239,6 @@ class RedisVectorMemory:
         return sum(self._sizes.values())
 
     @property
-    def dimensions(self) -> int:
-        return self._dimensions
-
-    @property
     def evictions_total(self) -> int:
         return self._retired_evictions + sum(self._evictions.values())
 
@@ -305,13 +285,13 @@ class RedisVectorMemory:
             await self._run(DEFAULT_NAMESPACE, "step", ["0", "", "0"], bulk=False)
 
     async def _connect(self) -> None:
-        seed = Redis.from_url(
-            self.url,
-            socket_timeout=max(self._timeout_s, BULK_TIMEOUT_S),
-            socket_connect_timeout=self._timeout_s,
-            retry=Retry(NoBackoff(), 0),
-            client_name="kp-scoring",
-        )
+        options: dict[str, Any] = {
+            "socket_timeout": max(self._timeout_s, BULK_TIMEOUT_S),
+            "socket_connect_timeout": self._timeout_s,
+            "retry": Retry(NoBackoff(), 0),
+            "client_name": "kp-scoring",
+        }
+        seed = Redis.from_url(self.url, **options)
         try:
             async with asyncio.timeout(max(self._timeout_s, 5.0)):
                 await self._check_query_engine(seed)
@@ -322,13 +302,7 @@ class RedisVectorMemory:
         client: Redis | RedisCluster = seed
         if cluster:
             await seed.aclose()
-            client = RedisCluster.from_url(
-                self.url,
-                socket_timeout=max(self._timeout_s, BULK_TIMEOUT_S),
-                socket_connect_timeout=self._timeout_s,
-                retry=Retry(NoBackoff(), 0),
-                client_name="kp-scoring",
-            )
+            client = RedisCluster.from_url(self.url, **options)
             async with asyncio.timeout(max(self._timeout_s, 5.0)):
                 await client.initialize()
         self._client = client
@@ -385,8 +359,8 @@ class RedisVectorMemory:
         kept_as = "" if receipt is None or not add else f"{self.prefix}{{{namespace}}}:r:{receipt}"
         args: list[bytes | str] = ["1" if add else "0", kept_as, str(RECEIPT_TTL_MS)]
         for trace_id, vector in zip(trace_ids, queries, strict=True):
-            if vector.shape != (self._dimensions,):
-                raise ValueError(f"a vector of {vector.shape}, not ({self._dimensions},)")
+            if vector.shape != (self.dimensions,):
+                raise ValueError(f"a vector of {vector.shape}, not ({self.dimensions},)")
             args += [trace_id, vector.tobytes()]
         reply = await self._run(namespace, "step", args, create=add, bulk=False)
         if reply is None:  # a dry run against a namespace that holds nothing yet
@@ -417,22 +391,17 @@ class RedisVectorMemory:
         try:
             reply = await self._run(namespace, "stats", [], create=False, bulk=False)
         except MemoryUnavailableError:
-            last = self._last_stats.get(namespace)
-            if last is not None:
-                return last
             size = self._sizes.get(namespace, 0)
-            return CacheStats(
-                size, self.capacity, self._dimensions, self.ttl_ms, 0, None, None, 0, 0
-            )
+            return self._last_stats.get(namespace) or self._no_stats(size)
         if reply is None:
-            return CacheStats(0, self.capacity, self._dimensions, self.ttl_ms, 0, None, None, 0, 0)
+            return self._no_stats(0)
         now, size, capacity, ttl, adds, evictions, oldest, newest, entry_bytes, index_mb = reply
         now, size = float(now), int(size)
         ttl_ms = float(ttl) or None
         stats = CacheStats(
             size=size,
             capacity=int(capacity),
-            dimensions=self._dimensions,
+            dimensions=self.dimensions,
             ttl_ms=ttl_ms,
             memory_bytes=size * int(entry_bytes or 0) + int(float(index_mb or 0) * 2**20),
             oldest_age_ms=None if oldest is None else max(0.0, now - float(oldest)),
@@ -442,6 +411,9 @@ class RedisVectorMemory:
         )
         self._last_stats[namespace] = stats
         return stats
+
+    def _no_stats(self, size: int) -> CacheStats:
+        return CacheStats(size, self.capacity, self.dimensions, self.ttl_ms, 0, None, None, 0, 0)
 
     async def clear(self, namespace: str) -> int:
         # Tried even while unavailable: a clear is also how operators give a namespace new
@@ -519,19 +491,12 @@ class RedisVectorMemory:
     async def _ready_client(self) -> Redis | RedisCluster:
         async with self._connecting:  # one connect at a time: no client made twice
             if self._client is None:
-                await self._connect_or_fail()
+                try:
+                    await self._connect()
+                except (QueryEngineMissingError, RedisError, OSError, TimeoutError) as exc:
+                    raise self._failed(exc) from None
         assert self._client is not None
         return self._client
-
-    async def _connect_or_fail(self) -> None:
-        if self._client is None:
-            try:
-                await self._connect()
-            except QueryEngineMissingError as exc:
-                self._went_down(exc)
-                raise MemoryUnavailableError(self._unavailable_detail()) from None
-            except (RedisError, OSError, TimeoutError) as exc:
-                raise self._failed(exc) from None
 
     async def _run(
         self,

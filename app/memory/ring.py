@@ -144,12 +144,7 @@ class VectorCache:
                 capacity=self.capacity,
                 dimensions=self.dimensions,
                 ttl_ms=self.ttl_ms,
-                memory_bytes=int(
-                    self._vectors.nbytes
-                    + self._norms.nbytes
-                    + self._added_at.nbytes
-                    + self._trace_ids.nbytes
-                ),
+                memory_bytes=sum(a.nbytes for a in self._arrays()),
                 oldest_age_ms=float(now - self._added_at[self._head]) if self._size else None,
                 newest_age_ms=(
                     float(now - self._added_at[self._tail_index()]) if self._size else None
@@ -357,18 +352,18 @@ class VectorCache:
             max(-1.0, float(cosines[at])), str(self._trace_ids[slot]), float(self._added_at[slot])
         )
 
+    def _arrays(self) -> tuple[npt.NDArray[Any], ...]:
+        return self._vectors, self._norms, self._added_at, self._trace_ids
+
     def _grow(self, to: int | None = None) -> None:
         new_len = min(self.capacity, max(64, 2 * len(self._vectors))) if to is None else to
         order = self._rows_of(np.arange(self._first_seq, self._first_seq + self._size))
-        vectors = np.empty((new_len, self.dimensions), dtype=np.float32)
-        norms = np.empty(new_len, dtype=np.float64)
-        added = np.empty(new_len, dtype=np.float64)
-        ids = np.empty(new_len, dtype=object)
-        vectors[: self._size] = self._vectors[order]
-        norms[: self._size] = self._norms[order]
-        added[: self._size] = self._added_at[order]
-        ids[: self._size] = self._trace_ids[order]
-        self._vectors, self._norms, self._added_at, self._trace_ids = vectors, norms, added, ids
+        grown = []
+        for old in self._arrays():  # the live rows first, oldest first
+            new = np.empty((new_len, *old.shape[1:]), dtype=old.dtype)
+            new[: self._size] = old[order]
+            grown.append(new)
+        self._vectors, self._norms, self._added_at, self._trace_ids = grown
         self._head = 0
         self._prefaulted = self._size
 

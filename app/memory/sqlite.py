@@ -1,25 +1,16 @@
-"""The in-process memory's persistence: one SQLite database (Python's sqlite3, WAL mode)
-(docs/operating/persistence.md).
+"""The in-process memory's persistence: one SQLite database (Python's sqlite3, WAL mode).
+Operators: docs/operating/persistence.md; the why and the figures: docs/decisions/
+memory-in-sqlite.md and database-files-checked-before-a-commit.md.
 
-One table holds every namespace's entries in the order they were added (its rowid); each row
-carries a checksum of its namespace, trace id, time and vector bytes, because SQLite checks a
-file's structure, not what a row holds. The checksum is 64 bits, checked a batch of rows at
-once at start: two sums of the vector's and the time's little-endian uint32 words, each word
-times its own odd weight, modulo 2**32 (numpy; any change confined to one word changes both),
-the first XORed with a CRC-32 of the namespace and trace id.
-
-Every change is one transaction, committed before its answer (app/memory/in_process.py
-groups concurrent requests into one); `KP_CACHE_DURABILITY` is SQLite's `synchronous`:
-NORMAL (a process crash loses nothing committed) or FULL (a power loss neither).
-
-The database may hold more rows than the memory (entries the memory evicted or let expire,
-deleted a batch at a time: `trim_from`): a start keeps the newest of each namespace within
-the capacity and the TTL, as the memory does, and deletes the rest.
-
-At start: a file that fails SQLite's quick check is copied aside byte for byte and what can
-be read of it, row by row, is kept in a new database; a row failing its checksum is never
-served (dropped, counted); a database of another model is set aside; a snapshot of the former
-format is converted once (app/memory/former_files.py).
+Every change is one transaction, committed before its answer (app/memory/in_process.py groups
+concurrent requests into one); `KP_CACHE_DURABILITY` is SQLite's `synchronous`: NORMAL (a
+process crash loses nothing committed) or FULL (a power loss neither). One table holds every
+namespace's entries in the order they were added (its rowid). SQLite checks a file's
+structure, not what a row holds, so each row carries a checksum (_checksums), checked at start:
+a row failing it is never served. The database may hold more rows than the memory (deleted a
+batch at a time: `trim_from`); a start keeps the newest of each namespace within the capacity
+and the TTL, as the memory does. A damaged file is copied aside and read row by row into a new
+one (_recover); another model's is set aside; the former format is converted once.
 """
 
 from __future__ import annotations
@@ -47,12 +38,7 @@ from app.core.errors import PartError
 from app.core.health import Health
 from app.core.states import StorageState
 from app.memory.base import RECEIPT_TTL_MS
-from app.memory.former_files import (
-    FormerFilesError,
-    is_former_snapshot,
-    journal_files,
-    read_former,
-)
+from app.memory.former_files import FormerFilesError, is_former_snapshot, journal_files, read_former
 from app.memory.ownership import (
     SCHEMA_VERSION,
     SQLITE_HEADER,
@@ -107,17 +93,6 @@ _TRIM = (
 _COLUMNS = "id, namespace, trace_id, added_at_ms, vector, checksum"
 
 
-def entry_checksum(namespace: str, trace_id: str, added_at_ms: float, vector: bytes) -> int:
-    """What a row must still hold: its checksum (module docstring, the checksum)."""
-    return int(
-        _checksums(
-            np.frombuffer(vector, "<u4").reshape(1, -1),
-            np.array([added_at_ms], dtype="<f8"),
-            [zlib.crc32(_text(namespace, trace_id))],
-        )[0]
-    )
-
-
 def _text(namespace: str, trace_id: str) -> bytes:
     return f"{namespace}\x00{trace_id}".encode()
 
@@ -140,9 +115,9 @@ _ROW_LANES: dict[int, npt.NDArray[np.uint32]] = {}
 def _checksums(
     words: npt.NDArray[np.uint32], times: npt.NDArray[np.float64], text_crcs: Sequence[int]
 ) -> npt.NDArray[np.int64]:
-    """The checksums of rows given as their vectors' little-endian uint32 words (n, d), their
-    times and the CRC-32 of their names: two weighted sums modulo 2**32 over the vector's and
-    the time's words (numpy, a batch at once), the first XORed with the names' CRC-32."""
+    """The 64-bit checksums of rows given as their vectors' little-endian uint32 words (n, d),
+    their times and the CRC-32 of their names: two weighted sums modulo 2**32 over the vector's
+    and the time's words (numpy, a batch at once), the first XORed with the names' CRC-32."""
     d = words.shape[1]
     if d not in _LANES:
         lanes = np.stack([_weights(d + 2, 0x85EBCA6B), _weights(d + 2, 0xC2B2AE35)], axis=1)
@@ -313,13 +288,11 @@ class SqliteStore:
     """The database of one process's memory; used by one thread at a time after `open`: the
     memory's in-order thread, or the event loop while that thread is idle.
 
-    What it promises (docs/operating/persistence.md): a commit is claimed only when it is in
-    the files at the database's path. Before each commit is claimed, the identities (device,
-    inode) of the database and its WAL are compared with those it opened: a file deleted or
-    replaced meanwhile would take the commit (and the commits it held) with it, so the
-    memory's entries are written anew into a new file at the path first. One process owns the
-    file (app/memory/ownership.py); a database that cannot be opened is tried again before
-    each write."""
+    A commit is claimed only when it is in the files at the database's path: a database or WAL
+    deleted or replaced since it was opened (_files_intact) would take the commit, and those
+    it held, with it, so the memory's entries are written anew at the path first (_rewrite).
+    One process owns the file (app/memory/ownership.py); a database that cannot be opened is
+    tried again before each write."""
 
     def __init__(self, path: Path, model_id: str, dimensions: int, durability: Durability):
         self.path = path
@@ -400,10 +373,8 @@ class SqliteStore:
     def _not_opened(self, target: LoadTarget, reason: str) -> None:
         """What a failed open leaves: no connection, and nothing of the file in the memory
         (a later open loads it whole)."""
-        if self._conn is not None:
-            with contextlib.suppress(sqlite3.Error):
-                self._conn.close()
-            self._conn = None
+        _close(self._conn)
+        self._conn = None
         self._reset_loaded(target)
         first = self._unopened != reason
         self._unopened = reason
@@ -462,28 +433,22 @@ class SqliteStore:
             if other is None:
                 # Every page of the index and of the table is read: a damaged one fails the
                 # read (SQLITE_CORRUPT), or the two disagree on the count.
-                counts = dict(
+                self._counts = counts = dict(
                     conn.execute(
                         "SELECT namespace, count(*) FROM entries INDEXED BY "
                         "entries_by_namespace GROUP BY namespace"
                     ).fetchall()
                 )
-                self._counts = counts
                 loaded = self._load_rows(conn, target)
                 if loaded + self.status.checksum_failures_total != sum(counts.values()):
                     raise sqlite3.DatabaseError(
                         f"the index counts {sum(counts.values())} entries, the table "
                         f"{loaded + self.status.checksum_failures_total}"
                     )
-        except sqlite3.OperationalError:
-            if conn is not None:
-                with contextlib.suppress(sqlite3.Error):
-                    conn.close()
-            raise  # not damage: the file cannot be opened or is busy (open() reports it)
         except sqlite3.DatabaseError as exc:  # SQLITE_CORRUPT, SQLITE_NOTADB
-            if conn is not None:
-                with contextlib.suppress(sqlite3.Error):
-                    conn.close()
+            _close(conn)
+            if isinstance(exc, sqlite3.OperationalError):
+                raise  # not damage: the file cannot be opened or is busy (open() reports it)
             self._reset_loaded(target)
             self._recover(target, _reason(exc))
             return
@@ -491,8 +456,7 @@ class SqliteStore:
         if other is not None:
             conn.close()
             self._set_aside(other)
-            self._conn = self._connect(path)
-            self._write_meta(self._conn)
+            self._conn = self._connect(path, meta=True)
             return
         self._conn = conn  # closed by _not_opened if what follows fails
         self._write_meta(conn)
@@ -501,7 +465,7 @@ class SqliteStore:
         self.status.loaded_vectors = loaded
         log.info("cache database opened", extra={"path": str(path), "entries": loaded})
 
-    def _connect(self, path: Path) -> sqlite3.Connection:
+    def _connect(self, path: Path, *, meta: bool = False) -> sqlite3.Connection:
         conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute(f"PRAGMA synchronous={SYNCHRONOUS[self.durability]}")
@@ -509,6 +473,8 @@ class SqliteStore:
         # commit that may run on the event loop (checkpoint()).
         conn.execute("PRAGMA wal_autocheckpoint=0")
         conn.executescript(_SCHEMA)
+        if meta:
+            self._write_meta(conn)
         return conn
 
     def _write_meta(self, conn: sqlite3.Connection) -> None:
@@ -583,17 +549,16 @@ class SqliteStore:
             if not ok.all():
                 bad.extend(i for i, good_row in zip(ids, ok.tolist(), strict=True) if not good_row)
             first = namespaces[0]
-            if ok.all() and namespaces.count(first) == len(namespaces):
-                self._loaded(load, first, vectors, times, trace_ids)  # the common case
+            if ok.all() and namespaces.count(first) == len(namespaces):  # the common case
+                self._loaded(load, first, CacheEntries(vectors, times, trace_ids))
                 continue
             names = np.array(namespaces, dtype=object)
             for namespace in dict.fromkeys(namespaces):
                 keep = ok & (names == namespace)
                 if keep.any():
                     at = np.flatnonzero(keep)
-                    self._loaded(
-                        load, namespace, vectors[at], times[at], [trace_ids[i] for i in at]
-                    )
+                    entries = CacheEntries(vectors[at], times[at], [trace_ids[i] for i in at])
+                    self._loaded(load, namespace, entries)
         if bad:
             self.status.checksum_failures_total += len(bad)
             warning = (
@@ -604,16 +569,9 @@ class SqliteStore:
             log.error(warning, extra={"path": str(self.path), "dropped": len(bad)})
         return bad
 
-    def _loaded(
-        self,
-        load: Loader,
-        namespace: str,
-        vectors: npt.NDArray[np.float32],
-        times: npt.NDArray[np.float64],
-        trace_ids: list[str],
-    ) -> None:
-        self._rows[namespace] = self._rows.get(namespace, 0) + len(vectors)
-        load(namespace, CacheEntries(vectors, times, trace_ids))
+    def _loaded(self, load: Loader, namespace: str, entries: CacheEntries) -> None:
+        self._rows[namespace] = self._rows.get(namespace, 0) + len(entries.vectors)
+        load(namespace, entries)
 
     def _checked_batch(self, batch: list[Any]) -> _Checked | None:
         """Whether each row holds what its checksum says, with the rows' columns; None when
@@ -663,21 +621,11 @@ class SqliteStore:
                 with contextlib.suppress(OSError):
                     leftover.unlink()
         _remove_database(path)
-        conn = self._connect(path)
-        self._write_meta(conn)
+        conn = self._connect(path, meta=True)
         kept: list[tuple[str, str, float, bytes, int]] = []
 
         def keep(namespace: str, entries: CacheEntries) -> None:
-            kept.extend(
-                _values(
-                    [
-                        NewRow(namespace, trace_id, float(added_at), _wire(vector))
-                        for trace_id, added_at, vector in zip(
-                            entries.ids(), entries.added_at_ms, entries.vectors, strict=True
-                        )
-                    ]
-                )
-            )
+            kept.extend(_values(entry_rows(namespace, entries)))
             target.load(namespace, entries)
 
         self._dispatch([rows[i : i + CHUNK] for i in range(0, len(rows), CHUNK)], keep)
@@ -716,39 +664,22 @@ class SqliteStore:
             self.status.state, self.status.detail = StorageState.SET_ASIDE, message
             self._start_warnings.append(message)
             log.error("cache snapshot not converted", extra={"reason": message})
-            self._conn = self._connect(path)
-            self._write_meta(self._conn)
+            self._conn = self._connect(path, meta=True)
             return
         building = path.with_name(f"{path.name}.converting")
         _remove_database(building)
-        conn = self._connect(building)
-        self._write_meta(conn)
-        e = former.entries
+        conn = self._connect(building, meta=True)
+        e, ids = former.entries, former.entries.ids()
         conn.execute("BEGIN IMMEDIATE")
-        ids = e.ids()
         for i in range(0, len(e.vectors), CHUNK):
-            conn.executemany(
-                _INSERT,
-                _values(
-                    [
-                        NewRow("default", trace_id, float(t), _wire(v))
-                        for trace_id, t, v in zip(
-                            ids[i : i + CHUNK],
-                            e.added_at_ms[i : i + CHUNK],
-                            e.vectors[i : i + CHUNK],
-                            strict=True,
-                        )
-                    ]
-                ),
-            )
+            at = slice(i, i + CHUNK)
+            part = CacheEntries(e.vectors[at], e.added_at_ms[at], ids[at])
+            conn.executemany(_INSERT, _values(entry_rows("default", part)))
         conn.execute("COMMIT")
         conn.close()
         shutil.copyfile(path, aside)  # beside it before the database takes its name
-        _fsync_file(aside)
-        os.replace(building, path)
-        for suffix in ("-wal", "-shm"):
-            with contextlib.suppress(OSError):
-                os.replace(Path(f"{building}{suffix}"), Path(f"{path}{suffix}"))
+        _fsync(aside)
+        _move_database(building, path)
         for _, journal in journal_files(path):
             os.replace(journal, journal.with_name(f"{journal.name}.old-format"))
         self._conn = self._connect(path)
@@ -768,10 +699,7 @@ class SqliteStore:
     def _set_aside(self, why: str) -> None:
         path = self.path
         aside = path.with_name(f"{path.name}.other_model-{int(time.time())}")
-        os.replace(path, aside)
-        for suffix in ("-wal", "-shm"):
-            with contextlib.suppress(OSError):
-                os.replace(Path(f"{path}{suffix}"), Path(f"{aside}{suffix}"))
+        _move_database(path, aside)
         detail = f"{why}; moved to {aside.name}"
         self.status.state, self.status.detail = StorageState.SET_ASIDE, detail
         self._start_warnings.append(f"cache database set aside: {detail}")
@@ -811,19 +739,14 @@ class SqliteStore:
         trim_from: int = 1,
         receipts: Sequence[tuple[str, str]] = (),
     ) -> None:
-        """One transaction, committed: `rows` appended; for each namespace in `held` (the
-        entries the memory holds of it, before these rows), the rows the memory no longer
-        holds deleted, oldest first; `clear` and each of `forget` (namespaces the memory let
-        go, every entry expired): every row of that namespace deleted, before `rows` are
-        added; `checkpoint`: one that is due runs after the commit (False on the event loop:
-        the memory runs it on its thread); `trim_from`: a namespace's rows past `held` are
-        deleted once there are at least that many. StorageError (nothing changed) when it
-        cannot be committed. `receipts`: (key, comparisons as text) kept with the rows, for
-        RECEIPT_TTL_MS (app/memory/base.py; older ones go with a later receipt).
-
-        Claimed only when it is in the files at the path: when the database or its WAL was
-        deleted or replaced, every entry the memory holds, and `rows`, are written into a new
-        database first (_rewrite)."""
+        """One transaction, committed (StorageError, nothing changed, when it cannot be): every
+        row of `clear` and of each of `forget` (namespaces the memory let go) deleted; for each
+        namespace in `held` (its entries in the memory before `rows`), the rows the memory no
+        longer holds deleted oldest first, once at least `trim_from`; `rows` appended;
+        `receipts` (key, comparisons as text) kept for RECEIPT_TTL_MS (older ones go).
+        `checkpoint`: one that is due runs after the commit (False on the event loop: the
+        memory runs it on its thread). Claimed only when it is in the files at the path, else
+        written into a new database first (_rewrite)."""
         conn = self._conn
         if conn is None:
             self._failed(self._unopened or "the database is not open")
@@ -910,13 +833,12 @@ class SqliteStore:
         gone: Collection[str],
         receipts: Sequence[tuple[str, str]] = (),
     ) -> None:
-        """The database or its WAL was deleted or replaced while serving: what the memory
-        holds (but the namespaces `gone`), and `rows` (not held yet), is written into a new
-        database at the path (the commits of the file that went are in nothing that survives
-        a crash). Built beside the path and renamed into it: a crash meanwhile loses nothing
-        more than the operator's act did. Files found at the path that are not this
-        process's are moved aside (`<name>.replaced-<time>`), never deleted. StorageError
-        when it cannot be written (it is tried again at the next write)."""
+        """The database or its WAL was deleted or replaced while serving (its commits survive
+        no crash): what the memory holds (but the namespaces `gone`) and `rows` are written
+        into a new database built beside the path and renamed into it (a crash meanwhile loses
+        nothing more than the operator's act did); files at the path that are not this
+        process's are moved aside, never deleted. StorageError when it cannot be written
+        (tried again at the next write)."""
         target = self._target
         assert target is not None
         path = self.path
@@ -926,23 +848,12 @@ class SqliteStore:
         aside: str | None = None
         try:
             _remove_database(building)
-            conn = self._connect(building)
-            self._write_meta(conn)
+            conn = self._connect(building, meta=True)
             conn.execute("BEGIN IMMEDIATE")
             for namespace, chunk in target.held():
                 if namespace in gone:
                     continue
-                conn.executemany(
-                    _INSERT,
-                    _values(
-                        [
-                            NewRow(namespace, trace_id, float(at), _wire(vector))
-                            for trace_id, at, vector in zip(
-                                chunk.ids(), chunk.added_at_ms, chunk.vectors, strict=True
-                            )
-                        ]
-                    ),
-                )
+                conn.executemany(_INSERT, _values(entry_rows(namespace, chunk)))
                 counts[namespace] = counts.get(namespace, 0) + len(chunk.vectors)
             conn.executemany(_INSERT, _values(rows))
             for row in rows:
@@ -957,30 +868,26 @@ class SqliteStore:
             conn.close()  # the last connection: its WAL folded in and deleted
             conn = None
             if self.durability == "power":
-                _fsync_file(building)
+                _fsync(building)
             aside = self._move_foreign_aside()
             # The WAL and index of the file that went: never beside the new database.
             for stale in (self._wal_text, f"{path}-shm"):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(stale)
             os.replace(building, path)
-            if self.durability == "power":
-                _fsync_directory(path.parent)
+            if self.durability == "power":  # so that the rename survives a power loss
+                _fsync(path.parent, os.O_RDONLY | os.O_DIRECTORY)
         except (sqlite3.Error, OSError) as exc:
-            if conn is not None:
-                with contextlib.suppress(sqlite3.Error):
-                    conn.close()
+            _close(conn)
             with contextlib.suppress(OSError):
                 _remove_database(building)
             self._failed(
                 "the database file or its WAL was deleted or replaced while serving, and it "
                 f"cannot be written anew: {_reason(exc)}"
             )
-        old, self._conn = self._conn, None
-        if old is not None:
-            # Its files are no longer at the path: what it still writes at close goes nowhere.
-            with contextlib.suppress(sqlite3.Error):
-                old.close()
+        # The old files are no longer at the path: what it still writes at close goes nowhere.
+        _close(self._conn)
+        self._conn = None
         try:
             self._conn = self._connect(path)
             self._record_files()
@@ -1053,10 +960,8 @@ class SqliteStore:
         if self._watch is not None:
             self._watch.close()
             self._watch = None
-        if self._conn is not None:
-            with contextlib.suppress(sqlite3.Error):
-                self._conn.close()
-            self._conn = None
+        _close(self._conn)
+        self._conn = None
         self._lock.release()
 
     def health(self) -> Health:
@@ -1084,14 +989,29 @@ def _row_ok(row: Any, size: int) -> bool:
             and isinstance(added_at, float)
             and isinstance(vector, bytes)
             and len(vector) == size
-            and checksum == entry_checksum(namespace, trace_id, added_at, vector)
+            and checksum == _values([NewRow(namespace, trace_id, added_at, vector)])[0][4]
         )
     except (TypeError, ValueError):
         return False
 
 
-def _wire(vector: np.ndarray) -> bytes:
+def wire(vector: npt.NDArray[np.float32]) -> bytes:
+    """A vector as a row keeps it: little-endian float32."""
     return np.ascontiguousarray(vector, dtype="<f4").tobytes()
+
+
+def entry_rows(namespace: str, entries: CacheEntries) -> list[NewRow]:
+    times, vectors = entries.added_at_ms, entries.vectors
+    return [
+        NewRow(namespace, trace_id, float(at), wire(vector))
+        for trace_id, at, vector in zip(entries.ids(), times, vectors, strict=True)
+    ]
+
+
+def _close(conn: sqlite3.Connection | None) -> None:
+    if conn is not None:
+        with contextlib.suppress(sqlite3.Error):
+            conn.close()
 
 
 def _reason(exc: BaseException) -> str:
@@ -1111,17 +1031,16 @@ def _remove_database(path: Path) -> None:
             each.unlink()
 
 
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _move_database(source: Path, to: Path) -> None:
+    """The database renamed, with its WAL and index where there are."""
+    os.replace(source, to)
+    for suffix in ("-wal", "-shm"):
+        with contextlib.suppress(OSError):
+            os.replace(Path(f"{source}{suffix}"), Path(f"{to}{suffix}"))
 
 
-def _fsync_directory(path: Path) -> None:
-    """A rename in `path` survives a power loss once the directory is synced."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+def _fsync(path: Path, flags: int = os.O_RDONLY) -> None:
+    fd = os.open(path, flags)
     try:
         os.fsync(fd)
     finally:
@@ -1135,13 +1054,15 @@ def _readable_rows(path: Path) -> Iterator[Any]:
         conn = sqlite3.connect(path, isolation_level=None)
     except sqlite3.Error:
         return
-    try:
-        try:
+    with contextlib.closing(conn):
+        top = None
+        with contextlib.suppress(sqlite3.Error):
             top = conn.execute("SELECT max(id) FROM entries").fetchone()[0]
-        except sqlite3.Error:
-            top = None
-        if top is None:
-            top = _highest_readable_id(conn)
+        if top is None:  # unreadable (or no rows): the largest id found walking the table
+            top = 0
+            with contextlib.suppress(sqlite3.Error):
+                for (row_id,) in conn.execute("SELECT id FROM entries ORDER BY id"):
+                    top = int(row_id)
         query = f"SELECT {_COLUMNS} FROM entries WHERE id BETWEEN ? AND ? ORDER BY id"
         for start in range(1, int(top) + 1, _RECOVER_BLOCK):
             stop = start + _RECOVER_BLOCK - 1
@@ -1151,17 +1072,6 @@ def _readable_rows(path: Path) -> Iterator[Any]:
                 for one in range(start, stop + 1):
                     with contextlib.suppress(sqlite3.Error):
                         yield from conn.execute(query, (one, one)).fetchall()
-    finally:
-        conn.close()
-
-
-def _highest_readable_id(conn: sqlite3.Connection) -> int:
-    """The largest id found by walking the table until it fails (0: none)."""
-    top = 0
-    with contextlib.suppress(sqlite3.Error):
-        for (row_id,) in conn.execute("SELECT id FROM entries ORDER BY id"):
-            top = int(row_id)
-    return top
 
 
 def _utc_now() -> str:
