@@ -33,7 +33,7 @@ def run(host: str = "127.0.0.1", port: int = 8000) -> None:
     if settings.redis_url is not None:
         # One line, before the server starts, for a Redis without vector search.
         from app.core.config import redis_location
-        from app.memory.redis_vectors import refuse_without_query_engine
+        from app.memory.redis_parts import refuse_without_query_engine
 
         url = settings.redis_url.get_secret_value()
         refuse_without_query_engine(url, redis_location(url))

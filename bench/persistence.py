@@ -342,7 +342,8 @@ def _entries(size: int, seed: int = 3) -> tuple[np.ndarray, np.ndarray, list[str
 
 def write_database(path: Path, model_id: str, size: int) -> None:
     """A database of `size` entries in the default namespace, as the service writes them."""
-    from app.memory.sqlite import Discard, NewRow, SqliteStore
+    from app.memory.sqlite import SqliteStore
+    from app.memory.sqlite_rows import Discard, NewRow
 
     vectors, times, ids = _entries(size)
     store = SqliteStore(path, model_id, 384, "process")

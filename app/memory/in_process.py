@@ -36,7 +36,8 @@ from app.memory.ring import (
     exact_cosine,
     wall_clock_ms,
 )
-from app.memory.sqlite import NewRow, SqliteStore, StorageError, entry_rows, wire
+from app.memory.sqlite import SqliteStore, StorageError
+from app.memory.sqlite_rows import NewRow, entry_rows, wire
 
 T = TypeVar("T")
 

@@ -43,7 +43,6 @@ from redis.exceptions import RedisError, ResponseError
 from redis.retry import Retry
 
 from app.core.config import config_error
-from app.core.errors import PartError
 from app.core.health import UNMEASURED, Health
 from app.memory.base import (
     DEFAULT_NAMESPACE,
@@ -53,11 +52,21 @@ from app.memory.base import (
     MemoryFaults,
     MemoryUnavailableError,
     NamespaceLimitError,
-    NearestTrace,
-    SearchMethod,
     Vector,
 )
-from app.memory.ring import CacheEntries, CacheStats, exact_cosine
+from app.memory.redis_parts import (
+    WIRE,
+    NamespaceUnavailableError,
+    QueryEngineMissingError,
+    SettingsMismatchError,
+    describe,
+    evicting,
+    missing_query_engine,
+    number_text,
+    rescored,
+    text,
+)
+from app.memory.ring import CacheEntries, CacheStats
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +83,6 @@ BATCH = 1000
 BULK_TIMEOUT_S = 30.0
 #: Candidates a search returns at first; the exact path widens past it when more are tied.
 CANDIDATES = 8
-_WIRE = np.dtype("<f4")
 
 #: Adds the namespace to the set of namespaces unless that would pass the limit.
 _REGISTER = """
@@ -83,63 +91,6 @@ if redis.call('SCARD', KEYS[1]) >= tonumber(ARGV[2]) then return 0 end
 redis.call('SADD', KEYS[1], ARGV[1])
 return 1
 """
-
-
-class SettingsMismatchError(PartError):
-    """This replica's KP_CACHE_* or model differ from the namespace's in Redis."""
-
-
-class NamespaceUnavailableError(MemoryUnavailableError):
-    """This namespace cannot be used now (its index); the others can. Nothing was added."""
-
-
-def evicting(policy: str) -> bool:
-    """Whether a maxmemory-policy may evict the memory's keys: the allkeys-* ones. The
-    volatile-* ones evict only keys with a TTL, and the memory's keys have none."""
-    return policy.startswith("allkeys-")
-
-
-class QueryEngineMissingError(PartError):
-    """The Redis at KP_REDIS_URL has no vector search."""
-
-
-def refuse_without_query_engine(url: str, location: str, timeout_s: float = 5.0) -> None:
-    """Before the server starts: a Redis that answers without vector search stops the start
-    with one line (ConfigError); one that does not answer is left to the memory's outage
-    handling (the service starts and says so)."""
-    import redis
-
-    try:
-        with redis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
-        ) as client:
-            execute: Callable[..., Any] = client.execute_command  # untyped in redis-py
-            try:
-                execute("FT._LIST")
-            except ResponseError as exc:
-                if "unknown command" not in str(exc).lower():
-                    return
-                version = client.info("server").get("redis_version", "unknown")
-                raise config_error("REDIS_URL", _missing(location, version)) from None
-    except (RedisError, OSError):
-        return
-
-
-def _missing(location: str, version: str) -> str:
-    return (
-        f"the Redis at {location} (version {version}) has no vector search: the shared memory "
-        "needs Redis 8 with its Query Engine, or Redis Stack 7.4"
-    )
-
-
-def _number(value: float | None) -> str:
-    if value is None:
-        return "0"
-    return str(int(value)) if float(value).is_integer() else repr(float(value))
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
 
 
 class RedisVectorMemory:
@@ -176,7 +127,7 @@ class RedisVectorMemory:
         self._timeout_s = timeout_ms / 1000.0
         self._settings = [
             str(capacity),
-            _number(ttl_ms),
+            number_text(ttl_ms),
             self.model,
             str(dimensions),
             str(hnsw_from),
@@ -318,7 +269,7 @@ class RedisVectorMemory:
             if "unknown command" not in str(exc).lower():
                 raise
             version = (await client.info("server")).get("redis_version", "unknown")
-            raise QueryEngineMissingError(_missing(self.location, version)) from None
+            raise QueryEngineMissingError(missing_query_engine(self.location, version)) from None
 
     async def close(self) -> None:
         self._closed = True
@@ -355,7 +306,7 @@ class RedisVectorMemory:
         if refused is not None:
             add = False
             self._not_stored_total += len(vectors)
-        queries = [np.asarray(v, dtype=_WIRE) for v in vectors]
+        queries = [np.asarray(v, dtype=WIRE) for v in vectors]
         kept_as = "" if receipt is None or not add else f"{self.prefix}{{{namespace}}}:r:{receipt}"
         args: list[bytes | str] = ["1" if add else "0", kept_as, str(RECEIPT_TTL_MS)]
         for trace_id, vector in zip(trace_ids, queries, strict=True):
@@ -365,10 +316,10 @@ class RedisVectorMemory:
         reply = await self._run(namespace, "step", args, create=add, bulk=False)
         if reply is None:  # a dry run against a namespace that holds nothing yet
             empty = [[0, b"exact", 0]] * len(queries)
-            compared = _compared(queries, trace_ids, empty, 0.0, add, self.capacity)
+            compared = rescored(queries, trace_ids, empty, 0.0, add, self.capacity)
         else:
             now, _, _, results, *_ = reply
-            compared = _compared(queries, trace_ids, results, float(now), add, self.capacity)
+            compared = rescored(queries, trace_ids, results, float(now), add, self.capacity)
         if refused is not None:
             return [replace(c, not_stored=refused) for c in compared]
         return compared
@@ -377,7 +328,7 @@ class RedisVectorMemory:
         client = await self._ready_client()
         try:
             async with asyncio.timeout(self._timeout_s):
-                names = sorted(_text(n) for n in await client.smembers(self._registry))
+                names = sorted(text(n) for n in await client.smembers(self._registry))
                 sizes: list[list[Any]] = [
                     await client.hmget(self._meta(n), "first", "next") for n in names
                 ]
@@ -448,11 +399,11 @@ class RedisVectorMemory:
             stop = int(next_seq) if stop is None else stop
             if fields:
                 yield CacheEntries(
-                    np.stack([np.frombuffer(v, dtype=_WIRE) for v in fields[2::3]]).astype(
+                    np.stack([np.frombuffer(v, dtype=WIRE) for v in fields[2::3]]).astype(
                         np.float32
                     ),
                     np.array([float(t) for t in fields[1::3]], dtype=np.float64),
-                    [_text(t) for t in fields[0::3]],
+                    [text(t) for t in fields[0::3]],
                 )
             if not fields and start >= int(next_seq):
                 return
@@ -471,7 +422,7 @@ class RedisVectorMemory:
                 args += [
                     ids[i],
                     repr(float(entries.added_at_ms[i])),
-                    np.asarray(entries.vectors[i], dtype=_WIRE).tobytes(),
+                    np.asarray(entries.vectors[i], dtype=WIRE).tobytes(),
                 ]
             try:
                 reply = await self._run(namespace, "import", args, create=True, bulk=True)
@@ -534,7 +485,7 @@ class RedisVectorMemory:
                 status, *body = await self._script(keys=keys, args=head + args)
             if status == b"settings_mismatch":
                 self._mismatched = namespace
-                raise SettingsMismatchError(_text(body[0]))
+                raise SettingsMismatchError(text(body[0]))
         except (RedisError, OSError, TimeoutError, SettingsMismatchError) as exc:
             raise self._failed(exc) from None
         if namespace == self._mismatched:
@@ -552,7 +503,7 @@ class RedisVectorMemory:
             self._verified.add(namespace)
             if body[5]:
                 self._notes[namespace] = (
-                    f"its HNSW index {_text(body[5])}: it is not this service's, so FLAT "
+                    f"its HNSW index {text(body[5])}: it is not this service's, so FLAT "
                     "answers (exactly, but slower); drop it and DELETE /cache the namespace"
                 )
             else:
@@ -569,10 +520,10 @@ class RedisVectorMemory:
     def _namespace_refused(
         self, namespace: str, status: bytes, body: list[Any]
     ) -> NamespaceUnavailableError:
-        index = _text(body[0])
+        index = text(body[0])
         if status == b"foreign_index":
             why = (
-                f"its index {index} is not this service's ({_text(body[1])}), so it is never "
+                f"its index {index} is not this service's ({text(body[1])}), so it is never "
                 f"searched: drop it (FT.DROPINDEX {index}) or give the service another "
                 "KP_REDIS_PREFIX; nothing is added meanwhile"
             )
@@ -697,7 +648,7 @@ class RedisVectorMemory:
         client = await self._ready_client()
         try:
             async with asyncio.timeout(max(self._timeout_s, 1.0)):
-                names = sorted(_text(n) for n in await client.smembers(self._registry))
+                names = sorted(text(n) for n in await client.smembers(self._registry))
         except (RedisError, OSError, TimeoutError) as exc:
             raise self._failed(exc) from None
         gone: list[str] = []
@@ -758,7 +709,7 @@ class RedisVectorMemory:
         return f"the shared cache at {self.location} is unavailable: {self._reason}"
 
     def _went_down(self, exc: BaseException) -> None:
-        self._reason = _describe(exc)
+        self._reason = describe(exc)
         if not self._available:
             return
         self._available = False
@@ -814,56 +765,8 @@ class RedisVectorMemory:
             except MemoryUnavailableError:
                 continue
             except (RedisError, OSError, TimeoutError) as exc:
-                self._reason = _describe(exc)
+                self._reason = describe(exc)
                 continue
             except Exception:
                 # The probe must outlive any surprise, or the replica stays refused for good.
                 log.exception("shared cache probe failed; retrying")
-
-
-def _compared(
-    queries: Sequence[Vector],
-    trace_ids: Sequence[str],
-    results: Sequence[Sequence[Any]],
-    now: float,
-    add: bool,
-    capacity: int,
-) -> list[Comparison]:
-    """The script's candidates rescored in float64: each trace's nearest (ties: the newest).
-    Without `add`, a trace is also compared with the call's earlier traces (newer than any
-    stored entry, so they win ties)."""
-    out = []
-    for i, (query, result) in enumerate(zip(queries, results, strict=True)):
-        size, method, count, *fields = result
-        best: tuple[float, int, str, float] | None = None  # cosine, seq, trace, time
-        for j in range(int(count)):
-            seq, trace, t, data = fields[4 * j : 4 * j + 4]
-            cosine = exact_cosine(query, np.frombuffer(data, dtype=_WIRE))
-            if best is None or (cosine, int(seq)) > (best[0], best[1]):
-                best = (cosine, int(seq), _text(trace), float(t))
-        search: SearchMethod = "index" if method == b"index" else "exact"
-        seen = int(size)
-        if not add:
-            for earlier in range(i):
-                cosine = exact_cosine(query, queries[earlier])
-                if best is None or cosine >= best[0]:
-                    best = (cosine, 2**62, trace_ids[earlier], now)
-            seen = min(capacity, seen + i)
-        if best is None:
-            out.append(Comparison(None, 0, stored=add))
-            continue
-        nearest = NearestTrace(best[2], best[0], max(0.0, now - best[3]))
-        out.append(Comparison(best[0], seen, nearest, search, None, stored=add))
-    return out
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, TimeoutError):
-        return "no answer within KP_REDIS_TIMEOUT_MS"
-    text = str(exc)
-    if isinstance(exc, SettingsMismatchError):
-        return (
-            f"{text}: give every replica the same settings, "
-            "or DELETE /cache from one with the new ones"
-        )
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -6,7 +6,7 @@ Every change is one transaction, committed before its answer (app/memory/in_proc
 concurrent requests into one); `KP_CACHE_DURABILITY` is SQLite's `synchronous`: NORMAL (a
 process crash loses nothing committed) or FULL (a power loss neither). One table holds every
 namespace's entries in the order they were added (its rowid). SQLite checks a file's
-structure, not what a row holds, so each row carries a checksum (_checksums), checked at start:
+structure, not what a row holds, so each row carries a checksum (checksums), checked at start:
 a row failing it is never served. The database may hold more rows than the memory (deleted a
 batch at a time: `trim_from`); a start keeps the newest of each namespace within the capacity
 and the TTL, as the memory does. A damaged file is copied aside and read row by row into a new
@@ -18,20 +18,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import select
 import shutil
 import sqlite3
 import struct
 import time
 import zlib
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Iterable, Sequence
 from itertools import repeat
 from pathlib import Path
-from typing import Any, Literal, NamedTuple, Protocol
+from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
 from app.core.config import config_error
 from app.core.errors import PartError
@@ -41,16 +38,40 @@ from app.memory.base import RECEIPT_TTL_MS
 from app.memory.former_files import FormerFilesError, is_former_snapshot, journal_files, read_former
 from app.memory.ownership import (
     SCHEMA_VERSION,
-    SQLITE_HEADER,
     DatabaseRefusedError,
     OwnerLock,
     newer_schema,
 )
 from app.memory.ring import CHUNK, CacheEntries
+from app.memory.sqlite_rows import (
+    COLUMNS,
+    INSERT,
+    SCHEMA,
+    TRIM,
+    Checked,
+    Durability,
+    FileWatch,
+    Loader,
+    LoadTarget,
+    NewRow,
+    StorageStatus,
+    checksums,
+    close_quietly,
+    entry_rows,
+    fsync,
+    has_sqlite_header,
+    key_text,
+    move_database,
+    readable_rows,
+    reason,
+    remove_database,
+    row_ok,
+    utc_now,
+    values,
+)
 
 log = logging.getLogger(__name__)
 
-Durability = Literal["process", "power"]
 SYNCHRONOUS: dict[Durability, str] = {"process": "NORMAL", "power": "FULL"}
 _TIME = struct.Struct("<d")
 #: Pages written to the WAL between two checkpoints (SQLite's own default), counted as a
@@ -58,230 +79,14 @@ _TIME = struct.Struct("<d")
 #: for every ROWS_A_PAGE rows (two entries of 1.6 KB fill a page of 4 KiB).
 CHECKPOINT_PAGES = 1_000
 ROWS_A_PAGE = 2
-#: Row ids read at a time when a damaged file is read row by row.
-_RECOVER_BLOCK = 256
 #: How often the lock file is checked (it is not deleted or replaced) between commits, and
-#: the database's and WAL's paths where the kernel reports changes to them (_FileWatch).
+#: the database's and WAL's paths where the kernel reports changes to them (FileWatch).
 LOCK_CHECK_INTERVAL_S = 1.0
 PATH_CHECK_INTERVAL_S = 1.0
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS entries (
-    id INTEGER PRIMARY KEY,
-    namespace TEXT NOT NULL,
-    trace_id TEXT NOT NULL,
-    added_at_ms REAL NOT NULL,
-    vector BLOB NOT NULL,
-    checksum INTEGER NOT NULL
-);
-CREATE INDEX IF NOT EXISTS entries_by_namespace ON entries (namespace, id);
-CREATE TABLE IF NOT EXISTS receipts (
-    key TEXT PRIMARY KEY,
-    at_ms REAL NOT NULL,
-    comparisons TEXT NOT NULL
-);
-"""
-_INSERT = (
-    "INSERT INTO entries (namespace, trace_id, added_at_ms, vector, checksum) "
-    "VALUES (?, ?, ?, ?, ?)"
-)
-_TRIM = (
-    "DELETE FROM entries WHERE id IN "
-    "(SELECT id FROM entries WHERE namespace = ? ORDER BY id LIMIT ?)"
-)
-_COLUMNS = "id, namespace, trace_id, added_at_ms, vector, checksum"
-
-
-def _text(namespace: str, trace_id: str) -> bytes:
-    return f"{namespace}\x00{trace_id}".encode()
-
-
-def _weights(words: int, seed: int) -> npt.NDArray[np.uint32]:
-    """Odd (so a change confined to one word always changes the sum), all different (so
-    words swapped change it too), fixed: part of the file format."""
-    i = np.arange(words, dtype=np.uint64)
-    return ((i * np.uint64(seed) + np.uint64(0x9E3779B9)) % np.uint64(2**32) | np.uint64(1)).astype(
-        np.uint32
-    )
-
-
-#: Per dimension: the weights of the vector's words and of the time's two, two lanes each.
-_LANES: dict[int, tuple[npt.NDArray[np.uint32], npt.NDArray[np.uint32]]] = {}
-#: The same weights as one (d + 2, 2) matrix: a row's vector words then its time's.
-_ROW_LANES: dict[int, npt.NDArray[np.uint32]] = {}
-
-
-def _checksums(
-    words: npt.NDArray[np.uint32], times: npt.NDArray[np.float64], text_crcs: Sequence[int]
-) -> npt.NDArray[np.int64]:
-    """The 64-bit checksums of rows given as their vectors' little-endian uint32 words (n, d),
-    their times and the CRC-32 of their names: two weighted sums modulo 2**32 over the vector's
-    and the time's words (numpy, a batch at once), the first XORed with the names' CRC-32."""
-    d = words.shape[1]
-    if d not in _LANES:
-        lanes = np.stack([_weights(d + 2, 0x85EBCA6B), _weights(d + 2, 0xC2B2AE35)], axis=1)
-        _LANES[d] = (np.ascontiguousarray(lanes[:d]), np.ascontiguousarray(lanes[d:]))
-        _ROW_LANES[d] = np.ascontiguousarray(lanes)
-    vector_w, time_w = _LANES[d]
-    time_words = np.ascontiguousarray(times, dtype="<f8").view("<u4").reshape(-1, 2)
-    sums = words @ vector_w  # (n, 2), modulo 2**32
-    sums += time_words @ time_w
-    sums[:, 0] ^= np.asarray(text_crcs, dtype=np.uint32)
-    # Each (high, low) pair read as one little-endian 64-bit integer: high << 32 | low.
-    checksums: npt.NDArray[np.int64] = sums[:, ::-1].astype("<u4").view("<i8")[:, 0]
-    return checksums
-
-
-class _FileWatch:
-    """Whether the database's or WAL's file may have been deleted, replaced or moved since it
-    was opened. On Linux the kernel queues an event (inotify: a link count changed, the file
-    moved or went) before the unlink or rename returns, and one poll per commit asks for it:
-    0.7 us against 3.3 us for each of the two stat calls it spares (AMD EPYC, a loaded host).
-    None where inotify cannot be had: the caller compares the paths at each commit."""
-
-    def __init__(self, paths: Sequence[str]) -> None:
-        from inotify_simple import INotify, flags  # type: ignore[import-untyped]
-
-        self._inotify = INotify(nonblocking=True)
-        try:
-            for path in paths:
-                self._inotify.add_watch(path, flags.ATTRIB | flags.MOVE_SELF | flags.DELETE_SELF)
-        except OSError:
-            self._inotify.close()
-            raise
-        self._poll = select.poll()
-        self._poll.register(self._inotify.fileno(), select.POLLIN)
-
-    @classmethod
-    def of(cls, paths: Sequence[str]) -> _FileWatch | None:
-        try:
-            return cls(paths)
-        except (ImportError, OSError, AttributeError):
-            return None  # not Linux, or no inotify instance or watch left: paths compared
-
-    def changed(self) -> bool:
-        """An event came (read, so that the next asks anew)."""
-        if not self._poll.poll(0):
-            return False
-        self._inotify.read(timeout=0)
-        return True
-
-    def close(self) -> None:
-        self._inotify.close()
 
 
 class StorageError(PartError):
     """The database could not be written; the message is SQLite's (or the system's) reason."""
-
-
-@dataclass
-class StorageStatus:
-    """The database, for operators (/readyz, metrics, the log)."""
-
-    path: Path | None
-    state: StorageState
-    detail: str | None = None  # what happened to the file at start
-    loaded_vectors: int = 0
-    last_commit_at_ms: float | None = None
-    last_write_error: str | None = None  # from a failed write until one succeeds
-    commits_total: int = 0
-    write_errors_total: int = 0  # failed writes
-    checksum_failures_total: int = 0  # rows dropped at start: their checksum failed
-    durability: Durability | None = None
-    #: Times the database was written anew from the memory: its file or WAL was deleted or
-    #: replaced while serving.
-    rewrites_total: int = 0
-
-    @property
-    def failing(self) -> bool:
-        """The database takes no commit now: it could not be opened, or its last write
-        failed (traces are scored but not stored)."""
-        return self.state is StorageState.ERROR or self.last_write_error is not None
-
-
-@dataclass(frozen=True, slots=True)
-class NewRow:
-    namespace: str
-    trace_id: str
-    added_at_ms: float
-    vector: bytes  # little-endian float32
-
-
-def _values(rows: Sequence[NewRow]) -> list[tuple[str, str, float, bytes, int]]:
-    """The rows as inserted, with their checksums: _checksums' sums, in as few numpy calls as
-    can be (a commit is often one row: each call costs microseconds there)."""
-    if not rows:
-        return []
-    d = len(rows[0].vector) // 4
-    if d not in _LANES:
-        _checksums(np.zeros((1, d), dtype=np.uint32), np.zeros(1), [0])  # makes the weights
-    weights = _ROW_LANES[d]
-    pack = _TIME.pack
-    words = np.frombuffer(b"".join([r.vector + pack(r.added_at_ms) for r in rows]), "<u4")
-    sums = (words.reshape(len(rows), d + 2) @ weights).tolist()
-    return [
-        (r.namespace, r.trace_id, r.added_at_ms, r.vector, _signed(h ^ _text_crc(r), low))
-        for r, (h, low) in zip(rows, sums, strict=True)
-    ]
-
-
-def _text_crc(row: NewRow) -> int:
-    return zlib.crc32(_text(row.namespace, row.trace_id))
-
-
-def _signed(high: int, low: int) -> int:
-    """high << 32 | low as SQLite's signed 64-bit INTEGER."""
-    return (((high << 32) | low) ^ (1 << 63)) - (1 << 63)
-
-
-Loader = Callable[[str, CacheEntries], None]
-
-
-class _Checked(NamedTuple):
-    """A batch of rows read at start: which hold what their checksum says, and their columns."""
-
-    ok: npt.NDArray[np.bool_]
-    vectors: npt.NDArray[np.float32]
-    times: npt.NDArray[np.float64]
-    ids: tuple[int, ...]
-    namespaces: tuple[str, ...]
-    trace_ids: list[str]
-
-
-class LoadTarget(Protocol):
-    """Where a start's entries go (the memory), and where a database written anew takes them
-    from."""
-
-    def load(self, namespace: str, entries: CacheEntries) -> None:
-        """The next entries of the namespace, oldest first."""
-
-    def reserve(self, namespace: str, rows: int) -> None:
-        """About `rows` entries of the namespace follow."""
-
-    def reset(self) -> None:
-        """Forget what was loaded: the file turned out damaged part way, or could not be
-        opened after all."""
-
-    def held(self) -> Iterator[tuple[str, CacheEntries]]:
-        """Every entry the memory holds, a chunk of one namespace at a time, oldest first."""
-        ...
-
-
-class Discard:
-    """A LoadTarget that keeps nothing (tools that only write a database)."""
-
-    def load(self, namespace: str, entries: CacheEntries) -> None:
-        pass
-
-    def reserve(self, namespace: str, rows: int) -> None:
-        pass
-
-    def reset(self) -> None:
-        pass
-
-    def held(self) -> Iterator[tuple[str, CacheEntries]]:
-        return iter(())
 
 
 class SqliteStore:
@@ -313,7 +118,7 @@ class SqliteStore:
         self._path_text, self._wal_text = str(path), f"{path}-wal"
         self._checked_wal = self._wal_text  # the database's own path where WAL mode failed
         self._files: tuple[int, int, int, int] | None = None  # the database's and WAL's ids
-        self._watch: _FileWatch | None = None
+        self._watch: FileWatch | None = None
         self._next_path_check = 0.0
         self._rewrite_due = False  # the files were found gone, and not written anew yet
         self._displaced: str | None = None  # another process took the lock
@@ -365,7 +170,7 @@ class SqliteStore:
             self._open(target)
             self._record_files()
         except (sqlite3.Error, OSError) as exc:
-            self._not_opened(target, _reason(exc))
+            self._not_opened(target, reason(exc))
             return
         self._unopened = None
         self.status.last_write_error = None
@@ -373,7 +178,7 @@ class SqliteStore:
     def _not_opened(self, target: LoadTarget, reason: str) -> None:
         """What a failed open leaves: no connection, and nothing of the file in the memory
         (a later open loads it whole)."""
-        _close(self._conn)
+        close_quietly(self._conn)
         self._conn = None
         self._reset_loaded(target)
         first = self._unopened != reason
@@ -398,7 +203,7 @@ class SqliteStore:
             wal = os.stat(self._wal_text)
         except FileNotFoundError:
             self._checked_wal, wal = self._path_text, db
-        self._watch = _FileWatch.of(sorted({self._path_text, self._checked_wal}))
+        self._watch = FileWatch.of(sorted({self._path_text, self._checked_wal}))
         self._files = (db.st_dev, db.st_ino, wal.st_dev, wal.st_ino)
         self._next_path_check = time.monotonic() + PATH_CHECK_INTERVAL_S
 
@@ -423,7 +228,7 @@ class SqliteStore:
         if path.exists() and is_former_snapshot(path):
             self._convert(target)
             return
-        if path.exists() and path.stat().st_size and not _has_sqlite_header(path):
+        if path.exists() and path.stat().st_size and not has_sqlite_header(path):
             self._recover(target, "not an SQLite database")
             return
         conn: sqlite3.Connection | None = None
@@ -446,11 +251,11 @@ class SqliteStore:
                         f"{loaded + self.status.checksum_failures_total}"
                     )
         except sqlite3.DatabaseError as exc:  # SQLITE_CORRUPT, SQLITE_NOTADB
-            _close(conn)
+            close_quietly(conn)
             if isinstance(exc, sqlite3.OperationalError):
                 raise  # not damage: the file cannot be opened or is busy (open() reports it)
             self._reset_loaded(target)
-            self._recover(target, _reason(exc))
+            self._recover(target, reason(exc))
             return
         assert conn is not None
         if other is not None:
@@ -472,7 +277,7 @@ class SqliteStore:
         # Checkpoints (an fsync at `process`) run on the memory's thread, never inside a
         # commit that may run on the event loop (checkpoint()).
         conn.execute("PRAGMA wal_autocheckpoint=0")
-        conn.executescript(_SCHEMA)
+        conn.executescript(SCHEMA)
         if meta:
             self._write_meta(conn)
         return conn
@@ -503,7 +308,7 @@ class SqliteStore:
         counted) for _drop."""
         for namespace, count in self._counts.items():
             target.reserve(namespace, count)
-        rows = conn.execute(f"SELECT {_COLUMNS} FROM entries ORDER BY id")
+        rows = conn.execute(f"SELECT {COLUMNS} FROM entries ORDER BY id")
         try:
             self._bad = self._dispatch(iter(lambda: rows.fetchmany(CHUNK), []), target.load)
         except sqlite3.OperationalError as exc:
@@ -538,7 +343,7 @@ class SqliteStore:
                 continue
             checked = self._checked_batch(batch)
             if checked is None:  # a value of another type or length somewhere
-                good = [_row_ok(r, self.dimensions * 4) for r in batch]
+                good = [row_ok(r, self.dimensions * 4) for r in batch]
                 bad.extend(r[0] for r, ok in zip(batch, good, strict=True) if not ok)
                 batch = [r for r, ok in zip(batch, good, strict=True) if ok]
                 checked = self._checked_batch(batch) if batch else None
@@ -573,7 +378,7 @@ class SqliteStore:
         self._rows[namespace] = self._rows.get(namespace, 0) + len(entries.vectors)
         load(namespace, entries)
 
-    def _checked_batch(self, batch: list[Any]) -> _Checked | None:
+    def _checked_batch(self, batch: list[Any]) -> Checked | None:
         """Whether each row holds what its checksum says, with the rows' columns; None when
         a value is of another type or length (the caller checks row by row)."""
         n, size = len(batch), self.dimensions * 4
@@ -588,15 +393,15 @@ class SqliteStore:
                 names = repeat(zlib.crc32(f"{first}\x00".encode()), n)
                 text = list(map(zlib.crc32, map(str.encode, trace_ids), names))
             else:
-                text = list(map(zlib.crc32, map(_text, namespaces, trace_ids)))
+                text = list(map(zlib.crc32, map(key_text, namespaces, trace_ids)))
             stored = np.array(stored_of, dtype=np.int64)
         except (TypeError, AttributeError, ValueError, OverflowError):
             return None
         times = np.array(times_of, dtype=np.float64)
-        sums = _checksums(np.frombuffer(blob, "<u4").reshape(n, self.dimensions), times, text)
+        sums = checksums(np.frombuffer(blob, "<u4").reshape(n, self.dimensions), times, text)
         vectors = np.frombuffer(blob, "<f4").reshape(n, self.dimensions)
         ok = (sums == stored) & np.isfinite(vectors).all(axis=1)
-        return _Checked(ok, vectors, times, ids, namespaces, list(trace_ids))
+        return Checked(ok, vectors, times, ids, namespaces, list(trace_ids))
 
     def _recover(self, target: LoadTarget, why: str) -> None:
         """Copies the damaged file aside byte for byte, keeps what can be read of it row by
@@ -615,22 +420,22 @@ class SqliteStore:
             wal = Path(f"{path}-wal")
             if wal.exists():
                 shutil.copyfile(wal, Path(f"{scratch}-wal"))
-            rows = list(_readable_rows(scratch))
+            rows = list(readable_rows(scratch))
         finally:
             for leftover in (scratch, Path(f"{scratch}-wal"), Path(f"{scratch}-shm")):
                 with contextlib.suppress(OSError):
                     leftover.unlink()
-        _remove_database(path)
+        remove_database(path)
         conn = self._connect(path, meta=True)
         kept: list[tuple[str, str, float, bytes, int]] = []
 
         def keep(namespace: str, entries: CacheEntries) -> None:
-            kept.extend(_values(entry_rows(namespace, entries)))
+            kept.extend(values(entry_rows(namespace, entries)))
             target.load(namespace, entries)
 
         self._dispatch([rows[i : i + CHUNK] for i in range(0, len(rows), CHUNK)], keep)
         conn.execute("BEGIN IMMEDIATE")
-        conn.executemany(_INSERT, kept)
+        conn.executemany(INSERT, kept)
         conn.execute("COMMIT")
         self._conn = conn
         detail = (
@@ -667,19 +472,19 @@ class SqliteStore:
             self._conn = self._connect(path, meta=True)
             return
         building = path.with_name(f"{path.name}.converting")
-        _remove_database(building)
+        remove_database(building)
         conn = self._connect(building, meta=True)
         e, ids = former.entries, former.entries.ids()
         conn.execute("BEGIN IMMEDIATE")
         for i in range(0, len(e.vectors), CHUNK):
             at = slice(i, i + CHUNK)
             part = CacheEntries(e.vectors[at], e.added_at_ms[at], ids[at])
-            conn.executemany(_INSERT, _values(entry_rows("default", part)))
+            conn.executemany(INSERT, values(entry_rows("default", part)))
         conn.execute("COMMIT")
         conn.close()
         shutil.copyfile(path, aside)  # beside it before the database takes its name
-        _fsync(aside)
-        _move_database(building, path)
+        fsync(aside)
+        move_database(building, path)
         for _, journal in journal_files(path):
             os.replace(journal, journal.with_name(f"{journal.name}.old-format"))
         self._conn = self._connect(path)
@@ -699,7 +504,7 @@ class SqliteStore:
     def _set_aside(self, why: str) -> None:
         path = self.path
         aside = path.with_name(f"{path.name}.other_model-{int(time.time())}")
-        _move_database(path, aside)
+        move_database(path, aside)
         detail = f"{why}; moved to {aside.name}"
         self.status.state, self.status.detail = StorageState.SET_ASIDE, detail
         self._start_warnings.append(f"cache database set aside: {detail}")
@@ -767,10 +572,10 @@ class SqliteStore:
             try:
                 conn.execute("BEGIN IMMEDIATE")
                 for namespace, excess in trims.items():
-                    conn.execute(_TRIM, (namespace, excess))
+                    conn.execute(TRIM, (namespace, excess))
                 for namespace in gone:
                     conn.execute("DELETE FROM entries WHERE namespace = ?", (namespace,))
-                conn.executemany(_INSERT, _values(rows))
+                conn.executemany(INSERT, values(rows))
                 if receipts:
                     now = time.time() * 1000.0
                     conn.execute("DELETE FROM receipts WHERE at_ms < ?", (now - RECEIPT_TTL_MS,))
@@ -782,7 +587,7 @@ class SqliteStore:
             except (sqlite3.Error, OSError) as exc:
                 with contextlib.suppress(sqlite3.Error):
                     conn.execute("ROLLBACK")
-                self._failed(_reason(exc))
+                self._failed(reason(exc))
             if not self._files_intact():
                 self._rewrite_due = True
                 self._rewrite(rows, gone, receipts)
@@ -821,7 +626,7 @@ class SqliteStore:
         except DatabaseRefusedError as exc:
             self._displaced = f"the lock file was deleted while serving, and then {exc}"
         except OSError as exc:
-            self._displaced = f"its lock file cannot be made again: {_reason(exc)}"
+            self._displaced = f"its lock file cannot be made again: {reason(exc)}"
         else:
             self._displaced = None
         if self._displaced is not None:
@@ -847,15 +652,15 @@ class SqliteStore:
         conn: sqlite3.Connection | None = None
         aside: str | None = None
         try:
-            _remove_database(building)
+            remove_database(building)
             conn = self._connect(building, meta=True)
             conn.execute("BEGIN IMMEDIATE")
             for namespace, chunk in target.held():
                 if namespace in gone:
                     continue
-                conn.executemany(_INSERT, _values(entry_rows(namespace, chunk)))
+                conn.executemany(INSERT, values(entry_rows(namespace, chunk)))
                 counts[namespace] = counts.get(namespace, 0) + len(chunk.vectors)
-            conn.executemany(_INSERT, _values(rows))
+            conn.executemany(INSERT, values(rows))
             for row in rows:
                 counts[row.namespace] = counts.get(row.namespace, 0) + 1
             now = time.time() * 1000.0
@@ -868,7 +673,7 @@ class SqliteStore:
             conn.close()  # the last connection: its WAL folded in and deleted
             conn = None
             if self.durability == "power":
-                _fsync(building)
+                fsync(building)
             aside = self._move_foreign_aside()
             # The WAL and index of the file that went: never beside the new database.
             for stale in (self._wal_text, f"{path}-shm"):
@@ -876,24 +681,24 @@ class SqliteStore:
                     os.unlink(stale)
             os.replace(building, path)
             if self.durability == "power":  # so that the rename survives a power loss
-                _fsync(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+                fsync(path.parent, os.O_RDONLY | os.O_DIRECTORY)
         except (sqlite3.Error, OSError) as exc:
-            _close(conn)
+            close_quietly(conn)
             with contextlib.suppress(OSError):
-                _remove_database(building)
+                remove_database(building)
             self._failed(
                 "the database file or its WAL was deleted or replaced while serving, and it "
-                f"cannot be written anew: {_reason(exc)}"
+                f"cannot be written anew: {reason(exc)}"
             )
         # The old files are no longer at the path: what it still writes at close goes nowhere.
-        _close(self._conn)
+        close_quietly(self._conn)
         self._conn = None
         try:
             self._conn = self._connect(path)
             self._record_files()
         except (sqlite3.Error, OSError) as exc:
-            self._not_opened(target, _reason(exc))
-            self._failed(self._unopened or _reason(exc))
+            self._not_opened(target, reason(exc))
+            self._failed(self._unopened or reason(exc))
         self._rows = counts
         self._rewrite_due = False
         self._pages_since_checkpoint = 0
@@ -901,7 +706,7 @@ class SqliteStore:
         entries = sum(counts.values())
         moved = f"; the file found there was moved to {aside}" if aside else ""
         event = (
-            f"cache database written anew at {_utc_now()}: its file or WAL was "
+            f"cache database written anew at {utc_now()}: its file or WAL was "
             f"deleted or replaced while serving; the {entries} entries the memory holds were "
             f"written to a new file{moved}"
         )
@@ -960,7 +765,7 @@ class SqliteStore:
         if self._watch is not None:
             self._watch.close()
             self._watch = None
-        _close(self._conn)
+        close_quietly(self._conn)
         self._conn = None
         self._lock.release()
 
@@ -978,101 +783,3 @@ class SqliteStore:
                 "scored but not stored, novelty.stored is false)"
             )
         return Health(warnings=tuple(warnings))
-
-
-def _row_ok(row: Any, size: int) -> bool:
-    try:
-        _, namespace, trace_id, added_at, vector, checksum = row
-        return bool(
-            isinstance(namespace, str)
-            and isinstance(trace_id, str)
-            and isinstance(added_at, float)
-            and isinstance(vector, bytes)
-            and len(vector) == size
-            and checksum == _values([NewRow(namespace, trace_id, added_at, vector)])[0][4]
-        )
-    except (TypeError, ValueError):
-        return False
-
-
-def wire(vector: npt.NDArray[np.float32]) -> bytes:
-    """A vector as a row keeps it: little-endian float32."""
-    return np.ascontiguousarray(vector, dtype="<f4").tobytes()
-
-
-def entry_rows(namespace: str, entries: CacheEntries) -> list[NewRow]:
-    times, vectors = entries.added_at_ms, entries.vectors
-    return [
-        NewRow(namespace, trace_id, float(at), wire(vector))
-        for trace_id, at, vector in zip(entries.ids(), times, vectors, strict=True)
-    ]
-
-
-def _close(conn: sqlite3.Connection | None) -> None:
-    if conn is not None:
-        with contextlib.suppress(sqlite3.Error):
-            conn.close()
-
-
-def _reason(exc: BaseException) -> str:
-    if isinstance(exc, OSError) and exc.strerror:
-        return exc.strerror
-    return str(exc) or type(exc).__name__
-
-
-def _has_sqlite_header(path: Path) -> bool:
-    with path.open("rb") as f:
-        return f.read(len(SQLITE_HEADER)) == SQLITE_HEADER
-
-
-def _remove_database(path: Path) -> None:
-    for each in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
-        with contextlib.suppress(FileNotFoundError):
-            each.unlink()
-
-
-def _move_database(source: Path, to: Path) -> None:
-    """The database renamed, with its WAL and index where there are."""
-    os.replace(source, to)
-    for suffix in ("-wal", "-shm"):
-        with contextlib.suppress(OSError):
-            os.replace(Path(f"{source}{suffix}"), Path(f"{to}{suffix}"))
-
-
-def _fsync(path: Path, flags: int = os.O_RDONLY) -> None:
-    fd = os.open(path, flags)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _readable_rows(path: Path) -> Iterator[Any]:
-    """The entries a damaged database still yields, read a block of ids at a time and,
-    where a block fails, one id at a time (a broken page costs only its own rows)."""
-    try:
-        conn = sqlite3.connect(path, isolation_level=None)
-    except sqlite3.Error:
-        return
-    with contextlib.closing(conn):
-        top = None
-        with contextlib.suppress(sqlite3.Error):
-            top = conn.execute("SELECT max(id) FROM entries").fetchone()[0]
-        if top is None:  # unreadable (or no rows): the largest id found walking the table
-            top = 0
-            with contextlib.suppress(sqlite3.Error):
-                for (row_id,) in conn.execute("SELECT id FROM entries ORDER BY id"):
-                    top = int(row_id)
-        query = f"SELECT {_COLUMNS} FROM entries WHERE id BETWEEN ? AND ? ORDER BY id"
-        for start in range(1, int(top) + 1, _RECOVER_BLOCK):
-            stop = start + _RECOVER_BLOCK - 1
-            try:
-                yield from conn.execute(query, (start, stop)).fetchall()
-            except sqlite3.Error:
-                for one in range(start, stop + 1):
-                    with contextlib.suppress(sqlite3.Error):
-                        yield from conn.execute(query, (one, one)).fetchall()
-
-
-def _utc_now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

@@ -25,7 +25,8 @@ from app.embedding.types import EmbedObserver
 from app.memory import summary as memory_summary
 from app.memory.base import NoveltyMemory
 from app.memory.in_process import InProcessMemory
-from app.memory.sqlite import SqliteStore, StorageStatus
+from app.memory.sqlite import SqliteStore
+from app.memory.sqlite_rows import StorageStatus
 from app.service.evaluator import Evaluator
 from app.service.trust import build_trust_stores
 
