@@ -1,9 +1,7 @@
 """The app, wired in one place from Settings: the routes, the two pieces of middleware, the
-error handlers, and the lifespan that starts the parts and the service.
-
-`app` is what ASGI servers serve (`uvicorn app.main:app`, `fastapi run app/main.py`); its
-settings come from the environment (KP_*). `create_app` builds one from given settings (the
-tests, the OpenAPI export).
+error handlers, and the lifespan that starts the parts and the service. `app` is what ASGI
+servers serve, built from the environment (KP_*; docs/operating/servers.md); `create_app`
+builds one from given settings (the tests, the OpenAPI export).
 """
 
 from __future__ import annotations
@@ -75,7 +73,7 @@ def create_app(
         descriptors = asyncio.create_task(watch_descriptors())
         if not gc.isenabled():  # app/serve.py stopped the collector for the start
             # What the start made lives as long as the process: out of the collector's way
-            # (fewer, shorter collections while serving), then the collector on again.
+            # (docs/decisions/collector-off-during-start.md), then the collector on again.
             gc.freeze()
             gc.enable()
         try:

@@ -1,9 +1,7 @@
-"""How `make run`, the image, the tests' and the bench's servers and `kp-scoring serve` start
-the service: `python -m app.serve` serves `app.main:app` (its settings from KP_*) with granian,
-whose HTTP/1 server (hyper) holds the connection bounds: the header deadline (which also closes
-idle connections), the header size and count limits (docs/operating/slow-clients.md). Any ASGI
-server serves the same app (`uvicorn app.main:app`; docs/operating/servers.md). No CLI
-framework is imported on this path: it is the cold start's."""
+"""`python -m app.serve` (make run, the image, the tests' and the bench's servers): `app.main:app`
+served by granian, whose HTTP/1 server holds the header deadline and limits
+(docs/decisions/connection-edge.md, docs/operating/slow-clients.md). No CLI framework is
+imported on this path: it is the cold start's."""
 
 from __future__ import annotations
 
@@ -55,9 +53,8 @@ def run(host: str = "127.0.0.1", port: int = 8000) -> None:
 
 
 def check_port_free(host: str, port: int) -> None:
-    """Stops the start with one clear line when the address is taken (granian's own error is
-    a long backtrace). granian binds with SO_REUSEPORT, so two services could otherwise share
-    a port unnoticed: this plain bind fails for any listener already there."""
+    """Stops the start with one clear line when the address is taken: a plain bind fails for
+    any listener there, which granian's SO_REUSEPORT would join unnoticed."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -108,11 +105,9 @@ async def _serve(app: object, host: str, port: int, settings: Settings) -> None:
 
 
 def prepare() -> None:
-    """What the process does before the web stack is imported (run's first step)."""
-    # The start creates some 140,000 objects (modules, classes, schemas) that live as long as
-    # the process; the cyclic collector would walk them again and again while they are made.
-    # Off until the app has started: its lifespan freezes them and turns it back on
-    # (app/main.py). Figures: docs/decisions/collector-off-during-start.md.
+    """What the process does before the web stack is imported (run's first step): the cyclic
+    collector off until the app's lifespan has frozen what the start made
+    (docs/decisions/collector-off-during-start.md)."""
     gc.disable()
 
 
@@ -128,11 +123,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def exit_after_stop() -> None:
-    """Ends the process once the server and the app's lifespan have stopped, without the
-    interpreter's finalization: granian's threads may still call into Python then, and a
-    Rust panic there aborts the process (exit status 134 on a SIGTERM, seen once in the image
-    test's shared mode). The lifespan has closed what the service owns (the memory, its
-    database, the Redis clients), and the logs are flushed here."""
+    """Ends the process once the server and the app's lifespan (which closed what the service
+    owns) have stopped, without the interpreter's finalization, in which granian's threads may
+    panic (docs/decisions/connection-edge.md)."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

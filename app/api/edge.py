@@ -1,15 +1,11 @@
 """The two pieces of hand-written ASGI middleware: what must act on a request before its body
-is read, or while it is read (pure ASGI: they sit on every request's path).
+is read, or while it is read (docs/decisions/one-door.md).
 
 - `Edge`, outermost, whatever answers: the request id, the access log and the request
   metrics, the HTTP/1.1 Host rule, the body's deadline, and the lingering close of a request
   refused before its body was read.
-- `Admission`, on the routes that need a key: the caller (the service's `admit`: key, scope,
-  namespace, first rate-limit token) before a byte of the body is read; then, for a JSON
-  body, its type, its size, its encoding and its nesting, the body read once and handed on.
-
-The rules are the service's (app/service/scoring_service.py) or the body's own; a refusal is
-a ServiceError, answered by app/api/errors.py.
+- `Admission`: the caller (the service's `admit`) before a byte of the body is read; then, for
+  a JSON body, its type, size, encoding and nesting, the body read once and handed on.
 """
 
 from __future__ import annotations
@@ -24,7 +20,7 @@ from urllib.parse import unquote_plus
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.api.errors import send_error
+from app.api.errors import error_response
 from app.core import namespaces
 from app.core.connection_metrics import CONNECTIONS
 from app.core.errors import ServiceError
@@ -58,8 +54,8 @@ BODY_METHODS = ("POST", "PUT", "PATCH")
 STREAMED = frozenset({"/cache/import"})
 _JSON_TYPE = re.compile(r"^application/([a-z0-9.+-]*\+)?json\s*(;.*)?$", re.IGNORECASE)
 _UTF16_32_MARKS = (b"\xff\xfe", b"\xfe\xff")
-#: Query parameters in which clients commonly put keys, as `_spelling` writes them: any case,
-#: any separators, percent-encoded or not (api_key, API-KEY, apiKey, api%5Fkey are one).
+#: Query parameters in which clients commonly put keys, as `_key_in_query` reads them: any
+#: case, any separators, percent-encoded or not (api_key, API-KEY, apiKey, api%5Fkey are one).
 _KEY_PARAMS = frozenset(
     {"apikey", "key", "token", "accesstoken", "authtoken", "apitoken", "bearer",
      "authorization", "xapikey"}
@@ -158,14 +154,14 @@ class Edge:
             # as empty, as invalid for an http URI (RFC 9110, 4.2.1) as a missing one.
             if hosts > 1 or (not named and scope.get("http_version") == "1.1"):
                 CONNECTIONS.closed_by_limit.labels("host").inc()
-                await send_error(_HOST_REFUSAL, scope, receive, edge_send)
+                await error_response(_HOST_REFUSAL)(scope, receive, edge_send)
                 return
             try:
                 await self.app(scope, edge_receive, edge_send)
             except ServiceError as exc:
                 if started:
                     raise  # an answer is under way: the server ends the connection
-                await send_error(exc, scope, receive, edge_send)
+                await error_response(exc)(scope, receive, edge_send)
         finally:
             request_id_var.reset(token)
             elapsed = time.perf_counter() - started_at
@@ -248,7 +244,7 @@ class Admission:
                 body = await self._json_body(scope, receive)
                 receive = _replaying(body, receive)
         except ServiceError as exc:
-            await send_error(exc, scope, receive, send)
+            await error_response(exc)(scope, receive, send)
             return
         await self.app(scope, receive, send)
 
@@ -307,8 +303,6 @@ def caller_of(scope: Scope) -> Caller:
 
 
 def _key_in_query(query: bytes) -> str | None:
-    if not query:
-        return None
     for pair in query.decode("latin-1").replace(";", "&").split("&"):
         name = unquote_plus(pair.partition("=")[0], encoding="latin-1")
         # Every way of writing api_key is `apikey`: no case, no separators.

@@ -1,10 +1,9 @@
-"""Errors as REST answers, in one place: a ServiceError (the service's refusals), FastAPI's
-own (validation, 404, 405, a body that is not JSON) and anything unexpected (500, logged, no
-internals shown) all leave through `error_response`.
+"""Errors as REST answers, in one place: a ServiceError, FastAPI's own errors and anything
+unexpected (500, logged, no internals shown) all leave through `error_response`.
 
-Rendering never fails: a location or a message may carry what the client sent (an object's
-key holding a lone surrogate, a megabyte-long key), so every string is cut to a bound and
-every character UTF-8 cannot carry is written as its escape.
+Rendering never fails: a location or a message may carry what the client sent (a key holding a
+lone surrogate, a megabyte-long key), so every string is cut to a bound and every character
+UTF-8 cannot carry is written as its escape.
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
 
 from app.core.errors import ServiceError, invalid, problems_of
 
@@ -72,11 +70,6 @@ def error_response(error: ServiceError) -> Response:
     if error.retry_after is not None:
         headers["Retry-After"] = str(error.retry_after)
     return Response(error_body(error), error.status, headers=headers, media_type="application/json")
-
-
-async def send_error(error: ServiceError, scope: Scope, receive: Receive, send: Send) -> None:
-    """The answer to a refusal made before the app (by the request's edge)."""
-    await error_response(error)(scope, receive, send)
 
 
 async def _service_error(request: Request, exc: Exception) -> Response:

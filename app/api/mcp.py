@@ -1,10 +1,7 @@
-"""The MCP endpoint at /mcp (streamable HTTP), for agents that speak MCP.
-
-The server itself is app/api/mcp_server.py (the MCP Python SDK's low-level server over the same
-scoring function as the REST routes). It is loaded on the first /mcp request, not at start: the
-SDK takes about as long to import as the rest of the service together, and a process's first
-answer (the cold start) should not wait for a protocol most starts never serve. With
-KP_EMBEDDER_PRELOAD=true it is loaded before the service reports started, like the model.
+"""The MCP endpoint at /mcp. Its server (app/api/mcp_server.py) is loaded on the first /mcp
+request, not at start: the SDK takes about as long to import as the rest of the service
+(docs/decisions/mcp-in-process.md). With KP_EMBEDDER_PRELOAD=true it is loaded before the
+service reports started, like the model.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
-"""The MCP server behind /mcp (streamable HTTP), for agents that speak MCP (app/api/mcp.py
-loads this module on the first /mcp request: the MCP SDK takes longer to import than the rest
-of the service, and most starts never serve MCP).
+"""The MCP server behind /mcp: the MCP Python SDK's low-level server, stateless, answering in
+JSON, its tools calling the service as the REST routes do (docs/api.md, MCP;
+docs/decisions/mcp-in-process.md). app/api/mcp.py loads this module on the first /mcp request.
 
-Built on the official MCP Python SDK's low-level server, in the same app and process as the
-REST API: the tools call the same scoring function the routes call (one memory, one queue,
-the same limits and metrics). The server is stateless and answers in JSON, so any replica can
-answer any request (no session to pin to one process) and nothing is held between requests.
-
-The tools' input schemas are the JSON Schemas of the models that validate POST /evaluate and
-POST /evaluate/batch (the trace's own fields at the top, plus `dry_run` and `namespace`), and
-their output schemas those of the REST answers: an agent sends the trace it would POST and gets
-the answer the REST API would give. The namespace is the `namespace` argument, else the MCP
-request's KP-Namespace header, else the API key's, else `default` (docs/api.md, namespaces).
+The tools' input schemas are those of the REST bodies (the trace's own fields at the top, plus
+`dry_run` and `namespace`), their output schemas those of the REST answers: an agent sends the
+trace it would POST and gets the answer the REST API would give.
 """
 
 from __future__ import annotations
@@ -52,7 +45,6 @@ _DRY_RUN_SCHEMA: Final[dict[str, Any]] = {
     "description": "Score without adding the trace's embedding to the novelty cache.",
 }
 
-
 _NAMESPACE_SCHEMA: Final[dict[str, Any]] = {
     "type": "string",
     "pattern": namespaces.PATTERN,
@@ -62,25 +54,14 @@ _NAMESPACE_SCHEMA: Final[dict[str, Any]] = {
 }
 
 
-def _input_schema(model: type[BaseModel]) -> dict[str, Any]:
+def _input_schema(model: type[BaseModel], **more: Any) -> dict[str, Any]:
     schema = model.model_json_schema(by_alias=True)
-    schema["properties"] = {
-        **schema["properties"],
-        "dry_run": _DRY_RUN_SCHEMA,
-        "namespace": _NAMESPACE_SCHEMA,
-    }
+    schema["properties"].update(dry_run=_DRY_RUN_SCHEMA, namespace=_NAMESPACE_SCHEMA, **more)
     return schema
 
 
 #: kp_check_contribution's arguments beyond the trace's (POST /contribution's query).
 _OPTIONS: Final = tuple(ContributionOptions.model_fields)
-
-
-def _contribution_input_schema() -> dict[str, Any]:
-    schema = _input_schema(ReasoningTrace)
-    options = ContributionOptions.model_json_schema()["properties"]
-    schema["properties"] = {**schema["properties"], **options}
-    return schema
 
 
 def _tools() -> list[types.Tool]:
@@ -127,7 +108,9 @@ def _tools() -> list[types.Tool]:
                 "contribution then differs from the SDK's) and the injection thresholds "
                 "(suspicious_threshold, reject_threshold)."
             ),
-            input_schema=_contribution_input_schema(),
+            input_schema=_input_schema(
+                ReasoningTrace, **ContributionOptions.model_json_schema()["properties"]
+            ),
             output_schema=ContributionOut.model_json_schema(),
             annotations=annotations,
         ),
@@ -267,15 +250,11 @@ class McpTools:
             caller_of(scope), arguments.pop("namespace", None), headers.get(namespaces.HEADER)
         )
         options = None
-        if kind == "contribution":
-            # The gate's options, taken out so that they are not read as the trace's fields.
-            asked = {name: arguments.pop(name) for name in _OPTIONS if name in arguments}
-            try:
-                options = ContributionOptions.model_validate(asked)
-            except ValidationError as exc:
-                errors = exc.errors(include_url=False, include_input=False)
-                raise invalid(problems_of(errors)) from None
         try:
+            if kind == "contribution":
+                # The gate's options, taken out so that they are not read as the trace's fields.
+                asked = {name: arguments.pop(name) for name in _OPTIONS if name in arguments}
+                options = ContributionOptions.model_validate(asked)
             traces = (
                 BatchIn.model_validate(arguments).traces
                 if kind == "batch"

@@ -1,9 +1,7 @@
 """The OpenAPI document states every rule the service enforces, so that a request the document
-calls valid is accepted (schemathesis checks it, tests/test_schemathesis.py) and clients
-generated from it know the rules: the models give the shapes and patterns; this adds what the
-settings decide (KP_MAX_STRING_CHARS on every string of a trace and every key of its free-form
-objects, KP_MAX_STEPS, KP_MAX_BATCH), the nesting and body limits as prose, and that a bearer
-key is needed only where the service is configured with keys.
+calls valid is accepted (tests/test_schemathesis.py) and generated clients know the rules: the
+models give the shapes and patterns; this adds what the settings decide, the nesting and body
+limits as prose, and that a bearer key is needed only where the service has keys.
 
 The strings nested inside a free-form object (task.input_schema, steps[].input) have the same
 bound, said in prose: a recursive schema for them turns into a type TypeScript refuses
@@ -12,13 +10,13 @@ bound, said in prose: a recursive schema for them turns into a type TypeScript r
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI
 
 from app.core.config import Settings
 from app.guards.idempotency import KEY_PATTERN, MAX_KEY_CHARS
+from app.schemas.trace import ReasoningTrace
 
 Schema = dict[str, Any]
 
@@ -38,24 +36,25 @@ def install(app: FastAPI, settings: Settings) -> None:
     app.openapi = document  # type: ignore[method-assign]  # FastAPI's documented extension point
 
 
-def with_rules(document: Schema, settings: Settings) -> Schema:
+def with_rules(document: Schema, settings: Settings) -> None:
     components: dict[str, Schema] = document["components"]["schemas"]
-    state_trace_limits(components, "#/components/schemas/", settings)
+    _trace_limits(components, settings)
     components["BatchIn"]["properties"]["traces"]["maxItems"] = settings.max_batch
     components["BatchIn"]["description"] = (
         f"At most {settings.max_batch} traces (KP_MAX_BATCH); the body's limits apply to the "
         "whole batch."
     )
-    _optional_bearer(document)
-    _idempotency_key_rule(document)
-    return document
+    for operations in document["paths"].values():
+        for operation in operations.values():
+            _operation_rules(operation)
 
 
-def state_trace_limits(definitions: dict[str, Schema], prefix: str, settings: Settings) -> None:
-    """The trace's limits in its schemas (`definitions`, whose references start `prefix`):
-    maxLength on every string, propertyNames on every free-form object, maxItems on steps."""
+def _trace_limits(definitions: dict[str, Schema], settings: Settings) -> None:
+    """maxLength on every string of the trace's schemas, propertyNames on every free-form
+    object, maxItems on steps (the trace's schemas: pydantic's, named as FastAPI names them)."""
     n = settings.max_string_chars
-    for name in _reachable(definitions, "ReasoningTrace", prefix):
+    nested = ReasoningTrace.model_json_schema(by_alias=True).get("$defs", {})
+    for name in ("ReasoningTrace", *nested):
         for field in definitions[name].get("properties", {}).values():
             _limit_strings(field, n)
     trace = definitions["ReasoningTrace"]
@@ -82,55 +81,22 @@ def _limit_strings(field: Schema, n: int) -> None:
         )
 
 
-def _reachable(definitions: dict[str, Schema], root: str, prefix: str) -> list[str]:
-    """The names of the schemas `root` refers to, directly or not, `root` first."""
-    found: list[str] = []
-    stack = [root]
-    while stack:
-        name = stack.pop()
-        if name in found:
-            continue
-        found.append(name)
-        _each_ref(definitions[name], prefix, stack.append)
-    return found
-
-
-def _each_ref(value: Any, prefix: str, visit: Callable[[str], None]) -> None:
-    if isinstance(value, dict):
-        ref = value.get("$ref")
-        if isinstance(ref, str) and ref.startswith(prefix):
-            visit(ref.removeprefix(prefix))
-        for item in value.values():
-            _each_ref(item, prefix, visit)
-    elif isinstance(value, list):
-        for item in value:
-            _each_ref(item, prefix, visit)
-
-
-def _idempotency_key_rule(document: Schema) -> None:
-    """The header's rule (the service checks it): a string,
-    never null (a header is sent or not)."""
-    for operations in document["paths"].values():
-        for operation in operations.values():
-            for parameter in operation.get("parameters", ()):
-                if parameter["in"] == "header" and parameter["name"] == "Idempotency-Key":
-                    described = parameter["schema"]
-                    parameter["schema"] = {
-                        "type": "string",
-                        "minLength": 1,
-                        "maxLength": MAX_KEY_CHARS,
-                        "pattern": KEY_PATTERN,
-                        "title": described.get("title", "Idempotency-Key"),
-                        "description": described.get("description", ""),
-                    }
-
-
-def _optional_bearer(document: Schema) -> None:
-    """A bearer key is asked for only by a service with KP_API_KEYS_FILE (scoring) or
-    KP_ADMIN_TOKEN (/cache); without them the routes are open. `{}` in `security` says so:
-    either the scheme or nothing (the 401 answers say when a key is missing)."""
-    for operations in document["paths"].values():
-        for operation in operations.values():
-            security = operation.get("security")
-            if security and {} not in security:
-                security.append({})
+def _operation_rules(operation: Schema) -> None:
+    """The Idempotency-Key header's rule (the service checks it): a string, never null (a
+    header is sent or not). A bearer key is asked for only by a service with KP_API_KEYS_FILE
+    (scoring) or KP_ADMIN_TOKEN (/cache): `{}` in `security` says either the scheme or nothing
+    (the 401 answers say when a key is missing)."""
+    for parameter in operation.get("parameters", ()):
+        if parameter["in"] == "header" and parameter["name"] == "Idempotency-Key":
+            described = parameter["schema"]
+            parameter["schema"] = {
+                "type": "string",
+                "minLength": 1,
+                "maxLength": MAX_KEY_CHARS,
+                "pattern": KEY_PATTERN,
+                "title": described.get("title", "Idempotency-Key"),
+                "description": described.get("description", ""),
+            }
+    security = operation.get("security")
+    if security and {} not in security:
+        security.append({})

@@ -1,14 +1,6 @@
-"""GET /cache/export and POST /cache/import: the memory as NDJSON lines, oldest first.
-
-One line a line: `{"trace_id": "kp:trace:...", "added_at_ms": 1732400000000.0, "vector":
-"<base64 of the little-endian float32 values>"}`. Exports go out a chunk of entries at a time
-and imports are read a network chunk at a time, so a million entries are never one document.
-An import is all or nothing: every line is checked before any is added, and the first bad one
-is named by its line number (1-based) and the rule it breaks. A trace id follows the rule of
-app/schemas/ids.py (or is empty: a trace stored without one); a vector must be finite, not zero
-and of the model's dimension, and is stored normalised to length 1, as the model's own are. A
-time in the future is lowered to the time of the import (by the memory, in either mode): a
-backup taken on a host whose clock ran ahead still restores, and no entry outlives its TTL.
+"""GET /cache/export and POST /cache/import: the memory as NDJSON lines, oldest first (the line
+and its rules: docs/operating/persistence.md). Both go a chunk at a time, so a million entries
+are never one document; an import is all or nothing, its first bad line named by number.
 """
 
 from __future__ import annotations
@@ -17,7 +9,6 @@ import base64
 import binascii
 import math
 from collections.abc import AsyncIterator, Iterable
-from dataclasses import dataclass
 
 import numpy as np
 import orjson
@@ -38,15 +29,6 @@ class ImportLineError(ServiceError):
         msg = f"line {line}: {problem}"
         where = Problem(("body", line), msg, "bad_line", {"line": line})
         super().__init__(422, "bad_line", msg, problems=[where])
-        self.line = line
-        self.problem = problem
-
-
-@dataclass(frozen=True, slots=True)
-class ImportResult:
-    imported: int  # added as the newest entries
-    expired: int  # skipped: past the TTL already
-    received: int  # lines read
 
 
 def export_lines(chunks: Iterable[CacheEntries]) -> Iterable[bytes]:
@@ -75,14 +57,11 @@ class LineReader:
     def __init__(self, dimensions: int) -> None:
         self.dimensions = dimensions
         self._rest = b""
-        self._line = 0
+        #: Lines read so far (1-based numbers in the refusals).
+        self.lines = 0
         self._vectors: list[np.ndarray] = []
         self._times: list[float] = []
         self._ids: list[str] = []
-
-    @property
-    def lines(self) -> int:
-        return self._line
 
     def feed(self, data: bytes) -> None:
         data = self._rest + data
@@ -102,49 +81,49 @@ class LineReader:
         return CacheEntries(vectors, np.asarray(self._times, dtype=np.float64), self._ids)
 
     def _parse(self, raw: bytes) -> None:
-        self._line += 1
+        self.lines += 1
         if not raw.strip():
             return  # blank lines (a trailing newline, CRLF leftovers) carry nothing
         try:
             item = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
-            raise ImportLineError(self._line, f"not JSON: {exc}") from None
+            raise ImportLineError(self.lines, f"not JSON: {exc}") from None
         if not isinstance(item, dict):
-            raise ImportLineError(self._line, "must be a JSON object")
+            raise ImportLineError(self.lines, "must be a JSON object")
         missing = {"trace_id", "added_at_ms", "vector"} - item.keys()
         if missing:
-            raise ImportLineError(self._line, f"missing {', '.join(sorted(missing))}")
+            raise ImportLineError(self.lines, f"missing {', '.join(sorted(missing))}")
         trace_id, added_at, encoded = item["trace_id"], item["added_at_ms"], item["vector"]
         if not isinstance(trace_id, str):
-            raise ImportLineError(self._line, "trace_id must be a string")
+            raise ImportLineError(self.lines, "trace_id must be a string")
         problem = trace_id_problem(trace_id)
         if problem is not None:
-            raise ImportLineError(self._line, f"trace_id {problem}")
+            raise ImportLineError(self.lines, f"trace_id {problem}")
         if (
             isinstance(added_at, bool)
             or not isinstance(added_at, int | float)
             or not math.isfinite(added_at)
             or added_at < 0
         ):
-            raise ImportLineError(self._line, "added_at_ms must be a finite number >= 0")
+            raise ImportLineError(self.lines, "added_at_ms must be a finite number >= 0")
         if not isinstance(encoded, str):
-            raise ImportLineError(self._line, "vector must be a base64 string")
+            raise ImportLineError(self.lines, "vector must be a base64 string")
         try:
             data = base64.b64decode(encoded, validate=True)
         except (binascii.Error, ValueError):
-            raise ImportLineError(self._line, "vector is not valid base64") from None
+            raise ImportLineError(self.lines, "vector is not valid base64") from None
         if len(data) != self.dimensions * _WIRE.itemsize:
             raise ImportLineError(
-                self._line,
+                self.lines,
                 f"vector holds {len(data)} bytes, not {self.dimensions} float32 "
                 f"({self.dimensions * _WIRE.itemsize} bytes)",
             )
         wide = np.frombuffer(data, dtype=_WIRE).astype(np.float64)
         if not np.isfinite(wide).all():
-            raise ImportLineError(self._line, "vector must be finite (it has NaN or infinity)")
+            raise ImportLineError(self.lines, "vector must be finite (it has NaN or infinity)")
         norm = float(np.sqrt((wide * wide).sum()))
         if norm == 0.0:
-            raise ImportLineError(self._line, "vector must not be zero (it has no direction)")
+            raise ImportLineError(self.lines, "vector must not be zero (it has no direction)")
         # The memory holds unit vectors, as the model makes them: a vector of another length
         # would weigh more (or less) than the traces it is compared with. One the model made
         # (unit to float32's precision) is kept bit for bit, so export then import is exact.
@@ -159,22 +138,16 @@ async def read_body(
     stream: AsyncIterator[bytes], dimensions: int, max_bytes: int
 ) -> tuple[CacheEntries, int]:
     """Every entry of an NDJSON body and the lines read; ImportLineError on the first bad
-    line, BodyTooLargeError past `max_bytes`."""
+    line, a 413 past `max_bytes`."""
     reader = LineReader(dimensions)
     size = 0
     async for chunk in stream:
         size += len(chunk)
         if size > max_bytes:
-            raise BodyTooLargeError(max_bytes)
+            msg = (
+                f"the import is larger than {max_bytes} bytes (KP_CACHE_IMPORT_MAX_BYTES): "
+                "send the lines in several requests"
+            )
+            raise ServiceError(413, "body_too_large", msg, loc=("body",))
         reader.feed(chunk)
-    entries = reader.finish()
-    return entries, reader.lines
-
-
-class BodyTooLargeError(ServiceError):
-    def __init__(self, max_bytes: int) -> None:
-        msg = (
-            f"the import is larger than {max_bytes} bytes (KP_CACHE_IMPORT_MAX_BYTES): "
-            "send the lines in several requests"
-        )
-        super().__init__(413, "body_too_large", msg, loc=("body",))
+    return reader.finish(), reader.lines

@@ -2,7 +2,7 @@
 
 Embedding happens off the event loop and may interleave between requests. Then the traces of
 a request (a batch, in its own order) meet the novelty memory in one step of its single order
-(app/store: in this process, or shared by replicas through Redis), so concurrent results equal
+(app/memory: in this process, or shared by replicas through Redis), so concurrent results equal
 some one-at-a-time order of the same requests.
 """
 

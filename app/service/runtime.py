@@ -1,5 +1,5 @@
-"""The parts a running service holds (embeddings, novelty memory and its database, evaluator), built
-from Settings, started and stopped in order; what they report to /readyz and /metrics."""
+"""The parts a running service holds (embeddings, novelty memory and its database, evaluator),
+built from Settings, started and stopped in order; what they report to /readyz and /metrics."""
 
 from __future__ import annotations
 
@@ -96,16 +96,17 @@ class Runtime:
 
     def health(self) -> Health:
         """Every part's report, in one: degraded when any part is."""
-        parts = [self._settings_health(), _embedder_health(self.embeddings)]
-        parts += [self.memory.health()]
+        warnings: list[str] = []
+        if self.settings.cache_open:
+            warnings.append("KP_ADMIN_TOKEN is not set: /cache is open to every caller")
+        unmeasured = self.embeddings.degraded
+        if unmeasured:
+            warnings.append(UNMEASURED + (self.embeddings.reason or ""))
+        memory = self.memory.health()
+        warnings += memory.warnings
         if self.settings.cache_db_path is not None and self.store is None:
-            parts.append(
-                Health(warnings=("cache database not used: the model identity is unknown",))
-            )
-        return Health(
-            degraded=any(p.degraded for p in parts),
-            warnings=tuple(w for p in parts for w in p.warnings),
-        )
+            warnings.append("cache database not used: the model identity is unknown")
+        return Health(degraded=unmeasured or memory.degraded, warnings=tuple(warnings))
 
     @property
     def store(self) -> SqliteStore | None:
@@ -117,11 +118,6 @@ class Runtime:
         if store is not None:
             return store.status
         return StorageStatus(self.settings.cache_db_path, StorageState.DISABLED)
-
-    def _settings_health(self) -> Health:
-        if not self.settings.cache_open:
-            return Health()
-        return Health(warnings=("KP_ADMIN_TOKEN is not set: /cache is open to every caller",))
 
 
 class RuntimeCollector(Collector):
@@ -234,12 +230,6 @@ class RuntimeCollector(Collector):
         )
 
 
-def _embedder_health(embeddings: EmbeddingService) -> Health:
-    if not embeddings.degraded:
-        return Health()
-    return Health(degraded=True, warnings=(UNMEASURED + (embeddings.reason or ""),))
-
-
 def _model_identity(files: model_files.ModelFiles, precision: Precision) -> str | None:
     """None (logged) when the files cannot be read: then nothing shares or saves vectors."""
     try:
@@ -318,23 +308,17 @@ def build_embeddings(
     return service, files
 
 
-def prepare_memory_directory(settings: Settings) -> None:
-    """The default database's directory (the user's data directory), made private when it is
-    missing; a directory that cannot be made leaves the database unopened, which the log and
-    /readyz then say. A KP_CACHE_DB_PATH given is used as it is: a missing directory there is
-    a mistake to report, not to paper over."""
-    path = settings.cache_db_path
-    if path is not None and path == default_memory_file():
-        with contextlib.suppress(OSError):
-            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-
-
 def build_memory(settings: Settings, model_id: str | None) -> NoveltyMemory:
     """This process's memory (kept in KP_CACHE_DB_PATH when set and the model is known), or
     the one shared through KP_REDIS_URL (connected, or loaded, by start())."""
     if settings.redis_url is None:
-        prepare_memory_directory(settings)
         path = settings.cache_db_path
+        if path is not None and path == default_memory_file():
+            # The default database's directory (the user's data directory), made private: one
+            # that cannot be made leaves the database unopened, as the log and /readyz say. A
+            # KP_CACHE_DB_PATH given is used as it is: a missing directory there is a mistake.
+            with contextlib.suppress(OSError):
+                path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         store = None
         if path is not None and model_id is not None:
             store = SqliteStore(path, model_id, 384, settings.cache_durability)

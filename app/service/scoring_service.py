@@ -1,10 +1,7 @@
-"""The one door: every rule a request meets, whichever transport brought it (the REST routes,
-the MCP tools). Who the caller is (API keys, scopes, the namespace, the rate limit), the
-limits, idempotency, signing, the memory and the contribution gate live here; a transport
-turns its request into a call and the result, or the ServiceError, into its answer.
-
-A scoring request meets every refusal first, then the memory (its one commit), then its
-answer, which can no longer fail: nothing is committed before the last refusal.
+"""The one door: every rule a request meets, whichever transport brought it
+(docs/decisions/one-door.md). A scoring request meets every refusal first, then the memory
+(its one commit), then its answer, which can no longer fail: nothing is committed before the
+last refusal.
 """
 
 from __future__ import annotations
@@ -28,7 +25,6 @@ from app.core.errors import Problem, ServiceError, invalid
 from app.core.health import Health
 from app.core.metrics import Metrics
 from app.core.signatures import UNSIGNED_FIELDS, contribution_claims, trace_digests
-from app.core.version import VERSION
 from app.embedding.types import OverloadedError
 from app.guards.api_keys import ApiKey, KeyRing
 from app.guards.api_keys import Scope as KeyScope
@@ -288,7 +284,7 @@ class ScoringService:
                 raise ServiceError(429, "rate_limited", msg, loc=_KEY_LOC, retry_after=seconds)
         m.child(m.key_requests, key.name, "admitted").inc()
 
-    async def _charge_batch(self, key: ApiKey | None, traces: int, at: tuple[str, ...]) -> None:
+    async def _charge_batch(self, key: ApiKey | None, traces: int) -> None:
         """A batch costs one token per trace, as the same traces sent one by one would: the
         first was taken before the body; the others now, before any is scored. A batch refused
         here (422: more traces than the bucket holds; 429: not enough tokens now) spends
@@ -302,7 +298,7 @@ class ScoringService:
                 f"at most {rate} traces a batch for the API key {key.name!r} (its rate per "
                 "minute: a batch costs one token per trace)"
             )
-            raise ServiceError(422, "batch_over_rate", msg, loc=(*at, "traces"))
+            raise ServiceError(422, "batch_over_rate", msg, loc=("body", "traces"))
         try:
             wait = await limiter.take(key.name, rate, traces - 1)
         except RateLimitUnavailableError as exc:
@@ -382,7 +378,7 @@ class ScoringService:
         if self.signer is not None:
             prepared.digests = trace_digests(request.sent, batch=batch, at=("body",))
         if batch:
-            await self._charge_batch(request.caller.key, len(request.traces), ("body",))
+            await self._charge_batch(request.caller.key, len(request.traces))
         return prepared
 
     async def _gate(self, given: Any, body_bytes: int | None, options: GateOptions) -> Gate:
@@ -530,11 +526,9 @@ class ScoringService:
     async def _once(
         self, caller: Caller, replay: Replay, work: Callable[[str], Awaitable[Answer]]
     ) -> Answer:
-        """`work` run once for an Idempotency-Key (the IETF draft): the first request's answer
-        is recorded and given again to its retries; the key with another request is a 422,
-        one still being answered a 409 after a wait. `work` gets the key's receipt for the
-        memory: a retry after a crash lost both the answer and its record (in this process)
-        still finds the first commit's comparisons there."""
+        """`work` run once for an Idempotency-Key (docs/decisions/idempotency-key.md). `work`
+        gets the key's receipt for the memory: a retry after a crash lost both the answer and
+        its record (in this process) still finds the first commit's comparisons there."""
         key = parse_key(replay.key)
         if key is None:
             msg = "must be 1 to 255 visible ASCII characters"
@@ -598,13 +592,11 @@ class ScoringService:
         first = await anext(chunks, None)
 
         async def lines() -> AsyncIterator[bytes]:
-            if first is None:
-                return
-            for line in export_lines([first]):
-                yield line
-            async for chunk in chunks:
+            chunk = first
+            while chunk is not None:
                 for line in export_lines([chunk]):
                     yield line
+                chunk = await anext(chunks, None)
 
         return lines()
 
@@ -678,10 +670,6 @@ class ScoringService:
     def jwks(self) -> JwksOut:
         signer = self.signer
         return JwksOut.model_validate(signer.jwks() if signer is not None else {"keys": []})
-
-    @property
-    def version(self) -> str:
-        return VERSION
 
 
 def _describe(span: Span, request: Scoring, evaluations: Sequence[Evaluation]) -> None:

@@ -24,8 +24,6 @@ from joserfc.jwk import OKPKey
 from app.core.errors import PartError
 from app.core.signatures import ALGORITHM, signed_answer
 
-DEFAULT_ISSUER = "kp-scoring"
-
 _PEM_BLOCK = re.compile(rb"-----BEGIN [A-Z ]+-----.+?-----END [A-Z ]+-----", re.DOTALL)
 
 
@@ -44,7 +42,7 @@ class Signer:
 
     key: OKPKey
     previous: tuple[OKPKey, ...]
-    issuer: str = DEFAULT_ISSUER
+    issuer: str = "kp-scoring"
     #: Set: the payload's `aud`, the party the scores are for (a registry).
     audience: str | None = None
     #: Set: the payload's `exp` is this many seconds after `iat`.
@@ -69,13 +67,10 @@ class Signer:
         dry_run: bool,
         claims: Mapping[str, Any] | None = None,
     ) -> str:
-        """The JWS for one answer: `answer` as the API shows it (its JSON fields; all but
-        those app/core/signatures.py leaves out are signed, so that a field the answer gains
-        is signed with it), `trace_sha256`: the digest of the trace as the agent sent it
-        (app/core/signatures.py).
-        `dry_run` is signed too: a registry that wants a score whose trace entered the memory
-        (so that its duplicates are no longer novel) requires `dry_run` false. `claims`: a
-        route's own (a digest of what else it was sent, say)."""
+        """The JWS for one answer (what a registry checks: docs/operating/signatures.md):
+        `answer` as the API shows it (every field app/core/signatures.py does not leave out,
+        so that a field the answer gains is signed with it), `trace_sha256` the digest of the
+        trace as the agent sent it, `dry_run`, and `claims`, a route's own."""
         issued = int(time.time())
         payload: dict[str, Any] = {
             "iss": self.issuer,
@@ -105,23 +100,17 @@ _KINDS: tuple[tuple[type, str], ...] = (
 )
 
 
-def load_private_key(path: Path) -> OKPKey:
-    """The Ed25519 private key of a PEM file, or SigningKeyError saying why not."""
-    return OKPKey.import_key(_ed25519_private(path))
-
-
-def load_public_keys(path: Path) -> tuple[OKPKey, ...]:
-    """The Ed25519 public keys of a PEM file (one or more blocks), or SigningKeyError."""
-    return tuple(_ed25519_publics(path))
-
-
-def _ed25519_private(path: Path) -> bytes:
+def _read(path: Path) -> bytes:
     try:
-        data = path.read_bytes()
+        return path.read_bytes()
     except OSError as exc:
         raise SigningKeyError(f"cannot read {path}: {exc.strerror}") from None
+
+
+def load_private_key(path: Path) -> OKPKey:
+    """The Ed25519 private key of a PEM file, or SigningKeyError saying why not."""
     try:
-        key = serialization.load_pem_private_key(data, password=None)
+        key = serialization.load_pem_private_key(_read(path), password=None)
     except (ValueError, TypeError) as exc:
         raise SigningKeyError(f"{path} is not an unencrypted PEM private key: {exc}") from None
     if not isinstance(key, Ed25519PrivateKey):
@@ -130,20 +119,15 @@ def _ed25519_private(path: Path) -> bytes:
             f"{path} holds {kind}: an Ed25519 private key is needed "
             "(openssl genpkey -algorithm ed25519)"
         )
-    pem: bytes = key.private_bytes(
-        serialization.Encoding.PEM,
-        serialization.PrivateFormat.PKCS8,
-        serialization.NoEncryption(),
+    pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
-    return pem
+    return OKPKey.import_key(pem)
 
 
-def _ed25519_publics(path: Path) -> list[OKPKey]:
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise SigningKeyError(f"cannot read {path}: {exc.strerror}") from None
-    blocks = _PEM_BLOCK.findall(data)
+def load_public_keys(path: Path) -> tuple[OKPKey, ...]:
+    """The Ed25519 public keys of a PEM file (one or more blocks), or SigningKeyError."""
+    blocks = _PEM_BLOCK.findall(_read(path))
     if not blocks:
         raise SigningKeyError(f"{path} holds no PEM public key")
     keys = []
@@ -158,4 +142,4 @@ def _ed25519_publics(path: Path) -> list[OKPKey]:
             serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
         )
         keys.append(OKPKey.import_key(pem))
-    return keys
+    return tuple(keys)

@@ -35,6 +35,14 @@ router = APIRouter(
     },
 )
 
+NDJSON = "application/x-ndjson"
+_UNAVAILABLE: dict[int | str, dict[str, Any]] = {
+    503: {
+        "description": "The shared cache's Redis did not answer within KP_REDIS_TIMEOUT_MS: "
+        "retry after Retry-After."
+    }
+}
+
 
 @router.get("", summary="The namespace's cache: size, limits and counters")
 async def cache_stats(service: ServiceDep, caller: CallerDep) -> CacheOut:
@@ -49,23 +57,11 @@ async def cache_stats(service: ServiceDep, caller: CallerDep) -> CacheOut:
             "description": "How many vectors were dropped.",
             "links": {"CacheStats": {"operationId": "cache_stats_cache_get"}},
         },
-        503: {
-            "description": "The shared cache's Redis did not answer within "
-            "KP_REDIS_TIMEOUT_MS: retry after Retry-After."
-        },
+        **_UNAVAILABLE,
     },
 )
 async def cache_clear(service: ServiceDep, caller: CallerDep) -> ClearedOut:
     return await service.cache_clear(caller)
-
-
-NDJSON = "application/x-ndjson"
-_UNAVAILABLE: dict[int | str, dict[str, Any]] = {
-    503: {
-        "description": "The shared cache's Redis did not answer within KP_REDIS_TIMEOUT_MS: "
-        "retry after Retry-After."
-    }
-}
 
 
 @router.get(

@@ -11,12 +11,7 @@ from fastapi import APIRouter, Body, Query, Request
 from fastapi.responses import Response
 
 from app.api import request_examples
-from app.api.deps import (
-    BEARER_SECURITY,
-    DryRun,
-    IdempotencyKey,
-    NamespaceHeader,
-)
+from app.api.deps import BEARER_SECURITY, DryRun, IdempotencyKey, NamespaceHeader
 from app.schemas.contribution import (
     REDACT_SUSPECTED,
     REJECT_THRESHOLD,
