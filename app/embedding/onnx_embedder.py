@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import hashlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, cast
 
@@ -28,7 +27,7 @@ from app.core.errors import PartError
 from app.core.states import Precision
 from app.embedding.int8_support import Int8Weights, int8_support
 from app.embedding.session_cache import LEVEL, Outcome, SessionCache
-from app.embedding.token_window import TokenWindow
+from app.embedding.token_window import TokenWindow, Window
 from app.embedding.types import Embedding
 
 #: The model's window (`model_max_length` in tokenizer_config.json).
@@ -43,17 +42,6 @@ _PROVIDERS: Final = ["CPUExecutionProvider"]
 
 class ModelError(PartError):
     """The model or tokenizer file cannot be used."""
-
-
-@dataclass(frozen=True, slots=True)
-class TokenizedText:
-    ids: npt.NDArray[np.int64]  # the window the model reads, special tokens included
-    truncated: bool  # the text goes on past the window
-
-    @property
-    def token_count(self) -> int:
-        """Tokens the model reads (at most MAX_TOKENS)."""
-        return len(self.ids)
 
 
 class OnnxEmbedder:
@@ -112,17 +100,13 @@ class OnnxEmbedder:
 
     def finish_loading(self) -> None:
         """Opens the one-core session for runs side by side (docs/decisions/embedding-scheduler.md):
-        one single-threaded session serves them all, concurrent run() calls on it being safe."""
+        one single-threaded session serves them all, concurrent run() calls on it being safe.
+        Then one run on each session at a typical trace's length: a session's first run sets up
+        its buffers, a cost kept out of every request."""
         if self._model is not None:
             self._one_core_session = self._open(self._model, 1, True, main=False)
             self._model = None
         self._window.prepare()
-        self.warm_up()
-
-    def warm_up(self) -> None:
-        """One run on each session from the calling thread, at a typical trace's length. A
-        session's first run sets up its buffers; done here, that cost stays out of every
-        request."""
         (text,) = self.tokenize([WARM_UP_TEXT])
         self.embed_tokenized([text])
         if self._one_core_session is not self._session:
@@ -147,14 +131,11 @@ class OnnxEmbedder:
         _check_signature(session, self._model_path)
         return session
 
-    def tokenize(self, texts: Sequence[str]) -> list[TokenizedText]:
-        tokenized = []
-        for window in map(self._window.window, texts):
-            tokenized.append(TokenizedText(np.asarray(window.ids, np.int64), window.truncated))
-        return tokenized
+    def tokenize(self, texts: Sequence[str]) -> list[Window]:
+        return list(map(self._window.window, texts))
 
     def embed_tokenized(
-        self, batch: Sequence[TokenizedText], *, one_core: bool = False
+        self, batch: Sequence[Window], *, one_core: bool = False
     ) -> npt.NDArray[np.float32]:
         """Unit vectors, one row per text, from one model run over the padded batch.
 
@@ -182,7 +163,15 @@ class OnnxEmbedder:
                 "token_type_ids": np.zeros_like(input_ids),
             },
         )
-        return mean_pool_normalize(hidden, attention_mask)
+        # Mean over the unmasked tokens, then L2 normalisation, rounded as transformers.js rounds.
+        mask = attention_mask.astype(np.float64)[:, :, None]
+        pooled = ((hidden.astype(np.float64) * mask).sum(axis=1) / mask.sum(axis=1)).astype(
+            np.float32
+        )
+        wide = pooled.astype(np.float64)
+        norms = np.sqrt((wide * wide).sum(axis=1, keepdims=True)).astype(np.float32)
+        unit: npt.NDArray[np.float32] = (wide / norms.astype(np.float64)).astype(np.float32)
+        return unit
 
     def embed(self, texts: Sequence[str]) -> npt.NDArray[np.float32]:
         return self.embed_tokenized(self.tokenize(texts))
@@ -209,7 +198,7 @@ MAX_PADDING: Final = 0.25
 PADDING_SLACK_TOKENS: Final = 4
 
 
-def length_groups(tokenized: Sequence[TokenizedText], max_size: int) -> list[list[int]]:
+def length_groups(tokenized: Sequence[Window], max_size: int) -> list[list[int]]:
     """Indices grouped into model runs of similar length (padding at most MAX_PADDING)."""
     order = sorted(range(len(tokenized)), key=lambda i: len(tokenized[i].ids))
     groups: list[list[int]] = []
@@ -286,15 +275,3 @@ def load_tokenizer(path: Path) -> Tokenizer:
     tokenizer.no_truncation()
     tokenizer.no_padding()
     return tokenizer
-
-
-def mean_pool_normalize(
-    hidden: npt.NDArray[np.float32], attention_mask: npt.NDArray[np.int64]
-) -> npt.NDArray[np.float32]:
-    """Mean over the unmasked tokens, then L2 normalisation, rounded as transformers.js rounds."""
-    mask = attention_mask.astype(np.float64)[:, :, None]
-    pooled = ((hidden.astype(np.float64) * mask).sum(axis=1) / mask.sum(axis=1)).astype(np.float32)
-    wide = pooled.astype(np.float64)
-    norms = np.sqrt((wide * wide).sum(axis=1, keepdims=True)).astype(np.float32)
-    unit: npt.NDArray[np.float32] = (wide / norms.astype(np.float64)).astype(np.float32)
-    return unit

@@ -34,6 +34,7 @@ LEVEL: Final = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
 #: Initializers of this size or more go to the data file (all the weights; small constants
 #: such as shapes stay in the graph).
 _EXTERNAL_MIN_BYTES: Final = 1024
+_PROVIDERS: Final = ["CPUExecutionProvider"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +95,7 @@ class SessionCache:
                 checked = pool.submit(self._whole, checks)
                 try:
                     session: ort.InferenceSession | None = ort.InferenceSession(
-                        str(self._path(key, "onnx")), loaded, providers=["CPUExecutionProvider"]
+                        str(self.directory / f"{key}.onnx"), loaded, providers=_PROVIDERS
                     )
                 except Exception as exc:  # onnxruntime refuses the entry: built again below
                     session = None
@@ -114,35 +115,35 @@ class SessionCache:
         import shutil
         import tempfile
 
-        built = options()
-        built.graph_optimization_level = LEVEL
+        def built(graph: Path | None = None, data_name: str = "") -> ort.InferenceSession:
+            """The session made at LEVEL; with `graph`, the optimised graph written there and
+            its initializers to `data_name` beside it."""
+            made = options()
+            made.graph_optimization_level = LEVEL
+            if graph is not None:
+                made.optimized_model_filepath = str(graph)
+                prefix = "session.optimized_model_external_initializers_"
+                made.add_session_config_entry(prefix + "file_name", data_name)
+                made.add_session_config_entry(
+                    prefix + "min_size_in_bytes", str(_EXTERNAL_MIN_BYTES)
+                )
+            return ort.InferenceSession(model, made, providers=_PROVIDERS)
+
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             staging = Path(tempfile.mkdtemp(prefix=".building-", dir=self.directory))
         except OSError as exc:
-            session = ort.InferenceSession(model, built, providers=["CPUExecutionProvider"])
-            return session, Outcome("unsaved", _joined(why_not, f"cannot write {exc}"))
+            return built(), Outcome("unsaved", _joined(why_not, f"cannot write {exc}"))
         # The graph names its data file: a name of its own per write, so that a graph and the
         # data of another write of the same entry can never be loaded together.
         data_name = f"{key}-{secrets.token_hex(6)}.data"
         try:
-            built.optimized_model_filepath = str(staging / f"{key}.onnx")
-            built.add_session_config_entry(
-                "session.optimized_model_external_initializers_file_name", data_name
-            )
-            built.add_session_config_entry(
-                "session.optimized_model_external_initializers_min_size_in_bytes",
-                str(_EXTERNAL_MIN_BYTES),
-            )
             try:
-                session = ort.InferenceSession(model, built, providers=["CPUExecutionProvider"])
+                session = built(staging / f"{key}.onnx", data_name)
             except Exception:
                 # Not the model's fault when writing the graph is what failed (a full disk):
                 # the model is tried as without a cache, whose error (if any) is the one raised.
-                plain = options()
-                plain.graph_optimization_level = LEVEL
-                session = ort.InferenceSession(model, plain, providers=["CPUExecutionProvider"])
-                return session, Outcome("unsaved", _joined(why_not, "writing the graph failed"))
+                return built(), Outcome("unsaved", _joined(why_not, "writing the graph failed"))
             try:
                 self._publish(key, staging, data_name)
             except OSError as exc:
@@ -166,7 +167,7 @@ class SessionCache:
             os.replace(written, self.directory / name)
         draft = staging / f"{key}.json"
         draft.write_text(json.dumps(record))
-        os.replace(draft, self._path(key, "json"))
+        os.replace(draft, self.directory / f"{key}.json")
         for old in self.directory.glob(f"{key}-*.data"):
             if old.name != data_name:
                 # A load that has it open keeps reading it; one that opens it now fails, and
@@ -178,11 +179,10 @@ class SessionCache:
         there, of this format and the files' sizes match it; else None, and why not (None: no
         entry)."""
         try:
-            record = json.loads(self._path(key, "json").read_text())
+            record = json.loads((self.directory / f"{key}.json").read_text())
             files: dict[str, Any] = record["files"]
-            if record.get("format") != FORMAT or record.get("key") != key:
-                return None, "stale cached graph"
-            if files["onnx"]["name"] != f"{key}.onnx":
+            wanted = (FORMAT, key, f"{key}.onnx")
+            if (record.get("format"), record.get("key"), files["onnx"]["name"]) != wanted:
                 return None, "stale cached graph"
             checks: list[tuple[Path, object]] = []
             for part in ("onnx", "data"):
@@ -207,9 +207,6 @@ class SessionCache:
             except OSError as exc:
                 return f"unreadable cached graph: {exc}"
         return None
-
-    def _path(self, key: str, suffix: str) -> Path:
-        return self.directory / f"{key}.{suffix}"
 
 
 def _crc32(path: Path) -> int:
