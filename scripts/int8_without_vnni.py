@@ -62,7 +62,10 @@ class StoredVectors:
         windows = real.tokenize(texts)
         self._by_window = {tuple(t.ids): v for t, v in zip(windows, vectors, strict=True)}
 
-    def warm_up(self) -> None:
+    cache_outcome = None  # what EmbeddingService reads of a loaded embedder
+    embed_grouped = OnnxEmbedder.embed_grouped
+
+    def finish_loading(self) -> None:
         pass
 
     def tokenize(self, texts: Sequence[str]) -> list[Window]:

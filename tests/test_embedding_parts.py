@@ -262,7 +262,7 @@ def test_concurrent_loads_share_one_load_and_warm_up_finishes_the_model() -> Non
         await service.warm_up()
         assert service.loaded_fully
         assert made[0].finished == 1
-        assert service.runs_total == {"all_cores": 3, "one_core": 0}  # the warm-up's runs
+        assert service.scheduler.runs_total == {"all_cores": 3, "one_core": 0}  # the warm-up's runs
         await service.close()
 
     asyncio.run(scenario())

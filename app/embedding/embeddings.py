@@ -20,7 +20,6 @@ from app.embedding.scheduler import RunScheduler
 from app.embedding.types import (
     EmbedderUnavailableError,
     Embedding,
-    EmbedObserver,
     Outcome,
     OverloadedError,
     RunnerGoneError,
@@ -86,39 +85,34 @@ class EmbeddingMemo:
         self.hits_total += len(texts) - len(missing)
         self.misses_total += len(missing)
         if missing:
-            found |= await self._run(missing)
+            loop = asyncio.get_running_loop()
+            futures: dict[bytes, asyncio.Future[Embedding]] = {}
+            for digest in missing:
+                futures[digest] = self._running[digest] = loop.create_future()
+            try:
+                fresh = await self._embeddings.embed(list(missing.values()))
+            except BaseException as exc:
+                # Those waiting get this run's error, or run themselves if this request is gone.
+                shared = exc if isinstance(exc, Exception) else RunnerGoneError()
+                for future in futures.values():
+                    future.set_exception(shared)
+                    future.exception()  # retrieved: nobody may be waiting, and that is fine
+                raise
+            finally:
+                for digest in futures:
+                    self._running.pop(digest, None)
+            for digest, embedding in zip(missing, fresh, strict=True):
+                futures[digest].set_result(embedding)
+                found[digest] = self._memo[digest] = embedding
+                self._memo.move_to_end(digest)
+            while len(self._memo) > self._capacity:
+                self._memo.popitem(last=False)
         for digest, (text, future) in waiting.items():
             try:
                 found[digest] = await asyncio.shield(future)
             except RunnerGoneError:
                 (found[digest],) = await self.embed([text])
         return list(map(found.__getitem__, digests))
-
-    async def _run(self, missing: dict[bytes, str]) -> dict[bytes, Embedding]:
-        loop = asyncio.get_running_loop()
-        futures: dict[bytes, asyncio.Future[Embedding]] = {}
-        for digest in missing:
-            futures[digest] = self._running[digest] = loop.create_future()
-        try:
-            fresh = await self._embeddings.embed(list(missing.values()))
-        except BaseException as exc:
-            # Those waiting get this run's error, or run themselves if this request is gone.
-            shared = exc if isinstance(exc, Exception) else RunnerGoneError()
-            for future in futures.values():
-                future.set_exception(shared)
-                future.exception()  # retrieved: nobody may be waiting, and that is fine
-            raise
-        finally:
-            for digest in futures:
-                self._running.pop(digest, None)
-        done = dict(zip(missing, fresh, strict=True))
-        for digest, embedding in done.items():
-            futures[digest].set_result(embedding)
-            self._memo[digest] = embedding
-            self._memo.move_to_end(digest)
-        while len(self._memo) > self._capacity:
-            self._memo.popitem(last=False)
-        return done
 
 
 class EmbeddingService:
@@ -147,8 +141,7 @@ class EmbeddingService:
         self.precision = precision
         #: With KP_EMBEDDER_PRECISION=int8: which int8 products run, or why float32 instead.
         self.precision_reason = precision_reason
-        self.workers = workers
-        self.batch_size = batch_size
+        #: The queue and the workers (their figures: queue_depth, idle_workers, runs_total).
         self.scheduler = RunScheduler(
             self._run_model,
             workers=workers,
@@ -164,22 +157,6 @@ class EmbeddingService:
         self._load_task: asyncio.Task[None] | None = None
         #: Started once, after the first answer or by preload.
         self.warm_up_task: asyncio.Task[None] | None = None
-
-    def observe(self, observer: EmbedObserver) -> None:
-        """Where queue waits and model run times go (the metrics)."""
-        self.scheduler.observer = observer
-
-    @property
-    def runs_total(self) -> dict[str, int]:
-        return dict(self.scheduler.runs_total)
-
-    @property
-    def queue_depth(self) -> int:
-        return self.scheduler.queue_depth
-
-    @property
-    def idle_workers(self) -> int:
-        return self.scheduler.idle_workers
 
     @property
     def loaded_fully(self) -> bool:
@@ -290,7 +267,9 @@ class EmbeddingService:
         """One model run (on a worker thread) over the loaded model."""
         if self.embedder is None:
             raise RuntimeError("the model is not loaded")
-        return self.embedder.embed_grouped(texts, one_core=one_core, max_group=self.batch_size)
+        return self.embedder.embed_grouped(
+            texts, one_core=one_core, max_group=self.scheduler.batch_size
+        )
 
     async def _queued(self, texts: Sequence[str]) -> list[Embedding]:
         """Through the queue and a worker, as every request goes."""
@@ -324,8 +303,8 @@ class EmbeddingService:
             "weights": self.weights,
             "precision": self.precision,
             "precision_reason": self.precision_reason,
-            "workers": self.workers,
-            "runs": self.runs_total,
+            "workers": self.scheduler.workers,
+            "runs": dict(self.scheduler.runs_total),
         }
 
 

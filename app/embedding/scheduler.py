@@ -2,9 +2,7 @@
 (docs/decisions/embedding-scheduler.md): a request alone gets one run over all cores; under
 load each free worker takes a share of the queue and runs it on one core. A worker takes its
 next run itself, without a round trip through the event loop (busy with HTTP under load, it
-would leave the cores idle between runs). A run that fails is retried one request at a time,
-so one bad input fails alone.
-
+would leave the cores idle between runs). A run that fails is retried one request at a time.
 Admission turns real overload away, and only that: its limits are counts and wall time the
 operator sets, never this machine's speed.
 """
@@ -23,7 +21,6 @@ from app.embedding.types import (
     EmbedderUnavailableError,
     Embedding,
     EmbedObserver,
-    NoObserver,
     Outcome,
     OverloadedError,
 )
@@ -77,7 +74,7 @@ class RunScheduler:
         self.batch_size = batch_size
         self.queue_limit = queue_limit
         self.max_wait_ms = max_wait_ms
-        self.observer: EmbedObserver = observer or NoObserver()
+        self.observer = observer
         self._lock = threading.Condition()
         self._queue: deque[Job] = deque()
         self._queued_texts = 0
@@ -160,7 +157,8 @@ class RunScheduler:
             started = time.monotonic()
             for job in jobs:
                 job.run_started = started
-                self.observer.queue_waited(started - job.queued_at)
+                if self.observer is not None:
+                    self.observer.queue_waited(started - job.queued_at)
             outcomes = self._run_jobs(jobs, one_core=one_core)
             ended = time.monotonic()
             with self._lock:
@@ -245,7 +243,8 @@ class RunScheduler:
                 f"embedding failed: {type(exc).__name__}", "embedding_failed"
             )
             return [(jobs[0], failure)]
-        self.observer.model_ran(time.monotonic() - started)
+        if self.observer is not None:
+            self.observer.model_ran(time.monotonic() - started)
         with self._lock:
             self.runs_total["one_core" if one_core else "all_cores"] += 1
         outcomes: list[tuple[Job, Outcome]] = []

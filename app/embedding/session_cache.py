@@ -1,7 +1,6 @@
-"""onnxruntime's optimised graph of the model, kept on disk: a later start loads it with the
-optimisations off instead of making them again (docs/decisions/model-graph-cache.md). The
-graph is written once by the session that makes it (`optimized_model_filepath`, initializers
-in a data file beside it) and loaded as it is: the same kernels, the same vectors bit for bit.
+"""onnxruntime's optimised graph of the model, kept on disk (docs/decisions/model-graph-cache.md):
+written once by the session that makes it (`optimized_model_filepath`, initializers in a data
+file beside it), loaded as it is with the optimisations off: the same vectors bit for bit.
 
 An entry is used only for the same model bytes, onnxruntime version, optimisation level and
 CPU (a constant folded by one CPU's kernels may differ in its last bits on another), and only
@@ -15,17 +14,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Literal
 
 import onnxruntime as ort
-
-from app.embedding.file_bytes import mapped
 
 #: Bumped when the layout of an entry changes: older entries are then stale.
 FORMAT: Final = 1
@@ -34,7 +33,7 @@ LEVEL: Final = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
 #: Initializers of this size or more go to the data file (all the weights; small constants
 #: such as shapes stay in the graph).
 _EXTERNAL_MIN_BYTES: Final = 1024
-_PROVIDERS: Final = ["CPUExecutionProvider"]
+PROVIDERS: Final = ["CPUExecutionProvider"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,11 +77,9 @@ class SessionCache:
         model_sha256: str,
         options: Callable[[], ort.SessionOptions],
     ) -> tuple[ort.InferenceSession, Outcome]:
-        """A session of the model `model()` reads (whose sha256 is `model_sha256`) made at
-        LEVEL, with the other settings of `options()` (threads, spinning, logging): loaded from
-        the cache when an entry for it is whole (the model is not read then), else built from
-        the model and written to the cache. onnxruntime's errors on the model itself
-        propagate, as without a cache."""
+        """A session of the model `model()` reads made at LEVEL, with the other settings of
+        `options()`: loaded from a whole entry (the model is not read then), else built and
+        written. onnxruntime's errors on the model itself propagate, as without a cache."""
         key = self.key(model_sha256)
         checks, why_not = self._record(key)
         if checks is not None:
@@ -95,7 +92,7 @@ class SessionCache:
                 checked = pool.submit(self._whole, checks)
                 try:
                     session: ort.InferenceSession | None = ort.InferenceSession(
-                        str(self.directory / f"{key}.onnx"), loaded, providers=_PROVIDERS
+                        str(self.directory / f"{key}.onnx"), loaded, providers=PROVIDERS
                     )
                 except Exception as exc:  # onnxruntime refuses the entry: built again below
                     session = None
@@ -127,7 +124,7 @@ class SessionCache:
                 made.add_session_config_entry(
                     prefix + "min_size_in_bytes", str(_EXTERNAL_MIN_BYTES)
                 )
-            return ort.InferenceSession(model, made, providers=_PROVIDERS)
+            return ort.InferenceSession(model, made, providers=PROVIDERS)
 
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -207,6 +204,20 @@ class SessionCache:
             except OSError as exc:
                 return f"unreadable cached graph: {exc}"
         return None
+
+
+@contextmanager
+def mapped(path: Path) -> Iterator[mmap.mmap | bytes]:
+    """A model file's bytes for hashing and checksums, mapped read-only (an empty file, which
+    cannot be mapped: b""); OSError as `open` raises it. Mapped, hashlib and zlib leave the GIL
+    for the whole call: read a chunk at a time, every retake of the GIL waited for the loading
+    thread, and the checks that run beside the session's load took several times their CPU."""
+    with path.open("rb", buffering=0) as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            yield b""
+            return
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
+            yield view
 
 
 def _crc32(path: Path) -> int:
