@@ -35,7 +35,8 @@ from app.core.states import Precision
 from app.embedding import model_files
 from app.embedding.embeddings import EmbeddingService
 from app.embedding.int8_support import int8_support
-from app.embedding.onnx_embedder import OnnxEmbedder, TokenizedText
+from app.embedding.onnx_embedder import OnnxEmbedder
+from app.embedding.token_window import Window
 from app.memory.in_process import InProcessMemory
 from app.schemas.trace import ReasoningTrace
 from app.service.evaluator import Evaluator
@@ -61,7 +62,7 @@ def load_embedder(precision: Precision) -> OnnxEmbedder:
     )
 
 
-def per_text_ms(embedder: OnnxEmbedder, texts: list[TokenizedText]) -> list[float]:
+def per_text_ms(embedder: OnnxEmbedder, texts: list[Window]) -> list[float]:
     """One run per text on the all-core session, in a loop as the floor runs."""
     for text in texts[:5]:
         embedder.embed_tokenized([text])
@@ -73,11 +74,11 @@ def per_text_ms(embedder: OnnxEmbedder, texts: list[TokenizedText]) -> list[floa
     return times
 
 
-def side_by_side_per_s(embedder: OnnxEmbedder, texts: list[TokenizedText]) -> float:
+def side_by_side_per_s(embedder: OnnxEmbedder, texts: list[Window]) -> float:
     """Texts/s of two one-core runs at a time, as two service workers under load."""
     halves = [texts[0::2], texts[1::2]]
 
-    def work(part: list[TokenizedText]) -> None:
+    def work(part: list[Window]) -> None:
         for text in part:
             embedder.embed_tokenized([text], one_core=True)
 

@@ -51,7 +51,7 @@ def calibrate() -> dict[str, Any]:
     items = corpus.build("typical", 40, seed=3) + corpus.build("long", 4, seed=4)
     peak = {name: np.zeros(0, dtype=np.float32) for name in inputs}
     for tokens in embedder.tokenize([item.text for item in items]):
-        ids = tokens.ids[None, :]
+        ids = np.asarray([tokens.ids], dtype=np.int64)
         feed = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
         feed["token_type_ids"] = np.zeros_like(ids)
         for name, value in zip(inputs, session.run(inputs, feed), strict=True):

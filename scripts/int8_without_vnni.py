@@ -30,7 +30,8 @@ import numpy.typing as npt
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from app.embedding import model_files
 from app.embedding.embeddings import EmbeddingService
-from app.embedding.onnx_embedder import OnnxEmbedder, TokenizedText
+from app.embedding.onnx_embedder import OnnxEmbedder
+from app.embedding.token_window import Window
 from app.memory.in_process import InProcessMemory
 from app.schemas.trace import ReasoningTrace
 from app.service.evaluator import Evaluator
@@ -59,19 +60,22 @@ class StoredVectors:
     def __init__(self, real: OnnxEmbedder, texts: Sequence[str], vectors: npt.NDArray[Any]):
         self._real = real
         windows = real.tokenize(texts)
-        self._by_window = {t.ids.tobytes(): v for t, v in zip(windows, vectors, strict=True)}
+        self._by_window = {tuple(t.ids): v for t, v in zip(windows, vectors, strict=True)}
 
-    def warm_up(self) -> None:
+    cache_outcome = None  # what EmbeddingService reads of a loaded embedder
+    embed_grouped = OnnxEmbedder.embed_grouped
+
+    def finish_loading(self) -> None:
         pass
 
-    def tokenize(self, texts: Sequence[str]) -> list[TokenizedText]:
+    def tokenize(self, texts: Sequence[str]) -> list[Window]:
         return self._real.tokenize(texts)
 
     def embed_tokenized(
-        self, batch: Sequence[TokenizedText], *, one_core: bool = False
+        self, batch: Sequence[Window], *, one_core: bool = False
     ) -> npt.NDArray[np.float32]:
         zeros = np.zeros(self._real.dimensions, dtype=np.float32)
-        return np.vstack([self._by_window.get(t.ids.tobytes(), zeros) for t in batch])
+        return np.vstack([self._by_window.get(tuple(t.ids), zeros) for t in batch])
 
 
 def scores(embedder: Any, traces: list[ReasoningTrace]) -> list[float]:

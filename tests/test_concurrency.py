@@ -153,7 +153,7 @@ def test_health_answers_while_traces_wait_for_the_model(monkeypatch: pytest.Monk
             scoring = [
                 asyncio.create_task(client.post("/evaluate", json=long_trace)) for _ in range(8)
             ]
-            await until(lambda: not embeddings.idle_workers)
+            await until(lambda: not embeddings.scheduler.idle_workers)
             health = await client.get("/healthz")
             pending = sum(not task.done() for task in scoring)
             gate.set()
@@ -194,7 +194,7 @@ def test_a_full_queue_turns_requests_away_at_once_and_changes_nothing(
             embeddings = app.state.service.runtime.embeddings
             gate = hold_runs(monkeypatch, embeddings)
             queued = [asyncio.create_task(client.post("/evaluate", json=t)) for t in traces[:2]]
-            await until(lambda: embeddings.queue_depth == 2)
+            await until(lambda: embeddings.scheduler.queue_depth == 2)
             turned_away = [await client.post("/evaluate", json=t) for t in traces[2:]]
             gate.set()
             answered = await asyncio.gather(*queued)
@@ -257,8 +257,8 @@ def test_runs_side_by_side_give_the_vectors_of_runs_alone() -> None:
             )
             alone = [await client.post("/evaluate", json=t, params=dry) for t in probes]
             embeddings = app.state.service.runtime.embeddings
-            assert embeddings.workers == 2
-            assert embeddings.runs_total["one_core"] > 0  # the burst did run side by side
+            assert embeddings.scheduler.workers == 2
+            assert embeddings.scheduler.runs_total["one_core"] > 0  # the burst did run side by side
             for a, b in zip(burst, alone, strict=True):
                 assert a.json()["novelty"]["measured"]
                 assert a.json()["novelty"]["max_cosine"] == b.json()["novelty"]["max_cosine"]
@@ -277,7 +277,7 @@ def test_a_request_that_waited_past_the_limit_is_turned_away_when_its_turn_comes
         await service.load()
         gate = hold_runs(monkeypatch, service)
         running = asyncio.create_task(service.embed(["the run in progress"]))
-        await until(lambda: not service.idle_workers)
+        await until(lambda: not service.scheduler.idle_workers)
         behind = [asyncio.create_task(service.embed([f"queued {i}"])) for i in range(3)]
         await asyncio.sleep(0.1)  # twice the limit: asyncio.sleep never returns early
         gate.set()
@@ -287,7 +287,7 @@ def test_a_request_that_waited_past_the_limit_is_turned_away_when_its_turn_comes
             assert isinstance(outcome, OverloadedError)
             assert outcome.reason == "waited_too_long"
             assert "KP_EMBED_MAX_WAIT_MS" in str(outcome)
-        assert service.queue_depth == 0
+        assert service.scheduler.queue_depth == 0
         await service.close()
 
     run(scenario)
@@ -304,7 +304,7 @@ def test_a_worker_is_free_again_when_its_answer_reaches_the_client() -> None:
         await service.load()
         for topic in TOPICS:
             await service.embed([topic])
-            seen.append((service.queue_depth, service.idle_workers))
+            seen.append((service.scheduler.queue_depth, service.scheduler.idle_workers))
         await service.close()
 
     run(scenario)
@@ -318,15 +318,17 @@ def test_closing_fails_the_requests_still_waiting(monkeypatch: pytest.MonkeyPatc
         gate = hold_runs(monkeypatch, service)
         requests = [asyncio.create_task(service.embed([f"request {i}"])) for i in range(4)]
         # The first is in its run (held there), the other three wait behind it.
-        await until(lambda: service.queue_depth == 4 and not service.idle_workers)
+        await until(
+            lambda: service.scheduler.queue_depth == 4 and not service.scheduler.idle_workers
+        )
         closing = asyncio.create_task(service.close())
-        await until(lambda: service.queue_depth == 1)
+        await until(lambda: service.scheduler.queue_depth == 1)
         gate.set()
         await closing
         outcomes = await asyncio.gather(*requests, return_exceptions=True)
         assert isinstance(outcomes[0], list), "the run in progress finishes"
         assert all(isinstance(o, EmbedderUnavailableError) for o in outcomes[1:])
-        assert service.queue_depth == 0
+        assert service.scheduler.queue_depth == 0
         with pytest.raises(EmbedderUnavailableError, match="shutting down"):
             await service.embed(["too late"])
 
@@ -341,10 +343,10 @@ def test_a_preloaded_service_is_warmed_up_before_it_reports_ready() -> None:
         service = real_embeddings(workers=2)
         await service.preload()
         assert service.state is EmbedderState.READY
-        assert service.runs_total == {"all_cores": 3, "one_core": 0}
+        assert service.scheduler.runs_total == {"all_cores": 3, "one_core": 0}
         assert service.loaded_fully
-        assert service.queue_depth == 0
-        assert service.idle_workers == 2
+        assert service.scheduler.queue_depth == 0
+        assert service.scheduler.idle_workers == 2
         await service.close()
 
     run(scenario)
@@ -359,10 +361,10 @@ def test_a_lazy_load_answers_first_and_warms_up_after() -> None:
         service = real_embeddings(workers=2)
         (first,) = await service.embed(["the first trace after a start"])
         assert first.vector.shape == (384,)
-        assert service.runs_total == {"all_cores": 1, "one_core": 0}
+        assert service.scheduler.runs_total == {"all_cores": 1, "one_core": 0}
         assert not service.loaded_fully
         await service.preload()  # waits for the warm-up that the first answer set off
-        assert service.runs_total == {"all_cores": 4, "one_core": 0}
+        assert service.scheduler.runs_total == {"all_cores": 4, "one_core": 0}
         assert service.loaded_fully
         (again,) = await service.embed(["the first trace after a start"])
         assert np.array_equal(again.vector, first.vector)

@@ -20,7 +20,7 @@ from tests.factories import make_trace, step
 
 def runs(client: TestClient) -> int:
     embeddings = client.app.state.service.runtime.embeddings  # type: ignore[attr-defined]
-    return sum(embeddings.runs_total.values())
+    return sum(embeddings.scheduler.runs_total.values())
 
 
 def traces() -> list[dict[str, Any]]:
@@ -111,7 +111,7 @@ def test_concurrent_requests_for_one_new_text_share_one_model_run() -> None:
             transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(transport=transport, base_url="http://kp") as client:
                 embeddings = app.state.service.runtime.embeddings
-                before = sum(embeddings.runs_total.values())
+                before = sum(embeddings.scheduler.runs_total.values())
                 trace = make_trace(objective="Shared run for eight copies of one text")
                 answers = await asyncio.gather(
                     *(
@@ -120,7 +120,7 @@ def test_concurrent_requests_for_one_new_text_share_one_model_run() -> None:
                     )
                 )
                 assert [r.status_code for r in answers] == [200] * 8
-                assert sum(embeddings.runs_total.values()) == before + 1
+                assert sum(embeddings.scheduler.runs_total.values()) == before + 1
                 assert len({r.json()["novelty"]["tokens"] for r in answers}) == 1
 
     asyncio.run(scenario())

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from app.core.states import EmbedderState
-from app.embedding.embeddings import ModelLifecycle
+from app.embedding.embeddings import EmbeddingService
 from app.embedding.onnx_embedder import ModelError, OnnxEmbedder
-from app.embedding.scheduler import Job, JobQueue, QueueLimits, RunScheduler
+from app.embedding.scheduler import RunScheduler
 from app.embedding.types import (
     EmbedderUnavailableError,
     Embedding,
@@ -22,63 +22,9 @@ from app.embedding.types import (
 )
 
 
-def job(*texts: str, queued_at: float | None = None) -> Job:
-    made = Job(texts, lambda outcome: None)
-    if queued_at is not None:
-        made.queued_at = queued_at
-    return made
-
-
 def fake_embedding(text: str) -> Embedding:
     """Stands in for the model's answer: the scheduler only routes answers, never reads them."""
     return Embedding(np.full(3, len(text), dtype=np.float32), len(text), False)
-
-
-# ── admission ───────────────────────────────────────────────────────────────
-
-
-def test_the_door_refuses_what_would_pass_the_queue_limit() -> None:
-    door = QueueLimits(queue_limit=4, max_wait_ms=1000)
-    door.check_door(queued=2, count=2)
-    with pytest.raises(OverloadedError, match="KP_EMBED_QUEUE_LIMIT") as refused:
-        door.check_door(queued=3, count=2)
-    assert refused.value.reason == "queue_limit"
-
-
-def test_a_request_larger_than_the_limit_is_taken_when_nothing_waits() -> None:
-    QueueLimits(queue_limit=4).check_door(queued=0, count=100)
-
-
-def test_a_request_expires_only_past_the_max_wait() -> None:
-    door = QueueLimits(max_wait_ms=50)
-    assert door.expired(0.05) is None
-    error = door.expired(0.051)
-    assert error is not None
-    assert error.reason == "waited_too_long"
-    assert "KP_EMBED_MAX_WAIT_MS" in str(error)
-
-
-# ── queue ───────────────────────────────────────────────────────────────────
-
-
-def test_take_follows_arrival_order_up_to_the_text_limit() -> None:
-    queue = JobQueue()
-    jobs = [job("a", "b"), job("c"), job("d", "e")]
-    for j in jobs:
-        queue.put(j)
-    assert queue.texts == 5
-    assert queue.take(3) == jobs[:2]
-    assert queue.texts == 2
-    assert len(queue) == 1
-
-
-def test_pop_stale_stops_at_the_first_fresh_job() -> None:
-    queue = JobQueue()
-    old, fresh, old_again = job("a", queued_at=0.0), job("b"), job("c", queued_at=0.0)
-    for j in (old, fresh, old_again):
-        queue.put(j)
-    assert queue.pop_stale(lambda j: j.queued_at == 0.0) == [old]
-    assert len(queue) == 2
 
 
 # ── scheduler ───────────────────────────────────────────────────────────────
@@ -198,43 +144,105 @@ def test_closing_fails_what_waits_and_refuses_what_comes() -> None:
     assert not scheduler.start()
 
 
-def test_the_door_counts_what_waits() -> None:
-    scheduler = RunScheduler(
-        lambda texts, one_core: [], limits=QueueLimits(queue_limit=2, max_wait_ms=1000)
-    )
+def test_the_door_refuses_what_would_pass_the_queue_limit() -> None:
+    scheduler = RunScheduler(lambda texts, one_core: [], queue_limit=4)
     scheduler.submit(["a", "b"], lambda outcome: None)  # no worker: stays queued
-    with pytest.raises(OverloadedError):
-        scheduler.submit(["c"], lambda outcome: None)
+    scheduler.submit(["c", "d"], lambda outcome: None)
+    with pytest.raises(OverloadedError, match="KP_EMBED_QUEUE_LIMIT") as refused:
+        scheduler.submit(["e"], lambda outcome: None)
+    assert refused.value.reason == "queue_limit"
+    assert scheduler.queue_depth == 4
     scheduler.close()
 
 
-# ── lifecycle ───────────────────────────────────────────────────────────────
+def test_a_request_larger_than_the_limit_is_taken_when_nothing_waits() -> None:
+    scheduler = RunScheduler(lambda texts, one_core: [], queue_limit=4)
+    scheduler.submit(["text"] * 100, lambda outcome: None)
+    assert scheduler.queue_depth == 100
+    scheduler.close()
+
+
+def recording(calls: list[list[str]]) -> Any:
+    def backend(texts: list[str], one_core: bool) -> list[Embedding]:
+        calls.append(texts)
+        return [fake_embedding(t) for t in texts]
+
+    return backend
+
+
+def settle_into(outcomes: dict[str, Outcome], name: str, count: int, done: threading.Event) -> Any:
+    def settle(outcome: Outcome) -> None:
+        outcomes[name] = outcome
+        if len(outcomes) == count:
+            done.set()
+
+    return settle
+
+
+def test_runs_follow_arrival_order_up_to_the_batch_size() -> None:
+    calls: list[list[str]] = []
+    scheduler = RunScheduler(recording(calls), batch_size=3)
+    outcomes: dict[str, Outcome] = {}
+    done = threading.Event()
+    for texts in (["a", "b"], ["c"], ["d", "e"]):  # no worker yet: all three wait
+        scheduler.submit(texts, settle_into(outcomes, texts[0], 3, done))
+    scheduler.start()
+    assert done.wait(60)
+    assert calls == [["a", "b", "c"], ["d", "e"]]
+    scheduler.close()
+    scheduler.join()
+
+
+def test_the_stale_head_of_the_queue_is_shed_up_to_the_first_fresh_job() -> None:
+    calls: list[list[str]] = []
+    scheduler = RunScheduler(recording(calls), max_wait_ms=60_000)
+    outcomes: dict[str, Outcome] = {}
+    done = threading.Event()
+    jobs = {
+        name: scheduler.submit([name], settle_into(outcomes, name, 3, done))
+        for name in ("gone", "old", "fresh", "later")
+    }
+    jobs["gone"].abandoned = lambda: True  # nobody awaits it: dropped, not answered
+    jobs["old"].queued_at -= 61
+    jobs["later"].queued_at -= 61  # behind a fresh job: runs with it
+    scheduler.start()
+    assert done.wait(60)
+    assert calls == [["fresh", "later"]]
+    assert set(outcomes) == {"old", "fresh", "later"}
+    error = outcomes["old"]
+    assert isinstance(error, OverloadedError)
+    assert error.reason == "waited_too_long"
+    assert "KP_EMBED_MAX_WAIT_MS" in str(error)
+    scheduler.close()
+    scheduler.join()
+
+
+# ── load and warm-up ────────────────────────────────────────────────────────
 
 
 class StandIn:
-    """What the lifecycle calls on an embedder (the model itself is not its business)."""
+    """What the service calls on an embedder, without the model."""
 
-    def __init__(self) -> None:
+    def __init__(self, fails: bool = False) -> None:
         self.finished = 0
+        self.fails = fails
         self.cache_outcome = None  # how the session came to be (app.embedding.session_cache)
 
     def finish_loading(self) -> None:
         self.finished += 1
 
-
-def lifecycle(factory: Any, warm_runs: Any = None) -> ModelLifecycle:
-    async def no_runs() -> None:
-        pass
-
-    return ModelLifecycle(factory, on_loaded=lambda: True, warm_runs=warm_runs or no_runs)
+    def embed_grouped(self, texts: list[str], **_: Any) -> list[Embedding]:
+        if self.fails:
+            raise RuntimeError("the model cannot run")
+        return [fake_embedding(t) for t in texts]
 
 
 def test_no_factory_means_disabled() -> None:
-    life = lifecycle(None)
-    assert life.state is EmbedderState.DISABLED
-    asyncio.run(life.load())
-    assert life.state is EmbedderState.DISABLED
-    assert life.reason is not None
+    service = EmbeddingService(None, model_name=None)
+    assert service.state is EmbedderState.DISABLED
+    asyncio.run(service.load())
+    assert service.state is EmbedderState.DISABLED
+    assert service.reason is not None
 
 
 def test_concurrent_loads_share_one_load_and_warm_up_finishes_the_model() -> None:
@@ -245,15 +253,17 @@ def test_concurrent_loads_share_one_load_and_warm_up_finishes_the_model() -> Non
         return cast(OnnxEmbedder, made[-1])
 
     async def scenario() -> None:
-        life = lifecycle(factory)
-        assert life.state is EmbedderState.NOT_LOADED
-        await asyncio.gather(life.load(), life.load(), life.load())
-        assert life.state is EmbedderState.READY
+        service = EmbeddingService(factory, model_name=None)
+        assert service.state is EmbedderState.NOT_LOADED
+        await asyncio.gather(service.load(), service.load(), service.load())
+        assert service.state is EmbedderState.READY
         assert len(made) == 1
-        assert not life.warmed_up
-        await life.warm_up()
-        assert life.warmed_up
+        assert not service.loaded_fully
+        await service.warm_up()
+        assert service.loaded_fully
         assert made[0].finished == 1
+        assert service.scheduler.runs_total == {"all_cores": 3, "one_core": 0}  # the warm-up's runs
+        await service.close()
 
     asyncio.run(scenario())
 
@@ -262,21 +272,19 @@ def test_a_model_that_cannot_load_leaves_the_embedder_unavailable() -> None:
     def factory() -> OnnxEmbedder:
         raise ModelError("model.onnx: not an ONNX file")
 
-    life = lifecycle(factory)
-    asyncio.run(life.load())
-    assert life.state is EmbedderState.UNAVAILABLE
-    assert life.reason == "model.onnx: not an ONNX file"
+    service = EmbeddingService(factory, model_name=None)
+    asyncio.run(service.load())
+    assert service.state is EmbedderState.UNAVAILABLE
+    assert service.reason == "model.onnx: not an ONNX file"
 
 
 def test_a_failing_warm_up_run_leaves_the_embedder_unavailable() -> None:
-    async def failing_runs() -> None:
-        raise EmbedderUnavailableError("embedding failed: RuntimeError", "embedding_failed")
-
     async def scenario() -> None:
-        life = lifecycle(lambda: cast(OnnxEmbedder, StandIn()), failing_runs)
-        await life.load()
-        await life.warm_up()
-        assert life.state is EmbedderState.UNAVAILABLE
-        assert "warm-up run failed" in (life.reason or "")
+        service = EmbeddingService(lambda: cast(OnnxEmbedder, StandIn(fails=True)), model_name=None)
+        await service.load()
+        await service.warm_up()
+        assert service.state is EmbedderState.UNAVAILABLE
+        assert "warm-up run failed" in (service.reason or "")
+        await service.close()
 
     asyncio.run(scenario())

@@ -298,7 +298,7 @@ def test_an_overload_is_a_tool_error_saying_to_retry(monkeypatch: pytest.MonkeyP
                 embeddings = app.state.service.runtime.embeddings
                 gate = hold_runs(monkeypatch, embeddings)
                 queued = [asyncio.create_task(client.post("/evaluate", json=t)) for t in traces[:2]]
-                await until(lambda: embeddings.queue_depth == 2)
+                await until(lambda: embeddings.scheduler.queue_depth == 2)
                 body = rpc_body("kp_score_trace", traces[2])
                 r = await client.post("/mcp", json=body, headers=HEADERS)
                 gate.set()

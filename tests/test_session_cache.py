@@ -17,7 +17,7 @@ import pytest
 
 from app.core.config import Settings, user_cache_directory
 from app.embedding import model_files
-from app.embedding.embeddings import ModelLifecycle
+from app.embedding.embeddings import EmbeddingService
 from app.embedding.int8_support import int8_support
 from app.embedding.onnx_embedder import OnnxEmbedder
 from app.embedding.session_cache import SessionCache
@@ -188,13 +188,14 @@ def test_the_service_logs_an_unwritable_cache(
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     settings = Settings(model_cache_dir=blocker / "cache")
-    lifecycle = ModelLifecycle(
-        lambda: load_embedder(FILES, settings, None),
-        on_loaded=lambda: True,
-        warm_runs=lambda: asyncio.sleep(0),
-    )
+    service = EmbeddingService(lambda: load_embedder(FILES, settings, None), model_name=None)
+
+    async def load() -> None:
+        await service.load()
+        await service.close()
+
     with caplog.at_level(logging.INFO):
-        asyncio.run(lifecycle.load())
+        asyncio.run(load())
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert [r.getMessage() for r in warnings] == [
         "model cache: the graph was optimised at this start, not saved"

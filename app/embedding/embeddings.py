@@ -1,8 +1,5 @@
-"""The embedder as the service runs it: `ModelLifecycle` (the lazy load, and the warm-up after
-the first answer or before readiness), `EmbeddingMemo` (recent vectors) and `EmbeddingService`,
-which puts them and the scheduler (scheduler.py: the queue and the worker threads) behind one
-small API.
-"""
+"""The embedder as the service runs it: `EmbeddingService` (the model's load and warm-up, and
+the scheduler) and `EmbeddingMemo` (recent vectors) in front of it."""
 
 from __future__ import annotations
 
@@ -12,18 +9,17 @@ import hashlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from opentelemetry.trace import Tracer
 
 from app.core.states import EmbedderState, Precision
 from app.embedding.onnx_embedder import WARM_UP_TEXT, ModelError, OnnxEmbedder
-from app.embedding.scheduler import QueueLimits, RunScheduler
+from app.embedding.scheduler import RunScheduler
 from app.embedding.types import (
     EmbedderUnavailableError,
     Embedding,
-    EmbedObserver,
     Outcome,
     OverloadedError,
     RunnerGoneError,
@@ -34,7 +30,6 @@ __all__ = [
     "Embedding",
     "EmbeddingMemo",
     "EmbeddingService",
-    "ModelLifecycle",
     "OverloadedError",
 ]
 
@@ -90,7 +85,28 @@ class EmbeddingMemo:
         self.hits_total += len(texts) - len(missing)
         self.misses_total += len(missing)
         if missing:
-            found |= await self._run(missing)
+            loop = asyncio.get_running_loop()
+            futures: dict[bytes, asyncio.Future[Embedding]] = {}
+            for digest in missing:
+                futures[digest] = self._running[digest] = loop.create_future()
+            try:
+                fresh = await self._embeddings.embed(list(missing.values()))
+            except BaseException as exc:
+                # Those waiting get this run's error, or run themselves if this request is gone.
+                shared = exc if isinstance(exc, Exception) else RunnerGoneError()
+                for future in futures.values():
+                    future.set_exception(shared)
+                    future.exception()  # retrieved: nobody may be waiting, and that is fine
+                raise
+            finally:
+                for digest in futures:
+                    self._running.pop(digest, None)
+            for digest, embedding in zip(missing, fresh, strict=True):
+                futures[digest].set_result(embedding)
+                found[digest] = self._memo[digest] = embedding
+                self._memo.move_to_end(digest)
+            while len(self._memo) > self._capacity:
+                self._memo.popitem(last=False)
         for digest, (text, future) in waiting.items():
             try:
                 found[digest] = await asyncio.shield(future)
@@ -98,139 +114,11 @@ class EmbeddingMemo:
                 (found[digest],) = await self.embed([text])
         return list(map(found.__getitem__, digests))
 
-    async def _run(self, missing: dict[bytes, str]) -> dict[bytes, Embedding]:
-        loop = asyncio.get_running_loop()
-        futures: dict[bytes, asyncio.Future[Embedding]] = {}
-        for digest in missing:
-            futures[digest] = self._running[digest] = loop.create_future()
-        try:
-            fresh = await self._embeddings.embed(list(missing.values()))
-        except BaseException as exc:
-            # Those waiting get this run's error, or run themselves if this request is gone.
-            shared = exc if isinstance(exc, Exception) else RunnerGoneError()
-            for future in futures.values():
-                future.set_exception(shared)
-                future.exception()  # retrieved: nobody may be waiting, and that is fine
-            raise
-        finally:
-            for digest in futures:
-                self._running.pop(digest, None)
-        done = dict(zip(missing, fresh, strict=True))
-        for digest, embedding in done.items():
-            futures[digest].set_result(embedding)
-            self._memo[digest] = embedding
-            self._memo.move_to_end(digest)
-        while len(self._memo) > self._capacity:
-            self._memo.popitem(last=False)
-        return done
-
-
-class ModelLifecycle:
-    """`on_loaded` starts what runs the model (False: closing, stay as is); `warm_runs` sends
-    a few runs the way requests go."""
-
-    def __init__(
-        self,
-        factory: EmbedderFactory | None,
-        *,
-        on_loaded: Callable[[], bool],
-        warm_runs: Callable[[], Awaitable[None]],
-        log_extra: Callable[[], dict[str, Any]] = dict,
-    ) -> None:
-        self._factory = factory
-        self._on_loaded = on_loaded
-        self._warm_runs = warm_runs
-        self._log_extra = log_extra
-        self.state = EmbedderState.DISABLED if factory is None else EmbedderState.NOT_LOADED
-        self.reason: str | None = "disabled by KP_EMBEDDER=none" if factory is None else None
-        self.embedder: OnnxEmbedder | None = None
-        self.closing = False
-        self._load_task: asyncio.Task[None] | None = None
-        #: Started once, after the first answer or by preload.
-        self.warm_up_task: asyncio.Task[None] | None = None
-
-    @property
-    def warmed_up(self) -> bool:
-        """Loaded, and nothing of the start-up is left to do."""
-        task = self.warm_up_task
-        return task is not None and task.done() and self.state is EmbedderState.READY
-
-    async def load(self) -> None:
-        """Loads the model once (the least the first request needs); concurrent callers wait
-        for the same load."""
-        if self._factory is None or self.state in (EmbedderState.READY, EmbedderState.UNAVAILABLE):
-            return
-        if self._load_task is None:
-            self._load_task = asyncio.create_task(self._load(self._factory))
-        await asyncio.shield(self._load_task)
-
-    async def _load(self, factory: EmbedderFactory) -> None:
-        self.state = EmbedderState.LOADING
-        log.info("embedder loading", extra=self._log_extra())
-        try:
-            self.embedder = await asyncio.to_thread(factory)
-        except Exception as exc:  # ModelError says what; onnxruntime raises many other types
-            why = str(exc) if isinstance(exc, ModelError) else f"{type(exc).__name__}: {exc}"
-            self.mark_unavailable(why)
-            return
-        if not self._on_loaded():
-            return
-        self.state = EmbedderState.READY
-        cache = self.embedder.cache_outcome
-        if cache is not None and cache.detail is not None:
-            # The start was as slow as without a cache, or the next one will be.
-            log.warning(
-                "model cache: the graph was optimised at this start"
-                + (", not saved" if cache.state == "unsaved" else ", saved"),
-                extra={"reason": cache.detail},
-            )
-        log.info(
-            "embedder ready",
-            extra={**self._log_extra(), "model_cache": None if cache is None else cache.state},
-        )
-
-    def warm_up(self) -> asyncio.Task[None]:
-        """The warm-up, started once: after the first answer, or by preload."""
-        if self.warm_up_task is None:
-            self.warm_up_task = asyncio.create_task(self._warm_up())
-        return self.warm_up_task
-
-    async def _warm_up(self) -> None:
-        """What later runs need, kept out of the first request's way: the one-core session,
-        each session's first run, and a few runs through the queue (so that the first request
-        is not the first to wake a worker)."""
-        embedder = self.embedder
-        if embedder is None or self.state is not EmbedderState.READY:
-            return
-        try:
-            await asyncio.to_thread(embedder.finish_loading)
-            await self._warm_runs()
-        except OverloadedError:
-            pass  # turned away under a tiny queue limit: the service is busy, hence warm
-        except EmbedderUnavailableError as exc:
-            if not self.closing:
-                self.mark_unavailable(f"warm-up run failed: {exc}")
-        except Exception as exc:  # the model ran for a request, yet cannot run here
-            self.mark_unavailable(f"warm-up run failed: {type(exc).__name__}: {exc}")
-        else:
-            log.info("embedder warmed up", extra=self._log_extra())
-
-    def mark_unavailable(self, reason: str) -> None:
-        self.state = EmbedderState.UNAVAILABLE
-        self.reason = reason
-        log.error("embedder unavailable; novelty is not measured", extra={"reason": reason})
-
-    async def close(self) -> None:
-        """Marks closing and waits for the load and warm-up under way."""
-        self.closing = True
-        for task in (self._load_task, self.warm_up_task):
-            if task is not None:
-                await asyncio.gather(task, return_exceptions=True)
-
 
 class EmbeddingService:
-    """The embedder's life cycle, queue and workers behind one small API (embed, load,
-    preload, close, and the figures /readyz and /metrics read)."""
+    """The model's lazy load, the warm-up after the first answer (or before readiness), and
+    the scheduler (scheduler.py: the queue and the worker threads) behind one small API:
+    embed, load, preload, close, and the figures /readyz and /metrics read."""
 
     def __init__(
         self,
@@ -253,93 +141,135 @@ class EmbeddingService:
         self.precision = precision
         #: With KP_EMBEDDER_PRECISION=int8: which int8 products run, or why float32 instead.
         self.precision_reason = precision_reason
-        self.workers = workers
-        self.batch_size = batch_size
+        #: The queue and the workers (their figures: queue_depth, idle_workers, runs_total).
         self.scheduler = RunScheduler(
             self._run_model,
             workers=workers,
             batch_size=batch_size,
-            limits=QueueLimits(queue_limit, max_wait_ms),
+            queue_limit=queue_limit,
+            max_wait_ms=max_wait_ms,
         )
-        self.lifecycle = ModelLifecycle(
-            factory,
-            on_loaded=self.scheduler.start,
-            warm_runs=self._warm_runs,
-            log_extra=self._log_extra,
-        )
-
-    def observe(self, observer: EmbedObserver) -> None:
-        """Where queue waits and model run times go (the metrics)."""
-        self.scheduler.observer = observer
-
-    @property
-    def state(self) -> EmbedderState:
-        return self.lifecycle.state
-
-    @property
-    def reason(self) -> str | None:
-        return self.lifecycle.reason
-
-    @property
-    def runs_total(self) -> dict[str, int]:
-        return dict(self.scheduler.runs_total)
-
-    @property
-    def queue_depth(self) -> int:
-        return self.scheduler.queue_depth
-
-    @property
-    def idle_workers(self) -> int:
-        return self.scheduler.idle_workers
+        self._factory = factory
+        self.state = EmbedderState.DISABLED if factory is None else EmbedderState.NOT_LOADED
+        self.reason: str | None = "disabled by KP_EMBEDDER=none" if factory is None else None
+        self.embedder: OnnxEmbedder | None = None
+        self.closing = False
+        self._load_task: asyncio.Task[None] | None = None
+        #: Started once, after the first answer or by preload.
+        self.warm_up_task: asyncio.Task[None] | None = None
 
     @property
     def loaded_fully(self) -> bool:
-        return self.lifecycle.warmed_up
+        """Loaded, and nothing of the start-up is left to do."""
+        task = self.warm_up_task
+        return task is not None and task.done() and self.state is EmbedderState.READY
 
     @property
     def degraded(self) -> bool:
         return self.state in (EmbedderState.DISABLED, EmbedderState.UNAVAILABLE)
 
     async def load(self) -> None:
-        """Load the model once; the rest of the start-up follows the first answer."""
-        await self.lifecycle.load()
+        """Loads the model once (the least the first request needs; the rest of the start-up
+        follows the first answer); concurrent callers wait for the same load."""
+        if self._factory is None or self.state in (EmbedderState.READY, EmbedderState.UNAVAILABLE):
+            return
+        if self._load_task is None:
+            self._load_task = asyncio.create_task(self._load(self._factory))
+        await asyncio.shield(self._load_task)
+
+    async def _load(self, factory: EmbedderFactory) -> None:
+        self.state = EmbedderState.LOADING
+        log.info("embedder loading", extra=self._log_extra())
+        try:
+            self.embedder = await asyncio.to_thread(factory)
+        except Exception as exc:  # ModelError says what; onnxruntime raises many other types
+            why = str(exc) if isinstance(exc, ModelError) else f"{type(exc).__name__}: {exc}"
+            self.mark_unavailable(why)
+            return
+        if not self.scheduler.start():
+            return  # closing: stay as is
+        self.state = EmbedderState.READY
+        cache = self.embedder.cache_outcome
+        if cache is not None and cache.detail is not None:
+            # The start was as slow as without a cache, or the next one will be.
+            log.warning(
+                "model cache: the graph was optimised at this start"
+                + (", not saved" if cache.state == "unsaved" else ", saved"),
+                extra={"reason": cache.detail},
+            )
+        log.info(
+            "embedder ready",
+            extra={**self._log_extra(), "model_cache": None if cache is None else cache.state},
+        )
 
     async def preload(self) -> None:
         """Load and warm up before the first request (KP_EMBEDDER_PRELOAD): nobody waits yet."""
-        await self.lifecycle.load()
-        await asyncio.shield(self.lifecycle.warm_up())
+        await self.load()
+        await asyncio.shield(self.warm_up())
+
+    def warm_up(self) -> asyncio.Task[None]:
+        """The warm-up, started once: after the first answer, or by preload."""
+        if self.warm_up_task is None:
+            self.warm_up_task = asyncio.create_task(self._warm_up())
+        return self.warm_up_task
+
+    async def _warm_up(self) -> None:
+        """What later runs need, kept out of the first request's way: the one-core session,
+        each session's first run, and a few runs through the queue (so that the first request
+        is not the first to wake a worker)."""
+        embedder = self.embedder
+        if embedder is None or self.state is not EmbedderState.READY:
+            return
+        try:
+            await asyncio.to_thread(embedder.finish_loading)
+            for _ in range(WARM_UP_REQUESTS):
+                await self._queued([WARM_UP_TEXT])
+        except OverloadedError:
+            pass  # turned away under a tiny queue limit: the service is busy, hence warm
+        except EmbedderUnavailableError as exc:
+            if not self.closing:
+                self.mark_unavailable(f"warm-up run failed: {exc}")
+        except Exception as exc:  # the model ran for a request, yet cannot run here
+            self.mark_unavailable(f"warm-up run failed: {type(exc).__name__}: {exc}")
+        else:
+            log.info("embedder warmed up", extra=self._log_extra())
 
     def mark_unavailable(self, reason: str) -> None:
-        self.lifecycle.mark_unavailable(reason)
+        self.state = EmbedderState.UNAVAILABLE
+        self.reason = reason
+        log.error("embedder unavailable; novelty is not measured", extra={"reason": reason})
 
     async def close(self) -> None:
-        """Stops the workers after their current run; requests still waiting fail."""
-        self.lifecycle.closing = True
+        """Stops the workers after their current run (requests still waiting fail), and waits
+        for the load and warm-up under way."""
+        self.closing = True
         self.scheduler.close()
-        await self.lifecycle.close()
+        for task in (self._load_task, self.warm_up_task):
+            if task is not None:
+                await asyncio.gather(task, return_exceptions=True)
         await asyncio.to_thread(self.scheduler.join)
 
     async def embed(self, texts: Sequence[str]) -> list[Embedding]:
         """Embeddings in the order of `texts`, or EmbedderUnavailableError / OverloadedError."""
-        lifecycle = self.lifecycle
-        if lifecycle.state is not EmbedderState.READY:
-            await lifecycle.load()  # changes the state
-            state: EmbedderState = lifecycle.state
+        if self.state is not EmbedderState.READY:
+            await self.load()  # changes the state
+            state: EmbedderState = self.state
             if state is not EmbedderState.READY:
-                raise EmbedderUnavailableError(lifecycle.reason or state.value)
+                raise EmbedderUnavailableError(self.reason or state.value)
         try:
             return await self._queued(texts)
         finally:
             # The first answer is on its way: warm up now.
-            if lifecycle.warm_up_task is None and not lifecycle.closing:
-                lifecycle.warm_up()
+            if self.warm_up_task is None and not self.closing:
+                self.warm_up()
 
     def _run_model(self, texts: list[str], one_core: bool = False) -> list[Embedding]:
-        """One model run (on a worker thread) over the model the lifecycle loaded."""
-        embedder = self.lifecycle.embedder
-        if embedder is None:
+        """One model run (on a worker thread) over the loaded model."""
+        if self.embedder is None:
             raise RuntimeError("the model is not loaded")
-        return embedder.embed_grouped(texts, one_core=one_core, max_group=self.batch_size)
+        return self.embedder.embed_grouped(
+            texts, one_core=one_core, max_group=self.scheduler.batch_size
+        )
 
     async def _queued(self, texts: Sequence[str]) -> list[Embedding]:
         """Through the queue and a worker, as every request goes."""
@@ -355,21 +285,17 @@ class EmbeddingService:
         embeddings = await future
         if self.tracer is not None and job.run_started is not None and job.run_ended is not None:
             # Timed on the worker: spans of the past, under the request's current span.
-            now_ns, now = time.time_ns(), time.monotonic()
-            at = [now_ns - round((now - t) * 1e9) for t in (job.queued_at, job.run_started)]
+            wall_ns = time.time_ns() - time.monotonic_ns()
+            queued, started, ended = (
+                wall_ns + round(t * 1e9) for t in (job.queued_at, job.run_started, job.run_ended)
+            )
             attributes = {"kp.texts": len(texts)}
-            self.tracer.start_span("kp.model.queue", start_time=at[0], attributes=attributes).end(
-                end_time=at[1]
-            )
-            ended = now_ns - round((now - job.run_ended) * 1e9)
-            self.tracer.start_span("kp.model.run", start_time=at[1], attributes=attributes).end(
-                end_time=ended
-            )
+            for name, begin, end in (("queue", queued, started), ("run", started, ended)):
+                span = self.tracer.start_span(
+                    f"kp.model.{name}", start_time=begin, attributes=attributes
+                )
+                span.end(end_time=end)
         return embeddings
-
-    async def _warm_runs(self) -> None:
-        for _ in range(WARM_UP_REQUESTS):
-            await self._queued([WARM_UP_TEXT])
 
     def _log_extra(self) -> dict[str, Any]:
         return {
@@ -377,8 +303,8 @@ class EmbeddingService:
             "weights": self.weights,
             "precision": self.precision,
             "precision_reason": self.precision_reason,
-            "workers": self.workers,
-            "runs": self.runs_total,
+            "workers": self.scheduler.workers,
+            "runs": dict(self.scheduler.runs_total),
         }
 
 

@@ -2,28 +2,24 @@
 run on int8 activations.
 
 The packaged model stores each weight matrix W (K x N) as an INT8 initializer `q` with a float
-per-column scale `s` of shape (1, N), rebuilt as `Mul(Cast(q, to=FLOAT), s)` before a float
-MatMul (onnxruntime folds that into float32 at load). `quantize_activations` hands `q` and `s`
-as they are (no weight is re-quantised) to com.microsoft `DynamicQuantizeMatMul`, which
-quantises the activations to uint8 on every run (one scale per tensor) and multiplies in
-integers; the MatMul's bias Add is folded into the same node. On CPUs without VNNI the weights
-go shifted into uint8 (int8_support.py).
+per-column scale `s`, rebuilt as `Mul(Cast(q, to=FLOAT), s)` before a float MatMul.
+`quantize_activations` hands `q` and `s` as they are to com.microsoft `DynamicQuantizeMatMul`,
+which quantises the activations to uint8 at every run (one scale per tensor) and multiplies in
+integers, the MatMul's bias Add folded in (without VNNI the weights go shifted into uint8:
+int8_support.py).
 
 One scale per tensor is coarse for BERT models: a few input channels reach 5 to 10 times the
-range of the rest, and quantising them with the others moved scores by up to 0.016. Those
-listed per MatMul in `assets/int8_float_channels.json` (the packaged model's, made by
-`scripts/calibrate_int8.py`) are zeroed before the int8 product and multiplied in float32
-instead: the score change stays under 0.01 (docs/performance.md).
-
-The activation scale depends on every row of a run: OnnxEmbedder runs one text per run here.
+range of the rest (scores moved by up to 0.016). Those listed per MatMul in
+`assets/int8_float_channels.json` (made by `scripts/calibrate_int8.py`) are zeroed before the
+int8 product and multiplied in float32 instead (docs/performance.md). The activation scale
+depends on every row of a run: OnnxEmbedder runs one text per run here.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from importlib import resources
 from typing import TYPE_CHECKING, Any, Final
 
@@ -70,12 +66,9 @@ def weight_matmuls(model: onnx.ModelProto) -> list[onnx.NodeProto]:
     ]
 
 
-@dataclass(frozen=True, slots=True)
-class _Weight:
-    """A MatMul's B = Mul(Cast(q), scale), with the scale as DynamicQuantizeMatMul wants it."""
-
-    q: onnx.TensorProto  # INT8, K x N
-    scale: onnx.TensorProto  # float, () or (N,)
+#: A MatMul's B = Mul(Cast(q), scale): q (INT8, K x N) and the scale as DynamicQuantizeMatMul
+#: wants it (float, () or (N,)).
+_Weight = tuple["onnx.TensorProto", "onnx.TensorProto"]
 
 
 def quantize_activations(
@@ -110,7 +103,7 @@ def quantize_activations(
         if weight is None:
             nodes.append(node)
             continue
-        bias_add = _bias_add(node, consumers, initializers, n=weight.q.dims[1])
+        bias_add = _bias_add(node, consumers, initializers, n=weight[0].dims[1])
         if bias_add is not None:
             fused.add(id(bias_add))
         channels = list(float_channels.get(node.name, ()))
@@ -140,21 +133,22 @@ def _replacement(
 
     a = matmul.input[0]
     out = (bias_add or matmul).output[0]
-    q = numpy_helper.to_array(weight.q)
-    b, zero_point = weight.q, np.zeros(tuple(weight.scale.dims), dtype=np.int8)
-    tensors = [weight.scale]
+    b, weight_scale = weight
+    q = numpy_helper.to_array(b)
+    zero_point = np.zeros(tuple(weight_scale.dims), dtype=np.int8)
+    tensors = [weight_scale]
     if weights == "uint8":  # (q + 128) - 128 = q - 0: the same products, exact without VNNI
         b = numpy_helper.from_array((q.astype(np.int16) + 128).astype(np.uint8), f"{b.name}_u8")
         zero_point = np.full_like(zero_point, 128, dtype=np.uint8)
         tensors.append(b)
-    zp = numpy_helper.from_array(zero_point, f"{weight.scale.name}_zero_point")
+    zp = numpy_helper.from_array(zero_point, f"{weight_scale.name}_zero_point")
     tensors.append(zp)
     bias = [] if bias_add is None else [i for i in bias_add.input if i != matmul.output[0]]
     if not channels:
-        return [_dqmm(matmul.name, a, b, weight.scale, zp, bias, out)], tensors
+        return [_dqmm(matmul.name, a, b, weight_scale, zp, bias, out)], tensors
 
     # Y = DQMM(A * mask) + Gather(A, channels) @ (q[channels] * scale)
-    scale = numpy_helper.to_array(weight.scale)
+    scale = numpy_helper.to_array(weight_scale)
     mask = np.ones(q.shape[0], dtype=np.float32)
     mask[channels] = 0
     key = f"{a}_c{'_'.join(map(str, channels))}"  # the same for Q, K and V: built once
@@ -169,7 +163,7 @@ def _replacement(
         helper.make_node(
             "Gather", [a, f"{key}_index"], [f"{key}_outliers"], axis=-1, name=f"{key}_outliers"
         ),
-        _dqmm(p, f"{key}_rest", b, weight.scale, zp, bias, f"{p}_int8"),
+        _dqmm(p, f"{key}_rest", b, weight_scale, zp, bias, f"{p}_int8"),
         helper.make_node(
             "MatMul", [f"{key}_outliers", f"{p}_rows"], [f"{p}_float"], name=f"{p}_float"
         ),
@@ -222,19 +216,12 @@ def _int8_weight(
             or scale.data_type != onnx.TensorProto.FLOAT
         ):
             continue
-        columns = _column_scale(numpy_helper.to_array(scale), n=q.dims[1])
-        if columns is None:
+        # A scalar, or an (N,) vector: (1, N) broadcasts along the columns of K x N.
+        values, n = numpy_helper.to_array(scale), q.dims[1]
+        if values.size != 1 and values.shape not in ((n,), (1, n)):
             return None  # per-row (K, 1) or another layout: keep the float32 path
-        return _Weight(q, numpy_helper.from_array(columns, f"{scale_name}_per_column"))
-    return None
-
-
-def _column_scale(scale: np.ndarray, n: int) -> np.ndarray | None:
-    """The scale as a scalar or an (N,) vector, or None when it does not vary by column only."""
-    if scale.size == 1:
-        return scale.reshape(()).astype(np.float32)
-    if scale.shape in ((n,), (1, n)):  # (1, N) broadcasts along the columns of K x N
-        return scale.reshape(n).astype(np.float32)
+        columns = values.reshape(() if values.size == 1 else n).astype(np.float32)
+        return q, numpy_helper.from_array(columns, f"{scale_name}_per_column")
     return None
 
 
@@ -259,9 +246,10 @@ def _bias_add(
 
 
 def _remove_unused(graph: onnx.GraphProto) -> None:
-    """Drop nodes whose outputs nobody reads, then initializers and value_info nobody reads."""
+    """Drop nodes whose outputs nobody reads, then initializers and value_info nobody reads (the
+    packaged model has no subgraphs)."""
     while True:
-        used = set(_read_names(graph))
+        used = {o.name for o in graph.output} | {i for n in graph.node for i in n.input}
         keep = [n for n in graph.node if any(o in used for o in n.output)]
         if len(keep) == len(graph.node):
             break
@@ -272,13 +260,3 @@ def _remove_unused(graph: onnx.GraphProto) -> None:
         kept = [t for t in field if t.name in names]
         del field[:]
         field.extend(kept)
-
-
-def _read_names(graph: onnx.GraphProto) -> Iterator[str]:
-    """Every tensor name a node (or a subgraph's node) reads, and the graph's outputs."""
-    yield from (o.name for o in graph.output)
-    for node in graph.node:
-        yield from node.input
-        for attr in node.attribute:
-            for sub in [attr.g, *attr.graphs] if attr.g.node or attr.graphs else []:
-                yield from _read_names(sub)

@@ -44,7 +44,13 @@ class CpuFeatures:
 
     @classmethod
     def of_this_machine(cls) -> CpuFeatures:
-        return cls(platform.machine().lower(), _proc_cpuinfo_flags())
+        """The first processor's x86 flags; none when unreadable (then int8 mode declines)."""
+        try:
+            text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            text = ""
+        flags = (line.partition(":")[2] for line in text.splitlines() if line.startswith("flags"))
+        return cls(platform.machine().lower(), frozenset(next(flags, "").split()))
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,15 +89,3 @@ def _declined(why: str) -> Int8Support:
         f"KP_EMBEDDER_PRECISION=int8 declined: {why}, and int8 products are checked exact only "
         "on x86-64 with VNNI or AVX2; serving float32 (the reference's vectors)",
     )
-
-
-def _proc_cpuinfo_flags() -> frozenset[str]:
-    """The first processor's x86 flags; none when unreadable (and then int8 mode declines)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.partition(":")[2].split())
-    return frozenset()

@@ -1,21 +1,12 @@
-"""BERT text normalisation exactly as transformers.js does it (its `BertNormalizer`).
+"""BERT text normalisation exactly as transformers.js does it (its `BertNormalizer`) where the
+Rust `tokenizers` one differs, and token ids with it (docs/decisions/reference-tokenization.md):
+full Unicode lower-casing (a word-final capital sigma becomes "ς"), CJK spacing by UTF-16 code
+unit (ideographs past the BMP are not split off), and controls removed by category (Cc, Cf, Co,
+Cs; unassigned code points kept). The Rust tokenizer then gets text it must not normalise again.
 
-The Rust `tokenizers` normaliser differs from the JavaScript one that the reference runs, and
-the differences change token ids (found by tests/test_reference.py on the reference's outputs):
-
-- JavaScript lower-cases with the full Unicode rules, so a word-final capital sigma becomes
-  "ς", not "σ" (Python's `str.lower` follows the same rules; Rust's per-character one does not);
-- its CJK spacing walks UTF-16 code units, so ideographs outside the Basic Multilingual Plane
-  (U+20000 and up) are *not* split into words of their own;
-- its control-character test removes Cc, Cf, Co and Cs but keeps unassigned code points.
-
-So the service normalises in Python and hands the Rust tokenizer text it must not normalise
-again (`normalizer: null`); pre-tokenisation and WordPiece behave the same in both.
-
-Speed: characters are not matched one by one against classes of the Unicode database's shape
-(Python's `re` tries such a class's astral ranges one after another for every character it
-rejects: 0.2-0.4 us a character). The distinct characters of a text are few; they are
-classified once each, and only the ones that change are replaced.
+Speed: the distinct characters of a text are few; each is classified once and only those that
+change are replaced (`re` tries a Unicode class's astral ranges one by one for every character
+it rejects: 0.2-0.4 us a character).
 """
 
 from __future__ import annotations

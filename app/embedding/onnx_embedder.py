@@ -1,13 +1,8 @@
-"""all-MiniLM-L6-v2 sentence embeddings with onnxruntime and the `tokenizers` library.
-
-Reproduces transformers.js's `feature-extraction` pipeline with `pooling: "mean", normalize:
-true`, the reference SDK's embedder:
-
-- the tokenizer adds [CLS] ... [SEP] and the pipeline then keeps the first 512 ids as they are,
-  so a long text's window ends with its 512th token, not with [SEP] (token_window gets those
-  ids from as little of the text as it takes);
-- mean pooling sums in float64 and stores float32; the L2 norm is stored as float32 before the
-  division. Doing the same here makes the vectors equal to the reference's, not just close.
+"""all-MiniLM-L6-v2 sentence embeddings with onnxruntime and the `tokenizers` library, equal to
+those of the reference SDK's transformers.js `feature-extraction` pipeline (mean pooling,
+normalised; docs/decisions/reference-tokenization.md): the model reads a text's first 512 ids as
+they are (token_window.py: a long text's window ends with its 512th token, not [SEP]), and
+pooling sums in float64 and rounds to float32 where transformers.js does.
 """
 
 from __future__ import annotations
@@ -15,7 +10,7 @@ from __future__ import annotations
 import functools
 import hashlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from operator import attrgetter
 from pathlib import Path
 from typing import Final, cast
 
@@ -27,8 +22,8 @@ from tokenizers import Tokenizer
 from app.core.errors import PartError
 from app.core.states import Precision
 from app.embedding.int8_support import Int8Weights, int8_support
-from app.embedding.session_cache import LEVEL, Outcome, SessionCache
-from app.embedding.token_window import TokenWindow
+from app.embedding.session_cache import LEVEL, PROVIDERS, Outcome, SessionCache
+from app.embedding.token_window import TokenWindow, Window
 from app.embedding.types import Embedding
 
 #: The model's window (`model_max_length` in tokenizer_config.json).
@@ -38,22 +33,10 @@ _INPUTS: Final = ("input_ids", "attention_mask", "token_type_ids")
 #: 122 tokens: the long end of a typical trace's text.
 WARM_UP_TEXT: Final = " ".join(["warm up"] * 60)
 _OUTPUT: Final = "last_hidden_state"
-_PROVIDERS: Final = ["CPUExecutionProvider"]
 
 
 class ModelError(PartError):
     """The model or tokenizer file cannot be used."""
-
-
-@dataclass(frozen=True, slots=True)
-class TokenizedText:
-    ids: npt.NDArray[np.int64]  # the window the model reads, special tokens included
-    truncated: bool  # the text goes on past the window
-
-    @property
-    def token_count(self) -> int:
-        """Tokens the model reads (at most MAX_TOKENS)."""
-        return len(self.ids)
 
 
 class OnnxEmbedder:
@@ -75,14 +58,12 @@ class OnnxEmbedder:
         session_cache: SessionCache | None = None,
         model_sha256: Callable[[], str] | None = None,
     ) -> None:
-        """`defer`: open only what a first answer needs (the main session, not yet run once);
-        `finish_loading` then opens the one-core session, prepares the token window and warms
-        both sessions up. `int8_weights`: in int8 mode, the weights' type int8_support() chose
-        for the CPU (None: ask it now; ModelError where int8 mode declines). `spinning`: whether
-        the main session's idle pool threads spin (onnxruntime's default) or sleep.
-        `session_cache`: where the optimised graph is kept between starts (None: made at every
-        start). `model_sha256`: the model file's, when the caller checks it (else the bytes are
-        hashed), called once the tokenizer has loaded so that a check can run beside that load."""
+        """`defer`: open only what a first answer needs (the main session, not yet run);
+        `finish_loading` does the rest. `int8_weights`: in int8 mode, the weights' type
+        int8_support() chose (None: ask it now). `spinning`: whether the main session's idle
+        threads spin (onnxruntime's default) or sleep. `session_cache`: where the optimised
+        graph is kept between starts. `model_sha256`: the model file's, when the caller checks
+        it (else the bytes are hashed), called after the tokenizer's load to run beside it."""
         self._window = TokenWindow(load_tokenizer(tokenizer_path), MAX_TOKENS)
         # The PyPI wheel ships with telemetry on; a scoring service does not phone home.
         ort.disable_telemetry_events()
@@ -112,17 +93,13 @@ class OnnxEmbedder:
 
     def finish_loading(self) -> None:
         """Opens the one-core session for runs side by side (docs/decisions/embedding-scheduler.md):
-        one single-threaded session serves them all, concurrent run() calls on it being safe."""
+        one single-threaded session serves them all, concurrent run() calls on it being safe.
+        Then one run on each session at a typical trace's length: a session's first run sets up
+        its buffers, a cost kept out of every request."""
         if self._model is not None:
             self._one_core_session = self._open(self._model, 1, True, main=False)
             self._model = None
         self._window.prepare()
-        self.warm_up()
-
-    def warm_up(self) -> None:
-        """One run on each session from the calling thread, at a typical trace's length. A
-        session's first run sets up its buffers; done here, that cost stays out of every
-        request."""
         (text,) = self.tokenize([WARM_UP_TEXT])
         self.embed_tokenized([text])
         if self._one_core_session is not self._session:
@@ -134,7 +111,7 @@ class OnnxEmbedder:
         options = functools.partial(_session_options, threads, spinning)
         try:
             if self._cache is None:
-                session = ort.InferenceSession(model(), options(), providers=_PROVIDERS)
+                session = ort.InferenceSession(model(), options(), providers=PROVIDERS)
             else:
                 cache, digest = self._cache
                 session, outcome = cache.session(model, digest, options)
@@ -147,14 +124,11 @@ class OnnxEmbedder:
         _check_signature(session, self._model_path)
         return session
 
-    def tokenize(self, texts: Sequence[str]) -> list[TokenizedText]:
-        tokenized = []
-        for window in map(self._window.window, texts):
-            tokenized.append(TokenizedText(np.asarray(window.ids, np.int64), window.truncated))
-        return tokenized
+    def tokenize(self, texts: Sequence[str]) -> list[Window]:
+        return list(map(self._window.window, texts))
 
     def embed_tokenized(
-        self, batch: Sequence[TokenizedText], *, one_core: bool = False
+        self, batch: Sequence[Window], *, one_core: bool = False
     ) -> npt.NDArray[np.float32]:
         """Unit vectors, one row per text, from one model run over the padded batch.
 
@@ -174,15 +148,15 @@ class OnnxEmbedder:
             attention_mask[row, : len(tokens.ids)] = 1
         hidden: npt.NDArray[np.float32]
         session = self._one_core_session if one_core else self._session
-        (hidden,) = session.run(
-            [_OUTPUT],
-            {
-                "input_ids": input_ids,
-                "attention_mask": attention_mask,
-                "token_type_ids": np.zeros_like(input_ids),
-            },
-        )
-        return mean_pool_normalize(hidden, attention_mask)
+        feed = {"input_ids": input_ids, "attention_mask": attention_mask}
+        (hidden,) = session.run([_OUTPUT], feed | {"token_type_ids": np.zeros_like(input_ids)})
+        # Mean over the unmasked tokens, then L2 normalisation, rounded as transformers.js rounds.
+        mask = attention_mask.astype(np.float64)[:, :, None]
+        summed = (hidden.astype(np.float64) * mask).sum(axis=1)
+        wide = (summed / mask.sum(axis=1)).astype(np.float32).astype(np.float64)
+        norms = np.sqrt((wide * wide).sum(axis=1, keepdims=True)).astype(np.float32)
+        unit: npt.NDArray[np.float32] = (wide / norms.astype(np.float64)).astype(np.float32)
+        return unit
 
     def embed(self, texts: Sequence[str]) -> npt.NDArray[np.float32]:
         return self.embed_tokenized(self.tokenize(texts))
@@ -209,22 +183,18 @@ MAX_PADDING: Final = 0.25
 PADDING_SLACK_TOKENS: Final = 4
 
 
-def length_groups(tokenized: Sequence[TokenizedText], max_size: int) -> list[list[int]]:
+def length_groups(tokenized: Sequence[Window], max_size: int) -> list[list[int]]:
     """Indices grouped into model runs of similar length (padding at most MAX_PADDING)."""
-    order = sorted(range(len(tokenized)), key=lambda i: len(tokenized[i].ids))
+    lengths = list(map(len, map(attrgetter("ids"), tokenized)))
     groups: list[list[int]] = []
-    for i in order:
-        length = len(tokenized[i].ids)
-        if groups:
-            group = groups[-1]
-            shortest = len(tokenized[group[0]].ids)
-            if (
-                len(group) < max_size
-                and length <= shortest * (1 + MAX_PADDING) + PADDING_SLACK_TOKENS
-            ):
-                group.append(i)
-                continue
-        groups.append([i])
+    longest = 0.0  # the current group's limit
+    for i in sorted(range(len(lengths)), key=lengths.__getitem__):
+        length = lengths[i]
+        if groups and len(groups[-1]) < max_size and length <= longest:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+            longest = length * (1 + MAX_PADDING) + PADDING_SLACK_TOKENS
     return groups
 
 
@@ -286,15 +256,3 @@ def load_tokenizer(path: Path) -> Tokenizer:
     tokenizer.no_truncation()
     tokenizer.no_padding()
     return tokenizer
-
-
-def mean_pool_normalize(
-    hidden: npt.NDArray[np.float32], attention_mask: npt.NDArray[np.int64]
-) -> npt.NDArray[np.float32]:
-    """Mean over the unmasked tokens, then L2 normalisation, rounded as transformers.js rounds."""
-    mask = attention_mask.astype(np.float64)[:, :, None]
-    pooled = ((hidden.astype(np.float64) * mask).sum(axis=1) / mask.sum(axis=1)).astype(np.float32)
-    wide = pooled.astype(np.float64)
-    norms = np.sqrt((wide * wide).sum(axis=1, keepdims=True)).astype(np.float32)
-    unit: npt.NDArray[np.float32] = (wide / norms.astype(np.float64)).astype(np.float32)
-    return unit

@@ -1,7 +1,6 @@
-"""onnxruntime's optimised graph of the model, kept on disk: a later start loads it with the
-optimisations off instead of making them again (docs/decisions/model-graph-cache.md). The
-graph is written once by the session that makes it (`optimized_model_filepath`, initializers
-in a data file beside it) and loaded as it is: the same kernels, the same vectors bit for bit.
+"""onnxruntime's optimised graph of the model, kept on disk (docs/decisions/model-graph-cache.md):
+written once by the session that makes it (`optimized_model_filepath`, initializers in a data
+file beside it), loaded as it is with the optimisations off: the same vectors bit for bit.
 
 An entry is used only for the same model bytes, onnxruntime version, optimisation level and
 CPU (a constant folded by one CPU's kernels may differ in its last bits on another), and only
@@ -15,17 +14,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Literal
 
 import onnxruntime as ort
-
-from app.embedding.file_bytes import mapped
 
 #: Bumped when the layout of an entry changes: older entries are then stale.
 FORMAT: Final = 1
@@ -34,6 +33,7 @@ LEVEL: Final = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
 #: Initializers of this size or more go to the data file (all the weights; small constants
 #: such as shapes stay in the graph).
 _EXTERNAL_MIN_BYTES: Final = 1024
+PROVIDERS: Final = ["CPUExecutionProvider"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,11 +77,9 @@ class SessionCache:
         model_sha256: str,
         options: Callable[[], ort.SessionOptions],
     ) -> tuple[ort.InferenceSession, Outcome]:
-        """A session of the model `model()` reads (whose sha256 is `model_sha256`) made at
-        LEVEL, with the other settings of `options()` (threads, spinning, logging): loaded from
-        the cache when an entry for it is whole (the model is not read then), else built from
-        the model and written to the cache. onnxruntime's errors on the model itself
-        propagate, as without a cache."""
+        """A session of the model `model()` reads made at LEVEL, with the other settings of
+        `options()`: loaded from a whole entry (the model is not read then), else built and
+        written. onnxruntime's errors on the model itself propagate, as without a cache."""
         key = self.key(model_sha256)
         checks, why_not = self._record(key)
         if checks is not None:
@@ -94,7 +92,7 @@ class SessionCache:
                 checked = pool.submit(self._whole, checks)
                 try:
                     session: ort.InferenceSession | None = ort.InferenceSession(
-                        str(self._path(key, "onnx")), loaded, providers=["CPUExecutionProvider"]
+                        str(self.directory / f"{key}.onnx"), loaded, providers=PROVIDERS
                     )
                 except Exception as exc:  # onnxruntime refuses the entry: built again below
                     session = None
@@ -114,35 +112,35 @@ class SessionCache:
         import shutil
         import tempfile
 
-        built = options()
-        built.graph_optimization_level = LEVEL
+        def built(graph: Path | None = None, data_name: str = "") -> ort.InferenceSession:
+            """The session made at LEVEL; with `graph`, the optimised graph written there and
+            its initializers to `data_name` beside it."""
+            made = options()
+            made.graph_optimization_level = LEVEL
+            if graph is not None:
+                made.optimized_model_filepath = str(graph)
+                prefix = "session.optimized_model_external_initializers_"
+                made.add_session_config_entry(prefix + "file_name", data_name)
+                made.add_session_config_entry(
+                    prefix + "min_size_in_bytes", str(_EXTERNAL_MIN_BYTES)
+                )
+            return ort.InferenceSession(model, made, providers=PROVIDERS)
+
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             staging = Path(tempfile.mkdtemp(prefix=".building-", dir=self.directory))
         except OSError as exc:
-            session = ort.InferenceSession(model, built, providers=["CPUExecutionProvider"])
-            return session, Outcome("unsaved", _joined(why_not, f"cannot write {exc}"))
+            return built(), Outcome("unsaved", _joined(why_not, f"cannot write {exc}"))
         # The graph names its data file: a name of its own per write, so that a graph and the
         # data of another write of the same entry can never be loaded together.
         data_name = f"{key}-{secrets.token_hex(6)}.data"
         try:
-            built.optimized_model_filepath = str(staging / f"{key}.onnx")
-            built.add_session_config_entry(
-                "session.optimized_model_external_initializers_file_name", data_name
-            )
-            built.add_session_config_entry(
-                "session.optimized_model_external_initializers_min_size_in_bytes",
-                str(_EXTERNAL_MIN_BYTES),
-            )
             try:
-                session = ort.InferenceSession(model, built, providers=["CPUExecutionProvider"])
+                session = built(staging / f"{key}.onnx", data_name)
             except Exception:
                 # Not the model's fault when writing the graph is what failed (a full disk):
                 # the model is tried as without a cache, whose error (if any) is the one raised.
-                plain = options()
-                plain.graph_optimization_level = LEVEL
-                session = ort.InferenceSession(model, plain, providers=["CPUExecutionProvider"])
-                return session, Outcome("unsaved", _joined(why_not, "writing the graph failed"))
+                return built(), Outcome("unsaved", _joined(why_not, "writing the graph failed"))
             try:
                 self._publish(key, staging, data_name)
             except OSError as exc:
@@ -166,7 +164,7 @@ class SessionCache:
             os.replace(written, self.directory / name)
         draft = staging / f"{key}.json"
         draft.write_text(json.dumps(record))
-        os.replace(draft, self._path(key, "json"))
+        os.replace(draft, self.directory / f"{key}.json")
         for old in self.directory.glob(f"{key}-*.data"):
             if old.name != data_name:
                 # A load that has it open keeps reading it; one that opens it now fails, and
@@ -178,11 +176,10 @@ class SessionCache:
         there, of this format and the files' sizes match it; else None, and why not (None: no
         entry)."""
         try:
-            record = json.loads(self._path(key, "json").read_text())
+            record = json.loads((self.directory / f"{key}.json").read_text())
             files: dict[str, Any] = record["files"]
-            if record.get("format") != FORMAT or record.get("key") != key:
-                return None, "stale cached graph"
-            if files["onnx"]["name"] != f"{key}.onnx":
+            wanted = (FORMAT, key, f"{key}.onnx")
+            if (record.get("format"), record.get("key"), files["onnx"]["name"]) != wanted:
                 return None, "stale cached graph"
             checks: list[tuple[Path, object]] = []
             for part in ("onnx", "data"):
@@ -208,8 +205,19 @@ class SessionCache:
                 return f"unreadable cached graph: {exc}"
         return None
 
-    def _path(self, key: str, suffix: str) -> Path:
-        return self.directory / f"{key}.{suffix}"
+
+@contextmanager
+def mapped(path: Path) -> Iterator[mmap.mmap | bytes]:
+    """A model file's bytes for hashing and checksums, mapped read-only (an empty file, which
+    cannot be mapped: b""); OSError as `open` raises it. Mapped, hashlib and zlib leave the GIL
+    for the whole call: read a chunk at a time, every retake of the GIL waited for the loading
+    thread, and the checks that run beside the session's load took several times their CPU."""
+    with path.open("rb", buffering=0) as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            yield b""
+            return
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
+            yield view
 
 
 def _crc32(path: Path) -> int:

@@ -49,18 +49,10 @@ class OverloadedError(ServiceError):
 
 
 class EmbedObserver(Protocol):
-    """Told from the worker threads; must be thread-safe and quick."""
+    """Told from the worker threads (so thread-safe and quick) that a request's run starts,
+    `seconds` after it entered the queue, and that a model run (every text of one or more
+    requests) took `seconds`."""
 
-    def queue_waited(self, seconds: float) -> None:
-        """A request's run starts, `seconds` after it entered the queue."""
+    def queue_waited(self, seconds: float) -> None: ...
 
-    def model_ran(self, seconds: float) -> None:
-        """A model run (every text of one or more requests) took `seconds`."""
-
-
-class NoObserver:
-    def queue_waited(self, seconds: float) -> None:
-        pass
-
-    def model_ran(self, seconds: float) -> None:
-        pass
+    def model_ran(self, seconds: float) -> None: ...

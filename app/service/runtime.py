@@ -46,7 +46,7 @@ class Runtime:
         self.settings = settings
         self.embeddings, files = build_embeddings(settings, cpu)
         if observer is not None:
-            self.embeddings.observe(observer)
+            self.embeddings.scheduler.observer = observer
         # Vectors are comparable only with vectors of the same model and arithmetic: the
         # shared memory and the database both carry this identity.
         needs_identity = settings.redis_url is not None or settings.cache_db_path is not None
@@ -155,7 +155,7 @@ class RuntimeCollector(Collector):
             state.add_metric([each.value], 1 if embeddings.state is each else 0)
         yield state
         yield GaugeMetricFamily(
-            "kp_embed_queue_depth", "Texts waiting for the model.", embeddings.queue_depth
+            "kp_embed_queue_depth", "Texts waiting for the model.", embeddings.scheduler.queue_depth
         )
         runs = CounterMetricFamily(
             "kp_embed_runs",
@@ -163,7 +163,7 @@ class RuntimeCollector(Collector):
             "or side by side on one.",
             labels=["cores"],
         )
-        for cores, count in embeddings.runs_total.items():
+        for cores, count in embeddings.scheduler.runs_total.items():
             runs.add_metric([cores], count)
         yield runs
         memo = CounterMetricFamily(
