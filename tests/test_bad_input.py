@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from app.core.config import Settings
 from app.main import create_app
-from app.schemas.limits import TraceLimits, json_problem, limit_problems
+from app.schemas.limits import json_problem, limit_problems
 from app.schemas.trace import ReasoningTrace
 from tests.conftest import ClientFactory
 from tests.factories import make_trace
@@ -518,6 +518,6 @@ def test_the_body_size_shortcut_finds_every_string_the_walk_finds(
     raw["steps"][1]["input"] = tool_input
     ReasoningTrace.model_validate(raw)
     body = json.dumps(raw, ensure_ascii=ascii_only).encode()
-    limits = TraceLimits(max_batch=10, max_steps=100, max_string_chars=limit)
+    limits = Settings(max_batch=10, max_steps=100, max_string_chars=limit)
     walked = limit_problems([raw], limits, batch=False)
     assert limit_problems([raw], limits, batch=False, body_bytes=len(body)) == walked

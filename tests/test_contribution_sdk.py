@@ -14,9 +14,10 @@ from typing import Any
 import pytest
 
 from app.contribution import js_json
-from app.contribution.capture import lone_surrogate, prepare, text_fields
-from app.contribution.injection import MAX_SCORE, classify_all, classify_injection_risk
+from app.contribution.capture import prepare, text_fields
+from app.contribution.injection import MAX_SCORE, classify_all
 from app.contribution.pii import clean_pii
+from app.schemas.limits import lone_surrogate
 
 FIXTURES = Path(__file__).parent / "fixtures" / "contribution"
 
@@ -63,7 +64,7 @@ def _options(row: dict[str, Any]) -> dict[str, float]:
 def test_classify_injection_risk_is_the_sdks(rows: list[dict[str, Any]]) -> None:
     wrong = []
     for row in rows:
-        a = classify_injection_risk(row["content"], **_options(row))
+        (a,) = classify_all([row["content"]], **_options(row))
         got = {"score": a.score, "maxScore": a.max_score, "patterns": list(a.patterns)}
         got["verdict"] = a.verdict
         if got != row["assessment"]:
@@ -74,7 +75,7 @@ def test_classify_injection_risk_is_the_sdks(rows: list[dict[str, Any]]) -> None
 def test_classify_all_is_classify_each() -> None:
     """Rules set aside for a group of texts (none holds their words) match none of them."""
     contents = [r["content"] for r in INJECTION if r["options"] is None]
-    each = [classify_injection_risk(c) for c in contents]
+    each = [classify_all([c])[0] for c in contents]
     assert classify_all(contents) == each
     for start in range(0, len(contents), 7):  # small groups: more rules set aside
         assert classify_all(contents[start : start + 7]) == each[start : start + 7]
@@ -214,7 +215,7 @@ def _cost(text: str) -> float:
     for _ in range(3):
         started = time.process_time()
         clean_pii(text)
-        classify_injection_risk(text)
+        classify_all([text])
         best = min(best, time.process_time() - started)
     return best
 

@@ -17,7 +17,7 @@ from app.core import namespaces
 from app.core.config import Settings
 from app.core.errors import ServiceError
 from app.core.metrics import OTHER_NAMESPACES, Metrics
-from app.guards.api_keys import ApiKeyEntry, KeyFileError, KeyRing, load_key_file
+from app.guards.api_keys import ApiKey, KeyFileError, KeyRing, load_key_file
 from app.guards.idempotency import scoped_key
 from app.main import pipeline
 from app.memory.base import DEFAULT_NAMESPACE
@@ -27,8 +27,8 @@ from tests.test_pipeline import service_over
 BOUND = "kp-bound-to-net-a-93be1c"
 KEYS = KeyRing(
     [
-        ApiKeyEntry(name="agent-a", sha256=sha256(AGENT_A), scopes=["evaluate"]),
-        ApiKeyEntry(name="net-a", sha256=sha256(BOUND), scopes=["evaluate"], namespace="net-a"),
+        ApiKey(name="agent-a", sha256=sha256(AGENT_A), scopes=["evaluate"]),
+        ApiKey(name="net-a", sha256=sha256(BOUND), scopes=["evaluate"], namespace="net-a"),
     ]
 )
 

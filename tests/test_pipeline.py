@@ -13,7 +13,7 @@ from starlette.types import ASGIApp
 
 from app.core.config import Settings
 from app.core.metrics import Metrics
-from app.guards.api_keys import ApiKeyEntry, KeyRing
+from app.guards.api_keys import ApiKey, KeyRing
 from app.guards.idempotency import Idempotency, InProcessIdempotencyStore
 from app.guards.rate_limit import InProcessRateLimiter
 from app.main import pipeline
@@ -22,8 +22,8 @@ from tests.keys import AGENT_A, SLOW, sha256
 
 KEYS = KeyRing(
     [
-        ApiKeyEntry(name="agent-a", sha256=sha256(AGENT_A), scopes=["evaluate"]),
-        ApiKeyEntry(name="slow", sha256=sha256(SLOW), scopes=["evaluate"], rate_per_minute=1),
+        ApiKey(name="agent-a", sha256=sha256(AGENT_A), scopes=["evaluate"]),
+        ApiKey(name="slow", sha256=sha256(SLOW), scopes=["evaluate"], rate_per_minute=1),
     ]
 )
 

@@ -40,7 +40,7 @@ def test_no_embedder_corpus_scores_equal_the_reference() -> None:
     for case in NO_EMBEDDER:
         t = ReasoningTrace.model_validate(case["trace"])
         got = scoring.score(
-            scoring.StepStats.of(t.steps),
+            t.steps,
             novelty=scoring.NEUTRAL_NOVELTY,
             confidence=t.outcome.confidence,
             success=t.metadata.success,

@@ -16,7 +16,7 @@ from tests.factories import make_trace, step
 def score_of(trace: dict[str, Any], novelty: float = 0.5) -> scoring.Score:
     t = ReasoningTrace.model_validate(trace)
     return scoring.score(
-        scoring.StepStats.of(t.steps),
+        t.steps,
         novelty=novelty,
         confidence=t.outcome.confidence,
         success=t.metadata.success,

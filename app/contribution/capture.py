@@ -11,8 +11,8 @@ from __future__ import annotations
 import re
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
 from app.contribution.injection import (
     REJECT_THRESHOLD,
@@ -22,9 +22,6 @@ from app.contribution.injection import (
 )
 from app.contribution.js_json import as_sent, js_keys, js_value, parse, stringify
 from app.contribution.pii import Cleaned, clean_pii
-
-if TYPE_CHECKING:
-    from app.contribution.detectors import Suspect
 
 #: The fields the capture step cleans in each step (`input` as JSON text).
 STEP_TEXT_FIELDS = ("content", "output_summary")
@@ -65,20 +62,14 @@ class FieldRisk:
 
 @dataclass(frozen=True, slots=True)
 class Gate:
+    """Each field as the answer's of the same name (app/schemas/contribution.py)."""
+
     contribution: dict[str, Any]
-    #: What the capture step redacted (and, with `clean_all` or `redact_suspected`, what the
-    #: gate redacted beyond it).
     redactions: tuple[Finding, ...]
-    #: Matches of the SDK's patterns in what is sent as it is: fields the capture step does not
-    #: clean, and strings of a step's input whose match its pass over the input's JSON text
-    #: missed (or whose cleaned JSON did not parse).
     uncleaned: tuple[Finding, ...]
-    #: Inputs sent as they were: their cleaned JSON text no longer parsed.
     inputs_kept: tuple[str, ...]
     injection: tuple[FieldRisk, ...]
-    #: Suspected leaks the SDK's patterns leave in `contribution` (app/contribution/detectors).
     findings: tuple[Finding, ...] = ()
-    #: `contribution` is not the SDK's: the gate cleaned more than the capture step.
     differs_from_sdk: bool = False
 
     @property
@@ -151,16 +142,18 @@ def prepare(
                 _note(redactions, f"/steps/{i}/input", cleaned)
                 inputs[i] = given
     clean_all = clean_all or redact_suspected
-    rest = _Rest(level, captured, inputs, apply=clean_all)
+    rest = _Rest(level, captured, inputs, clean_all)
     sent = rest.leaves(sent, "")
     # Here, not at the module's import: detect-secrets and phonenumbers take a few tenths of
     # a second to import, which the service's start would otherwise pay (as /mcp's SDK).
     from app.contribution.detectors import detect, redact
 
     suspects = detect(rest.texts, identifiers=level != "private")
-    found = [
+    found = [  # each text's suspects counted by (type, detector), in order of first place
         Finding(path, type_, count, detector)
-        for path, (type_, detector), count in _counted(rest.paths, suspects)
+        for path, here in zip(rest.paths, suspects, strict=True)
+        if here
+        for (type_, detector), count in Counter((s.type, s.detector) for s in here).items()
     ]
     differs = bool(clean_all and rest.findings)
     if redact_suspected and found:
@@ -188,16 +181,7 @@ def prepare(
     )
 
 
-def _counted(
-    paths: list[str], suspects: list[list[Suspect]]
-) -> Iterator[tuple[str, tuple[str, str], int]]:
-    """Each text's suspects counted by (type, detector), in order of first place."""
-    for path, found in zip(paths, suspects, strict=True):
-        if found:
-            for kind, count in Counter((s.type, s.detector) for s in found).items():
-                yield path, kind, count
-
-
+@dataclass(slots=True)
 class _Rest:
     """What follows the capture step's loop: every string it did not clean read (and with
     `apply`, cleaned) with the SDK's patterns; and each string of the result (an object's
@@ -208,35 +192,27 @@ class _Rest:
     cleaning left unchanged is read again on its own, so that what the patterns find in it is
     not taken for handled."""
 
-    def __init__(
-        self,
-        level: str | None,
-        captured: set[tuple[int, str]],
-        inputs: dict[int, Any],
-        *,
-        apply: bool,
-    ) -> None:
-        self.level = level
-        self.captured = captured
-        self.inputs = inputs
-        self.apply = apply
-        self.findings: list[Finding] = []
-        self.texts: list[str] = []
-        self.paths: list[str] = []
+    level: str | None
+    captured: set[tuple[int, str]]
+    inputs: dict[int, Any]
+    apply: bool
+    findings: list[Finding] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    paths: list[str] = field(default_factory=list)
 
     def step(self, step: Any, path: str, i: int) -> Any:
         if not isinstance(step, dict):
             return self.leaves(step, path)
         out = {}
-        for key, field in step.items():
+        for key, item in step.items():
             at = f"{path}/{pointer_token(key)}"
             name = self.text(key, at)
             if (i, key) in self.captured:  # cleaned by the capture step: as it left it
-                out[name] = self.handled(field, at)
+                out[name] = self.handled(item, at)
             elif key == "input" and i in self.inputs:
-                out[name] = self.against(field, self.inputs[i], at)
+                out[name] = self.against(item, self.inputs[i], at)
             else:
-                out[name] = self.leaves(field, at)
+                out[name] = self.leaves(item, at)
         return out
 
     def handled(self, text: str, path: str) -> str:
@@ -301,34 +277,6 @@ def _map_strings(value: Any, change: Callable[[str], str]) -> Any:
     if isinstance(value, list):
         return [_map_strings(item, change) for item in value]
     return value
-
-
-def _not_utf8(text: str) -> bool:
-    if text.isascii():
-        return False
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:  # a surrogate: the only str that UTF-8 cannot encode
-        return True
-    return False
-
-
-def lone_surrogate(value: Any, at: tuple[str | int, ...] = ()) -> tuple[str | int, ...] | None:
-    """Where the first string (or key: then its member) holding a lone surrogate is, which
-    JSON can escape and JavaScript holds but UTF-8 cannot carry; None when none does."""
-    if isinstance(value, str):
-        return at if _not_utf8(value) else None
-    if isinstance(value, dict):
-        for key, item in value.items():
-            found = lone_surrogate(key, (*at, key)) or lone_surrogate(item, (*at, key))
-            if found is not None:
-                return found
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            found = lone_surrogate(item, (*at, i))
-            if found is not None:
-                return found
-    return None
 
 
 def text_fields(trace: Any, path: str = "") -> Iterator[tuple[str, str]]:

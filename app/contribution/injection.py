@@ -1,17 +1,12 @@
-"""The reference SDK's `classifyInjectionRisk`, the same to the last float: a weighted sum of
-heuristic rules (instruction overrides, role play, chat-template delimiters, hidden content,
-exfiltration), normalised by the weight of all rules, with a verdict by thresholds.
+"""The reference SDK's `classifyInjectionRisk`, the same to the last float: heuristic rules'
+weights summed, over the weight of all rules, with a verdict by thresholds.
 
 Port of `packages/sdk/src/utils/injection-classifier.ts` of the KnowledgePulse SDK
 (github.com/chesterkuo/OpenKnowledgePulse, Apache License 2.0, Copyright 2026 OpenClaw): the
 rules' names, weights, order and patterns are the SDK's; the code around them is written here.
-Weights are summed as floats in rule order and the score rounded as `Math.round` does (halves
-up), so `max_score` is 5.550000000000003 as in the SDK.
-
-Each rule is tried only where it can match, with the SDK's outcome in linear time
-(docs/decisions/sdk-patterns-where-they-can-match.md). A line-start rule
-(`(?:^|\\n)\\s*(?:[-*>]\\s*)?...`, where `\\s*` also takes line feeds) matches iff it matches from
-the last line feed before its words, so its leading white space need not cross one.
+Each rule is tried only where it can match (docs/decisions/sdk-patterns-where-they-can-match.md).
+A line-start rule (`(?:^|\\n)\\s*(?:[-*>]\\s*)?...`, where `\\s*` takes line feeds too) matches iff
+it matches from the last line feed before its words.
 """
 
 from __future__ import annotations
@@ -249,23 +244,14 @@ def _js_round(value: float) -> float:
     return float(floor + 1 if value - floor >= 0.5 else floor)
 
 
-def classify_injection_risk(
-    content: str,
-    *,
-    reject_threshold: float = REJECT_THRESHOLD,
-    suspicious_threshold: float = SUSPICIOUS_THRESHOLD,
-) -> Assessment:
-    return _classify(content, _RULES, reject_threshold, suspicious_threshold)
-
-
 def classify_all(
     contents: Sequence[str],
     *,
     reject_threshold: float = REJECT_THRESHOLD,
     suspicious_threshold: float = SUSPICIOUS_THRESHOLD,
 ) -> list[Assessment]:
-    """`classify_injection_risk` of each, the rules that none of them holds a hint of set
-    aside once for all."""
+    """The SDK's `classifyInjectionRisk` of each, the rules that none of them holds a hint of
+    set aside once for all."""
     lowered = "\x00".join(contents).lower()
     rules = tuple(rule for rule in _RULES if rule.may_match(lowered))
     return [_classify(c, rules, reject_threshold, suspicious_threshold) for c in contents]

@@ -77,40 +77,18 @@ def _string_text(value: str) -> str:
 
 def stringify(value: Any) -> str:
     """`JSON.stringify(value)` (no spaces)."""
-    parts: list[str] = []
-    _write(value, parts)
-    return "".join(parts)
-
-
-def _write(value: Any, parts: list[str]) -> None:
     if isinstance(value, str):
-        parts.append(_string_text(value))
-    elif value is None:
-        parts.append("null")
-    elif value is True:
-        parts.append("true")
-    elif value is False:
-        parts.append("false")
-    elif isinstance(value, int | float):
-        parts.append(js_number_text(value))
-    elif isinstance(value, dict):
-        parts.append("{")
-        for i, key in enumerate(js_keys(value)):
-            if i:
-                parts.append(",")
-            parts.append(_string_text(key))
-            parts.append(":")
-            _write(value[key], parts)
-        parts.append("}")
-    elif isinstance(value, list):
-        parts.append("[")
-        for i, item in enumerate(value):
-            if i:
-                parts.append(",")
-            _write(item, parts)
-        parts.append("]")
-    else:
-        raise TypeError(f"not a JSON value: {type(value).__name__}")
+        return _string_text(value)
+    if value is None or isinstance(value, bool):
+        return "null" if value is None else "true" if value else "false"
+    if isinstance(value, int | float):
+        return js_number_text(value)
+    if isinstance(value, dict):
+        members = (f"{_string_text(key)}:{stringify(value[key])}" for key in js_keys(value))
+        return "{" + ",".join(members) + "}"
+    if isinstance(value, list):
+        return "[" + ",".join(map(stringify, value)) + "]"
+    raise TypeError(f"not a JSON value: {type(value).__name__}")
 
 
 def _no_constant(name: str) -> Any:

@@ -1,16 +1,11 @@
-"""The reference SDK's `cleanPii`, the same to the character: what the SDK's capture step
-removes from a trace's steps before it contributes them (docs/contribution.md).
+"""The reference SDK's `cleanPii`, the same to the character (docs/contribution.md).
 
 Port of `packages/sdk/src/utils/pii-cleaner.ts` of the KnowledgePulse SDK
 (github.com/chesterkuo/OpenKnowledgePulse, Apache License 2.0, Copyright 2026 OpenClaw): the
-patterns below are the SDK's, their order and replacements too; the code around them is
-written here. The patterns run one after the other over the text already cleaned (so a later
-one can swallow an earlier placeholder, as in the SDK), each replacing every match, and count
-their matches by type in the order types first occur.
-
-The text is matched as JavaScript does, as UTF-16 code units (app/contribution/js_regex.py).
-Each pattern is tried only where one of its matches can start, with the same matches
-(docs/decisions/sdk-patterns-where-they-can-match.md: the SDK's email pattern is quadratic).
+patterns, their order and replacements are the SDK's; the code around them is written here.
+As in the SDK, each pattern replaces every match in the text the ones before it left. Text is
+matched as JavaScript does, as UTF-16 code units (js_regex.py); a pattern is tried only where
+a match can start (docs/decisions/sdk-patterns-where-they-can-match.md).
 """
 
 from __future__ import annotations
@@ -48,43 +43,28 @@ class _Rule:
     replacement: Replacement
     #: Every match holds one of these: without any, the rule is not run (most text has none).
     needs: tuple[str, ...] = ()
+    #: Instead of `needs`: a text whose UTF-8 translated by the table has no match of the
+    #: bytes pattern holds no match (one C pass).
+    shape: tuple[bytes, re.Pattern[bytes]] | None = None
+    #: Where a match can start (ascending; a superset is fine): the pattern is tried there
+    #: alone, not at every position, with the same matches as a global replace (the leftmost
+    #: match from where the previous one ended). None from it: so many places that the
+    #: engine's own scan is quicker.
+    starts: Callable[[str], Iterable[int] | None] | None = None
 
     def applies(self, text: str) -> bool:
+        if self.shape is not None:
+            table, pattern = self.shape
+            return (
+                pattern.search(text.encode("utf-8", "surrogatepass").translate(table)) is not None
+            )
         for needle in self.needs:
             if needle in text:
                 return True
         return not self.needs
 
     def subn(self, text: str) -> tuple[str, int]:
-        return self.pattern.subn(self.replacement, text)
-
-    @classmethod
-    def of(
-        cls,
-        type_: str,
-        category: Category,
-        source: str,
-        *needs: str,
-        flags: str = "g",
-        replacement: Replacement = "",
-    ) -> Self:
-        """The SDK's pattern `source` (as written between its slashes) with its `flags`,
-        replaced by `[REDACTED:<type>]` unless `replacement` says otherwise."""
-        pattern = compile_js(source, flags)
-        return cls(type_, category, pattern, replacement or f"[REDACTED:{type_}]", needs)
-
-
-class _WhereRule(_Rule):
-    """A rule whose matches can only start at `starts(text)` (ascending; a superset is fine):
-    the pattern is tried there alone, not at every position, with the same matches as a
-    global replace (the leftmost match from where the previous one ended). `starts` answers
-    None where those places are so many that the engine's own scan is quicker."""
-
-    def starts(self, text: str) -> Iterable[int] | None:
-        raise NotImplementedError
-
-    def subn(self, text: str) -> tuple[str, int]:
-        starts = None if len(text) <= _SHORT else self.starts(text)
+        starts = None if self.starts is None or len(text) <= _SHORT else self.starts(text)
         if starts is None:
             return self.pattern.subn(self.replacement, text)
         pieces: list[str] = []
@@ -106,6 +86,24 @@ class _WhereRule(_Rule):
             return text, 0
         pieces.append(text[last:])
         return "".join(pieces), count
+
+    @classmethod
+    def of(
+        cls,
+        type_: str,
+        category: Category,
+        source: str,
+        *needs: str,
+        flags: str = "g",
+        replacement: Replacement = "",
+        shape: tuple[bytes, re.Pattern[bytes]] | None = None,
+        starts: Callable[[str], Iterable[int] | None] | None = None,
+    ) -> Self:
+        """The SDK's pattern `source` (as written between its slashes) with its `flags`,
+        replaced by `[REDACTED:<type>]` unless `replacement` says otherwise."""
+        pattern = compile_js(source, flags)
+        replacement = replacement or f"[REDACTED:{type_}]"
+        return cls(type_, category, pattern, replacement, needs, shape, starts)
 
 
 #: A pattern tried at a place costs about as much as the engine's scan over this many
@@ -132,12 +130,6 @@ def _windows(anchors: Iterator[int], before: int, after: int) -> Iterator[int]:
         upto = max(upto, anchor + after + 1)
 
 
-class _ConnectionStringRule(_WhereRule):
-    # A match is a scheme of 4 to 11 characters, then `://`.
-    def starts(self, text: str) -> Iterator[int]:
-        return _windows(_occurrences(text, "://"), 11, -4)
-
-
 #: The password rule's keys; a match is one, then JavaScript white space, then `=` or `:`.
 _KEYS_SOURCE = "password|passwd|secret|token|api_key|apikey|api_secret|access_token|auth_token"
 _KEYS = _KEYS_SOURCE.split("|")
@@ -151,25 +143,24 @@ _SPACE = frozenset(
 )
 
 
-class _PasswordRule(_WhereRule):
-    def starts(self, text: str) -> Iterable[int] | None:
-        """Found from the separators (few in most text): back over the white space before
-        each, then each key that ends there (any case: the pattern decides)."""
-        if (text.count("=") + text.count(":")) * _PLACES_PER_KEY > len(text):
-            return None
-        found: set[int] = set()
-        for separator in "=:":
-            at = text.find(separator)
-            while at != -1:
-                end = at
-                while end and text[end - 1] in _SPACE:
-                    end -= 1
-                for key in _KEYS:
-                    start = end - len(key)
-                    if start >= 0 and text[start:end].lower() == key:
-                        found.add(start)
-                at = text.find(separator, at + 1)
-        return sorted(found)
+def _password_starts(text: str) -> Iterable[int] | None:
+    """Found from the separators (few in most text): back over the white space before each,
+    then each key that ends there (any case: the pattern decides)."""
+    if (text.count("=") + text.count(":")) * _PLACES_PER_KEY > len(text):
+        return None
+    found: set[int] = set()
+    for separator in "=:":
+        at = text.find(separator)
+        while at != -1:
+            end = at
+            while end and text[end - 1] in _SPACE:
+                end -= 1
+            for key in _KEYS:
+                start = end - len(key)
+                if start >= 0 and text[start:end].lower() == key:
+                    found.add(start)
+            at = text.find(separator, at + 1)
+    return sorted(found)
 
 
 # What ends every US phone match: 3 digits, a separator, 4 digits; the match starts at most 10
@@ -186,10 +177,6 @@ def _shape_table(classes: dict[bytes, bytes]) -> bytes:
     return bytes(table)
 
 
-def _utf8(text: str) -> bytes:
-    return text.encode("utf-8", "surrogatepass")
-
-
 # A text's UTF-8 as the shapes the phone and IPv4 patterns need, in one C pass: ASCII digits as
 # 0, the phone's ASCII separators ([-.] and white space) as s, the dots as dots, other ASCII as
 # x; non-ASCII bytes as they are, so that JavaScript's non-ASCII white space (U+00A0, U+1680,
@@ -203,29 +190,15 @@ _IPV4_SHAPE = _shape_table({b"0123456789": b"0", b".": b"."})
 _IPV4_IN_SHAPE = re.compile(rb"0\.0{1,3}\.0{1,3}\.0")
 
 
-class _UsPhoneRule(_WhereRule):
-    def applies(self, text: str) -> bool:
-        return _PHONE_IN_SHAPE.search(_utf8(text).translate(_PHONE_SHAPE)) is not None
-
-    def starts(self, text: str) -> Iterable[int] | None:
-        tails: list[int] = []
-        most = len(text) // _PLACES_PER_SCAN
-        # finditer skips tails overlapping a found one: their windows lie within its own.
-        for match in _PHONE_TAIL.finditer(text):
-            if len(tails) >= most:
-                return None
-            tails.append(match.start())
-        return _windows(iter(tails), 10, 7)
-
-
-class _IpRule(_Rule):
-    def applies(self, text: str) -> bool:
-        return _IPV4_IN_SHAPE.search(_utf8(text).translate(_IPV4_SHAPE)) is not None
-
-
-class _WindowsPathRule(_WhereRule):
-    def starts(self, text: str) -> Iterator[int]:
-        return (at - 1 for at in _occurrences(text, ":\\Users\\") if at)
+def _phone_starts(text: str) -> Iterable[int] | None:
+    tails: list[int] = []
+    most = len(text) // _PLACES_PER_SCAN
+    # finditer skips tails overlapping a found one: their windows lie within its own.
+    for match in _PHONE_TAIL.finditer(text):
+        if len(tails) >= most:
+            return None
+        tails.append(match.start())
+    return _windows(iter(tails), 10, 7)
 
 
 def _password(match: re.Match[str]) -> str:
@@ -264,13 +237,15 @@ class _EmailRule(_Rule):
 
 _RULES: Final[tuple[_Rule, ...]] = (
     # Secrets: always redacted (connection strings before the password assignments).
-    _ConnectionStringRule.of(
+    _Rule.of(
         "connection_string",
         "secret",
         r"(?:postgresql|postgres|mysql|redis|rediss|mongodb|mongodb\+srv|amqp|amqps):\/\/"
         r"[^\s'\"`,)}\]]+",
         "://",
         flags="gi",
+        # A scheme of 4 to 11 characters, then `://`.
+        starts=lambda text: _windows(_occurrences(text, "://"), 11, -4),
     ),
     _Rule.of(
         "bearer_token",
@@ -284,20 +259,32 @@ _RULES: Final[tuple[_Rule, ...]] = (
     _Rule.of("api_key", "secret", r"AKIA[A-Z0-9]{16}", "AKIA"),
     _Rule.of("api_key", "secret", r"kp_[a-f0-9]{16,}", "kp_"),
     _Rule.of("api_key", "secret", r"xox[bpras]-[A-Za-z0-9\-]+", "xox"),
-    _PasswordRule.of(
-        "password", "secret", _PASSWORD_SOURCE, "=", ":", flags="gi", replacement=_password
+    _Rule.of(
+        "password",
+        "secret",
+        _PASSWORD_SOURCE,
+        "=",
+        ":",
+        flags="gi",
+        replacement=_password,
+        starts=_password_starts,
     ),
     # Identifiers: redacted at "aggregated" and "federated", kept at "private".
     _EmailRule("email", "identifier", _EMAIL, "[REDACTED:email]", ("@",)),
-    _UsPhoneRule.of(
-        "phone", "identifier", r"(?:\+?1[-.\s]?)?\(?\d{3}\)?[-.\s]?\s?\d{3}[-.\s]\d{4}\b"
+    _Rule.of(
+        "phone",
+        "identifier",
+        r"(?:\+?1[-.\s]?)?\(?\d{3}\)?[-.\s]?\s?\d{3}[-.\s]\d{4}\b",
+        shape=(_PHONE_SHAPE, _PHONE_IN_SHAPE),
+        starts=_phone_starts,
     ),
     _Rule.of("phone", "identifier", r"\+[1-9]\d{6,14}\b", "+"),
-    _IpRule.of(
+    _Rule.of(
         "ip",
         "identifier",
         r"\b(?:25[0-5]|2[0-4]\d|[01]?\d\d?)\.(?:25[0-5]|2[0-4]\d|[01]?\d\d?)\."
         r"(?:25[0-5]|2[0-4]\d|[01]?\d\d?)\.(?:25[0-5]|2[0-4]\d|[01]?\d\d?)\b",
+        shape=(_IPV4_SHAPE, _IPV4_IN_SHAPE),
     ),
     _Rule.of(
         "filepath",
@@ -306,11 +293,12 @@ _RULES: Final[tuple[_Rule, ...]] = (
         "/home/",
         "/Users/",
     ),
-    _WindowsPathRule.of(
+    _Rule.of(
         "filepath",
         "identifier",
         r"[A-Z]:\\Users\\[a-zA-Z0-9._\-]+(?:\\[^\s'\"`,;)}\]]*)*",
         ":\\Users\\",
+        starts=lambda text: (at - 1 for at in _occurrences(text, ":\\Users\\") if at),
     ),
 )
 

@@ -41,8 +41,7 @@ class Settings(BaseSettings):
     )
     embedder_preload: bool = Field(
         False,
-        description="Load the model before the service reports ready, instead of on the first "
-        "trace.",
+        description="Load the model before the service reports ready, not at the first trace.",
     )
     embedder_threads: int = Field(
         0,
@@ -72,14 +71,13 @@ class Settings(BaseSettings):
         None,
         description="Where onnxruntime's optimised graph of the model is kept between starts "
         "(about 90 MB per model, precision, onnxruntime version and CPU). Unset: "
-        "`$XDG_CACHE_HOME/kp-scoring/onnx` (`~/.cache/...`); a directory the service cannot "
-        "write leaves the start as without a cache, with a warning.",
+        "`$XDG_CACHE_HOME/kp-scoring/onnx` (`~/.cache/...`); one it cannot write: no cache, "
+        "with a warning.",
     )
     model_cache: bool = Field(
         True,
-        description="Keep the model's optimised graph on disk and load it as it is at later "
-        "starts (a faster start, the same vectors bit for bit); `false`: optimised at every "
-        "start, nothing written.",
+        description="Keep the model's optimised graph on disk for later starts (faster, the "
+        "same vectors bit for bit); `false`: optimised at every start, nothing written.",
     )
 
     cache_capacity: int = Field(
@@ -90,8 +88,7 @@ class Settings(BaseSettings):
         ge=1,
         description="Namespaces that may hold entries at once, each a memory of its own "
         "with `KP_CACHE_CAPACITY` and `KP_CACHE_TTL_MS`; a trace or import that would start "
-        "one more is refused (409, nothing stored) until one is cleared or every entry of "
-        "one has expired (its memory is then given back).",
+        "one more is refused (409, nothing stored) until one is cleared or has expired.",
     )
     cache_ttl_ms: float | None = Field(
         None,
@@ -109,22 +106,19 @@ class Settings(BaseSettings):
     cache_db_path: Path | None = Field(
         None,
         description="The SQLite database that keeps the in-process memory (every namespace) "
-        "across restarts: every trace added is committed to it before it is answered. Unset: "
-        "`$XDG_DATA_HOME/kp-scoring/memory.db` (`~/.local/share/kp-scoring/memory.db`; the "
-        "image sets `/data/memory.db`). `:memory:`: no file, the memory lives only as long as "
-        "the process. A snapshot of the former format found there is converted at start and "
-        "kept beside it (`<name>.old-format`). Refused with `KP_REDIS_URL` (Redis's own "
-        "persistence keeps a shared memory) and with `KP_EMBEDDER=none` (no model: no vector "
-        "to keep); unset, neither has a file (docs/operating/persistence.md).",
+        "across restarts; each trace added is committed before its answer. Unset: "
+        "`$XDG_DATA_HOME/kp-scoring/memory.db` (`~/.local/share/...`; the image's "
+        "`/data/memory.db`); `:memory:`: no file. A snapshot of the former format is converted "
+        "at start (kept as `<name>.old-format`). Refused with `KP_REDIS_URL` or "
+        "`KP_EMBEDDER=none`, which keep no file (docs/operating/persistence.md).",
     )
     cache_durability: Literal["process", "power"] = Field(
         "process",
         description="What a committed trace survives. `process`: a crash or kill of the "
-        "process loses nothing answered; a power loss or kernel crash may lose the last "
-        "commits (SQLite `synchronous=NORMAL` in WAL mode). `power`: a power loss loses "
-        "nothing answered either; each commit waits for the disk's flush (`synchronous=FULL`; "
-        "concurrent requests share one). What each costs a trace (measured: well under a "
-        "millisecond each on a local disk) is on the persistence page.",
+        "process loses nothing answered; a power loss may lose the last commits (SQLite "
+        "`synchronous=NORMAL`, WAL). `power`: a power loss loses nothing answered either; each "
+        "commit waits for the disk's flush (`synchronous=FULL`, shared by concurrent requests; "
+        "the cost: docs/operating/persistence.md).",
     )
     cache_snapshot_path: Path | None = Field(
         None,
@@ -171,16 +165,14 @@ class Settings(BaseSettings):
         None,
         min_length=1,
         max_length=200,
-        description="Set: every signed score's payload carries it as `aud`, the party the "
-        "scores are for (a registry's name); a verifier that is not this audience refuses "
-        "them (docs/operating/signatures.md).",
+        description="Set: every signed score carries it as `aud`, the party the scores are "
+        "for (a registry's name), which a verifier checks (docs/operating/signatures.md).",
     )
     signing_lifetime_s: int | None = Field(
         None,
         ge=1,
-        description="Set: every signed score's payload carries `exp`, this many seconds "
-        "after it was signed; past it the signature no longer verifies "
-        "(docs/operating/signatures.md). Unset: signed scores do not expire.",
+        description="Set: every signed score carries `exp`, this many seconds after it was "
+        "signed, past which it no longer verifies. Unset: signed scores do not expire.",
     )
     embed_memo_capacity: int = Field(
         4096,
@@ -206,10 +198,8 @@ class Settings(BaseSettings):
         description="Key prefix in that Redis (several services or environments can share "
         "one Redis). No braces: a namespace's keys carry its name as their hash tag.",
     )
-    # A healthy exchange takes well under 1 ms locally and a few ms across a network; 250 ms
-    # is past an fsync stall of a slow disk (appendfsync always) and past the event loop's
-    # delays on a busy two-core machine, so it does not fire under load, yet keeps a request
-    # within a few times the 100 ms budget (docs/performance.md) when Redis is gone.
+    # 250 ms: past a slow disk's fsync stall and a busy event loop's delays, yet within a few
+    # times the 100 ms budget (docs/performance.md) when Redis is gone.
     redis_timeout_ms: float = Field(
         250.0,
         gt=0,
@@ -241,9 +231,8 @@ class Settings(BaseSettings):
         ge=8,
         le=8192,
         description="The HNSW search's breadth (`EF_RUNTIME`): higher finds the exact "
-        "maximum more often, for more of Redis's time per search. 800 keeps fresh answers "
-        "within 0.02 of the exact maximum for 99% at a million entries (about 6 ms a search "
-        "there); 200 does at 100,000 (docs/operating/large-memory.md).",
+        "maximum more often, for more of Redis's time per search; what 800 and 200 give at a "
+        "million and 100,000 entries: docs/operating/large-memory.md.",
     )
 
     max_body_bytes: int = Field(1_048_576, ge=1024, description="Larger request bodies get 413.")
@@ -275,9 +264,7 @@ class Settings(BaseSettings):
         description="Longest a request may wait for the model before its run starts; past it, 503.",
     )
 
-    # Connection bounds, and why these values: docs/operating/slow-clients.md. The header
-    # deadline and size are granian's (app/serve.py hands them over), the body deadline the
-    # app's own (app/api/edge.py).
+    # Connection bounds, and why these values: docs/operating/slow-clients.md.
     header_timeout_s: float = Field(
         15.0,
         gt=0,
@@ -321,16 +308,14 @@ class Settings(BaseSettings):
     contribution_clean_all: bool = Field(
         False,
         description="POST /contribution: also clean what the SDK's capture sends as it was (the "
-        "objective, the outcome, the metadata, an input whose cleaned JSON did not parse, ...), "
-        "string by string at the trace's privacy_level; their findings move from `uncleaned` "
-        "to `redactions`, and the answer's differs_from_sdk says when that changed anything.",
+        "objective, the outcome, the metadata, ...) at the trace's privacy_level; their "
+        "findings move from `uncleaned` to `redactions` (differs_from_sdk says so).",
     )
     contribution_redact_suspected: bool = Field(
         False,
         description="POST /contribution: what KP_CONTRIBUTION_CLEAN_ALL does, and also redact "
-        "every suspected leak the detectors find (`findings` move to `redactions`); a request's "
-        "redact_suspected overrides it. The contribution then differs from the SDK's, and the "
-        "answer's differs_from_sdk says so.",
+        "every suspected leak the detectors find (`findings` move to `redactions`, "
+        "differs_from_sdk says so); a request's redact_suspected overrides it.",
     )
     injection_suspicious_threshold: float = Field(
         0.3,
@@ -390,19 +375,36 @@ class Settings(BaseSettings):
             raise ValueError(f"no such file: {path}")
         return path
 
-    @field_validator("admin_token")
+    @field_validator("admin_token", "redis_url")
     @classmethod
-    def _token_not_blank(cls, token: SecretStr | None) -> SecretStr | None:
-        if token is not None and not token.get_secret_value().strip():
-            return None  # an empty variable means "unset"
-        return token
+    def _blank_is_unset(cls, value: SecretStr | None) -> SecretStr | None:
+        return value if value is None or value.get_secret_value().strip() else None
 
     @field_validator("redis_url")
     @classmethod
     def _redis_url(cls, url: SecretStr | None) -> SecretStr | None:
-        if url is None or not url.get_secret_value().strip():
-            return None  # an empty variable means "unset"
-        check_redis_url(url.get_secret_value())
+        """A usable redis:// or rediss:// URL; the message never repeats the URL, which may
+        hold a password."""
+        if url is None:
+            return None
+        parts = urlsplit(url.get_secret_value())
+        if parts.scheme not in ("redis", "rediss"):
+            got = f"scheme {parts.scheme!r}" if parts.scheme else "no scheme"
+            raise ValueError(
+                "must be a redis:// or rediss:// URL "
+                f"(redis://[[user]:password@]host[:port][/db]); it has {got}"
+            )
+        if not parts.hostname:
+            raise ValueError("names no host (redis://host:6379/0)")
+        if parts.path not in ("", "/") and not parts.path.lstrip("/").isdigit():
+            raise ValueError("the path must be a database number (redis://host:6379/0)")
+        from redis.connection import parse_url  # only with KP_REDIS_URL: redis is slow to import
+
+        parse: Callable[[str], object] = parse_url  # untyped in redis-py
+        try:
+            parse(url.get_secret_value())
+        except ValueError as exc:
+            raise ValueError(f"not a usable Redis URL: {exc}") from None
         return url
 
     @model_validator(mode="before")
@@ -410,7 +412,9 @@ class Settings(BaseSettings):
     def _former_names(cls, data: Any) -> Any:
         """The deprecated persistence settings, read as the settings that replace them (the
         new name wins when both are set; deprecation_warnings says so in the log), then the
-        memory's database file: the one given, the default one, or none (`:memory:`)."""
+        memory's database file: the one given (MEMORY_ONLY: none); unset or empty, the default
+        one, but none with KP_REDIS_URL (Redis keeps the memory) or KP_EMBEDDER=none (no
+        vectors)."""
         if not isinstance(data, dict):
             return data
         data = dict(data)
@@ -419,21 +423,26 @@ class Settings(BaseSettings):
         fsync = data.get("cache_journal_fsync")
         if data.get("cache_durability") is None and fsync is not None:
             data["cache_durability"] = "power" if fsync == "always" else "process"
-        data["cache_db_path"] = _memory_file(data)
+        given = data.get("cache_db_path")
+        redis = data.get("redis_url")
+        if isinstance(redis, SecretStr):
+            redis = redis.get_secret_value()
+        if given is not None and str(given).strip():
+            data["cache_db_path"] = None if str(given) == MEMORY_ONLY else given
+        elif (redis is not None and str(redis).strip()) or data.get("embedder") == "none":
+            data["cache_db_path"] = None
+        else:
+            data["cache_db_path"] = default_memory_file()
         return data
 
     @model_validator(mode="after")
-    def _threshold_order(self) -> Settings:
+    def _consistent(self) -> Settings:
         if self.injection_suspicious_threshold > self.injection_reject_threshold:
             raise ValueError(
                 "KP_INJECTION_SUSPICIOUS_THRESHOLD "
                 f"({self.injection_suspicious_threshold}) exceeds KP_INJECTION_REJECT_THRESHOLD "
                 f"({self.injection_reject_threshold}): suspicious would never be said"
             )
-        return self
-
-    @model_validator(mode="after")
-    def _one_persistence(self) -> Settings:
         if self.redis_url is not None and self.cache_db_path is not None:
             raise ValueError(
                 f"{_db_path_name(self)} and KP_REDIS_URL are both set: with Redis the shared "
@@ -504,33 +513,27 @@ def retired_settings() -> list[str]:
 MEMORY_ONLY: Final = ":memory:"
 
 
-def _memory_file(data: dict[str, Any]) -> Path | str | None:
-    """KP_CACHE_DB_PATH as given, MEMORY_ONLY as None; unset (or empty), the default file
-    when the in-process memory can keep one: none with KP_REDIS_URL (Redis keeps the shared
-    memory) or KP_EMBEDDER=none (no vectors)."""
-    given = data.get("cache_db_path")
-    if isinstance(given, str) and not given.strip():
-        given = None
-    if given is not None:
-        return None if str(given) == MEMORY_ONLY else given
-    redis = data.get("redis_url")
-    if isinstance(redis, SecretStr):
-        redis = redis.get_secret_value()
-    if (redis is not None and str(redis).strip()) or data.get("embedder") == "none":
-        return None
-    return default_memory_file()
-
-
 def default_memory_file() -> Path | None:
     """$XDG_DATA_HOME/kp-scoring/memory.db, or ~/.local/share/kp-scoring/memory.db; None when
     neither is known (no HOME): the memory is then kept in the process only."""
-    base = os.environ.get("XDG_DATA_HOME")
+    return _user_directory("XDG_DATA_HOME", ".local/share", "memory.db")
+
+
+def user_cache_directory() -> Path | None:
+    """$XDG_CACHE_HOME/kp-scoring/onnx, or ~/.cache/kp-scoring/onnx; None when neither is
+    known: no cache then, rather than a shared place such as /tmp, where another user could
+    plant a graph."""
+    return _user_directory("XDG_CACHE_HOME", ".cache", "onnx")
+
+
+def _user_directory(variable: str, fallback: str, name: str) -> Path | None:
+    base = os.environ.get(variable)
     if not base:
         try:
-            base = str(Path.home() / ".local" / "share")
-        except (KeyError, RuntimeError):
+            base = str(Path.home() / fallback)
+        except (KeyError, RuntimeError):  # no HOME, a uid without a passwd entry
             return None
-    return Path(base) / "kp-scoring" / "memory.db"
+    return Path(base) / "kp-scoring" / name
 
 
 def _db_path_name(settings: Settings) -> str:
@@ -539,45 +542,9 @@ def _db_path_name(settings: Settings) -> str:
     return f"{ENV_PREFIX}{'CACHE_SNAPSHOT_PATH' if former else 'CACHE_DB_PATH'}"
 
 
-def user_cache_directory() -> Path | None:
-    """$XDG_CACHE_HOME/kp-scoring/onnx, or ~/.cache/kp-scoring/onnx; None when neither is
-    known (no HOME, a uid without a passwd entry): no cache then, rather than a shared place
-    such as /tmp, where another user could plant a graph."""
-    base = os.environ.get("XDG_CACHE_HOME")
-    if not base:
-        try:
-            base = str(Path.home() / ".cache")
-        except (KeyError, RuntimeError):
-            return None
-    return Path(base) / "kp-scoring" / "onnx"
-
-
 def config_error(variable: str, problem: str) -> ConfigError:
     """The error that stops the start over one variable (`variable` without its prefix)."""
     return ConfigError(f"kp-scoring: invalid configuration: {ENV_PREFIX}{variable}: {problem}")
-
-
-def check_redis_url(url: str) -> None:
-    """ValueError unless `url` is a usable redis:// or rediss:// URL; the message never
-    repeats the URL, which may hold a password."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("redis", "rediss"):
-        got = f"scheme {parts.scheme!r}" if parts.scheme else "no scheme"
-        raise ValueError(
-            "must be a redis:// or rediss:// URL (redis://[[user]:password@]host[:port][/db]); "
-            f"it has {got}"
-        )
-    if not parts.hostname:
-        raise ValueError("names no host (redis://host:6379/0)")
-    if parts.path not in ("", "/") and not parts.path.lstrip("/").isdigit():
-        raise ValueError("the path must be a database number (redis://host:6379/0)")
-    from redis.connection import parse_url  # only with KP_REDIS_URL: redis is slow to import
-
-    parse: Callable[[str], object] = parse_url  # untyped in redis-py
-    try:
-        parse(url)
-    except ValueError as exc:
-        raise ValueError(f"not a usable Redis URL: {exc}") from None
 
 
 def redis_location(url: str) -> str:

@@ -1,7 +1,7 @@
 """Process-wide metrics of the HTTP connections: what the request bounds
 (app/api/edge.py) and the descriptor watch count. One server runs per process,
 whereas apps (each with its own registry, app/core/metrics.py) may be several: every app's
-/metrics shows these too."""
+registry collects CONNECTIONS too."""
 
 from __future__ import annotations
 
@@ -12,19 +12,12 @@ from prometheus_client.core import Metric
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
-#: The bound that closed a connection (label `limit` of kp_http_closed_by_limit).
-#: The header deadline and size limits are granian's: it closes or answers 431 before the
-#: app sees a request, so they are not counted here (docs/operating/slow-clients.md).
-LIMITS = (
-    "body_timeout",  # body incomplete at KP_BODY_TIMEOUT_S: 408 (or a close, once answered)
-    "host",  # HTTP/1.1 without Host, or several Host lines: 400
-)
 
-
-class ConnectionMetrics:
+class ConnectionMetrics(Collector):
     def __init__(self) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        # The header deadline and size limits are granian's: it closes or answers 431 before
+        # the app sees a request, so they are not counted here (docs/operating/slow-clients.md).
         self.closed_by_limit = Counter(
             "kp_http_closed_by_limit",
             "Requests refused and their connections closed by a bound, by limit: "
@@ -32,7 +25,7 @@ class ConnectionMetrics:
             ["limit"],
             registry=r,
         )
-        for limit in LIMITS:
+        for limit in ("body_timeout", "host"):
             self.closed_by_limit.labels(limit)
         self.descriptors_exhausted = Counter(
             "kp_fd_exhausted",
@@ -48,19 +41,9 @@ class ConnectionMetrics:
         # process_open_fds, process_max_fds, memory and CPU of this process.
         ProcessCollector(registry=r)
 
-
-class _Forward(Collector):
-    def __init__(self, source: CollectorRegistry) -> None:
-        self.source = source
-
     def collect(self) -> Iterable[Metric]:
-        return self.source.collect()
+        return self.registry.collect()
 
 
 #: The one set of connection metrics of this process.
 CONNECTIONS = ConnectionMetrics()
-
-
-def register_connection_metrics(registry: CollectorRegistry) -> None:
-    """Makes `registry` (an app's) expose this process's connection metrics too."""
-    registry.register(_Forward(CONNECTIONS.registry))

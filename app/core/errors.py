@@ -1,10 +1,6 @@
 """The service's error types (docs/decisions/one-door.md): every refusal is a ServiceError,
 rendered once by each transport (REST: app/api/errors.py; MCP: a tool error of the same kind);
 a PartError is a part that could not do its work, and the service degrades instead of refusing.
-
-In REST, a refusal about a request's content has FastAPI's validation shape,
-`{"detail": [{"loc": [...], "msg": ..., "type": ...}]}`; one about the service's state
-(overload, an unreachable memory) is `{"detail": "<message>"}`.
 """
 
 from __future__ import annotations

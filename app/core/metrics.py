@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from app.core.connection_metrics import register_connection_metrics
+from app.core.connection_metrics import CONNECTIONS
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 #: Up to KP_EMBED_MAX_WAIT_MS's default (10 s): past it a request is turned away.
@@ -33,7 +33,7 @@ class Metrics:
         self._children: dict[tuple[object, tuple[str, ...]], Any] = {}
         self._namespace_labels = namespace_labels
         self._labelled_namespaces: set[str] = set()
-        register_connection_metrics(self.registry)
+        self.registry.register(CONNECTIONS)
         counter = partial(Counter, registry=self.registry)
         histogram = partial(Histogram, registry=self.registry)
         self.requests = counter(

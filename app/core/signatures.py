@@ -1,10 +1,6 @@
-"""What a signed score says (its claims: docs/operating/signatures.md): `answer`, the answer
-as the API shows it but UNSIGNED_FIELDS, so that a field the answer gains is signed without a
-change of format; `trace_sha256`, the SHA-256 of the trace's RFC 8785 (JCS) canonical JSON,
-its numbers read as the reference SDK's JavaScript reads them (as_javascript_reads: RFC 8785
-would refuse an integer past 2**53), so that what the SDK would contribute is never refused
-for its numbers. app/service/signing.py signs; the client's `kp_scoring.signatures.verify`
-(clients/python) hashes the same way: tests/test_signatures.py holds the two to one value.
+"""What a signed score says (its claims: docs/operating/signatures.md). app/service/signing.py
+signs; the client's `kp_scoring.signatures` (clients/python) hashes traces the same way:
+tests/test_signatures.py holds the two to one value.
 """
 
 from __future__ import annotations
@@ -52,14 +48,6 @@ def contribution_claims(answer: Mapping[str, Any], contribution: Any) -> dict[st
     }
 
 
-class TraceNotCanonicalError(ServiceError):
-    """A trace RFC 8785 cannot put in canonical form: a string holding a lone surrogate."""
-
-    def __init__(self, problem: str) -> None:
-        msg = f"cannot be signed: not I-JSON (RFC 8785): {problem}"
-        super().__init__(422, "not_canonicalizable", msg, loc=())
-
-
 _SAFE_INTEGER = 2**53
 
 
@@ -84,16 +72,17 @@ def as_javascript_reads(value: Any) -> Any:
 
 
 def trace_sha256(trace: Any) -> str:
-    """Hex SHA-256 of the trace's RFC 8785 canonical JSON, its numbers as JavaScript reads
-    them (`trace`: as parsed from JSON)."""
+    """Hex SHA-256 of the trace's RFC 8785 canonical JSON (`trace`: as parsed), its numbers
+    as JavaScript reads them: RFC 8785 refuses an integer past 2**53, the SDK sends one."""
     try:
         try:
             canonical = rfc8785.dumps(trace)
         except (rfc8785.IntegerDomainError, rfc8785.FloatDomainError):
             # Rare (a number past what JSON's doubles hold): only then the copy.
             canonical = rfc8785.dumps(as_javascript_reads(trace))
-    except (rfc8785.CanonicalizationError, UnicodeError) as exc:
-        raise TraceNotCanonicalError(str(exc)) from None
+    except (rfc8785.CanonicalizationError, UnicodeError) as exc:  # a lone surrogate
+        msg = f"cannot be signed: not I-JSON (RFC 8785): {exc}"
+        raise ServiceError(422, "not_canonicalizable", msg, loc=()) from None
     return hashlib.sha256(canonical).hexdigest()
 
 
@@ -105,7 +94,7 @@ def trace_digests(traces: Sequence[Any], *, batch: bool, at: Loc = ()) -> list[s
     for i, trace in enumerate(traces):
         try:
             digests.append(trace_sha256(trace))
-        except TraceNotCanonicalError as exc:
+        except ServiceError as exc:
             loc = (*at, "traces", i) if batch else tuple(at)
             problems.append(Problem(loc, exc.message, exc.kind))
     if problems:

@@ -38,11 +38,6 @@ WEIGHT_PROFILES: Final[dict[str, WeightProfile]] = {
 }
 
 
-def weights_for(task_domain: str) -> WeightProfile:
-    """The profile named by the domain, else `default` (a dict lookup: `constructor` is unknown)."""
-    return WEIGHT_PROFILES.get(task_domain, WEIGHT_PROFILES["default"])
-
-
 class ToolLike(Protocol):
     @property
     def name(self) -> str: ...
@@ -53,52 +48,6 @@ class StepLike(Protocol):
     def type(self) -> str: ...
     @property
     def tool(self) -> ToolLike | None: ...
-
-
-@dataclass(frozen=True, slots=True)
-class StepStats:
-    """Counts over a trace's steps that the formulas need."""
-
-    step_count: int
-    unique_types: int
-    error_recoveries: int
-    unique_tools: int
-    uses_tools: bool
-    single_thought: bool
-
-    @classmethod
-    def of(cls, steps: Sequence[StepLike]) -> StepStats:
-        types, tools, recoveries, tool_steps = set(), set(), 0, 0
-        for step in steps:
-            types.add(step.type)
-            recoveries += step.type == "error_recovery"
-            if step.tool is not None:
-                tools.add(step.tool.name)
-                tool_steps += 1
-        return cls(
-            step_count=len(steps),
-            unique_types=len(types),
-            error_recoveries=recoveries,
-            unique_tools=len(tools),
-            uses_tools=tool_steps > 0,
-            single_thought=len(steps) == 1 and steps[0].type == "thought",
-        )
-
-
-def complexity(stats: StepStats) -> float:
-    recovery = 0.3 if stats.error_recoveries > 0 else 0
-    return min(
-        1.0,
-        (stats.unique_types / 4) * 0.5 + recovery + (stats.step_count / 20) * 0.2,
-    )
-
-
-def tool_diversity(stats: StepStats) -> float:
-    return min(1.0, (stats.unique_tools / max(1, stats.step_count)) * 3)
-
-
-def outcome_confidence(confidence: float, success: bool) -> float:
-    return confidence * (1.0 if success else 0.3)
 
 
 def novelty_text(objective: str, contents: Sequence[str | None]) -> str:
@@ -131,7 +80,7 @@ class Score:
 
 
 def score(
-    stats: StepStats,
+    steps: Sequence[StepLike],
     *,
     novelty: float,
     confidence: float,
@@ -139,13 +88,22 @@ def score(
     task_domain: str,
 ) -> Score:
     """The composite score with its breakdown (docs/scoring.md)."""
+    types, tools, recoveries, uses_tools = set(), set(), 0, False
+    for step in steps:
+        types.add(step.type)
+        recoveries += step.type == "error_recovery"
+        if step.tool is not None:
+            tools.add(step.tool.name)
+            uses_tools = True
+    recovery = 0.3 if recoveries > 0 else 0
     dims = Dimensions(
-        complexity=complexity(stats),
+        complexity=min(1.0, (len(types) / 4) * 0.5 + recovery + (len(steps) / 20) * 0.2),
         novelty=novelty,
-        tool_diversity=tool_diversity(stats),
-        outcome_confidence=outcome_confidence(confidence, success),
+        tool_diversity=min(1.0, (len(tools) / max(1, len(steps))) * 3),
+        outcome_confidence=confidence * (1.0 if success else 0.3),
     )
-    w = weights_for(task_domain)
+    # A dict lookup: a name a JavaScript object inherits (`constructor`) is unknown.
+    w = WEIGHT_PROFILES.get(task_domain, WEIGHT_PROFILES["default"])
     value = (
         dims.complexity * w.complexity
         + dims.novelty * w.novelty
@@ -153,13 +111,13 @@ def score(
         + dims.outcome_confidence * w.outcome_confidence
     )
     fired: list[OverrideName] = []
-    if stats.single_thought:
+    if len(steps) == 1 and steps[0].type == "thought":
         value = 0.1
         fired.append("single_thought")
-    if stats.error_recoveries > 2 and success:
+    if recoveries > 2 and success:
         value = min(1.0, value + 0.1)
         fired.append("error_recovery_bonus")
-    if stats.unique_tools <= 1 and stats.uses_tools:
+    if len(tools) <= 1 and uses_tools:
         value = max(0.0, value - 0.1)
         fired.append("low_tool_diversity")
     return Score(

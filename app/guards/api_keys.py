@@ -10,11 +10,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 from app.core import namespaces
 from app.core.errors import PartError
@@ -24,38 +23,25 @@ Scope = Literal["evaluate", "admin"]
 ADMIN_TOKEN_NAME = "admin-token"
 
 
-class ApiKeyEntry(BaseModel):
+class ApiKey(BaseModel):
+    """Who sent a request: a key of the file, or the admin token."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     #: What logs and metrics show (a label value: short, plain).
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]{1,64}$")]
-    sha256: Annotated[str, Field(pattern=r"^[0-9a-fA-F]{64}$")]
+    sha256: Annotated[str, StringConstraints(pattern=r"^[0-9a-fA-F]{64}$", to_lower=True)]
     scopes: Annotated[list[Scope], Field(min_length=1)]
     #: Token bucket: this many requests at once, refilled at this rate; unset: no limit.
     rate_per_minute: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
     #: The one namespace the key may use (docs/api.md, namespaces); unset: any namespace.
     namespace: Annotated[str, Field(pattern=namespaces.PATTERN)] | None = None
 
-    @field_validator("sha256")
-    @classmethod
-    def _lower(cls, value: str) -> str:
-        return value.lower()
-
 
 class KeysFile(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    keys: list[ApiKeyEntry]
-
-
-@dataclass(frozen=True, slots=True)
-class ApiKey:
-    """Who sent a request: a key of the file, or the admin token."""
-
-    name: str
-    scopes: frozenset[Scope]
-    rate_per_minute: int | None
-    namespace: str | None = None  # bound to this namespace alone; None: any
+    keys: list[ApiKey]
 
 
 class KeyFileError(PartError):
@@ -67,18 +53,11 @@ def key_digest(key: str) -> bytes:
 
 
 class KeyRing:
-    def __init__(self, entries: list[ApiKeyEntry], admin_token: str | None = None) -> None:
-        self._entries = [
-            (
-                bytes.fromhex(e.sha256),
-                ApiKey(e.name, frozenset(e.scopes), e.rate_per_minute, e.namespace),
-            )
-            for e in entries
-        ]
+    def __init__(self, keys: list[ApiKey], admin_token: str | None = None) -> None:
         if admin_token is not None:
-            self._entries.append(
-                (key_digest(admin_token), ApiKey(ADMIN_TOKEN_NAME, frozenset({"admin"}), None))
-            )
+            digest = key_digest(admin_token).hex()
+            keys = [*keys, ApiKey(name=ADMIN_TOKEN_NAME, sha256=digest, scopes=["admin"])]
+        self._entries = [(bytes.fromhex(key.sha256), key) for key in keys]
 
     def identify(self, presented: str) -> ApiKey | None:
         """The key `presented` is, or None; every entry is compared, each in constant time."""
@@ -90,7 +69,7 @@ class KeyRing:
         return found
 
 
-def load_key_file(path: Path) -> list[ApiKeyEntry]:
+def load_key_file(path: Path) -> list[ApiKey]:
     """The entries of a keys file, or KeyFileError naming the entry at fault."""
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
@@ -116,7 +95,7 @@ def load_key_file(path: Path) -> list[ApiKeyEntry]:
     return parsed.keys
 
 
-def _where(raw: object, loc: tuple[int | str, ...]) -> str:
+def _where(raw: Any, loc: tuple[int | str, ...]) -> str:
     """`keys[1] ('agent-b').scopes[0]`: the entry by index and, when it has one, its name."""
     text = ""
     node = raw
@@ -125,15 +104,10 @@ def _where(raw: object, loc: tuple[int | str, ...]) -> str:
             text += f"[{part}]"
         else:
             text += f".{part}" if text else part
-        node = _child(node, part)
+        try:
+            node = node[part]
+        except (LookupError, TypeError):
+            node = None
         if isinstance(part, int) and isinstance(node, dict) and isinstance(node.get("name"), str):
             text += f" ({node['name']!r})"
     return text or "the file"
-
-
-def _child(node: object, part: int | str) -> object:
-    if isinstance(node, dict):
-        return node.get(part)
-    if isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
-        return node[part]
-    return None

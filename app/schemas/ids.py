@@ -1,14 +1,11 @@
 """The one rule for trace ids, wherever one comes in (POST /evaluate, the batch, the MCP tools,
 POST /cache/import), and the one way an id is shown as text.
 
-An id is stored and later handed to other callers (`novelty.nearest.trace_id`, the MCP tool's
-text, a terminal running the CLI), so it must not carry anything that acts instead of being
-read: it holds printable characters only (Python's `str.isprintable`: no control characters,
-no format characters such as the bidirectional overrides and isolates U+202A-202E and
-U+2066-2069 or zero-width joiners, no line or paragraph separators, no private-use,
-surrogate or unassigned code points; the space is allowed), and at most MAX_TRACE_ID_CHARS
-characters. The bound is fixed rather than a setting, so that every instance can import
-what any other exported.
+An id is stored and later shown to other callers (`novelty.nearest.trace_id`, the MCP tool's
+text, a terminal), so it holds nothing that acts instead of being read: printable characters
+only (`str.isprintable`: no control, format, bidirectional, separator, private-use, surrogate
+or unassigned code points; the space is allowed). The length bound is fixed, not a setting, so
+that every instance can import what any other exported.
 """
 
 from __future__ import annotations
@@ -41,18 +38,14 @@ def trace_id_problem(value: str) -> str | None:
 
 
 def _check(value: str) -> str:
-    problem = trace_id_problem(value)
-    if problem is not None:
-        raise PydanticCustomError("trace_id_rule", problem)
+    if not value.isprintable():  # the length: the Field's max_length, checked before
+        raise PydanticCustomError("trace_id_rule", trace_id_problem(value) or RULE)
     return value
 
 
-#: The rule as the published schema states it (a JSON Schema pattern, read with Unicode code
-#: points): no character of the Basic Multilingual Plane that is a control, format,
-#: private-use or separator character (other than the space), as Unicode 14 assigns them.
-#: What a pattern cannot state the way every regex engine reads it (unassigned code points,
-#: lone surrogates, characters outside the BMP) is left to the validator below, which holds
-#: the whole rule (docs/decisions/published-schema.md).
+#: The rule as the published schema can state it (docs/decisions/published-schema.md): no
+#: control, format, private-use or separator character of the BMP but the space (Unicode 14);
+#: the validator holds the whole rule.
 ID_PATTERN: Final = (
     r"^kp:trace:[^\u0000-\u001f\u007f-\u00a0\u00ad\u0600-\u0605\u061c\u06dd\u070f"
     r"\u0890-\u0891\u08e2\u1680\u180e\u2000-\u200f\u2028-\u202f\u205f-\u2064"

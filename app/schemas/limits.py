@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any, Final
 
 import numpy as np
 
+from app.core.config import Settings
 from app.core.errors import Problem
 
 Loc = tuple[str | int, ...]
@@ -17,24 +17,11 @@ Loc = tuple[str | int, ...]
 _NOT_BRACKETS: Final = bytes(sorted(set(range(256)) - set(b"[]{}")))
 
 
-@dataclass(frozen=True, slots=True)
-class TraceLimits:
-    max_batch: int
-    max_steps: int
-    max_string_chars: int
-
-
 def json_problem(body: bytes, max_depth: int) -> tuple[str, str] | None:
-    """(kind, why) a JSON body breaks a rule the parser would not state clearly, found without
-    parsing it: arrays and objects nested deeper than `max_depth` (checked before a parser could
-    exhaust its recursion on them), or a number longer than Python reads (4,300 digits). (NaN
-    and Infinity, which Python's parser takes, are refused by the schema where it names a
-    number, and read as JavaScript's JSON.stringify writes them, null, elsewhere.)
-
-    Only what lies outside strings counts, with no Python code per character of the body
-    (docs/decisions/cheap-body-checks.md). Up to the first error in a malformed body the quotes
-    pair as the parser pairs them.
-    """
+    """(kind, why) a JSON body breaks a rule the parser would not state clearly, found before
+    parsing: nesting deeper than `max_depth` or a number longer than Python reads (4,300
+    digits), outside strings, with no Python code per character of the body
+    (docs/decisions/cheap-body-checks.md)."""
     deep = body.count(b"[") + body.count(b"{") > max_depth
     long_number = _LONG_DIGITS.search(body) is not None
     if not (deep or long_number):
@@ -60,7 +47,7 @@ _LONG_DIGITS: Final = re.compile(rb"[0-9]{%d}" % (MAX_NUMBER_DIGITS + 1))
 
 
 def limit_problems(
-    sent: Sequence[Any], limits: TraceLimits, *, batch: bool, body_bytes: int | None = None
+    sent: Sequence[Any], limits: Settings, *, batch: bool, body_bytes: int | None = None
 ) -> list[Problem]:
     """One problem per field over a limit, in the traces as sent (parsed JSON, validated
     already): fields the schema does not name obey the string limit too. `body_bytes`: the
@@ -69,34 +56,24 @@ def limit_problems(
     problems = []
     strings_fit = body_bytes is not None and body_bytes <= limits.max_string_chars
     if batch and len(sent) > limits.max_batch:
-        problems.append(
-            _over_limit(
-                ("body", "traces"),
-                f"at most {limits.max_batch} traces per batch (KP_MAX_BATCH), got {len(sent)}",
-            )
-        )
+        msg = f"at most {limits.max_batch} traces per batch (KP_MAX_BATCH), got {len(sent)}"
+        problems.append(Problem(("body", "traces"), msg, "limit_exceeded"))
     for index, trace in enumerate(sent):
         loc: Loc = ("body", "traces", index) if batch else ("body",)
         steps = len(trace["steps"])
         if steps > limits.max_steps:
-            problems.append(
-                _over_limit(
-                    (*loc, "steps"),
-                    f"at most {limits.max_steps} steps per trace (KP_MAX_STEPS), got {steps}",
-                )
-            )
+            msg = f"at most {limits.max_steps} steps per trace (KP_MAX_STEPS), got {steps}"
+            problems.append(Problem((*loc, "steps"), msg, "limit_exceeded"))
         # Fields are named (a slower walk) only when some string is over the limit.
         if strings_fit or _longest_string(trace) <= limits.max_string_chars:
             continue
         for path, text in _strings(trace, loc):
             if len(text) > limits.max_string_chars:
-                problems.append(
-                    _over_limit(
-                        path,
-                        f"at most {limits.max_string_chars} characters per string "
-                        f"(KP_MAX_STRING_CHARS), got {len(text)}",
-                    )
+                msg = (
+                    f"at most {limits.max_string_chars} characters per string "
+                    f"(KP_MAX_STRING_CHARS), got {len(text)}"
                 )
+                problems.append(Problem(path, msg, "limit_exceeded"))
     return problems
 
 
@@ -115,8 +92,16 @@ def _longest_string(value: Any) -> int:
     return longest
 
 
-def _over_limit(loc: Loc, msg: str) -> Problem:
-    return Problem(loc, msg, "limit_exceeded")
+def lone_surrogate(value: Any) -> Loc | None:
+    """Where the first string (or key: then its member) holding a lone surrogate is, which
+    JSON can escape and JavaScript holds but UTF-8 cannot carry; None when none does."""
+    for loc, text in _strings(value, ()):
+        if not text.isascii():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:  # a surrogate: the only str that UTF-8 cannot encode
+                return loc
+    return None
 
 
 def _strings(value: Any, loc: Loc) -> Iterator[tuple[Loc, str]]:

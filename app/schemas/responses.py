@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, Field
 
+from app.core import namespaces
 from app.core.states import (
     BackendKind,
     EmbedderState,
@@ -229,6 +230,25 @@ class JwksOut(BaseModel):
 
 class ClearedOut(BaseModel):
     cleared: int
+
+
+#: A namespace's name as the API publishes it (the rule: app/core/namespaces.py).
+Namespace = Annotated[
+    str,
+    Field(
+        pattern=namespaces.PATTERN,
+        min_length=1,
+        max_length=64,
+        description="A namespace: 1 to 64 letters, digits, '.', '_' or '-'.",
+    ),
+]
+
+
+class NamespacesOut(BaseModel):
+    #: Sorted; a namespace is listed while it holds at least one entry.
+    namespaces: list[Namespace]
+    #: KP_MAX_NAMESPACES: how many namespaces may hold entries at once.
+    limit: int
 
 
 class ImportedOut(BaseModel):

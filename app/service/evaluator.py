@@ -109,7 +109,7 @@ class Evaluator:
         for trace, report in zip(traces, reports, strict=True):
             measured = report.max_cosine
             result = scoring.score(
-                scoring.StepStats.of(trace.steps),
+                trace.steps,
                 novelty=scoring.NEUTRAL_NOVELTY if measured is None else scoring.novelty(measured),
                 confidence=trace.outcome.confidence,
                 success=trace.metadata.success,

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from opentelemetry.trace import Span, Tracer
 from pydantic import BaseModel, TypeAdapter
 
-from app.contribution.capture import FieldRisk, Finding, Gate, lone_surrogate, prepare
+from app.contribution.capture import FieldRisk, Finding, Gate, prepare
 from app.contribution.js_json import js_value
 from app.core import namespaces
 from app.core.config import Settings
@@ -45,8 +45,7 @@ from app.schemas.contribution import (
     GateOptions,
     InjectionOut,
 )
-from app.schemas.limits import TraceLimits, limit_problems
-from app.schemas.namespaces import NamespacesOut
+from app.schemas.limits import limit_problems, lone_surrogate
 from app.schemas.responses import (
     BatchOut,
     CacheBackendOut,
@@ -57,6 +56,7 @@ from app.schemas.responses import (
     EvaluationOut,
     ImportedOut,
     JwksOut,
+    NamespacesOut,
     NoveltyOut,
     ProfileOut,
     ReadyOut,
@@ -181,7 +181,6 @@ class ScoringService:
         self.metrics = metrics
         self.keys = keys
         self.signer = signer
-        self.limits = TraceLimits(settings.max_batch, settings.max_steps, settings.max_string_chars)
         #: Routes served to every caller: no keys file (scoring), no keys and no token (admin).
         self.open: dict[KeyScope, bool] = {
             "evaluate": settings.scoring_open,
@@ -357,7 +356,7 @@ class ScoringService:
         """Every check that can refuse the request, before the memory is touched."""
         batch = request.kind == "batch"
         problems = limit_problems(
-            request.sent, self.limits, batch=batch, body_bytes=request.body_bytes
+            request.sent, self.settings, batch=batch, body_bytes=request.body_bytes
         )
         if problems:
             raise invalid(problems)

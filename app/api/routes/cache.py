@@ -10,8 +10,7 @@ from fastapi.responses import StreamingResponse
 
 from app.api.deps import BearerDep, CallerDep, ServiceDep
 from app.api.edge import caller_of
-from app.schemas.namespaces import NamespacesOut
-from app.schemas.responses import CacheOut, ClearedOut, ImportedOut
+from app.schemas.responses import CacheOut, ClearedOut, ImportedOut, NamespacesOut
 
 router = APIRouter(
     prefix="/cache",
