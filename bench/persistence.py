@@ -342,12 +342,13 @@ def _entries(size: int, seed: int = 3) -> tuple[np.ndarray, np.ndarray, list[str
 
 def write_database(path: Path, model_id: str, size: int) -> None:
     """A database of `size` entries in the default namespace, as the service writes them."""
+    from app.memory.in_process import InProcessMemory
     from app.memory.sqlite import SqliteStore
-    from app.memory.sqlite_rows import Discard, NewRow
+    from app.memory.sqlite_rows import NewRow
 
     vectors, times, ids = _entries(size)
     store = SqliteStore(path, model_id, 384, "process")
-    store.open(Discard())
+    store.open(InProcessMemory(1))  # a new file: nothing to load
     for start in range(0, size, 10_000):
         stop = min(size, start + 10_000)
         store.write(

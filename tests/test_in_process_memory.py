@@ -13,7 +13,7 @@ import numpy.typing as npt
 import pytest
 
 from app.memory.base import DEFAULT_NAMESPACE, Comparison, NamespaceLimitError
-from app.memory.in_process import InProcessMemory, compare_in_order
+from app.memory.in_process import InProcessMemory, compare_pending
 from app.memory.ring import CacheEntries, VectorCache
 from app.memory.sqlite import SqliteStore
 
@@ -201,7 +201,10 @@ def test_concurrent_adds_kept_in_a_database_equal_one_at_a_time_in_its_order(
     # order, and the memory keeps the order asked).
     replay = VectorCache(25, DIMS)
     order = [(v[i + k], f"t{i}{'b' if k else ''}") for i in range(0, 40, 2) for k in (0, 1)]
-    expected = compare_in_order(replay, [x for x, _ in order], [t for _, t in order], add=True)
+    expected = []
+    for x, t in order:
+        expected += compare_pending(replay, [x], [t], [], stored=True)
+        replay.add(x, trace_id=t)
     got = [c for answer in answers for c in answer]
     assert [(c.max_cosine, c.size, _nearest_id(c)) for c in got] == [
         (c.max_cosine, c.size, _nearest_id(c)) for c in expected

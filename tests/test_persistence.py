@@ -21,7 +21,7 @@ import orjson
 import pytest
 
 from app.core.config import Settings
-from app.memory import in_process, sqlite_rows
+from app.memory import in_process, sqlite
 from app.memory.base import DEFAULT_NAMESPACE
 from app.memory.in_process import InProcessMemory
 from app.memory.ring import CacheEntries
@@ -411,7 +411,7 @@ def test_a_file_deleted_while_serving_is_noticed_before_the_next_commit_is_claim
     answer and writes everything the memory holds into a new file at the path first. Told by
     the kernel (inotify), or, where there is none, by the paths compared at each commit."""
     if watch == "paths":
-        monkeypatch.setattr(sqlite_rows.FileWatch, "of", classmethod(lambda cls, paths: None))
+        monkeypatch.setattr(sqlite, "file_watch", lambda paths: None)
     path = tmp_path / "memory.db"
     v = random_units(40, seed=21)
     memory = memory_at(path)

@@ -3,13 +3,13 @@ implementations: app/memory/__init__.py). This module imports none of them."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Literal, Protocol
 
 import numpy as np
 import numpy.typing as npt
+from pydantic import TypeAdapter
 
 from app.core import namespaces
 from app.core.errors import ServiceError
@@ -69,19 +69,8 @@ class Comparison:
     not_stored: str | None = None  # why a trace asked to be added was not
 
 
-def receipt_text(comparisons: Sequence[Comparison]) -> str:
-    """Comparisons as a receipt keeps them (JSON)."""
-    return json.dumps([asdict(c) for c in comparisons])
-
-
-def from_receipt(text: str | bytes) -> list[Comparison]:
-    found = []
-    for fields in json.loads(text):
-        nearest = fields.pop("nearest")
-        found.append(
-            Comparison(**fields, nearest=None if nearest is None else NearestTrace(**nearest))
-        )
-    return found
+#: Comparisons as a receipt keeps them (JSON).
+RECEIPT = TypeAdapter(list[Comparison])
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,10 +112,8 @@ class NoveltyMemory(Protocol):
     @property
     def size(self) -> int:
         """Vectors held in every namespace as last seen, without I/O (readiness, metrics)."""
-        ...
 
-    @property
-    def dimensions(self) -> int: ...
+    dimensions: int
 
     @property
     def evictions_total(self) -> int: ...
@@ -157,24 +144,19 @@ class NoveltyMemory(Protocol):
         gets them again and adds nothing (a retry whose first answer was lost in a crash).
         MemoryUnavailableError when the memory cannot be reached (nothing was added);
         NamespaceLimitError when `add` would create a namespace past the limit."""
-        ...
 
     async def namespaces(self) -> list[str]:
         """The namespaces that hold at least one entry, sorted."""
-        ...
 
     async def stats(self, namespace: str) -> CacheStats: ...
 
     async def clear(self, namespace: str) -> int:
         """Empty the namespace's memory (for every replica); how many vectors were dropped."""
-        ...
 
     def export_chunks(self, namespace: str) -> AsyncIterator[CacheEntries]:
         """Every entry of the namespace, oldest first, a chunk at a time."""
-        ...
 
     async def import_entries(self, namespace: str, entries: CacheEntries) -> tuple[int, int]:
         """Appends `entries` in order as the namespace's newest (capacity and TTL apply);
         returns (added, skipped as expired). MemoryUnavailableError when it cannot be reached;
         NamespaceLimitError as in compare."""
-        ...

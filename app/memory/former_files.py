@@ -18,7 +18,6 @@ import re
 import struct
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -36,14 +35,6 @@ _ADD_HEAD = struct.Struct("<cII")
 
 class FormerFilesError(PartError):
     """The former files cannot be converted (damaged, or of another model)."""
-
-
-@dataclass(frozen=True, slots=True)
-class FormerMemory:
-    """What the former files held, oldest first."""
-
-    entries: CacheEntries
-    records_dropped: int  # journal records cut short or failing their CRC
 
 
 def is_former_snapshot(path: Path) -> bool:
@@ -82,8 +73,10 @@ def _same_model(header: dict[str, object], name: str, model_id: str, dimensions:
         )
 
 
-def read_former(path: Path, model_id: str, dimensions: int) -> FormerMemory:
-    """The snapshot at `path` and the journal generations it does not hold, replayed."""
+def read_former(path: Path, model_id: str, dimensions: int) -> tuple[CacheEntries, int]:
+    """The snapshot at `path` and the journal generations it does not hold, replayed: what the
+    former files held, oldest first, and how many journal records were cut short or failed
+    their CRC."""
     data = path.read_bytes()
     header, end = _header(data, SNAPSHOT_MAGIC, path.name)
     _same_model(header, path.name, model_id, dimensions)
@@ -114,7 +107,13 @@ def read_former(path: Path, model_id: str, dimensions: int) -> FormerMemory:
                 parts.clear()  # a clear: nothing before it stays
             else:
                 parts.append(change)
-    return FormerMemory(_joined(parts, dimensions), dropped)
+    if not parts:
+        return CacheEntries(np.empty((0, dimensions), np.float32), np.empty(0), []), dropped
+    return CacheEntries(
+        np.concatenate([p[0] for p in parts]).astype(np.float32),
+        np.concatenate([p[1] for p in parts]).astype(np.float64),
+        [trace_id for p in parts for trace_id in p[2]],
+    ), dropped
 
 
 Part = tuple[np.ndarray, np.ndarray, list[str]]
@@ -151,13 +150,3 @@ def _changes(path: Path, model_id: str, dimensions: int) -> Iterator[Part | str 
         end = stop
     if end < len(data):
         yield None
-
-
-def _joined(parts: list[Part], dimensions: int) -> CacheEntries:
-    if not parts:
-        return CacheEntries(np.empty((0, dimensions), np.float32), np.empty(0), [])
-    return CacheEntries(
-        np.concatenate([p[0] for p in parts]).astype(np.float32),
-        np.concatenate([p[1] for p in parts]).astype(np.float64),
-        [trace_id for p in parts for trace_id in p[2]],
-    )

@@ -18,6 +18,7 @@ import numpy as np
 from app.core.health import Health
 from app.memory.base import (
     DEFAULT_NAMESPACE,
+    RECEIPT,
     BackendInfo,
     Comparison,
     MemoryFaults,
@@ -25,8 +26,6 @@ from app.memory.base import (
     NamespaceLimitError,
     NearestTrace,
     Vector,
-    from_receipt,
-    receipt_text,
 )
 from app.memory.ring import (
     CacheEntries,
@@ -37,7 +36,7 @@ from app.memory.ring import (
     wall_clock_ms,
 )
 from app.memory.sqlite import SqliteStore, StorageError
-from app.memory.sqlite_rows import NewRow, entry_rows, wire
+from app.memory.sqlite_rows import NewRow, entry_rows
 
 T = TypeVar("T")
 
@@ -46,43 +45,6 @@ T = TypeVar("T")
 PREFAULT_FROM = 65_536
 #: Rows prefaulted under the memory's lock at a time: well under a millisecond of faults.
 PREFAULT_BLOCK = 256
-
-
-class _Prefaulter:
-    """A thread that prefaults the rings a start reserves while the database is read: the
-    first write to each page of a fresh ring costs a fault, here paid on the other core
-    instead of in the load's copies. The kernel's work, not the GIL's."""
-
-    def __init__(self) -> None:
-        self._caches: list[VectorCache] = []
-        self._stopped = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def add(self, cache: VectorCache) -> None:
-        self._caches.append(cache)
-        if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._run, name="kp-prefault", daemon=True)
-            self._thread.start()
-
-    def forget(self) -> None:
-        """The rings added so far are no longer the memory's (a load started over)."""
-        self._caches.clear()
-
-    def _run(self) -> None:
-        while not self._stopped.is_set():
-            try:
-                cache = self._caches[0]
-            except IndexError:
-                return
-            if not cache.prefault(PREFAULT_BLOCK):
-                with contextlib.suppress(ValueError):
-                    self._caches.remove(cache)
-            time.sleep(0)  # the load's thread takes the memory's lock between blocks
-
-    def stop(self) -> None:
-        self._stopped.set()
-        if self._thread is not None:
-            self._thread.join()
 
 
 #: Rows the memory no longer holds are deleted from the database this many at a time: one
@@ -99,20 +61,6 @@ OFF_LOOP_FROM = 20_000
 
 #: An entry compared but not yet in the cache: (vector, trace id, time).
 Pending = tuple[Vector, str, float]
-
-
-def compare_in_order(
-    cache: VectorCache, vectors: Sequence[Vector], trace_ids: Sequence[str], *, add: bool
-) -> list[Comparison]:
-    """Each vector against `cache`, then added to it when `add`. Without `add` (a dry run)
-    several vectors still see the ones before them (compare_pending)."""
-    if not add:
-        return compare_pending(cache, vectors, trace_ids, [])
-    results = []
-    for vector, trace_id in zip(vectors, trace_ids, strict=True):
-        results.extend(compare_pending(cache, [vector], [trace_id], [], stored=True))
-        cache.add(vector, trace_id=trace_id)
-    return results
 
 
 def compare_pending(
@@ -152,7 +100,6 @@ class _Item:
     """One change (or read) waiting for its turn: a trace compare that adds (`add`, grouped
     with the adds queued beside it into one commit), or any other `work`."""
 
-    loop: asyncio.AbstractEventLoop
     future: asyncio.Future[Any]
     work: Callable[[], Any] | None = None
     namespace: str = DEFAULT_NAMESPACE
@@ -163,15 +110,12 @@ class _Item:
 
 class InProcessMemory:
     """The memory of one process: an exact VectorCache per namespace, each with the same
-    capacity and TTL, kept in an SQLite database when given one (`store`).
-
-    What changes them (compare, clear, import) meets them in one one-at-a-time order: as one
-    step of the event loop while the namespace is small and nothing needs the disk's flush,
-    else on one thread of its own, in the order asked; the loop takes the work back only once
-    that thread has nothing left, so the order holds across the switch. With a database, the
-    adds queued together are compared in order as if each were added, committed in one
-    transaction, then added: no answer before its commit, and a trace whose commit failed is
-    not in the memory (docs/decisions/memory-in-sqlite.md)."""
+    capacity and TTL, kept in an SQLite database when given one (`store`). What changes them
+    meets them in one order: as one step of the event loop while the namespace is small and
+    nothing needs the disk's flush, else on a thread of its own, in the order asked (the loop
+    takes the work back only once that thread has nothing left). The adds queued together are
+    compared in order as if each were added, committed in one transaction, then added
+    (docs/decisions/memory-in-sqlite.md, large-memory-off-the-event-loop.md)."""
 
     def __init__(
         self,
@@ -199,27 +143,34 @@ class InProcessMemory:
         self._queue: deque[_Item] = deque()
         self._queue_lock = threading.Lock()
         self._on_thread = 0  # items handed to the thread and not yet answered
-        self._prefaulter = _Prefaulter()
+        self._prefaulting: list[VectorCache] = []  # rings reserved at start, not yet prefaulted
+        self._prefaulter: threading.Thread | None = None
+        self._loaded = threading.Event()  # the start's load is over: no more prefaulting
         self._next_forget = 0.0  # time.monotonic() of the next look for empty namespaces
         self._forgotten_evictions = 0  # evictions of the namespaces let go
         self._dead: set[str] = set()  # namespaces let go whose rows are still in the database
 
     # ── namespaces ──────────────────────────────────────────────────────────
 
-    def _new_cache(self) -> VectorCache:
-        return VectorCache(
-            self.capacity, self.dimensions, self.ttl_ms, self._clock_ms, lock=self._lock
-        )
-
     def cache(self, namespace: str) -> VectorCache:
         """The namespace's cache, made when first asked (NamespaceLimitError past the limit
         of namespaces that hold entries). In the memory's order."""
-        self._forget_now_and_then()
+        if time.monotonic() >= self._next_forget:
+            self._forget_empty()
         self._admit(namespace, set())
+        return self._cache(namespace, keep=True)
+
+    def _cache(self, namespace: str, *, keep: bool) -> VectorCache:
+        """The namespace's cache; else a new one, kept when `keep` (admitted already: reads
+        never make one)."""
         with self._lock:
             found = self._caches.get(namespace)
             if found is None:
-                found = self._caches[namespace] = self._new_cache()
+                found = VectorCache(
+                    self.capacity, self.dimensions, self.ttl_ms, self._clock_ms, lock=self._lock
+                )
+                if keep:
+                    self._caches[namespace] = found
             return found
 
     def _admit(self, namespace: str, fresh: set[str]) -> None:
@@ -243,30 +194,13 @@ class InProcessMemory:
         the memory's order only, so that no queued change holds a cache that was dropped."""
         store = self.store
         with self._lock:
-            for name in [
-                n for n, c in self._caches.items() if n != DEFAULT_NAMESPACE and not c.size
-            ]:
+            for name, cache in list(self._caches.items()):
+                if name == DEFAULT_NAMESPACE or cache.size:
+                    continue
                 self._forgotten_evictions += self._caches.pop(name).evictions_total
                 if store is not None and store.rows(name):
                     self._dead.add(name)
         self._next_forget = time.monotonic() + FORGET_EVERY_S
-
-    def _forget_now_and_then(self) -> None:
-        if time.monotonic() >= self._next_forget:
-            self._forget_empty()
-
-    def _made(self, namespace: str) -> VectorCache:
-        """The namespace's cache, made without a check (admitted already)."""
-        with self._lock:
-            found = self._caches.get(namespace)
-            if found is None:
-                found = self._caches[namespace] = self._new_cache()
-            return found
-
-    def _existing(self, namespace: str) -> VectorCache:
-        """The namespace's cache, or an empty one that is not kept (reads never make one)."""
-        with self._lock:
-            return self._caches.get(namespace) or self._new_cache()
 
     # ── the order ───────────────────────────────────────────────────────────
 
@@ -285,7 +219,7 @@ class InProcessMemory:
         if self._here(namespace, disk=disk):
             return work()
         loop = asyncio.get_running_loop()
-        result: T = await self._submit(_Item(loop, loop.create_future(), work=work))
+        result: T = await self._submit(_Item(loop.create_future(), work=work))
         return result
 
     async def _submit(self, item: _Item) -> Any:
@@ -327,67 +261,78 @@ class InProcessMemory:
     def _add_group(
         self, group: Sequence[_Item], *, on_loop: bool = False
     ) -> list[list[Comparison] | Exception]:
-        """Adds committed as one transaction: compared in order as if each were added, the
-        transaction committed, then added. When it fails, each trace is compared with the
-        memory as it is (nothing of the group in it) and answered as not stored."""
+        """Adds made as one: compared in order as if each were added, committed as one
+        transaction (with a database), then added. When the commit fails, each trace is
+        compared with the memory as it is (nothing of the group in it) and answered as not
+        stored. On the loop the database is open (`commit_waits` said so)."""
         store = self.store
-        assert store is not None
-        store.ensure_open()
-        self._forget_now_and_then()
+        if store is not None and not on_loop:
+            store.ensure_open()
+        if time.monotonic() >= self._next_forget:
+            self._forget_empty()
         outcomes: list[list[Comparison] | Exception] = []
+        caches: dict[str, VectorCache] = {}
         pending: dict[str, list[Pending]] = {}
         held: dict[str, int] = {}
         fresh: set[str] = set()
         receipts: list[tuple[str, str]] = []
         for item in group:
-            kept = None if item.receipt is None else store.receipt(item.receipt)
+            ns = item.namespace
+            # Without a database a receipt is not kept: what a crash loses, the memory loses too.
+            kept = None if item.receipt is None or store is None else store.receipt(item.receipt)
             if kept is not None:  # committed before, its answer lost: the same, nothing added
-                outcomes.append(from_receipt(kept))
+                outcomes.append(RECEIPT.validate_json(kept))
                 continue
-            try:
-                self._admit(item.namespace, fresh)
-            except NamespaceLimitError as exc:
-                outcomes.append(exc)
-                continue
-            cache = self._existing(item.namespace)
-            held.setdefault(item.namespace, cache.size)
-            queued = pending.setdefault(item.namespace, [])
+            cache = caches.get(ns) or self._caches.get(ns) or self._cache(ns, keep=False)
+            if ns not in held and not cache.size and ns not in fresh:
+                try:
+                    self._admit(ns, fresh)
+                except NamespaceLimitError as exc:
+                    outcomes.append(exc)
+                    continue
+            caches[ns] = cache
+            held.setdefault(ns, cache.size)
+            queued = pending.setdefault(ns, [])
             compared = compare_pending(cache, item.vectors, item.trace_ids, queued, stored=True)
             outcomes.append(compared)
-            if item.receipt is not None:
-                receipts.append((item.receipt, receipt_text(compared)))
-        rows = [
-            NewRow(ns, trace_id, at, wire(vector))
-            for ns, queued in pending.items()
-            for vector, trace_id, at in queued
-        ]
-        try:
-            store.write(
-                rows,
-                held=held,
-                forget=self._dead,
-                checkpoint=not on_loop,
-                trim_from=TRIM_FROM,
-                receipts=receipts,
-            )
-        except StorageError as exc:
-            return [
-                outcome if isinstance(outcome, Exception) else self._unstored(item, str(exc))
-                for item, outcome in zip(group, outcomes, strict=True)
+            if item.receipt is not None and store is not None:
+                receipts.append((item.receipt, RECEIPT.dump_json(compared).decode()))
+        if store is not None:
+            rows = [
+                NewRow(ns, trace_id, at, vector.astype("<f4", copy=False).tobytes())
+                for ns, queued in pending.items()
+                for vector, trace_id, at in queued
             ]
-        self._dead.clear()
-        for namespace, queued in pending.items():
-            if queued:
-                self._made(namespace).extend(
-                    np.stack([v for v, _, _ in queued]),
-                    np.array([at for _, _, at in queued], dtype=np.float64),
-                    [trace_id for _, trace_id, _ in queued],
+            try:
+                store.write(
+                    rows,
+                    held=held,
+                    forget=self._dead,
+                    checkpoint=not on_loop,
+                    trim_from=TRIM_FROM,
+                    receipts=receipts,
                 )
+            except StorageError as exc:
+                return [
+                    outcome if isinstance(outcome, Exception) else self._unstored(item, str(exc))
+                    for item, outcome in zip(group, outcomes, strict=True)
+                ]
+            self._dead.clear()
+        for ns, queued in pending.items():
+            if not queued:
+                continue
+            with self._lock:  # kept from here when new: admitted above
+                cache = self._caches.setdefault(ns, caches[ns])
+            cache.extend(
+                np.stack([v for v, _, _ in queued]),
+                np.array([at for _, _, at in queued], dtype=np.float64),
+                [trace_id for _, trace_id, _ in queued],
+            )
         return outcomes
 
     def _unstored(self, item: _Item, reason: str) -> list[Comparison]:
         """Each trace of `item` against the memory alone, answered as not stored."""
-        cache = self._existing(item.namespace)
+        cache = self._cache(item.namespace, keep=False)
         return [
             replace(compare_pending(cache, [v], [t], [])[0], not_stored=reason)
             for v, t in zip(item.vectors, item.trace_ids, strict=True)
@@ -428,7 +373,9 @@ class InProcessMemory:
             try:
                 store.open(self)
             finally:
-                self._prefaulter.stop()
+                self._loaded.set()
+                if self._prefaulter is not None:
+                    self._prefaulter.join()
             with self._lock:
                 held = {ns: c.size for ns, c in self._caches.items()}
             # Rows past the capacity or the TTL (or of a smaller capacity than before).
@@ -438,19 +385,40 @@ class InProcessMemory:
 
         await asyncio.to_thread(open_and_trim)
 
-    # LoadTarget (app/memory/sqlite.py): where the database's entries go at start.
+    # SqliteStore's LoadTarget: where the database's entries go at start.
 
     def load(self, namespace: str, entries: CacheEntries) -> None:
-        self._made(namespace).extend(entries.vectors, entries.added_at_ms, entries.ids())
+        self._cache(namespace, keep=True).extend(
+            entries.vectors, entries.added_at_ms, entries.ids()
+        )
 
     def reserve(self, namespace: str, rows: int) -> None:
-        cache = self._made(namespace)
+        cache = self._cache(namespace, keep=True)
         cache.reserve(rows)
         if rows >= PREFAULT_FROM:
-            self._prefaulter.add(cache)
+            self._prefaulting.append(cache)
+            if self._prefaulter is None or not self._prefaulter.is_alive():
+                self._prefaulter = threading.Thread(
+                    target=self._prefault, name="kp-prefault", daemon=True
+                )
+                self._prefaulter.start()
+
+    def _prefault(self) -> None:
+        """The rings a start reserves, prefaulted while the database is read: the first write
+        to each page of a fresh ring costs a fault, here paid on the other core instead of in
+        the load's copies. The kernel's work, not the GIL's."""
+        while not self._loaded.is_set():
+            try:
+                cache = self._prefaulting[0]
+            except IndexError:
+                return  # every ring prefaulted, or reset() took them
+            if not cache.prefault(PREFAULT_BLOCK):
+                with contextlib.suppress(ValueError):  # reset() may have taken it
+                    self._prefaulting.remove(cache)
+            time.sleep(0)  # the load's thread takes the memory's lock between blocks
 
     def reset(self) -> None:
-        self._prefaulter.forget()
+        self._prefaulting.clear()  # no longer the memory's rings (a load started over)
         with self._lock:
             self._caches.clear()
 
@@ -460,7 +428,7 @@ class InProcessMemory:
         with self._lock:
             names = list(self._caches)
         for name in names:
-            for chunk in self._existing(name).chunks():
+            for chunk in self._cache(name, keep=False).chunks():
                 yield name, chunk
 
     async def close(self) -> None:
@@ -477,22 +445,18 @@ class InProcessMemory:
         add: bool,
         receipt: str | None = None,
     ) -> list[Comparison]:
-        if not add or self.store is None:
-            # Without a database a receipt is not kept: what a crash loses, the memory loses too.
-            cache = self.cache if add else self._existing  # a dry run makes no namespace
+        if not add:  # a dry run: it makes no namespace
             return await self._in_order(
                 namespace,
-                lambda: compare_in_order(cache(namespace), vectors, trace_ids, add=add),
+                lambda: compare_pending(self._cache(namespace, keep=False), vectors, trace_ids, []),
                 disk=False,
             )
         loop = asyncio.get_running_loop()
-        item = _Item(loop, loop.create_future(), None, namespace, vectors, trace_ids, receipt)
+        item = _Item(loop.create_future(), None, namespace, vectors, trace_ids, receipt)
         # A `process` commit is a write to the kernel, cheaper than the hand-off to the
         # thread; a checkpoint syncs, so the commit that finds one due takes the thread, as
         # does a database that is opened again (and loaded) before its commit.
-        store = self.store
-        flush = store.durability != "process" or store.checkpoint_due or store.needs_open
-        if self._here(namespace, disk=flush):
+        if self._here(namespace, disk=self.store is not None and self.store.commit_waits):
             (outcome,) = self._add_group([item], on_loop=True)
             if isinstance(outcome, Exception):
                 raise outcome
@@ -505,13 +469,13 @@ class InProcessMemory:
             return sorted(name for name, cache in self._caches.items() if cache.size)
 
     async def stats(self, namespace: str) -> CacheStats:
-        return self._existing(namespace).stats()
+        return self._cache(namespace, keep=False).stats()
 
     async def clear(self, namespace: str) -> int:
         def work() -> int:
             if self.store is not None:
                 self.store.ensure_open()
-                self._commit(self.store, "cleared", clear=namespace)
+                self._commit(self.store, "cleared", forget={*self._dead, namespace})
             with self._lock:
                 cache = self._caches.get(namespace)
             cleared = 0 if cache is None else cache.clear()
@@ -521,7 +485,7 @@ class InProcessMemory:
         return await self._in_order(namespace, work, disk=self.store is not None)
 
     async def export_chunks(self, namespace: str) -> AsyncIterator[CacheEntries]:
-        for chunk in self._existing(namespace).chunks():
+        for chunk in self._cache(namespace, keep=False).chunks():
             yield chunk
             await asyncio.sleep(0)  # other requests go on between chunks
 
@@ -537,9 +501,8 @@ class InProcessMemory:
             # An entry already past the TTL is skipped; a time in the future is lowered to now.
             now = cache.now_ms()
             times = np.minimum(np.asarray(entries.added_at_ms, dtype=np.float64), now)
-            keep = np.ones(len(times), dtype=bool)
-            if self.ttl_ms is not None:
-                keep = np.asarray(entries.added_at_ms) > now - self.ttl_ms
+            ttl = self.ttl_ms
+            keep = np.full(len(times), True) if ttl is None else times > now - ttl
             ids = [trace_id for trace_id, kept in zip(entries.ids(), keep, strict=True) if kept]
             vectors, times = np.asarray(entries.vectors)[keep], times[keep]
             if store is not None:
@@ -553,10 +516,12 @@ class InProcessMemory:
     def _commit(
         self, store: SqliteStore, what: str, rows: Sequence[NewRow] = (), **change: Any
     ) -> None:
-        """An operator's change (SqliteStore.write's `held` or `clear`) committed with the
-        namespaces let go; MemoryUnavailableError (nothing was `what`) when it cannot be."""
+        """An operator's change (SqliteStore.write's `held`, or `forget` of a namespace cleared)
+        committed with the namespaces let go; MemoryUnavailableError (nothing was `what`) when
+        it cannot be."""
+        change.setdefault("forget", self._dead)
         try:
-            store.write(rows, forget=self._dead, **change)
+            store.write(rows, **change)
         except StorageError as exc:
             raise MemoryUnavailableError(
                 f"the memory's database cannot be written ({exc}): nothing was {what}"
@@ -576,4 +541,4 @@ def _settle(item: _Item, outcome: Any) -> None:
         else:
             item.future.set_result(outcome)
 
-    item.loop.call_soon_threadsafe(settle)
+    item.future.get_loop().call_soon_threadsafe(settle)

@@ -1,14 +1,8 @@
 """Who may open the in-process memory's database (docs/operating/persistence.md): one process
-at a time, and only a release that knows its schema.
-
-One process owns a database: it holds an exclusive lock (flock) on `<database>.lock` beside it
-for as long as it runs, and writes its PID, host and start time into that file, so that a
-second process is refused at start with a message that names the first. The kernel lets go of
-the lock when the process ends, however it ends (kill -9 included): a lock file left behind
-is never in the way.
-
-Light on purpose (no numpy, no sqlite3 at import): app/serve.py asks `refusal` before the
-server starts, to refuse with one line.
+at a time, holding an exclusive flock on `<database>.lock` (with its PID, host and start time,
+for the message a second one gets; the kernel lets go however the process ends), and only a
+release that knows its schema. Light on purpose: app/serve.py asks `refusal` before the server
+starts, to refuse with one line.
 """
 
 from __future__ import annotations
@@ -36,8 +30,8 @@ class DatabaseRefusedError(PartError):
     wrote it. Nothing was changed."""
 
 
-def _identity(stat: os.stat_result) -> tuple[int, int]:
-    return stat.st_dev, stat.st_ino
+def utc_now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
 class OwnerLock:
@@ -65,24 +59,37 @@ class OwnerLock:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
             os.close(fd)
-            if exc.errno in (errno.EWOULDBLOCK, errno.EACCES):
-                raise DatabaseRefusedError(self._owned_by_another()) from None
-            raise
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EACCES):
+                raise
+            owner = "another process"
+            with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
+                found = json.loads(self.path.read_text(encoding="utf-8"))
+                owner = (
+                    f"process {int(found['pid'])} on host {found['host']} (since {found['since']})"
+                )
+            raise DatabaseRefusedError(
+                f"the database {self.database} is in use by {owner}, which holds {self.path.name}: "
+                "one process owns a database; give this one its own KP_CACHE_DB_PATH, or stop "
+                "the other first"
+            ) from None
         self._fd = fd
-        self._identity = _identity(os.fstat(fd))
+        held = os.fstat(fd)
+        self._identity = held.st_dev, held.st_ino
         # Who holds it, for the message a second process gets. A full disk may refuse these
         # few bytes: the lock holds all the same.
+        holder = {"pid": os.getpid(), "host": socket.gethostname(), "since": utc_now()}
         with contextlib.suppress(OSError):
             os.ftruncate(fd, 0)
-            os.pwrite(fd, json.dumps(_owner()).encode() + b"\n", 0)
+            os.pwrite(fd, json.dumps(holder).encode() + b"\n", 0)
 
     def intact(self) -> bool:
         """Whether the lock file at the path is still the one this process locked (not
         deleted or replaced: else a second process could lock a new one)."""
         try:
-            return _identity(os.stat(self._path_text)) == self._identity
+            found = os.stat(self._path_text)
         except OSError:
             return False
+        return (found.st_dev, found.st_ino) == self._identity
 
     def release(self) -> None:
         if self._fd is not None:
@@ -90,25 +97,6 @@ class OwnerLock:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
-
-    def _owned_by_another(self) -> str:
-        owner = "another process"
-        with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
-            found = json.loads(self.path.read_text(encoding="utf-8"))
-            owner = f"process {int(found['pid'])} on host {found['host']} (since {found['since']})"
-        return (
-            f"the database {self.database} is in use by {owner}, which holds {self.path.name}: "
-            "one process owns a database; give this one its own KP_CACHE_DB_PATH, or stop the "
-            "other first"
-        )
-
-
-def _owner() -> dict[str, object]:
-    return {
-        "pid": os.getpid(),
-        "host": socket.gethostname(),
-        "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
 
 
 def newer_schema(database: Path) -> str | None:

@@ -27,12 +27,6 @@ class NamespaceUnavailableError(MemoryUnavailableError):
     """This namespace cannot be used now (its index); the others can. Nothing was added."""
 
 
-def evicting(policy: str) -> bool:
-    """Whether a maxmemory-policy may evict the memory's keys: the allkeys-* ones. The
-    volatile-* ones evict only keys with a TTL, and the memory's keys have none."""
-    return policy.startswith("allkeys-")
-
-
 class QueryEngineMissingError(PartError):
     """The Redis at KP_REDIS_URL has no vector search."""
 

@@ -1,27 +1,15 @@
 """The shared novelty memory (KP_REDIS_URL): kept once, in Redis, and searched there by Redis's
-Query Engine (FT.SEARCH); replicas hold no copy. Why every replica's answers equal one-at-a-time
-scoring in one order per namespace: docs/operating/scaling.md, docs/decisions/
-memory-step-in-lua.md (the step), flat-then-hnsw.md (the search) and shared-namespace-health.md
-(each namespace's health, the maxmemory-policy, expired namespaces). In short:
+Query Engine; replicas hold no copy. A namespace's keys and indexes carry its name as a hash tag
+(one node holds them all, on a Redis Cluster too), and a request's searches and adds are one
+run of memory.lua there: Redis runs it alone, so each namespace has one order for every
+replica. FLAT up to KP_REDIS_HNSW_FROM entries ("exact": the candidates are rescored here in
+float64), HNSW past it ("index"). Why: docs/operating/scaling.md and docs/decisions/
+memory-step-in-lua.md, flat-then-hnsw.md, shared-namespace-health.md.
 
-- A namespace's keys and indexes carry its name as a hash tag (`<prefix>{ns}:meta`, its entries
-  `<prefix>{ns}:e:<seq>`, `<prefix>idx:{ns}` FLAT and `<prefix>idx:{ns}:hnsw`): one node holds
-  them all, on a Redis Cluster too.
-- A request's searches and adds, in order, with the TTL's expiry (on Redis's TIME) and the
-  capacity's eviction, are one run of memory.lua on that node: Redis runs it alone, so no
-  other request's trace comes between, and each trace sees the ones before it.
-- FLAT up to KP_REDIS_HNSW_FROM entries ("exact"): the candidates within 1e-4 of the best
-  float32 distance come back and are rescored here in float64, so the answer is the true
-  maximum (ties: the newest). Past it HNSW ("index"): a true cosine with the entry it names.
-
-Redis down: requests get MemoryUnavailableError at once (nothing added), one log line marks the
-outage and one its end, and a probe retries every RETRY_INTERVAL_S. No request waits for Redis
-longer than KP_REDIS_TIMEOUT_MS; one that timed out after Redis ran its script has its entries
-stored although its answer said cache_unavailable. A namespace whose index went (made again by
-the script) or is not this memory's is refused alone (NamespaceUnavailableError). Every
-WATCH_INTERVAL_S: the maxmemory-policy is read (under allkeys-* no trace is stored), refused
-namespaces are tried again, and one replica at a time lets go of namespaces whose every entry
-expired.
+Redis down: MemoryUnavailableError at once (nothing added), one log line for the outage and one
+for its end, a probe every RETRY_INTERVAL_S; no request waits longer than KP_REDIS_TIMEOUT_MS
+(one that timed out after the script ran has its entries stored although its answer said
+cache_unavailable). A namespace whose index went or is not this memory's is refused alone.
 """
 
 from __future__ import annotations
@@ -60,7 +48,6 @@ from app.memory.redis_parts import (
     QueryEngineMissingError,
     SettingsMismatchError,
     describe,
-    evicting,
     missing_query_engine,
     number_text,
     rescored,
@@ -125,17 +112,8 @@ class RedisVectorMemory:
         self.max_namespaces = max_namespaces
         self.dimensions = dimensions
         self._timeout_s = timeout_ms / 1000.0
-        self._settings = [
-            str(capacity),
-            number_text(ttl_ms),
-            self.model,
-            str(dimensions),
-            str(hnsw_from),
-            str(hnsw_m),
-            str(hnsw_ef_construction),
-            str(hnsw_ef_runtime),
-            str(CANDIDATES),
-        ]
+        numbers = (dimensions, hnsw_from, hnsw_m, hnsw_ef_construction, hnsw_ef_runtime, CANDIDATES)
+        self._settings = [str(capacity), number_text(ttl_ms), self.model, *map(str, numbers)]
         self._script_text = (resources.files("app.memory") / "memory.lua").read_text("utf-8")
         self._client: Redis | RedisCluster | None = None
         # Clients dropped at an outage: their pooled connections may be dead (a restarted
@@ -243,9 +221,17 @@ class RedisVectorMemory:
             "client_name": "kp-scoring",
         }
         seed = Redis.from_url(self.url, **options)
+        execute: Callable[..., Awaitable[Any]] = seed.execute_command  # untyped in redis-py
         try:
             async with asyncio.timeout(max(self._timeout_s, 5.0)):
-                await self._check_query_engine(seed)
+                try:
+                    await execute("FT._LIST")
+                except ResponseError as exc:
+                    if "unknown command" not in str(exc).lower():
+                        raise
+                    version = (await seed.info("server")).get("redis_version", "unknown")
+                    missing = missing_query_engine(self.location, version)
+                    raise QueryEngineMissingError(missing) from None
                 cluster = (await seed.info("cluster")).get("cluster_enabled") == 1
         except BaseException:
             await seed.aclose()
@@ -260,16 +246,6 @@ class RedisVectorMemory:
         self._script = client.register_script(self._script_text)
         self._register = client.register_script(_REGISTER)
         await self._read_policy(client)
-
-    async def _check_query_engine(self, client: Redis) -> None:
-        execute: Callable[..., Awaitable[Any]] = client.execute_command  # untyped in redis-py
-        try:
-            await execute("FT._LIST")
-        except ResponseError as exc:
-            if "unknown command" not in str(exc).lower():
-                raise
-            version = (await client.info("server")).get("redis_version", "unknown")
-            raise QueryEngineMissingError(missing_query_engine(self.location, version)) from None
 
     async def close(self) -> None:
         self._closed = True
@@ -577,14 +553,21 @@ class RedisVectorMemory:
         refused tried again, and (one replica at a time) expired namespaces let go."""
         while not self._closed:
             await asyncio.sleep(WATCH_INTERVAL_S)
-            if not self._available or self._client is None:
+            client = self._client
+            if not self._available or client is None:
                 continue  # the probe reconnects (and reads the policy then)
             try:
-                await self._read_policy(self._client)
+                await self._read_policy(client)
                 for namespace in list(self._faults):
                     with contextlib.suppress(MemoryUnavailableError, NamespaceLimitError):
                         await self._run(namespace, "step", ["0", "", "0"], bulk=False)
-                if self.ttl_ms is not None and await self._sweep_turn():
+                if self.ttl_ms is None:
+                    continue
+                async with asyncio.timeout(self._timeout_s):  # one replica a round sweeps
+                    turn = await client.set(
+                        f"{self.prefix}sweeping", "1", nx=True, px=int(WATCH_INTERVAL_S * 1000)
+                    )
+                if turn:
                     await self._sweep_registry()
             except (MemoryUnavailableError, RedisError, OSError, TimeoutError):
                 continue
@@ -614,7 +597,8 @@ class RedisVectorMemory:
         unsafe = sorted(
             (name, str(info.get("maxmemory_policy")))
             for name, info in nodes.items()
-            if isinstance(info, dict) and evicting(str(info.get("maxmemory_policy", "")))
+            # allkeys-* may evict the memory's keys; volatile-* only keys with a TTL (none here)
+            if isinstance(info, dict) and str(info.get("maxmemory_policy")).startswith("allkeys-")
         )
         eviction = None
         if unsafe:
@@ -630,16 +614,6 @@ class RedisVectorMemory:
             else:
                 log.warning("shared cache: traces are stored again (maxmemory-policy)")
         self._eviction = eviction
-
-    async def _sweep_turn(self) -> bool:
-        """Whether this replica sweeps the registry this time: one replica a round."""
-        client = self._client
-        assert client is not None
-        async with asyncio.timeout(self._timeout_s):
-            taken = await client.set(
-                f"{self.prefix}sweeping", "1", nx=True, px=int(WATCH_INTERVAL_S * 1000)
-            )
-        return bool(taken)
 
     async def _sweep_registry(self) -> None:
         """Lets go of the registered namespaces whose every entry expired (or that hold
@@ -687,17 +661,13 @@ class RedisVectorMemory:
                 await client.srem(self._registry, *gone)
         except (RedisError, OSError, TimeoutError) as exc:
             raise self._failed(exc) from None
-        for namespace in gone:
-            self._forget(namespace)
+        for namespace in gone:  # what this replica kept of it
+            self._retired_evictions += self._evictions.pop(namespace, 0)
+            for kept in (self._sizes, self._last_stats, self._notes):
+                kept.pop(namespace, None)
+            self._known.discard(namespace)
+            self._verified.discard(namespace)
         log.info("expired namespaces let go", extra={"namespaces": len(gone)})
-
-    def _forget(self, namespace: str) -> None:
-        """What this replica keeps of a namespace that was let go."""
-        self._retired_evictions += self._evictions.pop(namespace, 0)
-        for kept in (self._sizes, self._last_stats, self._notes):
-            kept.pop(namespace, None)
-        self._known.discard(namespace)
-        self._verified.discard(namespace)
 
     # ── outages ─────────────────────────────────────────────────────────────
 

@@ -1,19 +1,10 @@
-"""The memory novelty is measured against: a bounded ring of vectors and its exact search
-(docs/scoring.md, novelty).
-
-A ring buffer of float32 rows: adding never moves data, eviction is oldest first, and entries
-older than the TTL leave as a prefix. Every entry has a sequence number (its place in the
-order since the cache was made) and a trace id, so an answer names the stored trace it
-resembles most (ties: the newest).
-
-The search is one matrix-vector product over every row, each divided by the row's norm (a
-cosine, so that a long row cannot crowd out the true nearest); cosines are then recomputed in
-float64 for the few rows that can be the maximum, so the result equals the reference's
-double-precision loop, not just nearly, whatever the rows' lengths.
-
-Pure: no threads, no I/O. A cache shared between threads is given a lock (`lock=`); the store
-(app.memory.in_process) keeps one per namespace and decides where its work runs.
-"""
+"""The memory novelty is measured against (docs/scoring.md, novelty): a bounded ring of float32
+rows (adding never moves data, eviction is oldest first, entries older than the TTL leave as a
+prefix), each with a sequence number and a trace id, and its exact search: one matrix-vector
+product of cosines (each row over its norm, so that a long row cannot crowd out the true
+nearest), then the few rows that can be the maximum rescored in float64, so that the result
+equals the reference's double-precision loop whatever the rows' lengths (ties: the newest).
+Pure: no threads, no I/O; a cache shared between threads is given a lock (`lock=`)."""
 
 from __future__ import annotations
 
@@ -98,7 +89,8 @@ class VectorCache:
         self.capacity = capacity
         self.dimensions = dimensions
         self.ttl_ms = ttl_ms
-        self._clock_ms = clock_ms
+        #: The cache's clock (ages are measured on it).
+        self.now_ms = clock_ms
         # Reentrant (the memory holds it around calls into the cache); a no-op for one thread.
         self._lock: AbstractContextManager[Any] = contextlib.nullcontext() if lock is None else lock
         # Rows are allocated as the cache grows, so a large capacity costs nothing up front.
@@ -131,14 +123,10 @@ class VectorCache:
             first, stop = self._first_seq + max(0, skip_oldest), self._first_seq + self._size
             return None if first >= stop else self._best(q, self._candidates(q, first, stop))
 
-    def now_ms(self) -> float:
-        """The cache's clock (ages are measured on it)."""
-        return self._clock_ms()
-
     def stats(self) -> CacheStats:
         with self._lock:
             self._drop_expired()
-            now = self._clock_ms()
+            now = self.now_ms()
             return CacheStats(
                 size=self._size,
                 capacity=self.capacity,
@@ -147,7 +135,9 @@ class VectorCache:
                 memory_bytes=sum(a.nbytes for a in self._arrays()),
                 oldest_age_ms=float(now - self._added_at[self._head]) if self._size else None,
                 newest_age_ms=(
-                    float(now - self._added_at[self._tail_index()]) if self._size else None
+                    float(now - self._added_at[self._rows_of(self._first_seq + self._size - 1)])
+                    if self._size
+                    else None
                 ),
                 adds_total=self.adds_total,
                 evictions_total=self.evictions_total,
@@ -175,26 +165,7 @@ class VectorCache:
 
     def add(self, vector: npt.ArrayLike, trace_id: str = "") -> None:
         """Append a vector, added now; the oldest entry goes when the cache is over capacity."""
-        v = self._as_vector(vector)
-        with self._lock:
-            now = self._clock_ms()
-            if self._size:
-                # Keep insertion times ordered so that expiry is always a prefix of the ring.
-                now = max(now, float(self._added_at[self._tail_index()]))
-            if self._size == self.capacity:
-                self._head = (self._head + 1) % self.capacity
-                self._size -= 1
-                self._first_seq += 1
-                self.evictions_total += 1
-            elif self._size == len(self._vectors):
-                self._grow()
-            slot = (self._head + self._size) % len(self._vectors)
-            self._vectors[slot] = v
-            self._norms[slot] = norm64(v)
-            self._added_at[slot] = now
-            self._trace_ids[slot] = trace_id
-            self._size += 1
-            self.adds_total += 1
+        self.extend(self._as_vector(vector)[None], np.array([self.now_ms()]), [trace_id])
 
     def extend(
         self,
@@ -216,7 +187,8 @@ class VectorCache:
         ids[:] = list(trace_ids)
         with self._lock:
             if self._size:
-                newest = float(self._added_at[self._tail_index()])
+                # Insertion times kept ordered, so that expiry is always a prefix of the ring.
+                newest = self._added_at[(self._head + self._size - 1) % len(self._vectors)]
                 times = np.maximum.accumulate(np.concatenate([[newest], times]))[1:]
             else:
                 times = np.maximum.accumulate(times)
@@ -300,33 +272,31 @@ class VectorCache:
         whose length float32 cannot rank safely (_RANKED_NORMS) is always rescored."""
         qu = unit_query(q)
         length = len(self._vectors)
-        if stop_seq - start_seq == length:
+        full = stop_seq - start_seq == length
+        if full:
             # Every row (a full ring, the common case): one product over the whole array
             # instead of one per run and their concatenation.
             estimates = _cosine_estimates(self._vectors, self._norms, qu)
-            slots = np.flatnonzero(_may_be_best(estimates, float(_finite_max(estimates))))
-            return (start_seq + (slots - self._row(start_seq)) % length).astype(np.int64)
-        parts = []
-        for seq, row_start, row_stop in self._runs(start_seq, stop_seq):
-            rows, norms = self._vectors[row_start:row_stop], self._norms[row_start:row_stop]
-            parts.append((seq, _cosine_estimates(rows, norms, qu)))
-        best = max(_finite_max(p) for _, p in parts)
-        return np.concatenate(
-            [seq + np.flatnonzero(_may_be_best(p, best)) for seq, p in parts]
-        ).astype(np.int64)
+        else:  # the runs' estimates, in the order of their entries
+            runs = self._runs(start_seq, stop_seq)
+            estimates = np.concatenate(
+                [_cosine_estimates(self._vectors[a:b], self._norms[a:b], qu) for _, a, b in runs]
+            )
+        finite = estimates[np.isfinite(estimates)]
+        best = float(finite.max()) if len(finite) else -np.inf
+        at = np.flatnonzero((estimates >= best - _RESCORE_MARGIN) | np.isinf(estimates))
+        if full:  # rows to entries
+            at = (at - self._rows_of(start_seq)) % length
+        return (start_seq + at).astype(np.int64)
 
-    def _row(self, seq: int) -> int:
-        """The row of the ring that holds the live entry `seq`."""
-        return (self._head + seq - self._first_seq) % len(self._vectors)
-
-    def _rows_of(self, seqs: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
-        """The rows of the ring that hold the live entries `seqs`."""
+    def _rows_of(self, seqs: Any) -> Any:
+        """The rows of the ring that hold the live entries `seqs` (a number, or an array)."""
         return (self._head + (seqs - self._first_seq)) % max(1, len(self._vectors))
 
     def _runs(self, start_seq: int, stop_seq: int) -> list[tuple[int, int, int]]:
         """[start, stop) as at most two contiguous runs of rows: (first seq, row start, stop)."""
         length = len(self._vectors)
-        row = self._row(start_seq)
+        row = self._rows_of(start_seq)
         count = stop_seq - start_seq
         if row + count <= length:
             return [(start_seq, row, row + count)]
@@ -367,13 +337,10 @@ class VectorCache:
         self._head = 0
         self._prefaulted = self._size
 
-    def _tail_index(self) -> int:
-        return (self._head + self._size - 1) % len(self._vectors)
-
     def _drop_expired(self) -> None:
         if self.ttl_ms is None or self._size == 0:
             return
-        cutoff = self._clock_ms() - self.ttl_ms
+        cutoff = self.now_ms() - self.ttl_ms
         if self._added_at[self._head] > cutoff:
             return
         # The reference keeps entries with addedAt > cutoff; times are ordered, so the expired
@@ -414,15 +381,6 @@ def _cosine_estimates(
     if odd.any():
         estimates[odd] = np.inf
     return estimates
-
-
-def _finite_max(estimates: npt.NDArray[np.float64]) -> float:
-    finite = estimates[np.isfinite(estimates)]
-    return float(finite.max()) if len(finite) else -np.inf
-
-
-def _may_be_best(estimates: npt.NDArray[np.float64], best: float) -> npt.NDArray[np.bool_]:
-    return (estimates >= best - _RESCORE_MARGIN) | np.isinf(estimates)
 
 
 def exact_cosine(a: Vector, b: Vector) -> float:

@@ -1,17 +1,10 @@
-"""The in-process memory's persistence: one SQLite database (Python's sqlite3, WAL mode).
-Operators: docs/operating/persistence.md; the why and the figures: docs/decisions/
-memory-in-sqlite.md and database-files-checked-before-a-commit.md.
-
-Every change is one transaction, committed before its answer (app/memory/in_process.py groups
-concurrent requests into one); `KP_CACHE_DURABILITY` is SQLite's `synchronous`: NORMAL (a
-process crash loses nothing committed) or FULL (a power loss neither). One table holds every
-namespace's entries in the order they were added (its rowid). SQLite checks a file's
-structure, not what a row holds, so each row carries a checksum (checksums), checked at start:
-a row failing it is never served. The database may hold more rows than the memory (deleted a
-batch at a time: `trim_from`); a start keeps the newest of each namespace within the capacity
-and the TTL, as the memory does. A damaged file is copied aside and read row by row into a new
-one (_recover); another model's is set aside; the former format is converted once.
-"""
+"""The in-process memory's persistence: one SQLite database (Python's sqlite3, WAL mode), one
+table of every namespace's entries in the order added, each row with a checksum checked at start
+(SQLite checks a file's structure, not what a row holds). Every change is one transaction,
+committed before its answer. A damaged file is copied aside and read row by row into a new one,
+another model's is set aside, the former format is converted once. Operators:
+docs/operating/persistence.md; why: docs/decisions/memory-in-sqlite.md and
+database-files-checked-before-a-commit.md."""
 
 from __future__ import annotations
 
@@ -20,13 +13,12 @@ import logging
 import os
 import shutil
 import sqlite3
-import struct
 import time
 import zlib
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from itertools import repeat
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -38,9 +30,11 @@ from app.memory.base import RECEIPT_TTL_MS
 from app.memory.former_files import FormerFilesError, is_former_snapshot, journal_files, read_former
 from app.memory.ownership import (
     SCHEMA_VERSION,
+    SQLITE_HEADER,
     DatabaseRefusedError,
     OwnerLock,
     newer_schema,
+    utc_now,
 )
 from app.memory.ring import CHUNK, CacheEntries
 from app.memory.sqlite_rows import (
@@ -48,32 +42,27 @@ from app.memory.sqlite_rows import (
     INSERT,
     SCHEMA,
     TRIM,
-    Checked,
     Durability,
     FileWatch,
-    Loader,
-    LoadTarget,
     NewRow,
     StorageStatus,
     checksums,
     close_quietly,
     entry_rows,
+    file_watch,
     fsync,
-    has_sqlite_header,
     key_text,
     move_database,
     readable_rows,
     reason,
     remove_database,
-    row_ok,
-    utc_now,
     values,
+    well_typed,
 )
 
 log = logging.getLogger(__name__)
 
 SYNCHRONOUS: dict[Durability, str] = {"process": "NORMAL", "power": "FULL"}
-_TIME = struct.Struct("<d")
 #: Pages written to the WAL between two checkpoints (SQLite's own default), counted as a
 #: commit's pages: three (the table's, the index's, one they share or a trim's), and one more
 #: for every ROWS_A_PAGE rows (two entries of 1.6 KB fill a page of 4 KiB).
@@ -81,8 +70,17 @@ CHECKPOINT_PAGES = 1_000
 ROWS_A_PAGE = 2
 #: How often the lock file is checked (it is not deleted or replaced) between commits, and
 #: the database's and WAL's paths where the kernel reports changes to them (FileWatch).
-LOCK_CHECK_INTERVAL_S = 1.0
-PATH_CHECK_INTERVAL_S = 1.0
+CHECK_INTERVAL_S = 1.0
+
+
+class LoadTarget(Protocol):
+    """Where a start's entries go, and where a database written anew takes them from: the
+    memory (app/memory/in_process.py, which imports this module)."""
+
+    def load(self, namespace: str, entries: CacheEntries) -> None: ...
+    def reserve(self, namespace: str, rows: int) -> None: ...
+    def reset(self) -> None: ...
+    def held(self) -> Iterator[tuple[str, CacheEntries]]: ...
 
 
 class StorageError(PartError):
@@ -91,13 +89,9 @@ class StorageError(PartError):
 
 class SqliteStore:
     """The database of one process's memory; used by one thread at a time after `open`: the
-    memory's in-order thread, or the event loop while that thread is idle.
-
-    A commit is claimed only when it is in the files at the database's path: a database or WAL
-    deleted or replaced since it was opened (_files_intact) would take the commit, and those
-    it held, with it, so the memory's entries are written anew at the path first (_rewrite).
-    One process owns the file (app/memory/ownership.py); a database that cannot be opened is
-    tried again before each write."""
+    memory's in-order thread, or the event loop while that thread is idle. A commit is claimed
+    only when it is in the files at the database's path (else they are written anew first:
+    _rewrite); a database that cannot be opened is tried again before each write."""
 
     def __init__(self, path: Path, model_id: str, dimensions: int, durability: Durability):
         self.path = path
@@ -110,15 +104,13 @@ class SqliteStore:
         self._rows: dict[str, int] = {}  # rows each namespace holds in the database
         self._start_warnings: list[str] = []
         self._events: list[str] = []  # what happened to the files while serving
-        self._counts: dict[str, int] = {}  # rows of each namespace, as the index counts them
-        self._bad: list[int] = []  # ids of rows that failed their checksum at start
         self._pages_since_checkpoint = 0
         self._lock = OwnerLock(path)
-        self._target: LoadTarget | None = None
+        self._memory: LoadTarget | None = None  # where the entries are loaded (open)
         self._path_text, self._wal_text = str(path), f"{path}-wal"
         self._checked_wal = self._wal_text  # the database's own path where WAL mode failed
         self._files: tuple[int, int, int, int] | None = None  # the database's and WAL's ids
-        self._watch: FileWatch | None = None
+        self._watch: FileWatch | None = None  # the kernel's word on them
         self._next_path_check = 0.0
         self._rewrite_due = False  # the files were found gone, and not written anew yet
         self._displaced: str | None = None  # another process took the lock
@@ -127,60 +119,65 @@ class SqliteStore:
 
     # ── start ───────────────────────────────────────────────────────────────
 
-    def open(self, target: LoadTarget) -> None:
-        """Opens (converting, recovering or making) the database and hands its entries to
-        `load`, a chunk of one namespace at a time, oldest first. A database that cannot be
+    def open(self, memory: LoadTarget) -> None:
+        """Opens (converting, recovering or making) the database and loads its entries into
+        `memory`, a chunk of one namespace at a time, oldest first. A database that cannot be
         opened leaves the memory empty, every write failing with the reason and /readyz
         warning; it is tried again before each write (ensure_open). ConfigError (the start
         stops) when another process owns the database or a later release wrote it."""
-        self._target = target
+        self._memory = memory
         try:
-            self._open_owned(target)
+            self._open_owned()
         except DatabaseRefusedError as exc:
             raise config_error("CACHE_DB_PATH", str(exc)) from None
 
     @property
-    def needs_open(self) -> bool:
-        """The database is not open (not yet, or it failed): the next write tries again."""
-        return self._conn is None and not self._closed
+    def commit_waits(self) -> bool:
+        """The next commit runs on the memory's thread: it syncs (`power`), a checkpoint is
+        due, or the database is to be opened (and loaded) first."""
+        return (
+            self.durability != "process"
+            or self._pages_since_checkpoint >= CHECKPOINT_PAGES
+            or (self._conn is None and not self._closed)
+        )
 
     def ensure_open(self) -> None:
         """Before a write: opens the database again when it could not be opened (its
         directory made, space back, the other owner gone), loading its entries into the
         memory, which held none meanwhile (nothing is kept that is not committed)."""
-        if self._conn is not None or self._closed or self._target is None:
+        if self._conn is not None or self._closed or self._memory is None:
             return
         try:
-            self._open_owned(self._target)
+            self._open_owned()
         except DatabaseRefusedError as exc:
-            self._not_opened(self._target, str(exc))
+            self._not_opened(str(exc))
         if self._conn is not None:
             log.warning(
                 "cache database opened: traces are stored again",
                 extra={"path": str(self.path), "entries": self.status.loaded_vectors},
             )
 
-    def _open_owned(self, target: LoadTarget) -> None:
+    def _open_owned(self) -> None:
         self.status.detail = None
         try:
             self._lock.acquire()
             refused = newer_schema(self.path)
             if refused is not None:
                 raise DatabaseRefusedError(refused)
-            self._open(target)
+            self._open()
             self._record_files()
         except (sqlite3.Error, OSError) as exc:
-            self._not_opened(target, reason(exc))
+            self._not_opened(reason(exc))
             return
         self._unopened = None
         self.status.last_write_error = None
 
-    def _not_opened(self, target: LoadTarget, reason: str) -> None:
+    def _not_opened(self, reason: str) -> None:
         """What a failed open leaves: no connection, and nothing of the file in the memory
         (a later open loads it whole)."""
         close_quietly(self._conn)
         self._conn = None
-        self._reset_loaded(target)
+        self._reset_loaded()
         first = self._unopened != reason
         self._unopened = reason
         self.status.state, self.status.detail = StorageState.ERROR, reason
@@ -196,76 +193,106 @@ class SqliteStore:
         connection has read the database, unless SQLite could not use WAL mode there: then
         the database alone), and the kernel's watch on them."""
         if self._watch is not None:
-            self._watch.close()
+            self._watch.inotify.close()
         db = os.stat(self._path_text)
         self._checked_wal = self._wal_text
         try:
             wal = os.stat(self._wal_text)
         except FileNotFoundError:
             self._checked_wal, wal = self._path_text, db
-        self._watch = FileWatch.of(sorted({self._path_text, self._checked_wal}))
+        self._watch = file_watch(sorted({self._path_text, self._checked_wal}))
         self._files = (db.st_dev, db.st_ino, wal.st_dev, wal.st_ino)
-        self._next_path_check = time.monotonic() + PATH_CHECK_INTERVAL_S
+        self._next_path_check = time.monotonic() + CHECK_INTERVAL_S
 
     def _files_intact(self) -> bool:
-        """The database and the WAL at the path are the ones this connection writes: the
-        kernel's word (one poll) at each commit, and the paths compared (two stat calls) when
-        it reports a change, once a second besides (a network file system's change made on
-        another host), and at each commit where there is no watch."""
-        watch = self._watch
-        if watch is not None and not watch.changed():
-            if time.monotonic() < self._next_path_check:
-                return True
-            self._next_path_check = time.monotonic() + PATH_CHECK_INTERVAL_S
+        """The database and the WAL at the path are the ones this connection writes, their
+        paths compared (two stat calls): when the kernel reported a change, once a second
+        besides (a network file system's change made on another host), and at each commit
+        where there is no watch (write)."""
+        if self._watch is not None:
+            self._watch.inotify.read(timeout=0)  # so that the next poll asks anew
+        self._next_path_check = time.monotonic() + CHECK_INTERVAL_S
         try:
             db, wal = os.stat(self._path_text), os.stat(self._checked_wal)
         except OSError:
             return False
         return (db.st_dev, db.st_ino, wal.st_dev, wal.st_ino) == self._files
 
-    def _open(self, target: LoadTarget) -> None:
+    def _open(self) -> None:
         path = self.path
         if path.exists() and is_former_snapshot(path):
-            self._convert(target)
+            self._convert()
             return
-        if path.exists() and path.stat().st_size and not has_sqlite_header(path):
-            self._recover(target, "not an SQLite database")
-            return
+        if path.exists() and path.stat().st_size:
+            with path.open("rb") as f:
+                header = f.read(len(SQLITE_HEADER))
+            if header != SQLITE_HEADER:
+                self._recover("not an SQLite database")
+                return
+        memory = self._memory
+        assert memory is not None
         conn: sqlite3.Connection | None = None
         try:
             conn = self._connect(path)
-            other = self._other_model(conn)
-            if other is None:
+            meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
+            model, dimensions = meta.get("model"), meta.get("dimensions")
+            other = model is not None and (model, dimensions) != (
+                self.model_id,
+                str(self.dimensions),
+            )
+            if not other:
                 # Every page of the index and of the table is read: a damaged one fails the
                 # read (SQLITE_CORRUPT), or the two disagree on the count.
-                self._counts = counts = dict(
+                counts = dict(
                     conn.execute(
                         "SELECT namespace, count(*) FROM entries INDEXED BY "
                         "entries_by_namespace GROUP BY namespace"
                     ).fetchall()
                 )
-                loaded = self._load_rows(conn, target)
-                if loaded + self.status.checksum_failures_total != sum(counts.values()):
+                for namespace, count in counts.items():
+                    memory.reserve(namespace, count)
+                rows = conn.execute(f"SELECT {COLUMNS} FROM entries ORDER BY id")
+                try:
+                    bad = self._dispatch(iter(lambda: rows.fetchmany(CHUNK), []), memory.load)
+                except sqlite3.OperationalError as exc:
+                    if "decode" not in str(exc):
+                        raise
+                    # A byte changed in a name (no longer UTF-8): damage, read row by row.
+                    raise sqlite3.DatabaseError(str(exc)) from exc
+                loaded = sum(self._rows.values())
+                if loaded + len(bad) != sum(counts.values()):
                     raise sqlite3.DatabaseError(
                         f"the index counts {sum(counts.values())} entries, the table "
-                        f"{loaded + self.status.checksum_failures_total}"
+                        f"{loaded + len(bad)}"
                     )
         except sqlite3.DatabaseError as exc:  # SQLITE_CORRUPT, SQLITE_NOTADB
             close_quietly(conn)
             if isinstance(exc, sqlite3.OperationalError):
                 raise  # not damage: the file cannot be opened or is busy (open() reports it)
-            self._reset_loaded(target)
-            self._recover(target, reason(exc))
+            self._reset_loaded()
+            self._recover(reason(exc))
             return
         assert conn is not None
-        if other is not None:
+        if other:
             conn.close()
-            self._set_aside(other)
+            aside = path.with_name(f"{path.name}.other_model-{int(time.time())}")
+            move_database(path, aside)
+            detail = (
+                f"the database is from model {model} ({dimensions} dimensions); this service "
+                f"runs {self.model_id} ({self.dimensions} dimensions); moved to {aside.name}"
+            )
+            self.status.state, self.status.detail = StorageState.SET_ASIDE, detail
+            self._start_warnings.append(f"cache database set aside: {detail}")
+            log.error("cache database set aside; starting empty", extra={"reason": detail})
             self._conn = self._connect(path, meta=True)
             return
         self._conn = conn  # closed by _not_opened if what follows fails
         self._write_meta(conn)
-        self._drop(conn, self._bad)
+        if bad:  # rows that failed their checksum: never served
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("BEGIN IMMEDIATE")
+                conn.executemany("DELETE FROM entries WHERE id = ?", [(b,) for b in bad])
+                conn.execute("COMMIT")
         self.status.state = StorageState.LOADED if loaded else StorageState.NONE
         self.status.loaded_vectors = loaded
         log.info("cache database opened", extra={"path": str(path), "entries": loaded})
@@ -293,77 +320,49 @@ class SqliteStore:
         if dict(conn.execute("SELECT key, value FROM meta").fetchall()) != dict(meta):
             conn.executemany("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", meta)
 
-    def _other_model(self, conn: sqlite3.Connection) -> str | None:
-        meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
-        model, dimensions = meta.get("model"), meta.get("dimensions")
-        if model is None or (model == self.model_id and dimensions == str(self.dimensions)):
-            return None
-        return (
-            f"the database is from model {model} ({dimensions} dimensions); this service runs "
-            f"{self.model_id} ({self.dimensions} dimensions)"
-        )
-
-    def _load_rows(self, conn: sqlite3.Connection, target: LoadTarget) -> int:
-        """Every good row to `target`, a chunk per namespace; the ids of bad ones kept (and
-        counted) for _drop."""
-        for namespace, count in self._counts.items():
-            target.reserve(namespace, count)
-        rows = conn.execute(f"SELECT {COLUMNS} FROM entries ORDER BY id")
-        try:
-            self._bad = self._dispatch(iter(lambda: rows.fetchmany(CHUNK), []), target.load)
-        except sqlite3.OperationalError as exc:
-            if "decode" not in str(exc):
-                raise
-            # A byte changed in a name so that it is no longer UTF-8: damage, read row by row.
-            raise sqlite3.DatabaseError(str(exc)) from exc
-        return sum(self._rows.values())
-
-    def _drop(self, conn: sqlite3.Connection, bad: list[int]) -> None:
-        """Deletes the rows that failed their checksum (they are never served)."""
-        if bad:
-            with contextlib.suppress(sqlite3.Error):
-                conn.execute("BEGIN IMMEDIATE")
-                conn.executemany("DELETE FROM entries WHERE id = ?", [(b,) for b in bad])
-                conn.execute("COMMIT")
-
-    def _reset_loaded(self, target: LoadTarget) -> None:
+    def _reset_loaded(self) -> None:
         self._rows.clear()
-        self._bad = []
         self.status.checksum_failures_total = 0
         self._start_warnings.clear()
-        target.reset()
+        if self._memory is not None:
+            self._memory.reset()
 
-    def _dispatch(self, batches: Iterable[list[Any]], load: Loader) -> list[int]:
+    def _dispatch(
+        self, batches: Iterable[list[Any]], load: Callable[[str, CacheEntries], None]
+    ) -> list[int]:
         """Rows (id, namespace, trace_id, added_at_ms, vector, checksum) to `load`, checked
         a batch at a time; the ids of those that fail their checksum (or hold a vector that
         is not finite: a checksum of a bad vector is no proof)."""
         bad: list[int] = []
         for batch in batches:
-            if not batch:
-                continue
-            checked = self._checked_batch(batch)
-            if checked is None:  # a value of another type or length somewhere
-                good = [row_ok(r, self.dimensions * 4) for r in batch]
-                bad.extend(r[0] for r, ok in zip(batch, good, strict=True) if not ok)
-                batch = [r for r, ok in zip(batch, good, strict=True) if ok]
+            checked = self._checked_batch(batch) if batch else None
+            if checked is None and batch:  # a value of another type or length somewhere
+                bad.extend(r[0] for r in batch if not well_typed(r, self.dimensions * 4))
+                batch = [r for r in batch if well_typed(r, self.dimensions * 4)]
                 checked = self._checked_batch(batch) if batch else None
-                if checked is None:
+                if checked is None:  # not one of them loaded: each counted as bad
                     bad.extend(r[0] for r in batch)
-                    continue
+            if checked is None:
+                continue
             ok, vectors, times, ids, namespaces, trace_ids = checked
             if not ok.all():
                 bad.extend(i for i, good_row in zip(ids, ok.tolist(), strict=True) if not good_row)
             first = namespaces[0]
             if ok.all() and namespaces.count(first) == len(namespaces):  # the common case
-                self._loaded(load, first, CacheEntries(vectors, times, trace_ids))
-                continue
-            names = np.array(namespaces, dtype=object)
-            for namespace in dict.fromkeys(namespaces):
-                keep = ok & (names == namespace)
-                if keep.any():
-                    at = np.flatnonzero(keep)
-                    entries = CacheEntries(vectors[at], times[at], [trace_ids[i] for i in at])
-                    self._loaded(load, namespace, entries)
+                parts = [(first, CacheEntries(vectors, times, trace_ids))]
+            else:
+                names = np.array(namespaces, dtype=object)
+                keeps = [
+                    (ns, np.flatnonzero(ok & (names == ns))) for ns in dict.fromkeys(namespaces)
+                ]
+                parts = [
+                    (ns, CacheEntries(vectors[at], times[at], [trace_ids[i] for i in at]))
+                    for ns, at in keeps
+                    if len(at)
+                ]
+            for namespace, entries in parts:
+                self._rows[namespace] = self._rows.get(namespace, 0) + len(entries.vectors)
+                load(namespace, entries)
         if bad:
             self.status.checksum_failures_total += len(bad)
             warning = (
@@ -374,11 +373,7 @@ class SqliteStore:
             log.error(warning, extra={"path": str(self.path), "dropped": len(bad)})
         return bad
 
-    def _loaded(self, load: Loader, namespace: str, entries: CacheEntries) -> None:
-        self._rows[namespace] = self._rows.get(namespace, 0) + len(entries.vectors)
-        load(namespace, entries)
-
-    def _checked_batch(self, batch: list[Any]) -> Checked | None:
+    def _checked_batch(self, batch: list[Any]) -> tuple[Any, ...] | None:
         """Whether each row holds what its checksum says, with the rows' columns; None when
         a value is of another type or length (the caller checks row by row)."""
         n, size = len(batch), self.dimensions * 4
@@ -401,9 +396,9 @@ class SqliteStore:
         sums = checksums(np.frombuffer(blob, "<u4").reshape(n, self.dimensions), times, text)
         vectors = np.frombuffer(blob, "<f4").reshape(n, self.dimensions)
         ok = (sums == stored) & np.isfinite(vectors).all(axis=1)
-        return Checked(ok, vectors, times, ids, namespaces, list(trace_ids))
+        return ok, vectors, times, ids, namespaces, list(trace_ids)
 
-    def _recover(self, target: LoadTarget, why: str) -> None:
+    def _recover(self, why: str) -> None:
         """Copies the damaged file aside byte for byte, keeps what can be read of it row by
         row in a new database, and says how many (log, health until the next start)."""
         path = self.path
@@ -413,50 +408,37 @@ class SqliteStore:
             extra = Path(f"{path}{suffix}")
             if extra.exists():
                 shutil.copyfile(extra, Path(f"{aside}{suffix}"))
-        scratch = path.with_name(f"{path.name}.reading")
-        rows: list[Any] = []
-        try:
-            shutil.copyfile(path, scratch)
-            wal = Path(f"{path}-wal")
-            if wal.exists():
-                shutil.copyfile(wal, Path(f"{scratch}-wal"))
-            rows = list(readable_rows(scratch))
-        finally:
-            for leftover in (scratch, Path(f"{scratch}-wal"), Path(f"{scratch}-shm")):
-                with contextlib.suppress(OSError):
-                    leftover.unlink()
-        remove_database(path)
-        conn = self._connect(path, meta=True)
-        kept: list[tuple[str, str, float, bytes, int]] = []
+        rows = list(readable_rows(path))  # the files at the path go next (_build)
+        memory = self._memory
+        assert memory is not None
+        kept_chunks: list[tuple[str, CacheEntries]] = []
 
         def keep(namespace: str, entries: CacheEntries) -> None:
-            kept.extend(values(entry_rows(namespace, entries)))
-            target.load(namespace, entries)
+            kept_chunks.append((namespace, entries))
+            memory.load(namespace, entries)
 
         self._dispatch([rows[i : i + CHUNK] for i in range(0, len(rows), CHUNK)], keep)
-        conn.execute("BEGIN IMMEDIATE")
-        conn.executemany(INSERT, kept)
-        conn.execute("COMMIT")
-        self._conn = conn
+        kept = sum(self._build(path, kept_chunks).values())
+        self._conn = self._connect(path)
         detail = (
             f"the database was damaged ({why}); copied to {aside.name}; "
-            f"{len(kept)} entries kept of {len(rows)} readable rows"
+            f"{kept} entries kept of {len(rows)} readable rows"
         )
         self.status.state, self.status.detail = StorageState.RECOVERED, detail
-        self.status.loaded_vectors = len(kept)
+        self.status.loaded_vectors = kept
         self._start_warnings.append(f"cache database recovered at start: {detail}")
         log.error(
             "cache database damaged: what could be read was kept",
-            extra={"path": str(path), "aside": str(aside), "kept": len(kept), "reason": why},
+            extra={"path": str(path), "aside": str(aside), "kept": kept, "reason": why},
         )
 
-    def _convert(self, target: LoadTarget) -> None:
+    def _convert(self) -> None:
         """The former snapshot and journal, read once into a new database; the former files
         kept beside it (`<name>.old-format`)."""
         path = self.path
         aside = path.with_name(f"{path.name}.old-format")
         try:
-            former = read_former(path, self.model_id, self.dimensions)
+            e, dropped = read_former(path, self.model_id, self.dimensions)
         except (FormerFilesError, OSError, ValueError) as exc:
             os.replace(path, aside)
             for _, journal in journal_files(path):
@@ -472,43 +454,60 @@ class SqliteStore:
             self._conn = self._connect(path, meta=True)
             return
         building = path.with_name(f"{path.name}.converting")
-        remove_database(building)
-        conn = self._connect(building, meta=True)
-        e, ids = former.entries, former.entries.ids()
-        conn.execute("BEGIN IMMEDIATE")
-        for i in range(0, len(e.vectors), CHUNK):
-            at = slice(i, i + CHUNK)
-            part = CacheEntries(e.vectors[at], e.added_at_ms[at], ids[at])
-            conn.executemany(INSERT, values(entry_rows("default", part)))
-        conn.execute("COMMIT")
-        conn.close()
+        ids = e.ids()
+        self._build(
+            building,
+            (
+                ("default", CacheEntries(e.vectors[at], e.added_at_ms[at], ids[at]))
+                for at in (slice(i, i + CHUNK) for i in range(0, len(e.vectors), CHUNK))
+            ),
+        )
         shutil.copyfile(path, aside)  # beside it before the database takes its name
         fsync(aside)
         move_database(building, path)
         for _, journal in journal_files(path):
             os.replace(journal, journal.with_name(f"{journal.name}.old-format"))
-        self._conn = self._connect(path)
-        loaded = self._load_rows(self._conn, target)
-        self._drop(self._conn, self._bad)
+        self._open()  # the new database, loaded as any
         self.status.state = StorageState.CONVERTED
-        self.status.loaded_vectors = loaded
         self.status.detail = (
             f"converted from the former snapshot and journal ({len(e.vectors)} entries, "
-            f"{former.records_dropped} journal records cut short); kept as {aside.name}"
+            f"{dropped} journal records cut short); kept as {aside.name}"
         )
         log.warning(
             "cache snapshot converted to the database",
-            extra={"path": str(path), "entries": loaded, "former": str(aside)},
+            extra={"path": str(path), "entries": self.status.loaded_vectors, "former": str(aside)},
         )
 
-    def _set_aside(self, why: str) -> None:
-        path = self.path
-        aside = path.with_name(f"{path.name}.other_model-{int(time.time())}")
-        move_database(path, aside)
-        detail = f"{why}; moved to {aside.name}"
-        self.status.state, self.status.detail = StorageState.SET_ASIDE, detail
-        self._start_warnings.append(f"cache database set aside: {detail}")
-        log.error("cache database set aside; starting empty", extra={"reason": detail})
+    def _build(
+        self,
+        at: Path,
+        chunks: Iterable[tuple[str, CacheEntries]],
+        rows: Sequence[NewRow] = (),
+        receipts: Sequence[tuple[str, str]] = (),
+    ) -> dict[str, int]:
+        """A new database at `at` holding `chunks` then `rows` (and `receipts`), committed and
+        closed with its WAL folded in; how many entries of each namespace it holds."""
+        remove_database(at)
+        counts: dict[str, int] = {}
+        conn = self._connect(at, meta=True)
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            for namespace, chunk in chunks:
+                conn.executemany(INSERT, values(entry_rows(namespace, chunk)))
+                counts[namespace] = counts.get(namespace, 0) + len(chunk.vectors)
+            conn.executemany(INSERT, values(rows))
+            for row in rows:
+                counts[row.namespace] = counts.get(row.namespace, 0) + 1
+            now = time.time() * 1000.0
+            conn.executemany(
+                "INSERT OR REPLACE INTO receipts VALUES (?, ?, ?)",
+                [(key, now, text) for key, text in receipts],
+            )
+            conn.execute("COMMIT")
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        finally:
+            close_quietly(conn)  # the last connection: its WAL folded in and deleted
+        return counts
 
     # ── writes ──────────────────────────────────────────────────────────────
 
@@ -538,14 +537,13 @@ class SqliteStore:
         rows: Sequence[NewRow] = (),
         *,
         held: dict[str, int] | None = None,
-        clear: str | None = None,
         forget: Collection[str] = (),
         checkpoint: bool = True,
         trim_from: int = 1,
         receipts: Sequence[tuple[str, str]] = (),
     ) -> None:
         """One transaction, committed (StorageError, nothing changed, when it cannot be): every
-        row of `clear` and of each of `forget` (namespaces the memory let go) deleted; for each
+        row of each of `forget` (namespaces cleared, or let go by the memory) deleted; for each
         namespace in `held` (its entries in the memory before `rows`), the rows the memory no
         longer holds deleted oldest first, once at least `trim_from`; `rows` appended;
         `receipts` (key, comparisons as text) kept for RECEIPT_TTL_MS (older ones go).
@@ -556,19 +554,20 @@ class SqliteStore:
         if conn is None:
             self._failed(self._unopened or "the database is not open")
         assert conn is not None
-        if self._displaced is not None or time.monotonic() >= self._next_lock_check:
-            self._check_lock()
+        now = time.monotonic()
+        if self._displaced is not None or now >= self._next_lock_check:
+            self._next_lock_check = now + CHECK_INTERVAL_S
+            if self._displaced is not None or not self._lock.intact():
+                self._lock_again()
         gone = set(forget)
-        if clear is not None:
-            gone.add(clear)
         if self._rewrite_due:
             self._rewrite(rows, gone, receipts)
         else:
-            trims = {
-                ns: self.rows(ns) - kept
-                for ns, kept in (held or {}).items()
-                if ns not in gone and self.rows(ns) - kept >= max(1, trim_from)
-            }
+            trims = {}
+            for ns, kept in (held or {}).items():
+                excess = self._rows.get(ns, 0) - kept
+                if ns not in gone and excess >= max(1, trim_from):
+                    trims[ns] = excess
             try:
                 conn.execute("BEGIN IMMEDIATE")
                 for namespace, excess in trims.items():
@@ -577,18 +576,21 @@ class SqliteStore:
                     conn.execute("DELETE FROM entries WHERE namespace = ?", (namespace,))
                 conn.executemany(INSERT, values(rows))
                 if receipts:
-                    now = time.time() * 1000.0
-                    conn.execute("DELETE FROM receipts WHERE at_ms < ?", (now - RECEIPT_TTL_MS,))
+                    at_ms = time.time() * 1000.0
+                    conn.execute("DELETE FROM receipts WHERE at_ms < ?", (at_ms - RECEIPT_TTL_MS,))
                     conn.executemany(
                         "INSERT OR REPLACE INTO receipts VALUES (?, ?, ?)",
-                        [(key, now, text) for key, text in receipts],
+                        [(key, at_ms, text) for key, text in receipts],
                     )
                 conn.execute("COMMIT")
             except (sqlite3.Error, OSError) as exc:
                 with contextlib.suppress(sqlite3.Error):
                     conn.execute("ROLLBACK")
                 self._failed(reason(exc))
-            if not self._files_intact():
+            # The kernel's word (one poll), the paths compared when it has some or is missing.
+            watch = self._watch
+            unchanged = watch is not None and not watch.ready.poll(0)
+            if not (unchanged and now < self._next_path_check) and not self._files_intact():
                 self._rewrite_due = True
                 self._rewrite(rows, gone, receipts)
             else:
@@ -605,16 +607,13 @@ class SqliteStore:
         status.commits_total += 1
         status.last_commit_at_ms = time.time() * 1000.0
         self._pages_since_checkpoint += 3 + len(rows) // ROWS_A_PAGE
-        if checkpoint and self.checkpoint_due:
+        if checkpoint and self._pages_since_checkpoint >= CHECKPOINT_PAGES:
             self.checkpoint()
 
-    def _check_lock(self) -> None:
+    def _lock_again(self) -> None:
         """The lock file deleted or replaced (another process could then take a new one):
         locked again; when another process holds it now, this one stores nothing until it
         can lock it again (StorageError naming the other)."""
-        self._next_lock_check = time.monotonic() + LOCK_CHECK_INTERVAL_S
-        if self._displaced is None and self._lock.intact():
-            return
         if self._lock.held:
             self._lock.release()
             log.error(
@@ -644,34 +643,14 @@ class SqliteStore:
         nothing more than the operator's act did); files at the path that are not this
         process's are moved aside, never deleted. StorageError when it cannot be written
         (tried again at the next write)."""
-        target = self._target
-        assert target is not None
+        memory = self._memory
+        assert memory is not None
         path = self.path
         building = path.with_name(f"{path.name}.rewriting")
-        counts: dict[str, int] = {}
-        conn: sqlite3.Connection | None = None
         aside: str | None = None
         try:
-            remove_database(building)
-            conn = self._connect(building, meta=True)
-            conn.execute("BEGIN IMMEDIATE")
-            for namespace, chunk in target.held():
-                if namespace in gone:
-                    continue
-                conn.executemany(INSERT, values(entry_rows(namespace, chunk)))
-                counts[namespace] = counts.get(namespace, 0) + len(chunk.vectors)
-            conn.executemany(INSERT, values(rows))
-            for row in rows:
-                counts[row.namespace] = counts.get(row.namespace, 0) + 1
-            now = time.time() * 1000.0
-            conn.executemany(
-                "INSERT OR REPLACE INTO receipts VALUES (?, ?, ?)",
-                [(key, now, text) for key, text in receipts],
-            )
-            conn.execute("COMMIT")
-            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-            conn.close()  # the last connection: its WAL folded in and deleted
-            conn = None
+            held = ((ns, chunk) for ns, chunk in memory.held() if ns not in gone)
+            counts = self._build(building, held, rows, receipts)
             if self.durability == "power":
                 fsync(building)
             aside = self._move_foreign_aside()
@@ -683,7 +662,6 @@ class SqliteStore:
             if self.durability == "power":  # so that the rename survives a power loss
                 fsync(path.parent, os.O_RDONLY | os.O_DIRECTORY)
         except (sqlite3.Error, OSError) as exc:
-            close_quietly(conn)
             with contextlib.suppress(OSError):
                 remove_database(building)
             self._failed(
@@ -697,7 +675,7 @@ class SqliteStore:
             self._conn = self._connect(path)
             self._record_files()
         except (sqlite3.Error, OSError) as exc:
-            self._not_opened(target, reason(exc))
+            self._not_opened(reason(exc))
             self._failed(self._unopened or reason(exc))
         self._rows = counts
         self._rewrite_due = False
@@ -747,11 +725,6 @@ class SqliteStore:
         status.write_errors_total += 1
         raise StorageError(reason)
 
-    @property
-    def checkpoint_due(self) -> bool:
-        """The WAL holds about SQLite's default of 1,000 pages since the last checkpoint."""
-        return self._pages_since_checkpoint >= CHECKPOINT_PAGES
-
     def checkpoint(self) -> None:
         """Copies the WAL into the database (PASSIVE: never waits), syncing both: on the
         memory's thread, never inside a commit on the event loop."""
@@ -763,7 +736,7 @@ class SqliteStore:
     def close(self) -> None:
         self._closed = True
         if self._watch is not None:
-            self._watch.close()
+            self._watch.inotify.close()
             self._watch = None
         close_quietly(self._conn)
         self._conn = None
@@ -772,7 +745,7 @@ class SqliteStore:
     def health(self) -> Health:
         """Warnings, never degraded: novelty is measured whatever the file does."""
         warnings = [*self._start_warnings, *self._events]
-        if self.needs_open and self._unopened is not None:
+        if self._conn is None and not self._closed and self._unopened is not None:
             warnings.append(
                 f"cache database cannot be opened: {self._unopened} (traces are scored but not "
                 "stored, novelty.stored is false; it is tried again at each trace)"

@@ -5,22 +5,21 @@ the moves, syncs and reads of whole files."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import select
 import sqlite3
 import struct
-import time
 import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, NamedTuple, Protocol
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
 from app.core.states import StorageState
-from app.memory.ownership import SQLITE_HEADER
 from app.memory.ring import CacheEntries
 
 Durability = Literal["process", "power"]
@@ -85,19 +84,15 @@ def key_text(namespace: str, trace_id: str) -> bytes:
     return f"{namespace}\x00{trace_id}".encode()
 
 
-def _weights(words: int, seed: int) -> npt.NDArray[np.uint32]:
-    """Odd (so a change confined to one word always changes the sum), all different (so
-    words swapped change it too), fixed: part of the file format."""
-    i = np.arange(words, dtype=np.uint64)
-    return ((i * np.uint64(seed) + np.uint64(0x9E3779B9)) % np.uint64(2**32) | np.uint64(1)).astype(
-        np.uint32
-    )
-
-
-#: Per dimension: the weights of the vector's words and of the time's two, two lanes each.
-_LANES: dict[int, tuple[npt.NDArray[np.uint32], npt.NDArray[np.uint32]]] = {}
-#: The same weights as one (d + 2, 2) matrix: a row's vector words then its time's.
-_ROW_LANES: dict[int, npt.NDArray[np.uint32]] = {}
+@functools.cache
+def _lanes(d: int) -> npt.NDArray[np.uint32]:
+    """The weights of a row's d vector words then its time's two, two lanes each: odd (so a
+    change confined to one word always changes the sum), all different (so words swapped
+    change it too), fixed: part of the file format."""
+    i = np.arange(d + 2, dtype=np.uint64)[:, None]
+    seeds = np.array([0x85EBCA6B, 0xC2B2AE35], dtype=np.uint64)
+    lanes = (i * seeds + np.uint64(0x9E3779B9)) % np.uint64(2**32) | np.uint64(1)
+    return np.ascontiguousarray(lanes.astype(np.uint32))
 
 
 def checksums(
@@ -107,56 +102,45 @@ def checksums(
     their times and the CRC-32 of their names: two weighted sums modulo 2**32 over the vector's
     and the time's words (numpy, a batch at once), the first XORed with the names' CRC-32."""
     d = words.shape[1]
-    if d not in _LANES:
-        lanes = np.stack([_weights(d + 2, 0x85EBCA6B), _weights(d + 2, 0xC2B2AE35)], axis=1)
-        _LANES[d] = (np.ascontiguousarray(lanes[:d]), np.ascontiguousarray(lanes[d:]))
-        _ROW_LANES[d] = np.ascontiguousarray(lanes)
-    vector_w, time_w = _LANES[d]
+    lanes = _lanes(d)
     time_words = np.ascontiguousarray(times, dtype="<f8").view("<u4").reshape(-1, 2)
-    sums = words @ vector_w  # (n, 2), modulo 2**32
-    sums += time_words @ time_w
+    sums = words @ lanes[:d]  # (n, 2), modulo 2**32
+    sums += time_words @ lanes[d:]
     sums[:, 0] ^= np.asarray(text_crcs, dtype=np.uint32)
     # Each (high, low) pair read as one little-endian 64-bit integer: high << 32 | low.
     checksums: npt.NDArray[np.int64] = sums[:, ::-1].astype("<u4").view("<i8")[:, 0]
     return checksums
 
 
-class FileWatch:
+class FileWatch(NamedTuple):
     """Whether the database's or WAL's file may have been deleted, replaced or moved since it
     was opened. On Linux the kernel queues an event (inotify: a link count changed, the file
-    moved or went) before the unlink or rename returns, and one poll per commit asks for it:
-    0.7 us against 3.3 us for each of the two stat calls it spares (AMD EPYC, a loaded host).
-    None where inotify cannot be had: the caller compares the paths at each commit."""
+    moved or went) before the unlink or rename returns, and `ready.poll(0)` at each commit
+    asks for it: 0.7 us against 3.3 us for each of the two stat calls it spares (AMD EPYC, a
+    loaded host). The events are read (`inotify.read(timeout=0)`) so that the next asks anew."""
 
-    def __init__(self, paths: Sequence[str]) -> None:
+    inotify: Any
+    ready: select.poll
+
+
+def file_watch(paths: Sequence[str]) -> FileWatch | None:
+    """None where inotify cannot be had (not Linux, no instance or watch left): the caller
+    compares the paths at each commit."""
+    try:
         from inotify_simple import INotify, flags  # type: ignore[import-untyped]
 
-        self._inotify = INotify(nonblocking=True)
-        try:
-            for path in paths:
-                self._inotify.add_watch(path, flags.ATTRIB | flags.MOVE_SELF | flags.DELETE_SELF)
-        except OSError:
-            self._inotify.close()
-            raise
-        self._poll = select.poll()
-        self._poll.register(self._inotify.fileno(), select.POLLIN)
-
-    @classmethod
-    def of(cls, paths: Sequence[str]) -> FileWatch | None:
-        try:
-            return cls(paths)
-        except (ImportError, OSError, AttributeError):
-            return None  # not Linux, or no inotify instance or watch left: paths compared
-
-    def changed(self) -> bool:
-        """An event came (read, so that the next asks anew)."""
-        if not self._poll.poll(0):
-            return False
-        self._inotify.read(timeout=0)
-        return True
-
-    def close(self) -> None:
-        self._inotify.close()
+        inotify = INotify(nonblocking=True)
+    except (ImportError, OSError, AttributeError):
+        return None
+    try:
+        for path in paths:
+            inotify.add_watch(path, flags.ATTRIB | flags.MOVE_SELF | flags.DELETE_SELF)
+    except OSError:
+        inotify.close()
+        return None
+    ready = select.poll()
+    ready.register(inotify.fileno(), select.POLLIN)
+    return FileWatch(inotify, ready)
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,106 +152,43 @@ class NewRow:
 
 
 def values(rows: Sequence[NewRow]) -> list[tuple[str, str, float, bytes, int]]:
-    """The rows as inserted, with their checksums: checksums' sums, in as few numpy calls as
-    can be (a commit is often one row: each call costs microseconds there)."""
+    """The rows as inserted, with their checksums: checksums' sums, in as few numpy calls (and
+    Python calls: a commit is often one row) as can be."""
     if not rows:
         return []
     d = len(rows[0].vector) // 4
-    if d not in _LANES:
-        checksums(np.zeros((1, d), dtype=np.uint32), np.zeros(1), [0])  # makes the weights
-    weights = _ROW_LANES[d]
     pack = _TIME.pack
     words = np.frombuffer(b"".join([r.vector + pack(r.added_at_ms) for r in rows]), "<u4")
-    sums = (words.reshape(len(rows), d + 2) @ weights).tolist()
-    return [
-        (r.namespace, r.trace_id, r.added_at_ms, r.vector, signed(h ^ text_crc(r), low))
-        for r, (h, low) in zip(rows, sums, strict=True)
-    ]
+    sums = (words.reshape(len(rows), d + 2) @ _lanes(d)).tolist()
+    out = []
+    for r, (high, low) in zip(rows, sums, strict=True):
+        high ^= zlib.crc32(f"{r.namespace}\x00{r.trace_id}".encode())
+        signed = (((high << 32) | low) ^ (1 << 63)) - (1 << 63)  # SQLite's signed INTEGER
+        out.append((r.namespace, r.trace_id, r.added_at_ms, r.vector, signed))
+    return out
 
 
-def text_crc(row: NewRow) -> int:
-    return zlib.crc32(key_text(row.namespace, row.trace_id))
-
-
-def signed(high: int, low: int) -> int:
-    """high << 32 | low as SQLite's signed 64-bit INTEGER."""
-    return (((high << 32) | low) ^ (1 << 63)) - (1 << 63)
-
-
-Loader = Callable[[str, CacheEntries], None]
-
-
-class Checked(NamedTuple):
-    """A batch of rows read at start: which hold what their checksum says, and their columns."""
-
-    ok: npt.NDArray[np.bool_]
-    vectors: npt.NDArray[np.float32]
-    times: npt.NDArray[np.float64]
-    ids: tuple[int, ...]
-    namespaces: tuple[str, ...]
-    trace_ids: list[str]
-
-
-class LoadTarget(Protocol):
-    """Where a start's entries go (the memory), and where a database written anew takes them
-    from."""
-
-    def load(self, namespace: str, entries: CacheEntries) -> None:
-        """The next entries of the namespace, oldest first."""
-
-    def reserve(self, namespace: str, rows: int) -> None:
-        """About `rows` entries of the namespace follow."""
-
-    def reset(self) -> None:
-        """Forget what was loaded: the file turned out damaged part way, or could not be
-        opened after all."""
-
-    def held(self) -> Iterator[tuple[str, CacheEntries]]:
-        """Every entry the memory holds, a chunk of one namespace at a time, oldest first."""
-        ...
-
-
-class Discard:
-    """A LoadTarget that keeps nothing (tools that only write a database)."""
-
-    def load(self, namespace: str, entries: CacheEntries) -> None:
-        pass
-
-    def reserve(self, namespace: str, rows: int) -> None:
-        pass
-
-    def reset(self) -> None:
-        pass
-
-    def held(self) -> Iterator[tuple[str, CacheEntries]]:
-        return iter(())
-
-
-def row_ok(row: Any, size: int) -> bool:
+def well_typed(row: Any, size: int) -> bool:
+    """Whether a row read at start holds values of the types and vector length the table's."""
     try:
         _, namespace, trace_id, added_at, vector, checksum = row
-        return bool(
-            isinstance(namespace, str)
-            and isinstance(trace_id, str)
-            and isinstance(added_at, float)
-            and isinstance(vector, bytes)
-            and len(vector) == size
-            and checksum == values([NewRow(namespace, trace_id, added_at, vector)])[0][4]
-        )
     except (TypeError, ValueError):
         return False
-
-
-def wire(vector: npt.NDArray[np.float32]) -> bytes:
-    """A vector as a row keeps it: little-endian float32."""
-    return np.ascontiguousarray(vector, dtype="<f4").tobytes()
+    return (
+        isinstance(namespace, str)
+        and isinstance(trace_id, str)
+        and isinstance(added_at, float)
+        and isinstance(vector, bytes)
+        and len(vector) == size
+        and isinstance(checksum, int)
+    )
 
 
 def entry_rows(namespace: str, entries: CacheEntries) -> list[NewRow]:
-    times, vectors = entries.added_at_ms, entries.vectors
+    vectors = np.ascontiguousarray(entries.vectors, dtype="<f4")  # as a row keeps them
     return [
-        NewRow(namespace, trace_id, float(at), wire(vector))
-        for trace_id, at, vector in zip(entries.ids(), times, vectors, strict=True)
+        NewRow(namespace, trace_id, float(at), vector.tobytes())
+        for trace_id, at, vector in zip(entries.ids(), entries.added_at_ms, vectors, strict=True)
     ]
 
 
@@ -281,11 +202,6 @@ def reason(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.strerror:
         return exc.strerror
     return str(exc) or type(exc).__name__
-
-
-def has_sqlite_header(path: Path) -> bool:
-    with path.open("rb") as f:
-        return f.read(len(SQLITE_HEADER)) == SQLITE_HEADER
 
 
 def remove_database(path: Path) -> None:
@@ -335,7 +251,3 @@ def readable_rows(path: Path) -> Iterator[Any]:
                 for one in range(start, stop + 1):
                     with contextlib.suppress(sqlite3.Error):
                         yield from conn.execute(query, (one, one)).fetchall()
-
-
-def utc_now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
