@@ -64,7 +64,7 @@ def create_app(
             tracer = provider.get_tracer("kp-scoring", VERSION)
         runtime.evaluator.tracer = runtime.embeddings.tracer = tracer
         await runtime.start(getattr(app.state, "url", None))
-        metrics.registry.register(runtime.collector)
+        metrics.registry.register(runtime)
         service = ScoringService(settings, runtime, metrics, keys, signer, tracer)
         app.state.service = service
         app.state.mcp = mcp.McpHost(service)
@@ -82,7 +82,7 @@ def create_app(
             descriptors.cancel()
             await app.state.mcp.stop()
             app.state.mcp = None
-            metrics.registry.unregister(runtime.collector)
+            metrics.registry.unregister(runtime)
             await runtime.stop()
             # A stopped app lets go of its model and memory: fastapi caches endpoint
             # functions (closures that hold the app) for the life of the process.

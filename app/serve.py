@@ -24,7 +24,9 @@ def run(host: str = "127.0.0.1", port: int = 8000) -> None:
     """One process (the in-process cache lives in it): granian's server embedded in this
     process's event loop, no worker processes; settings from KP_*."""
     check_port_free(host, port)
-    prepare()
+    # The cyclic collector off until the app's lifespan has frozen what the start made
+    # (docs/decisions/collector-off-during-start.md); before the web stack is imported.
+    gc.disable()
     from app.main import app as served  # built from the environment (KP_*)
 
     settings: Settings = served.state.settings
@@ -102,13 +104,6 @@ async def _serve(app: object, host: str, port: int, settings: Settings) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, server.signal_handler_interrupt)
     await server.serve()
-
-
-def prepare() -> None:
-    """What the process does before the web stack is imported (run's first step): the cyclic
-    collector off until the app's lifespan has frozen what the start made
-    (docs/decisions/collector-off-during-start.md)."""
-    gc.disable()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -51,10 +51,9 @@ class Client:
 def service_over(settings: Settings, keys: KeyRing) -> Any:
     """The service with `keys`, over in-process guards and no model or memory: what the
     pipeline asks of it before a route runs."""
-    trust = SimpleNamespace(
+    runtime: Any = SimpleNamespace(
         rate_limiter=InProcessRateLimiter(), idempotency=Idempotency(InProcessIdempotencyStore())
     )
-    runtime: Any = SimpleNamespace(trust=trust)
     return ScoringService(settings, runtime, Metrics(), keys, None)
 
 

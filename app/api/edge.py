@@ -28,7 +28,7 @@ from app.core.metrics import Metrics
 from app.core.request_context import request_id_var
 from app.guards.api_keys import Scope as KeyScope
 from app.schemas.limits import json_problem
-from app.service.scoring_service import Caller, Credentials
+from app.service.scoring_service import Caller
 
 access_log = logging.getLogger("app.access")
 
@@ -156,12 +156,11 @@ class Edge:
                 CONNECTIONS.closed_by_limit.labels("host").inc()
                 await error_response(_HOST_REFUSAL)(scope, receive, edge_send)
                 return
-            try:
-                await self.app(scope, edge_receive, edge_send)
-            except ServiceError as exc:
-                if started:
-                    raise  # an answer is under way: the server ends the connection
-                await error_response(exc)(scope, receive, edge_send)
+            await self.app(scope, edge_receive, edge_send)
+        except ServiceError as exc:  # every refusal of the middleware and the routes
+            if started:
+                raise  # an answer is under way: the server ends the connection
+            await error_response(exc)(scope, receive, edge_send)
         finally:
             request_id_var.reset(token)
             elapsed = time.perf_counter() - started_at
@@ -226,26 +225,23 @@ class Admission:
             return
         path: str = scope["path"]
         needed = _SCOPES.get(path) or ("admin" if path.startswith("/cache/") else None)
-        try:
-            if needed is not None:
-                authorization, namespace = [], []
-                for name, value in scope["headers"]:
-                    if name == b"authorization":
-                        authorization.append(value.decode("latin-1"))
-                    elif name == _NAMESPACE_HEADER:
-                        namespace.append(value.decode("latin-1"))
-                query: bytes = scope.get("query_string", b"")
-                given = Credentials(
-                    authorization, namespace, _key_in_query(query) if query else None
-                )
-                caller = await scope["app"].state.service.admit(needed, given)
-                scope.setdefault("state", {})["caller"] = caller
-            if scope["method"] in BODY_METHODS and path not in STREAMED:
-                body = await self._json_body(scope, receive)
-                receive = _replaying(body, receive)
-        except ServiceError as exc:
-            await error_response(exc)(scope, receive, send)
-            return
+        # A refusal (ServiceError) is Edge's to answer.
+        if needed is not None:
+            authorization, namespace = [], []
+            for name, value in scope["headers"]:
+                if name == b"authorization":
+                    authorization.append(value.decode("latin-1"))
+                elif name == _NAMESPACE_HEADER:
+                    namespace.append(value.decode("latin-1"))
+            query: bytes = scope.get("query_string", b"")
+            in_query = _key_in_query(query) if query else None
+            caller = await scope["app"].state.service.admit(
+                needed, authorization, namespace, in_query
+            )
+            scope.setdefault("state", {})["caller"] = caller
+        if scope["method"] in BODY_METHODS and path not in STREAMED:
+            body = await self._json_body(scope, receive)
+            receive = _replaying(body, receive)
         await self.app(scope, receive, send)
 
     async def _json_body(self, scope: Scope, receive: Receive) -> bytes:

@@ -72,11 +72,6 @@ def error_response(error: ServiceError) -> Response:
     return Response(error_body(error), error.status, headers=headers, media_type="application/json")
 
 
-async def _service_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, ServiceError)
-    return error_response(exc)
-
-
 async def _validation_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, RequestValidationError)
     errors = [
@@ -109,7 +104,8 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    app.add_exception_handler(ServiceError, _service_error)
+    """FastAPI's own errors and the unexpected; a ServiceError is Edge's to answer
+    (app/api/edge.py), from the middleware as from the routes."""
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected)

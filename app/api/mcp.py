@@ -19,7 +19,7 @@ from app.core.health import Health
 from app.service.scoring_service import ScoringService
 
 if TYPE_CHECKING:
-    from app.api.mcp_server import McpTransport
+    from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ class McpHost:
 
     def __init__(self, service: ScoringService) -> None:
         self._service = service
-        self._ready: asyncio.Future[McpTransport] | None = None
+        self._ready = asyncio.get_running_loop().create_future()
         self._stopping = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._failure: str | None = None
@@ -46,20 +46,20 @@ class McpHost:
         why = f"mcp_unavailable: the MCP server could not start ({self._failure}); /mcp answers 503"
         return Health(warnings=(why,))
 
-    async def transport(self) -> McpTransport:
-        """The running transport, started on the first call (concurrent callers share it)."""
-        if self._ready is None:
-            self._ready = asyncio.get_running_loop().create_future()
-            self._task = asyncio.create_task(self._serve(self._ready), name="kp-mcp")
+    async def transport(self) -> StreamableHTTPSessionManager:
+        """The running session manager, started on the first call (concurrent callers share it)."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._serve(), name="kp-mcp")
         return await asyncio.shield(self._ready)
 
-    async def _serve(self, ready: asyncio.Future[McpTransport]) -> None:
+    async def _serve(self) -> None:
+        ready: asyncio.Future[StreamableHTTPSessionManager] = self._ready
         try:
             # Imported off the event loop: REST requests go on meanwhile.
             server = await asyncio.to_thread(importlib.import_module, _SERVER_MODULE)
-            transport: McpTransport = server.McpTransport(self._service)
-            async with transport.manager.run():
-                ready.set_result(transport)
+            manager: StreamableHTTPSessionManager = server.session_manager(self._service)
+            async with manager.run():
+                ready.set_result(manager)
                 await self._stopping.wait()
         except Exception as exc:
             log.exception("mcp: the MCP server could not start")
@@ -76,12 +76,12 @@ class McpHost:
 class _Handover(Response):
     """Hands the request, as it came, to the MCP transport, which answers it itself."""
 
-    def __init__(self, transport: McpTransport) -> None:
+    def __init__(self, manager: StreamableHTTPSessionManager) -> None:
         super().__init__()
-        self.transport = transport
+        self.manager = manager
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await self.transport.manager.handle_request(scope, receive, send)
+        await self.manager.handle_request(scope, receive, send)
 
 
 # A FastAPI route, not a mounted app: Admission (keys, scopes, the namespace, limits) and the
@@ -98,7 +98,7 @@ async def mcp_endpoint(request: Request) -> Response:
     if host is None:
         return JSONResponse({"detail": "starting"}, status_code=503)
     try:
-        transport = await host.transport()
+        manager = await host.transport()
     except Exception:  # logged where it failed; the REST API serves on
         return JSONResponse({"detail": "the MCP server could not start"}, status_code=503)
-    return _Handover(transport)
+    return _Handover(manager)

@@ -9,6 +9,7 @@ trace it would POST and gets the answer the REST API would give.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 from typing import Any, Final
@@ -64,57 +65,56 @@ def _input_schema(model: type[BaseModel], **more: Any) -> dict[str, Any]:
 _OPTIONS: Final = tuple(ContributionOptions.model_fields)
 
 
-def _tools() -> list[types.Tool]:
-    # Not read-only: without dry_run the trace joins the novelty cache; nothing is deleted.
-    annotations = types.ToolAnnotations(read_only_hint=False, destructive_hint=False)
-    return [
-        types.Tool(
-            name=SCORE_TRACE,
-            title="Score a reasoning trace",
-            description=(
-                "Score one KnowledgePulse ReasoningTrace as POST /evaluate does: the arguments "
-                "are the trace's own fields plus dry_run and namespace; the answer is the "
-                "value score in [0, 1] with its breakdown. A trace scoring "
-                f"{SHARE_THRESHOLD} or more is worth contributing (the SDK's default "
-                "threshold). dry_run=true leaves the novelty cache untouched."
-            ),
-            input_schema=_input_schema(ReasoningTrace),
-            output_schema=EvaluationOut.model_json_schema(),
-            annotations=annotations,
+# Not read-only: without dry_run the trace joins the novelty cache; nothing is deleted.
+_ANNOTATIONS: Final = types.ToolAnnotations(read_only_hint=False, destructive_hint=False)
+_TOOLS: Final = [
+    types.Tool(
+        name=SCORE_TRACE,
+        title="Score a reasoning trace",
+        description=(
+            "Score one KnowledgePulse ReasoningTrace as POST /evaluate does: the arguments "
+            "are the trace's own fields plus dry_run and namespace; the answer is the "
+            "value score in [0, 1] with its breakdown. A trace scoring "
+            f"{SHARE_THRESHOLD} or more is worth contributing (the SDK's default "
+            "threshold). dry_run=true leaves the novelty cache untouched."
         ),
-        types.Tool(
-            name=SCORE_TRACES,
-            title="Score reasoning traces in order",
-            description=(
-                "Score traces in order, as one step, as POST /evaluate/batch does: later traces "
-                "are compared with earlier ones. Arguments: traces (1 to KP_MAX_BATCH), "
-                "dry_run and namespace."
-            ),
-            input_schema=_input_schema(BatchIn),
-            output_schema=BatchOut.model_json_schema(),
-            annotations=annotations,
+        input_schema=_input_schema(ReasoningTrace),
+        output_schema=EvaluationOut.model_json_schema(),
+        annotations=_ANNOTATIONS,
+    ),
+    types.Tool(
+        name=SCORE_TRACES,
+        title="Score reasoning traces in order",
+        description=(
+            "Score traces in order, as one step, as POST /evaluate/batch does: later traces "
+            "are compared with earlier ones. Arguments: traces (1 to KP_MAX_BATCH), "
+            "dry_run and namespace."
         ),
-        types.Tool(
-            name=CHECK_CONTRIBUTION,
-            title="Check a trace before contributing it",
-            description=(
-                "As POST /contribution: the score (as kp_score_trace) and the trace as the "
-                "reference SDK's capture would contribute it (steps cleaned of secrets and, "
-                "unless privacy_level is private, identifiers), what was redacted, what would "
-                "go uncleaned (objective, outcome, metadata, ...), every suspected leak the "
-                "SDK's patterns leave (findings: place, type, detector), leaks_remain, and the "
-                "SDK's injection check of each text field. Arguments: the trace's fields, "
-                "dry_run, namespace, redact_suspected (also redact what is suspected: the "
-                "contribution then differs from the SDK's) and the injection thresholds "
-                "(suspicious_threshold, reject_threshold)."
-            ),
-            input_schema=_input_schema(
-                ReasoningTrace, **ContributionOptions.model_json_schema()["properties"]
-            ),
-            output_schema=ContributionOut.model_json_schema(),
-            annotations=annotations,
+        input_schema=_input_schema(BatchIn),
+        output_schema=BatchOut.model_json_schema(),
+        annotations=_ANNOTATIONS,
+    ),
+    types.Tool(
+        name=CHECK_CONTRIBUTION,
+        title="Check a trace before contributing it",
+        description=(
+            "As POST /contribution: the score (as kp_score_trace) and the trace as the "
+            "reference SDK's capture would contribute it (steps cleaned of secrets and, "
+            "unless privacy_level is private, identifiers), what was redacted, what would "
+            "go uncleaned (objective, outcome, metadata, ...), every suspected leak the "
+            "SDK's patterns leave (findings: place, type, detector), leaks_remain, and the "
+            "SDK's injection check of each text field. Arguments: the trace's fields, "
+            "dry_run, namespace, redact_suspected (also redact what is suspected: the "
+            "contribution then differs from the SDK's) and the injection thresholds "
+            "(suspicious_threshold, reject_threshold)."
         ),
-    ]
+        input_schema=_input_schema(
+            ReasoningTrace, **ContributionOptions.model_json_schema()["properties"]
+        ),
+        output_schema=ContributionOut.model_json_schema(),
+        annotations=_ANNOTATIONS,
+    ),
+]
 
 
 def _field(loc: Sequence[str | int]) -> str:
@@ -202,108 +202,100 @@ _KINDS: Final[dict[str, Kind]] = {
 }
 
 
-class McpTools:
-    """The tools: each call turned into one for the service, its answer into the tool's."""
+async def _list_tools(
+    ctx: Any, params: types.PaginatedRequestParams | None
+) -> types.ListToolsResult:
+    return types.ListToolsResult(tools=_TOOLS)
 
-    def __init__(self, service: ScoringService) -> None:
-        self.service = service
 
-    async def list_tools(
-        self, ctx: Any, params: types.PaginatedRequestParams | None
-    ) -> types.ListToolsResult:
-        return types.ListToolsResult(tools=_TOOLS)
+async def _call_tool(
+    service: ScoringService, ctx: Any, params: types.CallToolRequestParams
+) -> types.CallToolResult:
+    """A tool call turned into one for the service, its answer into the tool's."""
+    kind = _KINDS.get(params.name)
+    if kind is None:
+        raise MCPError(types.INVALID_PARAMS, f"unknown tool: {params.name}")
+    try:
+        answer = await _call(service, ctx, kind, dict(params.arguments or {}))
+    except ServiceError as exc:
+        return tool_error(exc)
+    except Exception:
+        # As the REST API's 500: logged here, no internals in the answer.
+        log.exception("mcp: unhandled error", extra={"tool": params.name})
+        raise MCPError(types.INTERNAL_ERROR, "internal error") from None
+    if isinstance(answer, ContributionOut):
+        text = contribution_summary(answer)
+    elif isinstance(answer, BatchOut):
+        text = "\n".join(f"{visible(a.trace_id)}: {summary(a)}" for a in answer.results)
+    else:
+        assert isinstance(answer, EvaluationOut)
+        text = summary(answer)
+    return types.CallToolResult(
+        content=[types.TextContent(text=text)], structured_content=answer.model_dump(mode="json")
+    )
 
-    async def call_tool(
-        self, ctx: Any, params: types.CallToolRequestParams
-    ) -> types.CallToolResult:
-        kind = _KINDS.get(params.name)
-        if kind is None:
-            raise MCPError(types.INVALID_PARAMS, f"unknown tool: {params.name}")
-        try:
-            answer = await self._call(ctx, kind, dict(params.arguments or {}))
-        except ServiceError as exc:
-            return tool_error(exc)
-        except Exception:
-            # As the REST API's 500: logged here, no internals in the answer.
-            log.exception("mcp: unhandled error", extra={"tool": params.name})
-            raise MCPError(types.INTERNAL_ERROR, "internal error") from None
-        if isinstance(answer, ContributionOut):
-            text = contribution_summary(answer)
-        elif isinstance(answer, BatchOut):
-            text = "\n".join(f"{visible(a.trace_id)}: {summary(a)}" for a in answer.results)
-        else:
-            assert isinstance(answer, EvaluationOut)
-            text = summary(answer)
-        return types.CallToolResult(
-            content=[types.TextContent(text=text)],
-            structured_content=answer.model_dump(mode="json"),
+
+async def _call(
+    service: ScoringService, ctx: Any, kind: Kind, arguments: dict[str, Any]
+) -> BaseModel:
+    # The HTTP request as Admission left it: its caller, its headers.
+    scope: dict[str, Any] = getattr(getattr(ctx, "request", None), "scope", None) or {}
+    headers = Headers(scope=scope) if scope else Headers()
+    dry_run = arguments.pop("dry_run", False)
+    if not isinstance(dry_run, bool):
+        raise invalid([Problem(("dry_run",), "should be a boolean", "bool_type")])
+    caller = service.within(
+        caller_of(scope), arguments.pop("namespace", None), headers.get(namespaces.HEADER)
+    )
+    options = None
+    try:
+        if kind == "contribution":
+            # The gate's options, taken out so that they are not read as the trace's fields.
+            asked = {name: arguments.pop(name) for name in _OPTIONS if name in arguments}
+            options = ContributionOptions.model_validate(asked)
+        traces = (
+            BatchIn.model_validate(arguments).traces
+            if kind == "batch"
+            else [ReasoningTrace.model_validate(arguments)]
         )
-
-    async def _call(self, ctx: Any, kind: Kind, arguments: dict[str, Any]) -> BaseModel:
-        # The HTTP request as Admission left it: its caller, its headers.
-        scope: dict[str, Any] = getattr(getattr(ctx, "request", None), "scope", None) or {}
-        headers = Headers(scope=scope) if scope else Headers()
-        dry_run = arguments.pop("dry_run", False)
-        if not isinstance(dry_run, bool):
-            raise invalid([Problem(("dry_run",), "should be a boolean", "bool_type")])
-        caller = self.service.within(
-            caller_of(scope), arguments.pop("namespace", None), headers.get(namespaces.HEADER)
-        )
-        options = None
-        try:
-            if kind == "contribution":
-                # The gate's options, taken out so that they are not read as the trace's fields.
-                asked = {name: arguments.pop(name) for name in _OPTIONS if name in arguments}
-                options = ContributionOptions.model_validate(asked)
-            traces = (
-                BatchIn.model_validate(arguments).traces
-                if kind == "batch"
-                else [ReasoningTrace.model_validate(arguments)]
-            )
-        except ValidationError as exc:
-            errors = exc.errors(include_url=False, include_input=False)
-            raise invalid(problems_of(errors)) from None
-        declared = headers.get("content-length", "")
-        scoring = Scoring(
-            caller,
-            kind,
-            traces,
-            arguments["traces"] if kind == "batch" else [arguments],
-            dry_run=dry_run,
-            body_bytes=int(declared) if declared.isdigit() else None,
-            options=options,
-        )
-        answer = (await self.service.score(scoring)).model
-        assert answer is not None  # no replay: MCP calls carry no Idempotency-Key
-        return answer
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False, include_input=False)
+        raise invalid(problems_of(errors)) from None
+    declared = headers.get("content-length", "")
+    scoring = Scoring(
+        caller,
+        kind,
+        traces,
+        arguments["traces"] if kind == "batch" else [arguments],
+        dry_run=dry_run,
+        body_bytes=int(declared) if declared.isdigit() else None,
+        options=options,
+    )
+    answer = (await service.score(scoring)).model
+    assert answer is not None  # no replay: MCP calls carry no Idempotency-Key
+    return answer
 
 
-_TOOLS: Final = _tools()
-
-
-class McpTransport:
+def session_manager(service: ScoringService) -> StreamableHTTPSessionManager:
     """The MCP server and its streamable-HTTP session manager, for one run of the app (run by
     app.api.mcp.McpHost: the manager runs a task group for the requests)."""
-
-    def __init__(self, service: ScoringService) -> None:
-        tools = McpTools(service)
-        server: Server[Any] = Server(
-            "kp-scoring",
-            version=VERSION,
-            title="KnowledgePulse trace scoring",
-            instructions=(
-                f"Call {SCORE_TRACE} with a ReasoningTrace before contributing it: a score of "
-                f"{SHARE_THRESHOLD} or more is worth sharing."
-            ),
-            on_list_tools=tools.list_tools,
-            on_call_tool=tools.call_tool,
-        )
-        self.manager = StreamableHTTPSessionManager(
-            server,
-            json_response=True,
-            stateless=True,
-            # The REST API does not check Host or Origin either; a deployment behind a proxy
-            # sees its own host names.
-            security_settings=TransportSecuritySettings(enable_dns_rebinding_protection=False),
-            max_request_body_size=service.settings.max_body_bytes,
-        )
+    server: Server[Any] = Server(
+        "kp-scoring",
+        version=VERSION,
+        title="KnowledgePulse trace scoring",
+        instructions=(
+            f"Call {SCORE_TRACE} with a ReasoningTrace before contributing it: a score of "
+            f"{SHARE_THRESHOLD} or more is worth sharing."
+        ),
+        on_list_tools=_list_tools,
+        on_call_tool=functools.partial(_call_tool, service),
+    )
+    return StreamableHTTPSessionManager(
+        server,
+        json_response=True,
+        stateless=True,
+        # The REST API does not check Host or Origin either; a deployment behind a proxy
+        # sees its own host names.
+        security_settings=TransportSecuritySettings(enable_dns_rebinding_protection=False),
+        max_request_body_size=service.settings.max_body_bytes,
+    )

@@ -37,21 +37,9 @@ def install(app: FastAPI, settings: Settings) -> None:
 
 
 def with_rules(document: Schema, settings: Settings) -> None:
-    components: dict[str, Schema] = document["components"]["schemas"]
-    _trace_limits(components, settings)
-    components["BatchIn"]["properties"]["traces"]["maxItems"] = settings.max_batch
-    components["BatchIn"]["description"] = (
-        f"At most {settings.max_batch} traces (KP_MAX_BATCH); the body's limits apply to the "
-        "whole batch."
-    )
-    for operations in document["paths"].values():
-        for operation in operations.values():
-            _operation_rules(operation)
-
-
-def _trace_limits(definitions: dict[str, Schema], settings: Settings) -> None:
-    """maxLength on every string of the trace's schemas, propertyNames on every free-form
-    object, maxItems on steps (the trace's schemas: pydantic's, named as FastAPI names them)."""
+    definitions: dict[str, Schema] = document["components"]["schemas"]
+    # maxLength on every string of the trace's schemas, propertyNames on every free-form
+    # object, maxItems on steps (the trace's schemas: pydantic's, named as FastAPI names them).
     n = settings.max_string_chars
     nested = ReasoningTrace.model_json_schema(by_alias=True).get("$defs", {})
     for name in ("ReasoningTrace", *nested):
@@ -66,6 +54,14 @@ def _trace_limits(definitions: dict[str, Schema], settings: Settings) -> None:
         f"(KP_MAX_JSON_DEPTH), which is at most {settings.max_body_bytes} bytes "
         "(KP_MAX_BODY_BYTES). Unknown fields are ignored."
     )
+    definitions["BatchIn"]["properties"]["traces"]["maxItems"] = settings.max_batch
+    definitions["BatchIn"]["description"] = (
+        f"At most {settings.max_batch} traces (KP_MAX_BATCH); the body's limits apply to the "
+        "whole batch."
+    )
+    for operations in document["paths"].values():
+        for operation in operations.values():
+            _operation_rules(operation)
 
 
 def _limit_strings(field: Schema, n: int) -> None:

@@ -1,7 +1,7 @@
 """Prometheus metrics, one registry per app so that several apps can live in one process.
 
 Counted here: what requests do. The running service's parts (cache, its database, embedder)
-expose their own figures through app.service.runtime.RuntimeCollector."""
+expose their own figures through app.service.runtime.Runtime.collect."""
 
 from __future__ import annotations
 

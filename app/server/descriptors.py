@@ -30,16 +30,6 @@ def _can_count() -> bool:
     return _FD_DIR.is_dir()
 
 
-def _open_descriptors(limit: int) -> int:
-    try:
-        # The listing's own descriptor is among those listed.
-        return len(os.listdir(_FD_DIR)) - 1
-    except OSError as exc:
-        if exc.errno in (errno.EMFILE, errno.ENFILE):
-            return limit  # not one left to list them with
-        raise
-
-
 class DescriptorAlarm:
     """Says once that the descriptors ran out (from the watch, or from the first accept that
     failed), counts the accepts that fail meanwhile, and says once that they are back. Called
@@ -108,7 +98,13 @@ async def watch_descriptors() -> None:
     try:
         while True:
             limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-            open_fds = _open_descriptors(limit)
+            try:
+                # The listing's own descriptor is among those listed.
+                open_fds = len(os.listdir(_FD_DIR)) - 1
+            except OSError as exc:
+                if exc.errno not in (errno.EMFILE, errno.ENFILE):
+                    raise
+                open_fds = limit  # not one left to list them with
             if limit != resource.RLIM_INFINITY:
                 if open_fds >= limit - max(2, limit // 50):  # within 2%
                     alarm.exhausted(open_fds, limit)

@@ -14,18 +14,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 _REFUSED_HEADERS = [(b"content-length", b"0"), (b"connection", b"close")]
 
 
-def head_bytes(scope: Scope) -> int:
-    """The request line and headers as the client sent them (header lines counted as
-    `name: value`, with one space)."""
-    target = len(scope.get("raw_path") or scope["path"].encode())
-    if scope.get("query_string"):
-        target += 1 + len(scope["query_string"])
-    request_line = (
-        len(scope["method"]) + 1 + target + len(" HTTP/") + len(scope.get("http_version", "1.1"))
-    )
-    return request_line + 2 + sum(len(k) + 2 + len(v) + 2 for k, v in scope["headers"]) + 2
-
-
 class HeaderLimit:
     """Answers 431 (empty body, Connection: close) to a request whose head is larger than
     `max_bytes`; everything else (lifespan, other requests) goes to `app` untouched."""
@@ -35,8 +23,17 @@ class HeaderLimit:
         self.max_bytes = max_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and head_bytes(scope) > self.max_bytes:
-            await send({"type": "http.response.start", "status": 431, "headers": _REFUSED_HEADERS})
-            await send({"type": "http.response.body", "body": b""})
-            return
+        if scope["type"] == "http":
+            # The request line and headers as the client sent them (`name: value`, one space).
+            target = len(scope.get("raw_path") or scope["path"].encode())
+            if scope.get("query_string"):
+                target += 1 + len(scope["query_string"])
+            version = scope.get("http_version", "1.1")
+            head = len(scope["method"]) + 1 + target + len(" HTTP/") + len(version) + 2
+            head += sum(len(k) + 2 + len(v) + 2 for k, v in scope["headers"]) + 2
+            if head > self.max_bytes:
+                start = {"type": "http.response.start", "status": 431, "headers": _REFUSED_HEADERS}
+                await send(start)
+                await send({"type": "http.response.body", "body": b""})
+                return
         await self.app(scope, receive, send)

@@ -16,10 +16,9 @@ from opentelemetry.trace import Tracer
 
 from app.core.states import NotStoredReason, NoveltyReason
 from app.domain import scoring
-from app.embedding.embeddings import Embedder, EmbedderUnavailableError, Embedding
+from app.embedding.embeddings import Embedder, EmbedderUnavailableError
 from app.memory.base import (
     DEFAULT_NAMESPACE,
-    Comparison,
     MemoryUnavailableError,
     NearestTrace,
     NoveltyMemory,
@@ -32,11 +31,11 @@ from app.schemas.trace import ReasoningTrace
 class NoveltyReport:
     measured: bool
     reason: NoveltyReason | None
-    detail: str | None
-    max_cosine: float | None
-    cache_size: int
-    tokens: int | None
-    truncated: bool | None
+    detail: str | None = None
+    max_cosine: float | None = None
+    cache_size: int = 0
+    tokens: int | None = None
+    truncated: bool | None = None
     nearest: NearestTrace | None = None
     search: SearchMethod | None = None  # how max_cosine was found (None: not measured)
     search_bound: float | None = None
@@ -93,24 +92,68 @@ class Evaluator:
                 False,
                 exc.code,
                 str(exc),
-                None,
-                self.memory.size,
-                None,
-                None,
+                cache_size=self.memory.size,
                 not_stored="dry_run" if dry_run else "not_measured",
             )
             reports = [report] * len(traces)
         else:
-            reports = await self._measure(
-                ids, embeddings, dry_run=dry_run, namespace=namespace, receipt=receipt
-            )
+            vectors = []
+            for embedding in embeddings:
+                vectors.append(embedding.vector)
+            unavailable = None
+            try:
+                add = not dry_run
+                if self.tracer is None:
+                    comparisons = await self.memory.compare(
+                        namespace, vectors, ids, add=add, receipt=receipt
+                    )
+                else:
+                    with self.tracer.start_as_current_span("kp.memory", attributes={"kp.add": add}):
+                        comparisons = await self.memory.compare(
+                            namespace, vectors, ids, add=add, receipt=receipt
+                        )
+            except MemoryUnavailableError as exc:
+                unavailable = str(exc)
+            reports = []
+            for i, e in enumerate(embeddings):
+                if unavailable is not None:
+                    report = NoveltyReport(
+                        False,
+                        "cache_unavailable",
+                        unavailable,
+                        tokens=e.token_count,
+                        truncated=e.truncated,
+                        not_stored="dry_run" if dry_run else "cache_unavailable",
+                        not_stored_detail=None if dry_run else unavailable,
+                    )
+                else:
+                    c = comparisons[i]
+                    measured = c.max_cosine is not None
+                    not_stored: NotStoredReason | None = None
+                    if not c.stored:
+                        not_stored = "dry_run" if dry_run else "storage_failed"
+                    report = NoveltyReport(
+                        measured,
+                        None if measured else "cache_empty",
+                        max_cosine=c.max_cosine,
+                        cache_size=c.size,
+                        tokens=e.token_count,
+                        truncated=e.truncated,
+                        nearest=c.nearest,
+                        search=c.search if measured else None,
+                        search_bound=c.search_bound,
+                        stored=c.stored,
+                        not_stored=not_stored,
+                        not_stored_detail=None if dry_run else c.not_stored,
+                    )
+                reports.append(report)
 
         results = []
         for trace, report in zip(traces, reports, strict=True):
-            measured = report.max_cosine
+            cosine = report.max_cosine
             result = scoring.score(
                 trace.steps,
-                novelty=scoring.NEUTRAL_NOVELTY if measured is None else scoring.novelty(measured),
+                novelty=scoring.NEUTRAL_NOVELTY if cosine is None else scoring.novelty(cosine),
                 confidence=trace.outcome.confidence,
                 success=trace.metadata.success,
                 task_domain=trace.metadata.task_domain,
@@ -118,84 +161,3 @@ class Evaluator:
             elapsed = (time.perf_counter() - started) * 1000.0
             results.append(Evaluation(trace.id, result, report, elapsed))
         return results
-
-    async def _measure(
-        self,
-        ids: list[str],
-        embeddings: Sequence[Embedding],
-        *,
-        dry_run: bool,
-        namespace: str,
-        receipt: str | None,
-    ) -> list[NoveltyReport]:
-        vectors = []
-        for embedding in embeddings:
-            vectors.append(embedding.vector)
-        unavailable = None
-        try:
-            add = not dry_run
-            if self.tracer is None:
-                comparisons = await self.memory.compare(
-                    namespace, vectors, ids, add=add, receipt=receipt
-                )
-            else:
-                with self.tracer.start_as_current_span("kp.memory", attributes={"kp.add": add}):
-                    comparisons = await self.memory.compare(
-                        namespace, vectors, ids, add=add, receipt=receipt
-                    )
-        except MemoryUnavailableError as exc:
-            unavailable = str(exc)
-        reports = []
-        for i, e in enumerate(embeddings):
-            if unavailable is not None:
-                report = NoveltyReport(
-                    False,
-                    "cache_unavailable",
-                    unavailable,
-                    None,
-                    0,
-                    e.token_count,
-                    e.truncated,
-                    not_stored="dry_run" if dry_run else "cache_unavailable",
-                    not_stored_detail=None if dry_run else unavailable,
-                )
-            else:
-                report = _report(comparisons[i], e, dry_run)
-            reports.append(report)
-        return reports
-
-
-def _report(comparison: Comparison, embedding: Embedding, dry_run: bool) -> NoveltyReport:
-    not_stored: NotStoredReason | None = None
-    detail = None
-    if not comparison.stored:
-        not_stored = "dry_run" if dry_run else "storage_failed"
-        detail = None if dry_run else comparison.not_stored
-    if comparison.max_cosine is None:
-        return NoveltyReport(
-            False,
-            "cache_empty",
-            None,
-            None,
-            0,
-            embedding.token_count,
-            embedding.truncated,
-            stored=comparison.stored,
-            not_stored=not_stored,
-            not_stored_detail=detail,
-        )
-    return NoveltyReport(
-        True,
-        None,
-        None,
-        comparison.max_cosine,
-        comparison.size,
-        embedding.token_count,
-        embedding.truncated,
-        comparison.nearest,
-        comparison.search,
-        comparison.search_bound,
-        stored=comparison.stored,
-        not_stored=not_stored,
-        not_stored_detail=detail,
-    )

@@ -15,7 +15,7 @@ from prometheus_client.registry import Collector
 
 from app.core.config import Settings, default_memory_file, redis_location, retired_settings
 from app.core.health import UNMEASURED, Health
-from app.core.states import EmbedderState, Precision, StorageState
+from app.core.states import EmbedderState, StorageState
 from app.embedding import model_files
 from app.embedding.embeddings import EmbeddingMemo, EmbeddingService
 from app.embedding.int8_support import CpuFeatures, Int8Support, int8_support
@@ -28,12 +28,12 @@ from app.memory.in_process import InProcessMemory
 from app.memory.sqlite import SqliteStore
 from app.memory.sqlite_rows import StorageStatus
 from app.service.evaluator import Evaluator
-from app.service.trust import build_trust_stores
+from app.service.trust import build_guards
 
 log = logging.getLogger("app")
 
 
-class Runtime:
+class Runtime(Collector):
     """`cpu`: the CPU int8 mode decides on (default: this machine's); `observer`: where the
     embedder's queue waits and model run times go (the metrics)."""
 
@@ -52,12 +52,18 @@ class Runtime:
         needs_identity = settings.redis_url is not None or settings.cache_db_path is not None
         model_id = None
         if needs_identity and files is not None:
-            model_id = _model_identity(files, self.embeddings.precision or "float32")
+            try:
+                model_id = model_files.identity(files, self.embeddings.precision or "float32")
+            except ModelError as exc:  # then nothing shares or saves vectors
+                log.error(
+                    "model identity unknown: no shared cache exchange or stored vector can be "
+                    "trusted",
+                    extra={"reason": str(exc)},
+                )
         self.memory = build_memory(settings, model_id)
         self.memo = EmbeddingMemo(self.embeddings, settings.embed_memo_capacity)
         self.evaluator = Evaluator(self.memory, self.memo)
-        self.trust = build_trust_stores(settings)
-        self.collector = RuntimeCollector(self)
+        self.rate_limiter, self.idempotency, self._guards_redis = build_guards(settings)
 
     async def start(self, url: str | None = None) -> None:
         """`url`: where the server listens, for the start's log line."""
@@ -91,7 +97,8 @@ class Runtime:
     async def stop(self) -> None:
         await self.embeddings.close()
         await self.memory.close()
-        await self.trust.close()
+        if self._guards_redis is not None:
+            await self._guards_redis.aclose()
         log.info("kp-scoring stopped", extra=memory_summary.at_stop(self.memory))
 
     def health(self) -> Health:
@@ -119,17 +126,11 @@ class Runtime:
             return store.status
         return StorageStatus(self.settings.cache_db_path, StorageState.DISABLED)
 
-
-class RuntimeCollector(Collector):
-    """The parts' own figures, read at each scrape. The running totals live in the parts
-    (the shared memory's evictions even in Redis, counted by every replica), so they are
-    exposed as counters from there rather than mirrored into prometheus objects by hand."""
-
-    def __init__(self, runtime: Runtime) -> None:
-        self.runtime = runtime
-
     def collect(self) -> Iterator[Metric]:
-        embeddings, memory = self.runtime.embeddings, self.runtime.memory
+        """The parts' own figures, read at each scrape. The running totals live in the parts
+        (the shared memory's evictions even in Redis, counted by every replica), so they are
+        exposed as counters from there rather than mirrored into prometheus objects by hand."""
+        embeddings, memory = self.embeddings, self.memory
         backend = memory.backend
         yield GaugeMetricFamily("kp_cache_size", "Vectors in the novelty cache.", memory.size)
         yield CounterMetricFamily(
@@ -171,10 +172,10 @@ class RuntimeCollector(Collector):
             "Texts looked up in the memo of recent vectors, by result (hit: no model run).",
             labels=["result"],
         )
-        memo.add_metric(["hit"], self.runtime.memo.hits_total)
-        memo.add_metric(["miss"], self.runtime.memo.misses_total)
+        memo.add_metric(["hit"], self.memo.hits_total)
+        memo.add_metric(["miss"], self.memo.misses_total)
         yield memo
-        storage = self.runtime.storage_status()
+        storage = self.storage_status()
         yield CounterMetricFamily(
             "kp_cache_db_commits",
             "Transactions committed to the in-process memory's database since start (a group "
@@ -230,32 +231,6 @@ class RuntimeCollector(Collector):
         )
 
 
-def _model_identity(files: model_files.ModelFiles, precision: Precision) -> str | None:
-    """None (logged) when the files cannot be read: then nothing shares or saves vectors."""
-    try:
-        return model_files.identity(files, precision)
-    except ModelError as exc:
-        log.error(
-            "model identity unknown: no shared cache exchange or stored vector can be trusted",
-            extra={"reason": str(exc)},
-        )
-        return None
-
-
-def _int8_support(settings: Settings, cpu: CpuFeatures | None) -> Int8Support | None:
-    """With KP_EMBEDDER_PRECISION=int8: whether this CPU keeps int8 mode's promise (logged)."""
-    if settings.embedder_precision != "int8":
-        return None
-    support = int8_support(cpu)
-    if support.weights is None:
-        log.warning(
-            "int8 mode declined: the embedder runs float32", extra={"reason": support.reason}
-        )
-    else:
-        log.info("int8 mode", extra={"weights": support.weights, "reason": support.reason})
-    return support
-
-
 def load_embedder(
     files: model_files.ModelFiles, settings: Settings, int8: Int8Support | None
 ) -> OnnxEmbedder:
@@ -293,7 +268,14 @@ def build_embeddings(
         service = EmbeddingService(None, model_name=None)
         service.mark_unavailable(str(exc))
         return service, None
-    int8 = _int8_support(settings, cpu)
+    int8 = None
+    if settings.embedder_precision == "int8":  # whether this CPU keeps int8 mode's promise
+        int8 = int8_support(cpu)
+        if int8.weights is None:
+            reason = {"reason": int8.reason}
+            log.warning("int8 mode declined: the embedder runs float32", extra=reason)
+        else:
+            log.info("int8 mode", extra={"weights": int8.weights, "reason": int8.reason})
     service = EmbeddingService(
         partial(load_embedder, files, settings, int8),
         model_name=files.name,

@@ -10,11 +10,11 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from opentelemetry.trace import Span, Tracer
+from opentelemetry.trace import Tracer
 from pydantic import BaseModel, TypeAdapter
 
 from app.contribution.capture import FieldRisk, Finding, Gate, prepare
@@ -98,16 +98,6 @@ class Caller:
 
 
 @dataclass(frozen=True, slots=True)
-class Credentials:
-    """What a request says of its caller, from its headers and query, before its body."""
-
-    authorization: Sequence[str] = ()
-    namespace: Sequence[str] = ()
-    #: The name of a query parameter in which a key was sent, if any.
-    key_in_query: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
 class Replay:
     """What makes a request's retry recognisable: its Idempotency-Key as sent, and what the
     request was (method, path, query, body)."""
@@ -147,13 +137,9 @@ class Answer:
     replayed: bool = False
 
 
-@dataclass(slots=True)
-class _Prepared:
-    """What a scoring request settled before the memory: the digests signed, the gate."""
-
-    digests: list[str] | None = None
-    gate: Gate | None = None
-    options: GateOptions | None = None
+#: What a scoring request settled before the memory: the digests signed, the gate and its
+#: options (a contribution's).
+_Prepared = tuple[list[str] | None, Gate | None, GateOptions | None]
 
 
 #: The answers' JSON as FastAPI writes a response model (pydantic's serializer).
@@ -189,20 +175,28 @@ class ScoringService:
 
     # -- who asks: before the body -----------------------------------------------------
 
-    async def admit(self, scope: KeyScope, given: Credentials) -> Caller:
-        """The caller of a route that needs `scope`: its key (checked), its namespace and its
-        first rate-limit token; ServiceError (400, 401, 403, 422, 429) otherwise."""
+    async def admit(
+        self,
+        scope: KeyScope,
+        authorization: Sequence[str],
+        namespace: Sequence[str],
+        key_in_query: str | None = None,
+    ) -> Caller:
+        """The caller of a route that needs `scope`, from the request's Authorization and
+        KP-Namespace headers and the query parameter a key was sent in, if any: its key
+        (checked), its namespace and its first rate-limit token; ServiceError (400, 401, 403,
+        422, 429) otherwise."""
         m = self.metrics
-        if given.key_in_query is not None:
+        if key_in_query is not None:
             msg = "API keys go in the Authorization header (Bearer), never in the URL"
-            raise ServiceError(400, "key_in_query", msg, loc=("query", given.key_in_query))
-        if len(given.authorization) > 1:
+            raise ServiceError(400, "key_in_query", msg, loc=("query", key_in_query))
+        if len(authorization) > 1:
             # Which one a proxy, a log or this service reads first is anyone's guess.
-            msg = f"one Authorization header, not {len(given.authorization)}"
+            msg = f"one Authorization header, not {len(authorization)}"
             raise ServiceError(400, "repeated_header", msg, loc=_KEY_LOC)
         presented = None
-        if given.authorization:
-            scheme, _, token = given.authorization[0].strip().partition(" ")
+        if authorization:
+            scheme, _, token = authorization[0].strip().partition(" ")
             if scheme.lower() == "bearer" and token.strip():
                 presented = token.strip()
         key = None if presented is None else self.keys.identify(presented)
@@ -219,18 +213,33 @@ class ScoringService:
             m.child(m.auth_refused, "missing_scope").inc()
             msg = f"the API key {key.name!r} lacks the scope {scope!r}"
             raise ServiceError(403, "forbidden", msg, loc=_KEY_LOC)
-        if len(given.namespace) > 1:
-            msg = f"one {namespaces.HEADER} header, not {len(given.namespace)}"
+        if len(namespace) > 1:
+            msg = f"one {namespaces.HEADER} header, not {len(namespace)}"
             raise ServiceError(400, "repeated_header", msg, loc=namespaces.LOC)
-        if given.namespace:
-            namespace = self._namespace(key, given.namespace[0])
+        if namespace:
+            chosen = self._namespace(key, namespace[0])
         else:
-            namespace = (
-                namespaces.DEFAULT if key is None or key.namespace is None else key.namespace
-            )
-        if key is not None:
-            await self._take_first_token(key)
-        return Caller(key, namespace)
+            chosen = namespaces.DEFAULT if key is None or key.namespace is None else key.namespace
+        if key is None:
+            return Caller(None, chosen)
+        if key.rate_per_minute is not None:  # the first token; a batch's others: _charge_batch
+            try:
+                wait = await self.runtime.rate_limiter.take(key.name, key.rate_per_minute)
+            except RateLimitUnavailableError as exc:
+                # Refusing every agent because Redis is away would be worse.
+                m.rate_limit_unavailable.inc()
+                log.warning("rate limit not checked: Redis unavailable", extra={"reason": str(exc)})
+                wait = 0.0
+            if wait > 0:
+                m.child(m.key_requests, key.name, "rate_limited").inc()
+                seconds = retry_after(wait)
+                msg = (
+                    f"the API key {key.name!r} is over its rate of {key.rate_per_minute} "
+                    f"requests a minute: retry after {seconds} s"
+                )
+                raise ServiceError(429, "rate_limited", msg, loc=_KEY_LOC, retry_after=seconds)
+        m.child(m.key_requests, key.name, "admitted").inc()
+        return Caller(key, chosen)
 
     def within(self, caller: Caller, argument: object, header: str | None) -> Caller:
         """The caller of an MCP tool: in the namespace its `namespace` argument names (the
@@ -261,28 +270,6 @@ class ScoringService:
                 self.metrics.child(self.metrics.auth_refused, exc.kind).inc()
             raise
 
-    async def _take_first_token(self, key: ApiKey) -> None:
-        """A request's first rate-limit token, taken before its body is read (a batch's
-        others: `_charge_batch`). Redis away: let through, counted and logged."""
-        m = self.metrics
-        if key.rate_per_minute is not None:
-            try:
-                wait = await self.runtime.trust.rate_limiter.take(key.name, key.rate_per_minute)
-            except RateLimitUnavailableError as exc:
-                # Refusing every agent because Redis is away would be worse.
-                m.rate_limit_unavailable.inc()
-                log.warning("rate limit not checked: Redis unavailable", extra={"reason": str(exc)})
-                wait = 0.0
-            if wait > 0:
-                m.child(m.key_requests, key.name, "rate_limited").inc()
-                seconds = retry_after(wait)
-                msg = (
-                    f"the API key {key.name!r} is over its rate of {key.rate_per_minute} "
-                    f"requests a minute: retry after {seconds} s"
-                )
-                raise ServiceError(429, "rate_limited", msg, loc=_KEY_LOC, retry_after=seconds)
-        m.child(m.key_requests, key.name, "admitted").inc()
-
     async def _charge_batch(self, key: ApiKey | None, traces: int) -> None:
         """A batch costs one token per trace, as the same traces sent one by one would: the
         first was taken before the body; the others now, before any is scored. A batch refused
@@ -290,35 +277,32 @@ class ScoringService:
         nothing: its first token is given back."""
         if key is None or key.rate_per_minute is None or traces <= 1:
             return
-        rate, limiter = key.rate_per_minute, self.runtime.trust.rate_limiter
+        rate, limiter = key.rate_per_minute, self.runtime.rate_limiter
         if traces > rate:
-            await self._give_back_first(key)
             msg = (
                 f"at most {rate} traces a batch for the API key {key.name!r} (its rate per "
                 "minute: a batch costs one token per trace)"
             )
-            raise ServiceError(422, "batch_over_rate", msg, loc=("body", "traces"))
-        try:
-            wait = await limiter.take(key.name, rate, traces - 1)
-        except RateLimitUnavailableError as exc:
-            log.warning("rate limit not checked: Redis unavailable", extra={"reason": str(exc)})
-            return
-        if wait > 0:
-            await self._give_back_first(key)
+            refusal = ServiceError(422, "batch_over_rate", msg, loc=("body", "traces"))
+        else:
+            try:
+                wait = await limiter.take(key.name, rate, traces - 1)
+            except RateLimitUnavailableError as exc:
+                log.warning("rate limit not checked: Redis unavailable", extra={"reason": str(exc)})
+                return
+            if wait <= 0:
+                return
             seconds = retry_after(wait)
             msg = (
                 f"the API key {key.name!r} is over its rate of {rate} traces a minute (a batch "
                 f"of {traces} costs {traces}): retry after {seconds} s"
             )
-            raise ServiceError(429, "rate_limited", msg, loc=_KEY_LOC, retry_after=seconds)
-
-    async def _give_back_first(self, key: ApiKey) -> None:
-        """A negative cost adds to the bucket (it clamps at its capacity as it refills).
-        Should the shared buckets have gone away since, the token stays spent: the limit errs
-        on the strict side."""
-        assert key.rate_per_minute is not None
+            refusal = ServiceError(429, "rate_limited", msg, loc=_KEY_LOC, retry_after=seconds)
+        # A negative cost adds to the bucket (it clamps at its capacity as it refills). Should
+        # the shared buckets have gone away since, the token stays spent: the strict side.
         with contextlib.suppress(RateLimitUnavailableError):
-            await self.runtime.trust.rate_limiter.take(key.name, key.rate_per_minute, -1)
+            await limiter.take(key.name, rate, -1)
+        raise refusal
 
     # -- scoring ------------------------------------------------------------------------
 
@@ -329,9 +313,7 @@ class ScoringService:
         kind = "batch" if request.kind == "batch" else "one"
         m.child(m.scoring_requests, request.caller.transport, kind).inc()
         if request.replay is not None:
-            return await self._once(
-                request.caller, request.replay, lambda receipt: self._score(request, receipt)
-            )
+            return await self._once(request, request.replay)
         return await self._score(request)
 
     async def _score(self, request: Scoring, receipt: str | None = None) -> Answer:
@@ -344,12 +326,27 @@ class ScoringService:
             with tracer.start_as_current_span("kp.validation"):
                 prepared = await self._refusals(request)
             evaluations = await self._evaluate(request, receipt)
-            if self.signer is None:
+            signing = self.signer is not None
+            with tracer.start_as_current_span("kp.sign") if signing else contextlib.nullcontext():
                 answer = self._answer(request, prepared, evaluations)
-            else:
-                with tracer.start_as_current_span("kp.sign"):
-                    answer = self._answer(request, prepared, evaluations)
-            _describe(span, request, evaluations)
+            # What an operator follows a request by: the traces, the namespace, the tokens
+            # read and what novelty came to.
+            first = evaluations[0].novelty
+            span.set_attributes(
+                {
+                    "kp.namespace": request.caller.namespace,
+                    "kp.transport": request.caller.transport,
+                    "kp.kind": request.kind,
+                    "kp.traces": len(evaluations),
+                    "kp.trace_id": [e.trace_id for e in evaluations],
+                    "kp.tokens": [e.novelty.tokens or 0 for e in evaluations],
+                    "kp.novelty.measured": first.measured,
+                    "kp.novelty.reason": first.reason or "",
+                    "kp.novelty.stored": first.stored,
+                    "kp.score": [e.score.value for e in evaluations],
+                    "kp.dry_run": request.dry_run,
+                }
+            )
         return answer
 
     async def _refusals(self, request: Scoring) -> _Prepared:
@@ -360,7 +357,9 @@ class ScoringService:
         )
         if problems:
             raise invalid(problems)
-        prepared = _Prepared()
+        digests: list[str] | None = None
+        gate: Gate | None = None
+        options: GateOptions | None = None
         if request.kind == "contribution":
             (given,) = request.sent
             where = lone_surrogate(given)
@@ -372,28 +371,24 @@ class ScoringService:
                 raise invalid([Problem(("body", *where), msg, "lone_surrogate")])
             at = ("query",) if request.caller.transport == "rest" else ()
             asked = request.options or ContributionOptions()
-            prepared.options = asked.resolve(self.settings, at)
-            prepared.gate = await self._gate(given, request.body_bytes, prepared.options)
+            options = asked.resolve(self.settings, at)
+            # What the SDK's capture would send (its score set once scored) and what it would
+            # leak; a large trace's text work off the event loop.
+            work = functools.partial(
+                prepare,
+                given,
+                clean_all=self.settings.contribution_clean_all,
+                redact_suspected=options.redact_suspected,
+                suspicious_threshold=options.suspicious_threshold,
+                reject_threshold=options.reject_threshold,
+            )
+            big = request.body_bytes is not None and request.body_bytes > INLINE_BODY_BYTES
+            gate = await asyncio.to_thread(work) if big else work()
         if self.signer is not None:
-            prepared.digests = trace_digests(request.sent, batch=batch, at=("body",))
+            digests = trace_digests(request.sent, batch=batch, at=("body",))
         if batch:
             await self._charge_batch(request.caller.key, len(request.traces))
-        return prepared
-
-    async def _gate(self, given: Any, body_bytes: int | None, options: GateOptions) -> Gate:
-        """What the SDK's capture would send (its score set once scored) and what it would
-        leak; large traces' text work off the event loop."""
-        work = functools.partial(
-            prepare,
-            given,
-            clean_all=self.settings.contribution_clean_all,
-            redact_suspected=options.redact_suspected,
-            suspicious_threshold=options.suspicious_threshold,
-            reject_threshold=options.reject_threshold,
-        )
-        if body_bytes is not None and body_bytes > INLINE_BODY_BYTES:
-            return await asyncio.to_thread(work)
-        return work()
+        return digests, gate, options
 
     async def _evaluate(self, request: Scoring, receipt: str | None) -> list[Evaluation]:
         """The one commit: the traces meet their namespace's memory in order; under an
@@ -428,13 +423,14 @@ class ScoringService:
     def _answer(
         self, request: Scoring, prepared: _Prepared, evaluations: list[Evaluation]
     ) -> Answer:
-        digests: Sequence[str | None] = prepared.digests or [None] * len(evaluations)
+        signed, gate, options = prepared
+        digests: Sequence[str | None] = signed or [None] * len(evaluations)
         if request.kind == "contribution":
-            assert prepared.gate is not None
-            assert prepared.options is not None
+            assert gate is not None
+            assert options is not None
             (evaluation,) = evaluations
             model: BaseModel = self._contribution_out(
-                evaluation, prepared.gate, prepared.options, digests[0], dry_run=request.dry_run
+                evaluation, gate, options, digests[0], dry_run=request.dry_run
             )
         elif request.kind == "batch":
             answers = []
@@ -522,17 +518,16 @@ class ScoringService:
 
     # -- idempotency --------------------------------------------------------------------
 
-    async def _once(
-        self, caller: Caller, replay: Replay, work: Callable[[str], Awaitable[Answer]]
-    ) -> Answer:
-        """`work` run once for an Idempotency-Key (docs/decisions/idempotency-key.md). `work`
-        gets the key's receipt for the memory: a retry after a crash lost both the answer and
-        its record (in this process) still finds the first commit's comparisons there."""
+    async def _once(self, request: Scoring, replay: Replay) -> Answer:
+        """The request scored once for its Idempotency-Key (docs/decisions/idempotency-key.md),
+        the key its receipt for the memory: a retry after a crash lost both the answer and its
+        record (in this process) still finds the first commit's comparisons there."""
+        caller = request.caller
         key = parse_key(replay.key)
         if key is None:
             msg = "must be 1 to 255 visible ASCII characters"
             raise ServiceError(400, "idempotency_key_invalid", msg, loc=_IDEMPOTENCY_LOC)
-        records = self.runtime.trust.idempotency
+        records = self.runtime.idempotency
         scoped = scoped_key(None if caller.key is None else caller.key.name, caller.namespace, key)
         print_ = fingerprint(replay.method, replay.path, replay.query, replay.body)
         try:
@@ -557,7 +552,7 @@ class ScoringService:
             return Answer(decision.recorded.body, status=decision.recorded.status, replayed=True)
         answer = None
         try:
-            answer = await work(scoped)
+            answer = await self._score(request, scoped)
             return answer
         finally:
             recorded = None if answer is None else Recorded(200, b"application/json", answer.body)
@@ -662,7 +657,9 @@ class ScoringService:
             cache_backend=CacheBackendOut(**asdict(runtime.memory.backend)),
             admin_auth=not self.settings.cache_open,
             storage=storage,
-            snapshot=_snapshot(storage),
+            snapshot=SnapshotOut(
+                **{_SNAPSHOT_NAMES.get(k, k): v for k, v in storage.model_dump().items()}
+            ),
             warnings=[*health.warnings, *(w for other in others for w in other.warnings)],
         )
 
@@ -671,40 +668,12 @@ class ScoringService:
         return JwksOut.model_validate(signer.jwks() if signer is not None else {"keys": []})
 
 
-def _describe(span: Span, request: Scoring, evaluations: Sequence[Evaluation]) -> None:
-    """What an operator follows a request by, on its span: the traces, the namespace, the
-    tokens read and what novelty came to."""
-    first = evaluations[0]
-    span.set_attributes(
-        {
-            "kp.namespace": request.caller.namespace,
-            "kp.transport": request.caller.transport,
-            "kp.kind": request.kind,
-            "kp.traces": len(evaluations),
-            "kp.trace_id": [e.trace_id for e in evaluations],
-            "kp.tokens": [e.novelty.tokens or 0 for e in evaluations],
-            "kp.novelty.measured": first.novelty.measured,
-            "kp.novelty.reason": first.novelty.reason or "",
-            "kp.novelty.stored": first.novelty.stored,
-            "kp.score": [e.score.value for e in evaluations],
-            "kp.dry_run": request.dry_run,
-        }
-    )
-
-
 def _finding(finding: Finding) -> FindingOut:
     return FindingOut.model_validate(finding, from_attributes=True)
 
 
 def _risk(field: FieldRisk) -> FieldRiskOut:
-    a = field.assessment
-    return FieldRiskOut(
-        path=field.path,
-        score=a.score,
-        max_score=a.max_score,
-        patterns=list(a.patterns),
-        verdict=a.verdict,
-    )
+    return FieldRiskOut(path=field.path, **asdict(field.assessment))
 
 
 #: `snapshot`'s names for `storage`'s fields (deprecated; removed in the next release).
@@ -714,8 +683,3 @@ _SNAPSHOT_NAMES = {
     "commits_total": "saves_total",
     "write_errors_total": "save_errors_total",
 }
-
-
-def _snapshot(storage: StorageOut) -> SnapshotOut:
-    fields = {_SNAPSHOT_NAMES.get(k, k): v for k, v in storage.model_dump().items()}
-    return SnapshotOut(**fields)

@@ -21,18 +21,10 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from joserfc import jws
 from joserfc.jwk import OKPKey
 
-from app.core.errors import PartError
+from app.core.config import config_error
 from app.core.signatures import ALGORITHM, signed_answer
 
 _PEM_BLOCK = re.compile(rb"-----BEGIN [A-Z ]+-----.+?-----END [A-Z ]+-----", re.DOTALL)
-
-
-class SigningKeyError(PartError):
-    """A signing key file that cannot be used (the message says why, never the key)."""
-
-
-def _public_jwk(key: OKPKey) -> dict[str, Any]:
-    return {**key.as_dict(private=False), "kid": key.thumbprint(), "alg": ALGORITHM, "use": "sig"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,16 +40,12 @@ class Signer:
     #: Set: the payload's `exp` is this many seconds after `iat`.
     lifetime_s: int | None = None
 
-    @property
-    def kid(self) -> str:
-        """RFC 7638 thumbprint of the public key: stable, and needs no naming scheme."""
-        kid: str = self.key.thumbprint()
-        return kid
-
     def jwks(self) -> dict[str, list[dict[str, Any]]]:
-        keys = [_public_jwk(self.key)]
-        keys += [_public_jwk(k) for k in self.previous if k.thumbprint() != self.kid]
-        return {"keys": keys}
+        # A key's id is its RFC 7638 thumbprint: stable, and needs no naming scheme.
+        kid = self.key.thumbprint()
+        keys = [self.key, *(k for k in self.previous if k.thumbprint() != kid)]
+        use = {"alg": ALGORITHM, "use": "sig"}
+        return {"keys": [{**k.as_dict(private=False), "kid": k.thumbprint(), **use} for k in keys]}
 
     def sign(
         self,
@@ -84,7 +72,7 @@ class Signer:
             payload["aud"] = self.audience
         if self.lifetime_s is not None:
             payload["exp"] = issued + self.lifetime_s
-        header = {"alg": ALGORITHM, "kid": self.kid, "typ": "JWT"}
+        header = {"alg": ALGORITHM, "kid": self.key.thumbprint(), "typ": "JWT"}
         token: str = jws.serialize_compact(
             header, orjson.dumps(payload), self.key, algorithms=[ALGORITHM]
         )
@@ -100,25 +88,26 @@ _KINDS: tuple[tuple[type, str], ...] = (
 )
 
 
-def _read(path: Path) -> bytes:
+def _read(path: Path, variable: str) -> bytes:
     try:
         return path.read_bytes()
     except OSError as exc:
-        raise SigningKeyError(f"cannot read {path}: {exc.strerror}") from None
+        raise config_error(variable, f"cannot read {path}: {exc.strerror}") from None
 
 
 def load_private_key(path: Path) -> OKPKey:
-    """The Ed25519 private key of a PEM file, or SigningKeyError saying why not."""
+    """The Ed25519 private key of KP_SIGNING_KEY_FILE, or ConfigError saying why not (never
+    the key)."""
+    refused = "SIGNING_KEY_FILE"
     try:
-        key = serialization.load_pem_private_key(_read(path), password=None)
+        key = serialization.load_pem_private_key(_read(path, refused), password=None)
     except (ValueError, TypeError) as exc:
-        raise SigningKeyError(f"{path} is not an unencrypted PEM private key: {exc}") from None
+        msg = f"{path} is not an unencrypted PEM private key: {exc}"
+        raise config_error(refused, msg) from None
     if not isinstance(key, Ed25519PrivateKey):
         kind = next((name for cls, name in _KINDS if isinstance(key, cls)), "another kind of key")
-        raise SigningKeyError(
-            f"{path} holds {kind}: an Ed25519 private key is needed "
-            "(openssl genpkey -algorithm ed25519)"
-        )
+        msg = f"{path} holds {kind}: an Ed25519 private key is needed"
+        raise config_error(refused, f"{msg} (openssl genpkey -algorithm ed25519)")
     pem = key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
@@ -126,18 +115,21 @@ def load_private_key(path: Path) -> OKPKey:
 
 
 def load_public_keys(path: Path) -> tuple[OKPKey, ...]:
-    """The Ed25519 public keys of a PEM file (one or more blocks), or SigningKeyError."""
-    blocks = _PEM_BLOCK.findall(_read(path))
+    """The Ed25519 public keys of KP_SIGNING_PREVIOUS_KEYS_FILE (one or more PEM blocks), or
+    ConfigError."""
+    refused = "SIGNING_PREVIOUS_KEYS_FILE"
+    blocks = _PEM_BLOCK.findall(_read(path, refused))
     if not blocks:
-        raise SigningKeyError(f"{path} holds no PEM public key")
+        raise config_error(refused, f"{path} holds no PEM public key")
     keys = []
     for i, block in enumerate(blocks):
         try:
             key = serialization.load_pem_public_key(block)
         except (ValueError, TypeError) as exc:
-            raise SigningKeyError(f"{path}, key {i + 1}: not a PEM public key: {exc}") from None
+            msg = f"{path}, key {i + 1}: not a PEM public key: {exc}"
+            raise config_error(refused, msg) from None
         if not isinstance(key, Ed25519PublicKey):
-            raise SigningKeyError(f"{path}, key {i + 1}: not an Ed25519 public key")
+            raise config_error(refused, f"{path}, key {i + 1}: not an Ed25519 public key")
         pem = key.public_bytes(
             serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
         )

@@ -4,12 +4,11 @@ A bad keys or signing key file stops the start with ConfigError naming the varia
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from app.core.config import Settings, config_error
 from app.guards.api_keys import KeyFileError, KeyRing, load_key_file
-from app.guards.idempotency import Idempotency, IdempotencyStore, InProcessIdempotencyStore
+from app.guards.idempotency import Idempotency, InProcessIdempotencyStore
 from app.guards.rate_limit import InProcessRateLimiter, RateLimiter
 
 if TYPE_CHECKING:
@@ -37,18 +36,12 @@ def load_signer(settings: Settings) -> Signer | None:
             raise config_error("SIGNING_PREVIOUS_KEYS_FILE", "is set without KP_SIGNING_KEY_FILE")
         return None
     # joserfc and cryptography load only when the service signs (they are slow to import).
-    from app.service.signing import Signer, SigningKeyError, load_private_key, load_public_keys
+    from app.service.signing import Signer, load_private_key, load_public_keys
 
-    try:
-        key = load_private_key(settings.signing_key_file)
-    except SigningKeyError as exc:
-        raise config_error("SIGNING_KEY_FILE", str(exc)) from None
+    key = load_private_key(settings.signing_key_file)
     previous: tuple[OKPKey, ...] = ()
     if settings.signing_previous_keys_file is not None:
-        try:
-            previous = load_public_keys(settings.signing_previous_keys_file)
-        except SigningKeyError as exc:
-            raise config_error("SIGNING_PREVIOUS_KEYS_FILE", str(exc)) from None
+        previous = load_public_keys(settings.signing_previous_keys_file)
     return Signer(
         key,
         previous,
@@ -58,23 +51,12 @@ def load_signer(settings: Settings) -> Signer | None:
     )
 
 
-@dataclass(slots=True)
-class TrustStores:
-    rate_limiter: RateLimiter
-    idempotency: Idempotency
-    #: Their connection to the shared Redis, if any (closed by close()).
-    redis: aioredis.Redis | None = None
-
-    async def close(self) -> None:
-        if self.redis is not None:
-            await self.redis.aclose()
-
-
-def build_trust_stores(settings: Settings) -> TrustStores:
+def build_guards(settings: Settings) -> tuple[RateLimiter, Idempotency, aioredis.Redis | None]:
     """Rate limits and idempotency records: in this process, or in the Redis the novelty
-    cache is shared through, so that every replica counts and replays alike."""
+    cache is shared through, so that every replica counts and replays alike; and their
+    connection to that Redis (for the runtime to close)."""
     if settings.redis_url is None:
-        return TrustStores(InProcessRateLimiter(), Idempotency(InProcessIdempotencyStore()))
+        return InProcessRateLimiter(), Idempotency(InProcessIdempotencyStore()), None
     # redis is slow to import; only here.
     import redis.asyncio as aioredis
 
@@ -86,5 +68,6 @@ def build_trust_stores(settings: Settings) -> TrustStores:
         socket_timeout=settings.redis_timeout_ms / 1000,
         socket_connect_timeout=settings.redis_timeout_ms / 1000,
     )
-    store: IdempotencyStore = RedisIdempotencyStore(client, settings.redis_prefix)
-    return TrustStores(RedisRateLimiter(client, settings.redis_prefix), Idempotency(store), client)
+    prefix = settings.redis_prefix
+    records = Idempotency(RedisIdempotencyStore(client, prefix))
+    return RedisRateLimiter(client, prefix), records, client
