@@ -297,7 +297,6 @@ class Settings(BaseSettings):
         "(the first this process scores); the others are counted together as `(other)`, "
         "so that tenants cannot grow the metrics without bound.",
     )
-    # POST /contribution (docs/contribution.md).
     contribution_threshold: float = Field(
         0.75,
         ge=0,
@@ -410,11 +409,9 @@ class Settings(BaseSettings):
     @model_validator(mode="before")
     @classmethod
     def _former_names(cls, data: Any) -> Any:
-        """The deprecated persistence settings, read as the settings that replace them (the
-        new name wins when both are set; deprecation_warnings says so in the log), then the
-        memory's database file: the one given (MEMORY_ONLY: none); unset or empty, the default
-        one, but none with KP_REDIS_URL (Redis keeps the memory) or KP_EMBEDDER=none (no
-        vectors)."""
+        """The deprecated persistence settings read as their replacements (the new name wins),
+        then the memory's database file: the one given (MEMORY_ONLY: none), else the default
+        one, but none with KP_REDIS_URL (Redis keeps the memory) or KP_EMBEDDER=none."""
         if not isinstance(data, dict):
             return data
         data = dict(data)
@@ -443,17 +440,19 @@ class Settings(BaseSettings):
                 f"({self.injection_suspicious_threshold}) exceeds KP_INJECTION_REJECT_THRESHOLD "
                 f"({self.injection_reject_threshold}): suspicious would never be said"
             )
+        # The database path's variable, as the operator wrote it.
+        former = self.cache_snapshot_path == self.cache_db_path
+        db_path = f"{ENV_PREFIX}{'CACHE_SNAPSHOT_PATH' if former else 'CACHE_DB_PATH'}"
         if self.redis_url is not None and self.cache_db_path is not None:
             raise ValueError(
-                f"{_db_path_name(self)} and KP_REDIS_URL are both set: with Redis the shared "
-                "cache is kept by Redis's own persistence (AOF), not by a database file; "
-                f"unset {_db_path_name(self)}"
+                f"{db_path} and KP_REDIS_URL are both set: with Redis the shared cache is kept "
+                f"by Redis's own persistence (AOF), not by a database file; unset {db_path}"
             )
         if self.embedder == "none" and self.cache_db_path is not None:
             raise ValueError(
-                f"{_db_path_name(self)} is set with KP_EMBEDDER=none: without a model there is "
-                "no model identity to keep vectors under, and nothing kept could be trusted at "
-                f"the next start; unset {_db_path_name(self)} or run the model"
+                f"{db_path} is set with KP_EMBEDDER=none: without a model there is no model "
+                "identity to keep vectors under, and nothing kept could be trusted at the next "
+                f"start; unset {db_path} or run the model"
             )
         return self
 
@@ -534,12 +533,6 @@ def _user_directory(variable: str, fallback: str, name: str) -> Path | None:
         except (KeyError, RuntimeError):  # no HOME, a uid without a passwd entry
             return None
     return Path(base) / "kp-scoring" / name
-
-
-def _db_path_name(settings: Settings) -> str:
-    """The variable the database path (set) came from, as the operator wrote it."""
-    former = settings.cache_snapshot_path == settings.cache_db_path
-    return f"{ENV_PREFIX}{'CACHE_SNAPSHOT_PATH' if former else 'CACHE_DB_PATH'}"
 
 
 def config_error(variable: str, problem: str) -> ConfigError:

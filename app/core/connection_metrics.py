@@ -5,17 +5,13 @@ registry collects CONNECTIONS too."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 from prometheus_client import CollectorRegistry, Counter, Gauge
-from prometheus_client.core import Metric
 from prometheus_client.process_collector import ProcessCollector
-from prometheus_client.registry import Collector
 
 
-class ConnectionMetrics(Collector):
+class ConnectionMetrics(CollectorRegistry):
     def __init__(self) -> None:
-        self.registry = r = CollectorRegistry(auto_describe=True)
+        super().__init__(auto_describe=True)
         # The header deadline and size limits are granian's: it closes or answers 431 before
         # the app sees a request, so they are not counted here (docs/operating/slow-clients.md).
         self.closed_by_limit = Counter(
@@ -23,7 +19,7 @@ class ConnectionMetrics(Collector):
             "Requests refused and their connections closed by a bound, by limit: "
             "body_timeout (KP_BODY_TIMEOUT_S), host (HTTP/1.1 without exactly one Host).",
             ["limit"],
-            registry=r,
+            registry=self,
         )
         for limit in ("body_timeout", "host"):
             self.closed_by_limit.labels(limit)
@@ -31,18 +27,15 @@ class ConnectionMetrics(Collector):
             "kp_fd_exhausted",
             "Times the open file descriptors came within 2% of the process's limit "
             "(process_max_fds): new connections are refused while it lasts.",
-            registry=r,
+            registry=self,
         )
         self.descriptors_low = Gauge(
             "kp_fd_low",
             "1 while the open file descriptors are within 2% of the process's limit.",
-            registry=r,
+            registry=self,
         )
         # process_open_fds, process_max_fds, memory and CPU of this process.
-        ProcessCollector(registry=r)
-
-    def collect(self) -> Iterable[Metric]:
-        return self.registry.collect()
+        ProcessCollector(registry=self)
 
 
 #: The one set of connection metrics of this process.

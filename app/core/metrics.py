@@ -86,6 +86,9 @@ class Metrics:
             "Time of one model run (the texts of one or more requests).",
             buckets=_LATENCY_BUCKETS,
         )
+        # The embedding service's observer (app/embedding/types.py, EmbedObserver).
+        self.queue_waited = self.embed_queue_wait.observe
+        self.model_ran = self.embed_run.observe
         self.auth_refused = counter(
             "kp_auth_refused",
             "Requests refused for their API key: missing, unknown_key (401), missing_scope (403), "
@@ -122,12 +125,11 @@ class Metrics:
     def namespace_label(self, namespace: str) -> str:
         """The namespace's label value: its name while the bound leaves room, else
         OTHER_NAMESPACES. A name once labelled keeps its label for the process's life."""
-        if namespace in self._labelled_namespaces:
-            return namespace
-        if len(self._labelled_namespaces) < self._namespace_labels:
+        if namespace not in self._labelled_namespaces:
+            if len(self._labelled_namespaces) >= self._namespace_labels:
+                return OTHER_NAMESPACES
             self._labelled_namespaces.add(namespace)
-            return namespace
-        return OTHER_NAMESPACES
+        return namespace
 
     def child(self, metric: _Labelled, *values: str) -> _Labelled:
         """`metric.labels(*values)`, kept once made: prometheus-client's `labels` checks the
@@ -138,10 +140,3 @@ class Metrics:
         if found is None:
             found = self._children[key] = metric.labels(*values)
         return found
-
-    # The embedding service's observer (app/service/embeddings_types.EmbedObserver).
-    def queue_waited(self, seconds: float) -> None:
-        self.embed_queue_wait.observe(seconds)
-
-    def model_ran(self, seconds: float) -> None:
-        self.embed_run.observe(seconds)

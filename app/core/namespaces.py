@@ -23,10 +23,6 @@ RULE: Final = "must be 1 to 64 characters of letters, digits, '.', '_' and '-'"
 _NAME = re.compile(PATTERN)
 
 
-def is_namespace(value: str) -> bool:
-    return _NAME.fullmatch(value) is not None
-
-
 def resolve(
     given: str | None,
     *,
@@ -40,7 +36,7 @@ def resolve(
     namespace alone: ServiceError 422 (namespace_invalid) or 403 (namespace_forbidden)."""
     if given is None:
         return bound or DEFAULT
-    if not is_namespace(given):
+    if not _NAME.fullmatch(given):
         # Not echoed: the value may hold anything a header can carry.
         rule = f"{named} {RULE}" if named else RULE
         raise ServiceError(422, "namespace_invalid", rule, loc=loc)

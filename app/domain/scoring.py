@@ -120,10 +120,4 @@ def score(
     if len(tools) <= 1 and uses_tools:
         value = max(0.0, value - 0.1)
         fired.append("low_tool_diversity")
-    return Score(
-        value=value,
-        dimensions=dims,
-        weights=w,
-        overrides=tuple(fired),
-        domain_recognised=task_domain in WEIGHT_PROFILES,
-    )
+    return Score(value, dims, w, tuple(fired), domain_recognised=task_domain in WEIGHT_PROFILES)

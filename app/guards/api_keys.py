@@ -62,11 +62,8 @@ class KeyRing:
     def identify(self, presented: str) -> ApiKey | None:
         """The key `presented` is, or None; every entry is compared, each in constant time."""
         digest = key_digest(presented)
-        found = None
-        for stored, key in self._entries:
-            if hmac.compare_digest(digest, stored):
-                found = key
-        return found
+        found = [key for stored, key in self._entries if hmac.compare_digest(digest, stored)]
+        return found[0] if found else None
 
 
 def load_key_file(path: Path) -> list[ApiKey]:

@@ -90,11 +90,8 @@ class InProcessIdempotencyStore:
         self._entries: OrderedDict[str, tuple[float, Claim]] = OrderedDict()
 
     def _live(self, key: str) -> Claim | None:
-        entry = self._entries.get(key)
-        if entry is None:
-            return None
-        expires, claim = entry
-        if expires <= time.monotonic():
+        expires, claim = self._entries.get(key, (0.0, None))
+        if claim is not None and expires <= time.monotonic():
             del self._entries[key]
             return None
         return claim

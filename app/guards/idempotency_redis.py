@@ -42,7 +42,7 @@ class RedisIdempotencyStore:
                     return Claim("claimed", fingerprint)
                 raw = await self._client.get(name)
                 if raw is not None:
-                    return _parse(raw if isinstance(raw, bytes) else raw.encode())
+                    return _parse(raw)
                 # Expired between the two commands: claim again.
         except (RedisError, OSError) as exc:
             raise IdempotencyUnavailableError(f"{type(exc).__name__}: {exc}") from exc
@@ -76,7 +76,7 @@ class RedisIdempotencyStore:
             raise IdempotencyUnavailableError(f"{type(exc).__name__}: {exc}") from exc
 
 
-def _parse(raw: bytes) -> Claim:
+def _parse(raw: bytes | str) -> Claim:
     data = orjson.loads(raw)
     if data["state"] != "done":
         return Claim("pending", data["fp"])

@@ -71,23 +71,12 @@ class GateOptions:
     reject_threshold: float
 
 
-LeakType = Literal[
-    # The SDK's cleanPii types (its placeholder is [REDACTED:<type>]).
-    "connection_string",
-    "bearer_token",
-    "api_key",
-    "password",
-    "email",
-    "phone",
-    "ip",
-    "filepath",
-    # The detectors' others.
-    "private_key",
-    "jwt",
-    "card_number",
-    "ssn",
-    "high_entropy_string",
+#: The SDK's cleanPii types (its placeholder is [REDACTED:<type>]).
+SdkLeakType = Literal[
+    "connection_string", "bearer_token", "api_key", "password", "email", "phone", "ip", "filepath"
 ]
+#: Those and the detectors' others.
+LeakType = Literal[SdkLeakType, "private_key", "jwt", "card_number", "ssn", "high_entropy_string"]
 
 
 class FindingOut(BaseModel):

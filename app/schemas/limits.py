@@ -32,10 +32,8 @@ def json_problem(body: bytes, max_depth: int) -> tuple[str, str] | None:
         brackets = np.frombuffer(outside_strings.translate(None, _NOT_BRACKETS), dtype=np.uint8)
         steps = np.where((brackets == ord("[")) | (brackets == ord("{")), 1, -1)
         if steps.cumsum().max(initial=0) > max_depth:
-            return (
-                "limit_exceeded",
-                f"JSON nests deeper than {max_depth} levels (KP_MAX_JSON_DEPTH)",
-            )
+            why = f"JSON nests deeper than {max_depth} levels (KP_MAX_JSON_DEPTH)"
+            return "limit_exceeded", why
     if long_number and _LONG_DIGITS.search(outside_strings) is not None:
         return "json_invalid", f"a number has more than {MAX_NUMBER_DIGITS} digits"
     return None
