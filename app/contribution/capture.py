@@ -88,10 +88,6 @@ def pointer_token(key: str) -> str:
     return key.replace("~", "~0").replace("/", "~1")
 
 
-def _js_truthy(value: Any) -> bool:
-    return isinstance(value, dict | list) or bool(value)
-
-
 def _note(findings: list[Finding], path: str, cleaned: Cleaned) -> None:
     findings.extend(Finding(path, r.type, r.count) for r in cleaned.redactions)
 
@@ -132,7 +128,7 @@ def prepare(
                 _note(redactions, f"/steps/{i}/{name}", cleaned)
                 captured.add((i, name))
         given = step.get("input")
-        if "input" in step and _js_truthy(given):
+        if isinstance(given, dict | list) or given:  # JavaScript's truthiness
             cleaned = clean_pii(stringify(given), level)
             try:
                 step["input"] = parse(cleaned.text)

@@ -118,9 +118,7 @@ def js_value(value: Any) -> Any:
             return float(value)
         except OverflowError:  # past the largest double: JavaScript reads Infinity
             return math.inf if value > 0 else -math.inf
-    if not math.isfinite(value):
-        return value
-    if value.is_integer() and abs(value) <= _MAX_SAFE:
+    if value.is_integer() and abs(value) <= _MAX_SAFE:  # False for inf and nan
         return int(value)
     return value
 

@@ -3,9 +3,8 @@
 A JavaScript pattern without the `u` flag reads UTF-16 code units; its `\\d`, `\\w` and `\\b`
 are ASCII-only, its `\\s` is Unicode white space plus U+FEFF (but not U+001C-U+001F nor U+0085,
 which Python's `\\s` takes) and its `/i` folds no letter outside ASCII onto an ASCII one (Python
-folds ſ to s and the Kelvin sign to k). `compile_js` compiles with `re.ASCII` (ASCII `\\d`,
-`\\w`, `\\b` and case folding) and spells `\\s` out as JavaScript's set; `to_code_units` and
-`from_code_units` give a text the code units a JavaScript pattern counts.
+folds ſ to s and the Kelvin sign to k): `compile_js` compiles with `re.ASCII` and spells `\\s`
+out as JavaScript's set.
 """
 
 from __future__ import annotations

@@ -317,9 +317,7 @@ def clean_pii(text: str, level: str | None = None) -> Cleaned:
     cleaned = to_code_units(text) if astral else text
     counts: dict[str, int] = {}
     for rule in _RULES:
-        if level == "private" and rule.category == "identifier":
-            continue
-        if not rule.applies(cleaned):
+        if (level == "private" and rule.category == "identifier") or not rule.applies(cleaned):
             continue
         cleaned, n = rule.subn(cleaned)
         if n:

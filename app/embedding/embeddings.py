@@ -117,8 +117,7 @@ class EmbeddingMemo:
 
 class EmbeddingService:
     """The model's lazy load, the warm-up after the first answer (or before readiness), and
-    the scheduler (scheduler.py: the queue and the worker threads) behind one small API:
-    embed, load, preload, close, and the figures /readyz and /metrics read."""
+    the scheduler (scheduler.py: the queue and the worker threads) behind one small API."""
 
     def __init__(
         self,
@@ -155,7 +154,6 @@ class EmbeddingService:
         self.embedder: OnnxEmbedder | None = None
         self.closing = False
         self._load_task: asyncio.Task[None] | None = None
-        #: Started once, after the first answer or by preload.
         self.warm_up_task: asyncio.Task[None] | None = None
 
     @property
@@ -214,9 +212,8 @@ class EmbeddingService:
         return self.warm_up_task
 
     async def _warm_up(self) -> None:
-        """What later runs need, kept out of the first request's way: the one-core session,
-        each session's first run, and a few runs through the queue (so that the first request
-        is not the first to wake a worker)."""
+        """What later runs need, kept out of the first request's way: finish_loading, then
+        WARM_UP_REQUESTS runs through the queue."""
         embedder = self.embedder
         if embedder is None or self.state is not EmbedderState.READY:
             return

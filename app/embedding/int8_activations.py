@@ -1,5 +1,4 @@
-"""The opt-in int8 embedding mode (docs/decisions/int8-mode.md): the packaged model's MatMuls
-run on int8 activations.
+"""The opt-in int8 mode (docs/decisions/int8-mode.md): the model's MatMuls on int8 activations.
 
 The packaged model stores each weight matrix W (K x N) as an INT8 initializer `q` with a float
 per-column scale `s`, rebuilt as `Mul(Cast(q, to=FLOAT), s)` before a float MatMul.
@@ -11,8 +10,7 @@ int8_support.py).
 One scale per tensor is coarse for BERT models: a few input channels reach 5 to 10 times the
 range of the rest (scores moved by up to 0.016). Those listed per MatMul in
 `assets/int8_float_channels.json` (made by `scripts/calibrate_int8.py`) are zeroed before the
-int8 product and multiplied in float32 instead (docs/performance.md). The activation scale
-depends on every row of a run: OnnxEmbedder runs one text per run here.
+int8 product and multiplied in float32 instead.
 """
 
 from __future__ import annotations
@@ -74,12 +72,10 @@ _Weight = tuple["onnx.TensorProto", "onnx.TensorProto"]
 def quantize_activations(
     model: bytes, float_channels: Mapping[str, Sequence[int]], weights: Int8Weights
 ) -> bytes:
-    """The model with each int8-weight MatMul computed by DynamicQuantizeMatMul;
+    """The model with each int8-weight MatMul computed by DynamicQuantizeMatMul (MatMuls of two
+    activations, as attention's, and anything else off the pattern are left as they are);
     `float_channels` maps a MatMul node name to input channels kept in float32, `weights` is
-    the type DynamicQuantizeMatMul gets them in.
-
-    MatMuls between two activations (attention) and anything that does not match the pattern
-    exactly are left as they are."""
+    the type DynamicQuantizeMatMul gets them in."""
     import onnx  # only int8 mode needs it, and it is slow to import
     from onnx import helper
 

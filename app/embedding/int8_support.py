@@ -1,18 +1,11 @@
 """Whether int8 mode can keep its promise on this CPU, and with which weights
-(KP_EMBEDDER_PRECISION; docs/decisions/int8-mode.md).
-
-int8 mode multiplies uint8 activations by the shipped int8 weights in onnxruntime's MLAS
-kernels, which the CPU chooses (onnxruntime/core/mlas/lib/platform.cpp):
-
-- with VNNI (AVX-VNNI, AVX-512 VNNI) or AMX the u8 x s8 kernel sums the products in 32 bits:
-  exact;
-- without them, on AVX2 or AVX-512, it uses `vpmaddubsw`, which adds each pair of products in
-  saturating 16 bits (255 x 127 x 2 = 64,770 is cut to 32,767: scores moved by up to 0.021).
-  Its u8 x u8 kernel widens both operands to 16 bits and sums in 32 bits: exact. The weights
-  are then shifted into uint8 (w + 128, zero point 128: the same products), as onnxruntime's
-  `session.x64quantprecision` does, but only at the EXTENDED level, not this service's BASIC;
-- on any other CPU no int8 path has been checked: int8 mode declines and serves float32.
-
+(KP_EMBEDDER_PRECISION; docs/decisions/int8-mode.md). onnxruntime's MLAS kernels, chosen by
+the CPU (onnxruntime/core/mlas/lib/platform.cpp), sum u8 x s8 products in 32 bits with VNNI
+or AMX: exact. Without them, on AVX2 or AVX-512, `vpmaddubsw` adds pairs of products in
+saturating 16 bits (255 x 127 x 2 is cut to 32,767: scores moved by up to 0.021), while the
+u8 x u8 kernel sums in 32 bits: the weights are then shifted into uint8 (w + 128, zero point
+128: the same products), as `session.x64quantprecision` does, but only at the EXTENDED level,
+not this service's BASIC. Any other CPU is unchecked: int8 mode declines and serves float32.
 The flags are Linux's (/proc/cpuinfo), set from the same CPUID bits MLAS reads.
 """
 

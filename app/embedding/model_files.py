@@ -23,8 +23,7 @@ class ModelFiles:
     tokenizer: Path
     name: str  # shown to operators
     expected_sha256: str | None  # checked before loading when known
-    #: How the file stores its weights, when known (the packaged model's are int8; the
-    #: activations' arithmetic is the embedder's precision: float32, or int8 in int8 mode).
+    #: How the file stores its weights, when known (the arithmetic is the embedder's precision).
     weights: str | None = None
 
 

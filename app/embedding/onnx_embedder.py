@@ -28,7 +28,6 @@ from app.embedding.types import Embedding
 
 #: The model's window (`model_max_length` in tokenizer_config.json).
 MAX_TOKENS: Final = 512
-DIMENSIONS: Final = 384
 _INPUTS: Final = ("input_ids", "attention_mask", "token_type_ids")
 #: 122 tokens: the long end of a typical trace's text.
 WARM_UP_TEXT: Final = " ".join(["warm up"] * 60)
@@ -42,7 +41,7 @@ class ModelError(PartError):
 class OnnxEmbedder:
     """The tokenizer and the onnxruntime session(s), created once and reused."""
 
-    dimensions: Final = DIMENSIONS
+    dimensions: Final = 384
 
     def __init__(
         self,
@@ -92,10 +91,8 @@ class OnnxEmbedder:
             self.finish_loading()
 
     def finish_loading(self) -> None:
-        """Opens the one-core session for runs side by side (docs/decisions/embedding-scheduler.md):
-        one single-threaded session serves them all, concurrent run() calls on it being safe.
-        Then one run on each session at a typical trace's length: a session's first run sets up
-        its buffers, a cost kept out of every request."""
+        """Opens the one-core session that serves every run side by side (concurrent run() calls
+        are safe), then runs each session once: a first run sets up its buffers."""
         if self._model is not None:
             self._one_core_session = self._open(self._model, 1, True, main=False)
             self._model = None
@@ -130,12 +127,10 @@ class OnnxEmbedder:
     def embed_tokenized(
         self, batch: Sequence[Window], *, one_core: bool = False
     ) -> npt.NDArray[np.float32]:
-        """Unit vectors, one row per text, from one model run over the padded batch.
-
-        `one_core` runs it on the single-threaded session (for runs side by side); the vectors
-        are the same either way. In int8 mode each text has a run of its own: the activations'
-        scale covers the whole run, so texts sharing one would move each other's vectors.
-        """
+        """Unit vectors, one row per text, from one model run over the padded batch (`one_core`:
+        on the single-threaded session, with the same vectors). In int8 mode each text has a run
+        of its own: the activations' scale covers the whole run, so texts sharing one would move
+        each other's vectors."""
         if self.precision == "int8" and len(batch) > 1:
             return np.concatenate([self.embed_tokenized([t], one_core=one_core) for t in batch])
         length = 0
@@ -165,8 +160,7 @@ class OnnxEmbedder:
         self, texts: Sequence[str], *, one_core: bool = False, max_group: int = 32
     ) -> list[Embedding]:
         """The texts' embeddings in their order, from runs over texts of similar token length
-        (padding does not change a vector: the attention mask hides it and the pooling ignores
-        it, so grouping only saves the work of padded tokens)."""
+        (docs/decisions/scheduler-length-groups.md): padding costs work, not accuracy."""
         tokenized = self.tokenize(texts)
         found: list[Embedding | None] = [None] * len(texts)
         for group in length_groups(tokenized, max_group):
@@ -228,8 +222,7 @@ def _session_options(intra_op_threads: int, spinning: bool) -> ort.SessionOption
     options.log_severity_level = 3
     if not spinning:
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    # No `session.x64quantprecision` for int8 mode: its weight rewrite runs at the EXTENDED
-    # level only. The weights' type does that work (int8_support.py).
+    # No `session.x64quantprecision` for int8 mode: int8_support.py says why.
     return options
 
 

@@ -1,11 +1,7 @@
-"""The worker threads that run the model, and the choice of each one's next run
-(docs/decisions/embedding-scheduler.md): a request alone gets one run over all cores; under
-load each free worker takes a share of the queue and runs it on one core. A worker takes its
-next run itself, without a round trip through the event loop (busy with HTTP under load, it
-would leave the cores idle between runs). A run that fails is retried one request at a time.
-Admission turns real overload away, and only that: its limits are counts and wall time the
-operator sets, never this machine's speed.
-"""
+"""The worker threads that run the model, and each one's next run: all cores for a request
+alone, one core each under load (docs/decisions/embedding-scheduler.md). A worker takes its
+next run itself: a round trip through the event loop, busy with HTTP under load, would leave
+the cores idle between runs."""
 
 from __future__ import annotations
 

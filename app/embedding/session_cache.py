@@ -1,14 +1,8 @@
-"""onnxruntime's optimised graph of the model, kept on disk (docs/decisions/model-graph-cache.md):
-written once by the session that makes it (`optimized_model_filepath`, initializers in a data
-file beside it), loaded as it is with the optimisations off: the same vectors bit for bit.
-
-An entry is used only for the same model bytes, onnxruntime version, optimisation level and
-CPU (a constant folded by one CPU's kernels may differ in its last bits on another), and only
-when its files are whole by the sizes and CRC-32s recorded when written (CRC: it catches damage
-at under half SHA-256's cost, and whoever could forge a file here could rewrite its record).
-A missing, stale, damaged or refused entry is built and written again; a directory that cannot
-be written leaves the load without a cache, and the outcome says so.
-"""
+"""onnxruntime's optimised graph of the model, kept on disk and loaded as it is with the
+optimisations off (docs/decisions/model-graph-cache.md). Keyed by the CPU too: a constant
+folded by one CPU's kernels may differ in its last bits on another. Checked by CRC-32, not
+SHA-256: it catches damage at under half the cost, and whoever could forge a file here could
+rewrite its record."""
 
 from __future__ import annotations
 
@@ -156,11 +150,8 @@ class SessionCache:
         record: dict[str, Any] = {"format": FORMAT, "key": key, "files": {}}
         for part, name in files.items():
             written = staging / name
-            record["files"][part] = {
-                "name": name,
-                "size": written.stat().st_size,
-                "crc32": _crc32(written),
-            }
+            size = written.stat().st_size
+            record["files"][part] = {"name": name, "size": size, "crc32": _crc32(written)}
             os.replace(written, self.directory / name)
         draft = staging / f"{key}.json"
         draft.write_text(json.dumps(record))

@@ -44,7 +44,6 @@ class OverloadedError(ServiceError):
         super().__init__(
             503, "overloaded", f"overloaded, try again shortly: {detail}", retry_after=1
         )
-        self.detail = detail
         self.reason = reason
 
 
