@@ -207,7 +207,13 @@ class RunScheduler:
         while self._queue:
             job = self._queue[0]
             waited_ms = (now - job.queued_at) * 1000
-            if waited_ms > self.max_wait_ms:
+            stale = waited_ms > self.max_wait_ms
+            if not stale and not job.abandoned():
+                return
+            # Out of the queue before its waiter can wake: its answer sees the queue without it.
+            self._queue.popleft()
+            self._queued_texts -= len(job.texts)
+            if stale:
                 job.settle(
                     OverloadedError(
                         f"waited {waited_ms:.0f} ms for the model "
@@ -215,10 +221,6 @@ class RunScheduler:
                         "waited_too_long",
                     )
                 )
-            elif not job.abandoned():
-                return
-            self._queue.popleft()
-            self._queued_texts -= len(job.texts)
 
     def _run_jobs(self, jobs: list[Job], *, one_core: bool) -> list[tuple[Job, Outcome]]:
         """One model run for all jobs; if it fails, each job alone."""
