@@ -1,7 +1,7 @@
 """Slow and hostile clients against a live server (raw sockets): deadlines for the headers and
 the body, header limits, the Host rule, and descriptors that run out. The header deadline and
 limits are granian's (app/serve.py), the body deadline and the Host rule the app's
-(app/api/asgi/request_bounds.py): docs/operating/slow-clients.md.
+(app/api/edge.py): docs/operating/slow-clients.md.
 
 Bounds are small here (KP_HEADER_TIMEOUT_S=1, KP_BODY_TIMEOUT_S=2) so the tests are quick;
 each wait for the server allows many times the bound (a slow, busy machine): the tests assert
