@@ -35,7 +35,7 @@ from app.contribution.capture import prepare
 from app.contribution.detectors import detect
 from bench import corpus, load
 from bench.corpus import Item
-from bench.machine import machine
+from bench.machine import machine, provenance
 from bench.server import Server
 from bench.stats import latency_summary
 
@@ -194,8 +194,8 @@ def run(typical: int, megabytes: int, seed: int) -> dict[str, Any]:
         }
     linear = {kind: _linear(kind, seed) for kind in corpus.MEGABYTE_KINDS}
     return {
+        "run": provenance(),
         "machine": machine(),
-        "command": f"python -m bench contribution --typical {typical} --megabyte {megabytes}",
         "typical": {
             "n": typical,
             "evaluate": evaluate,

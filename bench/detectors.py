@@ -36,7 +36,7 @@ from app.contribution.capture import prepare
 from app.contribution.detectors import DETECTORS, detect
 from bench import corpus
 from bench.leaks import PLACES, clean_traces, leaks, planted
-from bench.machine import machine
+from bench.machine import machine, provenance
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "detectors.json"
 CAPTURE = (
@@ -249,8 +249,8 @@ def run(megabytes: int, seed: int) -> dict[str, Any]:
     leak_traces = [planted(leak.text, "content", level=leak.level) for leak in leaks()]
     reference = clean_traces()["reference fixtures"]
     return {
+        "run": provenance(),
         "machine": machine(),
-        "command": "python -m bench detectors",
         "planted": found,
         "clean": clean,
         "by_detector": by_detector,
