@@ -92,7 +92,8 @@ def provenance() -> dict[str, Any]:
     file stale once app/ is no longer what was measured): the commit checked out and whether
     app/ or bench/ differed from it, app/'s tree as measured, the command as typed, when, and
     on which CPU."""
-    changed = _git("status", "--porcelain", "--", "app", "bench")
+    # The results a run writes are not the code it measured.
+    changed = _git("status", "--porcelain", "--", "app", "bench", ":!bench/results")
     return {
         "commit": _git("rev-parse", "HEAD"),
         "uncommitted_changes": bool(changed),
