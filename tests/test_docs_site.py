@@ -116,6 +116,7 @@ def test_the_performance_page_prints_where_each_result_comes_from(site: Path) ->
         page: " ".join(_text(site / page).split())
         for page in (
             "performance.html",
+            "contribution.html",
             "operating/persistence.html",
             "operating/large-memory.html",
         )
