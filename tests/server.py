@@ -34,6 +34,21 @@ def free_port() -> int:
         return port
 
 
+def refused_start(env: dict[str, str]) -> str:
+    """Starts a server that must refuse to serve: its one line on stderr, after checking that
+    it exited with status 1 and said nothing more."""
+    started = subprocess.run(
+        [*SERVE, "--port", str(free_port())],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert started.returncode == 1
+    assert started.stderr.strip().count("\n") == 0, started.stderr
+    return started.stderr
+
+
 def entry_point() -> str:
     """The installed `kp-scoring` script of this interpreter's environment."""
     script = Path(sys.executable).parent / "kp-scoring"

@@ -28,7 +28,7 @@ from app.memory.ring import CacheEntries
 from app.memory.sqlite import SqliteStore
 from tests.conftest import ClientFactory
 from tests.factories import make_trace, random_units
-from tests.server import LiveServer
+from tests.server import LiveServer, refused_start
 
 MODEL = "test-model"
 FORMER = Path(__file__).parent / "fixtures" / "former-persistence"
@@ -950,10 +950,6 @@ def test_a_file_removed_while_serving_loses_no_answered_trace_after_kill_9(
 def test_a_second_process_on_the_database_is_refused_naming_the_first(tmp_path: Path) -> None:
     """A real second server on the same KP_CACHE_DB_PATH: refused before it serves, one line
     naming the first's PID; once the first is killed, it starts and finds every trace."""
-    import sys
-
-    from tests.server import free_port
-
     path = tmp_path / "memory.db"
     first = _server(path, tmp_path / "first.log")
     stored: list[str] = []
@@ -962,17 +958,9 @@ def test_a_second_process_on_the_database_is_refused_naming_the_first(tmp_path: 
         assert all(post()["stored"] for _ in range(3))
         env = {k: v for k, v in os.environ.items() if not k.startswith("KP_")}
         env |= {"KP_CACHE_DB_PATH": str(path), "KP_LOG_LEVEL": "warning"}
-        second = subprocess.run(
-            [sys.executable, "-m", "app.serve", "--port", str(free_port())],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert second.returncode == 1
-        assert second.stderr.strip().count("\n") == 0, second.stderr
-        assert "KP_CACHE_DB_PATH" in second.stderr
-        assert f"process {first.process.pid} on host" in second.stderr
+        refusal = refused_start(env)
+        assert "KP_CACHE_DB_PATH" in refusal
+        assert f"process {first.process.pid} on host" in refusal
         assert all(post()["stored"] for _ in range(2))  # the first goes on
     finally:
         first.stop(signal.SIGKILL)  # the kernel lets go of its lock
@@ -988,9 +976,6 @@ def test_a_database_from_a_later_release_stops_the_start_and_is_left_as_it_is(
     tmp_path: Path,
 ) -> None:
     import sqlite3
-    import sys
-
-    from tests.server import free_port
 
     path = tmp_path / "memory.db"
     server = _server(path, tmp_path / "server.log")
@@ -1006,16 +991,7 @@ def test_a_database_from_a_later_release_stops_the_start_and_is_left_as_it_is(
     before = path.read_bytes()
     env = {k: v for k, v in os.environ.items() if not k.startswith("KP_")}
     env |= {"KP_CACHE_DB_PATH": str(path), "KP_LOG_LEVEL": "warning"}
-    started = subprocess.run(
-        [sys.executable, "-m", "app.serve", "--port", str(free_port())],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert started.returncode == 1
-    assert started.stderr.strip().count("\n") == 0, started.stderr
-    assert "has schema 99, newer than this release's 2" in started.stderr
+    assert "has schema 99, newer than this release's 2" in refused_start(env)
     assert path.read_bytes() == before
 
 
