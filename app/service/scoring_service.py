@@ -223,13 +223,7 @@ class ScoringService:
         if key is None:
             return Caller(None, chosen)
         if key.rate_per_minute is not None:  # the first token; a batch's others: _charge_batch
-            try:
-                wait = await self.runtime.rate_limiter.take(key.name, key.rate_per_minute)
-            except RateLimitUnavailableError as exc:
-                # Refusing every agent because Redis is away would be worse.
-                m.rate_limit_unavailable.inc()
-                log.warning("rate limit not checked: Redis unavailable", extra={"reason": str(exc)})
-                wait = 0.0
+            wait = await self._take(key.name, key.rate_per_minute, 1)
             if wait > 0:
                 m.child(m.key_requests, key.name, "rate_limited").inc()
                 seconds = retry_after(wait)
@@ -270,6 +264,17 @@ class ScoringService:
                 self.metrics.child(self.metrics.auth_refused, exc.kind).inc()
             raise
 
+    async def _take(self, name: str, rate: int, cost: int) -> float:
+        """The key's bucket's wait for `cost` tokens; 0 (unchecked, counted and logged) when the
+        shared buckets cannot be reached: refusing every agent because Redis is away would be
+        worse."""
+        try:
+            return await self.runtime.rate_limiter.take(name, rate, cost)
+        except RateLimitUnavailableError as exc:
+            self.metrics.rate_limit_unavailable.inc()
+            log.warning("rate limit not checked: Redis unavailable", extra={"reason": str(exc)})
+            return 0.0
+
     async def _charge_batch(self, key: ApiKey | None, traces: int) -> None:
         """A batch costs one token per trace, as the same traces sent one by one would: the
         first was taken before the body; the others now, before any is scored. A batch refused
@@ -285,11 +290,7 @@ class ScoringService:
             )
             refusal = ServiceError(422, "batch_over_rate", msg, loc=("body", "traces"))
         else:
-            try:
-                wait = await limiter.take(key.name, rate, traces - 1)
-            except RateLimitUnavailableError as exc:
-                log.warning("rate limit not checked: Redis unavailable", extra={"reason": str(exc)})
-                return
+            wait = await self._take(key.name, rate, traces - 1)
             if wait <= 0:
                 return
             seconds = retry_after(wait)
