@@ -285,6 +285,23 @@ def test_the_size_limits_are_the_rest_apis(make_client: ClientFactory) -> None:
     assert rest.json()["detail"][0]["loc"] == ["body", "steps"]
 
 
+def test_a_huge_key_in_a_refusal_is_cut_as_over_rest(make_client: ClientFactory) -> None:
+    """A location repeats a key of the caller's JSON; the tool error cuts it as the REST
+    answer does, rather than echoing a body's worth of it."""
+    client = make_client(embedder="none")
+    trace = make_trace()
+    trace["steps"][0]["input"] = {"k" * 200_000: 1}
+    for tool in ("kp_score_trace", "kp_check_contribution"):
+        result = rpc(client, tool, trace)
+        assert result["isError"] is True
+        text = result["content"][0]["text"]
+        assert text.startswith("invalid arguments, nothing was scored: steps.0.input.kkk")
+        assert len(text) < 1_000
+    rest = client.post("/evaluate", json=trace)
+    assert rest.status_code == 422
+    assert len(rest.json()["detail"][0]["loc"][-1]) <= 256
+
+
 def test_an_overload_is_a_tool_error_saying_to_retry(monkeypatch: pytest.MonkeyPatch) -> None:
     """Past KP_EMBED_QUEUE_LIMIT texts: turned away at once, as by the 503, counted, and
     nothing of it is added."""

@@ -32,11 +32,16 @@ EMPTY_BODY = (
 )
 
 
+def shortened(text: str) -> str:
+    """At most MAX_SHOWN_CHARS characters of `text`: what any answer repeats of a request (a
+    key in a location can be as long as the body)."""
+    return text if len(text) <= MAX_SHOWN_CHARS else text[: MAX_SHOWN_CHARS - 1] + "…"
+
+
 def shown(text: str) -> str:
-    """`text` as an answer may repeat it: at most MAX_SHOWN_CHARS characters, and what UTF-8
-    cannot carry (a lone surrogate) as its backslash escape."""
-    if len(text) > MAX_SHOWN_CHARS:
-        text = text[: MAX_SHOWN_CHARS - 1] + "…"
+    """`text` as a JSON answer may repeat it: shortened, and what UTF-8 cannot carry (a lone
+    surrogate) as its backslash escape."""
+    text = shortened(text)
     if text.isascii():
         return text
     return text.encode("utf-8", "backslashreplace").decode("utf-8")

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.datastructures import Headers
 
 from app.api.edge import caller_of
+from app.api.errors import shortened
 from app.core import namespaces
 from app.core.errors import Problem, ServiceError, invalid, problems_of
 from app.core.version import VERSION
@@ -118,7 +119,7 @@ _TOOLS: Final = [
 
 
 def _field(loc: Sequence[str | int]) -> str:
-    path = [str(part) for part in loc]
+    path = [shortened(str(part)) for part in loc]
     if path[:1] == ["body"]:  # the service names fields as REST body fields
         path = path[1:]
     return ".".join(path) or "(arguments)"
@@ -126,17 +127,20 @@ def _field(loc: Sequence[str | int]) -> str:
 
 def tool_error(error: ServiceError) -> types.CallToolResult:
     """A refusal as a tool error naming its kind (the REST answer's `type`): field paths and
-    messages only, never the input itself, escaped (a path may name a key of the caller's own
-    JSON)."""
+    messages only, never the input itself, cut and escaped as REST's are (a path may name a key
+    of the caller's own JSON)."""
+    message = shortened(error.message)
     if error.status == 422 and error.problems:
-        fields = "; ".join(f"{_field(p.loc)}: {p.msg} ({p.type})" for p in error.problems)
+        fields = "; ".join(
+            f"{_field(p.loc)}: {shortened(p.msg)} ({p.type})" for p in error.problems
+        )
         text = f"invalid arguments, nothing was scored: {fields}"
     elif error.kind.startswith("namespace_"):
-        text = f"namespace refused, nothing was scored: {error.message}"
+        text = f"namespace refused, nothing was scored: {message}"
     elif error.kind == "overloaded":
-        text = f"overloaded, nothing was scored; retry in a second: {error.message}"
+        text = f"overloaded, nothing was scored; retry in a second: {message}"
     else:
-        text = f"nothing was scored: {error.message} ({error.kind})"
+        text = f"nothing was scored: {message} ({error.kind})"
     return types.CallToolResult(content=[types.TextContent(text=visible(text))], is_error=True)
 
 
