@@ -15,9 +15,10 @@ from fastapi.testclient import TestClient
 
 from app.core.config import MEMORY_ONLY, Settings
 from app.embedding import model_files
-from app.embedding.embeddings import Embedding, EmbeddingService
+from app.embedding.embeddings import EmbeddingService
 from app.embedding.int8_support import CpuFeatures
 from app.embedding.onnx_embedder import OnnxEmbedder
+from app.embedding.types import Embedding
 from app.main import create_app
 from tests.keys import standard_keys
 from tests.server import RedisServer, Server, running_server

@@ -16,12 +16,9 @@ from fastapi import FastAPI
 from app.core.config import Settings
 from app.core.states import EmbedderState
 from app.embedding import model_files
-from app.embedding.embeddings import (
-    EmbedderUnavailableError,
-    EmbeddingService,
-    OverloadedError,
-)
+from app.embedding.embeddings import EmbeddingService
 from app.embedding.onnx_embedder import OnnxEmbedder
+from app.embedding.types import EmbedderUnavailableError, OverloadedError
 from app.main import create_app
 from tests.conftest import fail_embedding_on, hold_runs
 from tests.factories import TOPICS, make_trace, step

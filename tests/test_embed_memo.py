@@ -12,7 +12,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from app.core.config import Settings
-from app.embedding.embeddings import Embedding, EmbeddingMemo
+from app.embedding.embeddings import EmbeddingMemo
+from app.embedding.types import Embedding
 from app.main import create_app
 from tests.conftest import ClientFactory
 from tests.factories import make_trace, step

@@ -33,8 +33,7 @@ EMPTY_BODY = (
 
 
 def shortened(text: str) -> str:
-    """At most MAX_SHOWN_CHARS characters of `text`: what any answer repeats of a request (a
-    key in a location can be as long as the body)."""
+    """`text` cut to MAX_SHOWN_CHARS characters: a key in a location can be as long as a body."""
     return text if len(text) <= MAX_SHOWN_CHARS else text[: MAX_SHOWN_CHARS - 1] + "…"
 
 

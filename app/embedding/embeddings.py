@@ -25,14 +25,6 @@ from app.embedding.types import (
     RunnerGoneError,
 )
 
-__all__ = [
-    "EmbedderUnavailableError",
-    "Embedding",
-    "EmbeddingMemo",
-    "EmbeddingService",
-    "OverloadedError",
-]
-
 log = logging.getLogger(__name__)
 
 EmbedderFactory = Callable[[], OnnxEmbedder]

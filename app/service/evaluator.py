@@ -16,7 +16,8 @@ from opentelemetry.trace import Tracer
 
 from app.core.states import NotStoredReason, NoveltyReason
 from app.domain import scoring
-from app.embedding.embeddings import Embedder, EmbedderUnavailableError
+from app.embedding.embeddings import Embedder
+from app.embedding.types import EmbedderUnavailableError
 from app.memory.base import (
     DEFAULT_NAMESPACE,
     MemoryUnavailableError,

@@ -265,9 +265,8 @@ class ScoringService:
             raise
 
     async def _take(self, name: str, rate: int, cost: int) -> float:
-        """The key's bucket's wait for `cost` tokens; 0 (unchecked, counted and logged) when the
-        shared buckets cannot be reached: refusing every agent because Redis is away would be
-        worse."""
+        """The key's wait for `cost` tokens; 0 (unchecked, counted and logged) when Redis is
+        away: refusing every agent then would be worse."""
         try:
             return await self.runtime.rate_limiter.take(name, rate, cost)
         except RateLimitUnavailableError as exc:
